@@ -1,0 +1,20 @@
+"""Fused Triton kernels and their eager torch references. Pure compute: never imports `service`."""
+
+from .runtime import choose_backend, interpreting
+
+# Must run before any module below defines a kernel: Triton fixes "interpreted or compiled" at
+# definition time (see runtime.py).
+choose_backend()
+
+from .activations import ACTIVATIONS, DEFAULT_NEGATIVE_SLOPE  # noqa: E402
+from .elementwise import fused_activation  # noqa: E402
+from .linear import SUPPORTED_DTYPES, fused_linear  # noqa: E402
+
+__all__ = [
+    "ACTIVATIONS",
+    "DEFAULT_NEGATIVE_SLOPE",
+    "SUPPORTED_DTYPES",
+    "fused_activation",
+    "fused_linear",
+    "interpreting",
+]

@@ -1,0 +1,79 @@
+"""The activation table: one Triton device function covering every activation, and its torch twin.
+
+The fused kernels take the activation as a `tl.constexpr` string, so each (kernel, activation)
+pair compiles to straight-line code with no branch at run time. `torch_activation` is the
+reference the tests and the unfused executor use; both sides must list the same names.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# Names accepted everywhere (kernels, reference, model config). "gelu" is the erf form, "gelu_tanh"
+# the tanh approximation (torch's approximate="tanh").
+ACTIVATIONS = ("none", "relu", "leaky_relu", "gelu", "gelu_tanh", "sigmoid", "silu", "tanh")
+DEFAULT_NEGATIVE_SLOPE = 0.01  # torch.nn.LeakyReLU's default
+
+
+def check_activation(name: str) -> None:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; expected one of {', '.join(ACTIVATIONS)}")
+
+
+@triton.jit
+def _tanh(x):
+    # Triton has no tanh that also runs under the interpreter (libdevice does not), so build it from
+    # exp: tanh|x| = (1 - t) / (1 + t), t = exp(-2|x|) <= 1, which never overflows. For |x| < 0.25 that
+    # subtraction loses digits (relative error ~1e-4 at |x| = 1e-3), so use the odd Taylor series
+    # there: its first omitted term, 62x^9/2835, is below 4e-7 relative at |x| = 0.25.
+    a = tl.abs(x)
+    t = tl.exp(-2.0 * a)
+    big = (1.0 - t) / (1.0 + t)
+    x2 = a * a
+    small = a * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    r = tl.where(a < 0.25, small, big)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def apply_activation(x, ACTIVATION: tl.constexpr, negative_slope):
+    """x: an fp32 tile; returns ACTIVATION(x) in fp32. `negative_slope` is used by leaky_relu only."""
+    if ACTIVATION == "relu":
+        x = tl.maximum(x, 0.0)
+    elif ACTIVATION == "leaky_relu":
+        x = tl.where(x >= 0, x, x * negative_slope)
+    elif ACTIVATION == "gelu":
+        x = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))  # 1/sqrt(2)
+    elif ACTIVATION == "gelu_tanh":
+        # 0.5 * (1 + tanh(z)) == sigmoid(2z); the sigmoid form has no 1 + tanh cancellation for x < 0.
+        x = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))  # 2 * sqrt(2/pi)
+    elif ACTIVATION == "sigmoid":
+        x = tl.sigmoid(x)
+    elif ACTIVATION == "silu":
+        x = x * tl.sigmoid(x)
+    elif ACTIVATION == "tanh":
+        x = _tanh(x)
+    return x
+
+
+def torch_activation(x: torch.Tensor, name: str, negative_slope: float = DEFAULT_NEGATIVE_SLOPE) -> torch.Tensor:
+    """The same activation as one eager torch op (one kernel), in x's dtype."""
+    check_activation(name)
+    if name == "none":
+        return x
+    if name == "relu":
+        return torch.relu(x)
+    if name == "leaky_relu":
+        return F.leaky_relu(x, negative_slope)
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "sigmoid":
+        return torch.sigmoid(x)
+    if name == "silu":
+        return F.silu(x)
+    return torch.tanh(x)

@@ -1,0 +1,41 @@
+"""Where the kernels run: compiled for a GPU, or through Triton's interpreter on the CPU.
+
+Triton decides between the two when a kernel is *defined* (`@triton.jit` returns an interpreted
+function if TRITON_INTERPRET is set at that moment), so the choice must be made before any module
+of this package that defines a kernel is imported. `kernels/__init__.py` calls `choose_backend()`
+first thing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Triton reads the variable as a boolean with these spellings (triton.knobs env_bool).
+_TRUE = {"1", "true", "yes", "on", "y"}
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run through the interpreter (numpy on the CPU), not compiled."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
+
+
+def choose_backend() -> None:
+    """Without CUDA, turn the interpreter on so the same kernel code runs (slowly) on the CPU.
+
+    A variable the user set explicitly is left alone.
+    """
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def check_device(t: torch.Tensor, name: str) -> None:
+    """Fail early, by name, when a tensor sits where the kernels cannot run."""
+    if t.device.type == "cpu" and not interpreting():
+        raise ValueError(
+            f"{name} is on the CPU, but Triton kernels here are compiled for CUDA; move it to the GPU, "
+            "or set TRITON_INTERPRET=1 before importing `kernels` to run them through the interpreter"
+        )
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} is on {t.device}; fused kernels run on cuda (or cpu when interpreting)")

@@ -1,0 +1,150 @@
+"""fused_linear against the float64 reference: every dtype and activation, ordinary and awkward shapes.
+
+Without CUDA these run through Triton's interpreter: the same kernel code, so its logic is checked
+here and in CI; the compiled path is checked by the `gpu` tests on the lent GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.linear as linear_mod
+from kernels import ACTIVATIONS, fused_linear, reference
+from tests.tolerances import RTOL, RTOL_TF32, assert_close_to
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (M, N, K): ones, primes, and sizes just past a block edge in each dimension for the 16x32x32 tile.
+AWKWARD = [(1, 1, 1), (1, 10, 64), (5, 3, 7), (17, 33, 33), (37, 53, 71), (67, 130, 257)]
+
+
+def _inputs(M, N, K, dtype, device, bias=True):
+    # Scaled so outputs are O(1) whatever K is: activations then see both signs and their curved parts.
+    x = torch.randn(M, K, device=device).to(dtype)
+    w = (torch.randn(N, K, device=device) / K**0.5).to(dtype)
+    b = torch.randn(N, device=device).to(dtype) if bias else None
+    return x, w, b
+
+
+def _check(M, N, K, dtype, activation, device, bias=True, slope=0.01, allow_tf32=False, rtol=None):
+    x, w, b = _inputs(M, N, K, dtype, device, bias)
+    out = torch.full((M, N), float("nan"), device=device, dtype=dtype)  # NaN left behind = not written
+    got = fused_linear(x, w, b, activation, negative_slope=slope, out=out, allow_tf32=allow_tf32)
+    assert got is out
+    want = reference.linear(
+        x.double(), w.double(), b.double() if b is not None else None, activation, negative_slope=slope
+    )
+    assert_close_to(got, want, rtol or RTOL[dtype], f"{M}x{N}x{K} {dtype} {activation} bias={bias}")
+
+
+@pytest.fixture
+def small_tile(monkeypatch):
+    monkeypatch.setattr(linear_mod, "interpreter_tile", linear_mod.SMALL_INTERPRETER_TILE)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", AWKWARD, ids=lambda s: "x".join(map(str, s)))
+def test_every_dtype_and_activation_on_awkward_shapes(small_tile, shape, dtype, activation):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _check(*shape, dtype, activation, device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 1), (37, 53, 71), (64, 256, 128)], ids=lambda s: "x".join(map(str, s)))
+def test_without_bias(small_tile, shape, dtype):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _check(*shape, dtype, "gelu", device, bias=False)
+
+
+@pytest.mark.parametrize("slope", [0.2, -0.5, 3.0])
+def test_leaky_relu_slope_is_honoured(small_tile, slope):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _check(19, 40, 23, torch.float32, "leaky_relu", device, slope=slope)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "shape", [(1, 256, 64), (32, 256, 256), (256, 10, 256), (300, 257, 129)], ids=lambda s: "x".join(map(str, s))
+)
+def test_serving_tile(shape, dtype):
+    """The tile the service uses (chosen per shape) on the digits model's layer shapes and beyond."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _check(*shape, dtype, "relu", device)
+
+
+def test_empty_batch_returns_empty():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, w, b = _inputs(1, 4, 3, torch.float32, device)
+    y = fused_linear(x[:0], w, b, "relu")
+    assert y.shape == (0, 4)
+
+
+def test_outputs_do_not_depend_on_tile(monkeypatch):
+    """The small and the serving tile agree to rounding: tiling changes nothing but the order of sums."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, w, b = _inputs(45, 70, 150, torch.float32, device)
+    big = fused_linear(x, w, b, "silu")
+    monkeypatch.setattr(linear_mod, "interpreter_tile", linear_mod.SMALL_INTERPRETER_TILE)
+    small = fused_linear(x, w, b, "silu")
+    assert_close_to(small, big.double(), RTOL[torch.float32], "small vs serving tile")
+
+
+BAD_INPUTS = [
+    (lambda x, w, b: (x[0], w, b), "x must be 2-D"),
+    (lambda x, w, b: (x, w[0], b), "weight must be 2-D"),
+    (lambda x, w, b: (x[:, :-1].contiguous(), w, b), "K=6 columns but weight"),
+    (lambda x, w, b: (x, w, b[:-1]), r"bias must have shape \(5,\)"),
+    (lambda x, w, b: (x.double(), w.double(), b.double()), "float64"),
+    (lambda x, w, b: (x, w.half(), b), "weight has dtype torch.float16 but x has torch.float32"),
+    (lambda x, w, b: (x.t().contiguous().t(), w, b), "x must be contiguous"),
+    (lambda x, w, b: (x, w[:0], b[:0]), "N >= 1"),
+]
+
+
+@pytest.mark.parametrize("make,message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
+def test_bad_inputs_are_named(make, message):
+    x, w, b = _inputs(4, 5, 7, torch.float32, "cpu")
+    with pytest.raises((ValueError, TypeError), match=message):
+        fused_linear(*make(x, w, b), "relu")
+
+
+def test_unknown_activation_is_named():
+    x, w, b = _inputs(2, 3, 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="unknown activation 'swish'"):
+        fused_linear(x, w, b, "swish")
+
+
+def test_wrong_out_is_named():
+    x, w, b = _inputs(2, 3, 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"out must be a contiguous \(2, 3\)"):
+        fused_linear(x, w, b, out=torch.empty(3, 2))
+
+
+# ---- compiled path, on the lent GPU ----
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 1, 1), (3, 5, 7), (37, 53, 71), (64, 256, 128), (128, 256, 256), (1000, 1000, 1000), (1, 4096, 4096)],
+    ids=lambda s: "x".join(map(str, s)),
+)
+def test_gpu_every_dtype_and_activation(shape, dtype, activation):
+    _check(*shape, dtype, activation, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(64, 256, 128), (1024, 1024, 1024), (16, 4096, 4096)], ids=str)
+def test_gpu_tf32(shape):
+    """TF32 against float64: each operand rounded to 10 mantissa bits, so a looser bound than fp32."""
+    _check(*shape, torch.float32, "relu", "cuda", allow_tf32=True, rtol=RTOL_TF32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 2, 3, 15, 16, 17, 31, 33, 100, 255, 256, 257, 1000])
+def test_gpu_every_batch_size_bucket(M):
+    """Autotuning is keyed on a power-of-two bucket of M: each M in a bucket must still be right."""
+    _check(M, 256, 64, torch.float16, "relu", "cuda")

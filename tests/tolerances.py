@@ -1,0 +1,32 @@
+"""Error bounds for comparing a fused result with a float64 reference of the same inputs.
+
+The bound per element is rtol * (|ref| + rms(ref)): relative where values are large, and anchored to
+the output's own scale near zero, where a GEMM's rounding error does not shrink with the value.
+The rtol are the rounding of one final store plus fp32 accumulation: fp16 half-ulp is 4.9e-4,
+bf16 3.9e-3; TF32 rounds each operand to 10 mantissa bits (~5e-4 per product).
+"""
+
+from __future__ import annotations
+
+import torch
+
+RTOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+RTOL_TF32 = 3e-3
+# Fused vs unfused in the model's dtype: the unfused path rounds after the matmul, after the bias add
+# and after the activation (three roundings to two for ours), so both sit within a few ulp.
+RTOL_VS_UNFUSED = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def assert_close_to(out: torch.Tensor, ref: torch.Tensor, rtol: float, what: str = "") -> None:
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    out64 = out.detach().double().cpu()
+    ref64 = ref.detach().double().cpu()
+    assert torch.isfinite(out64).all(), f"{what}: output has NaN/Inf (an element not written?)"
+    scale = ref64.pow(2).mean().sqrt() if ref64.numel() else torch.tensor(0.0, dtype=torch.float64)
+    bound = rtol * (ref64.abs() + scale)
+    err = (out64 - ref64).abs()
+    worst = int(torch.argmax(err - bound)) if err.numel() else 0
+    assert (err <= bound).all(), (
+        f"{what}: max error {err.max():.3e} over bound at flat index {worst}: "
+        f"got {out64.flatten()[worst]:.6g}, want {ref64.flatten()[worst]:.6g} (rtol {rtol})"
+    )
