@@ -58,5 +58,7 @@ def fused_activation(
         raise ValueError(f"out must be a contiguous {tuple(x.shape)} {x.dtype} tensor on {x.device}")
     n = x.numel()
     if n:
-        _activation_kernel[(triton.cdiv(n, BLOCK),)](x, out, n, float(negative_slope), ACTIVATION=activation, BLOCK=BLOCK)
+        _activation_kernel[(triton.cdiv(n, BLOCK),)](
+            x, out, n, float(negative_slope), ACTIVATION=activation, BLOCK=BLOCK
+        )
     return out

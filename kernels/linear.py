@@ -87,7 +87,9 @@ def _linear_kernel(
 
 
 def _config(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps, num_stages=stages)
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps, num_stages=stages
+    )
 
 
 def cuda_configs() -> list[triton.Config]:

@@ -13,6 +13,7 @@ import kernels.linear as linear_mod
 from kernels import ACTIVATIONS, fused_linear, reference
 from tests.tolerances import RTOL, RTOL_TF32, assert_close_to
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (M, N, K): ones, primes, and sizes just past a block edge in each dimension for the 16x32x32 tile.
 AWKWARD = [(1, 1, 1), (1, 10, 64), (5, 3, 7), (17, 33, 33), (37, 53, 71), (67, 130, 257)]
@@ -46,21 +47,18 @@ def small_tile(monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", AWKWARD, ids=lambda s: "x".join(map(str, s)))
 def test_every_dtype_and_activation_on_awkward_shapes(small_tile, shape, dtype, activation):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    _check(*shape, dtype, activation, device)
+    _check(*shape, dtype, activation, DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 1, 1), (37, 53, 71), (64, 256, 128)], ids=lambda s: "x".join(map(str, s)))
 def test_without_bias(small_tile, shape, dtype):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    _check(*shape, dtype, "gelu", device, bias=False)
+    _check(*shape, dtype, "gelu", DEVICE, bias=False)
 
 
 @pytest.mark.parametrize("slope", [0.2, -0.5, 3.0])
 def test_leaky_relu_slope_is_honoured(small_tile, slope):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    _check(19, 40, 23, torch.float32, "leaky_relu", device, slope=slope)
+    _check(19, 40, 23, torch.float32, "leaky_relu", DEVICE, slope=slope)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -69,21 +67,18 @@ def test_leaky_relu_slope_is_honoured(small_tile, slope):
 )
 def test_serving_tile(shape, dtype):
     """The tile the service uses (chosen per shape) on the digits model's layer shapes and beyond."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    _check(*shape, dtype, "relu", device)
+    _check(*shape, dtype, "relu", DEVICE)
 
 
 def test_empty_batch_returns_empty():
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    x, w, b = _inputs(1, 4, 3, torch.float32, device)
+    x, w, b = _inputs(1, 4, 3, torch.float32, DEVICE)
     y = fused_linear(x[:0], w, b, "relu")
     assert y.shape == (0, 4)
 
 
 def test_outputs_do_not_depend_on_tile(monkeypatch):
     """The small and the serving tile agree to rounding: tiling changes nothing but the order of sums."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    x, w, b = _inputs(45, 70, 150, torch.float32, device)
+    x, w, b = _inputs(45, 70, 150, torch.float32, DEVICE)
     big = fused_linear(x, w, b, "silu")
     monkeypatch.setattr(linear_mod, "interpreter_tile", linear_mod.SMALL_INTERPRETER_TILE)
     small = fused_linear(x, w, b, "silu")
@@ -104,21 +99,28 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("make,message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
 def test_bad_inputs_are_named(make, message):
-    x, w, b = _inputs(4, 5, 7, torch.float32, "cpu")
+    x, w, b = _inputs(4, 5, 7, torch.float32, DEVICE)
     with pytest.raises((ValueError, TypeError), match=message):
         fused_linear(*make(x, w, b), "relu")
 
 
 def test_unknown_activation_is_named():
-    x, w, b = _inputs(2, 3, 4, torch.float32, "cpu")
+    x, w, b = _inputs(2, 3, 4, torch.float32, DEVICE)
     with pytest.raises(ValueError, match="unknown activation 'swish'"):
         fused_linear(x, w, b, "swish")
 
 
 def test_wrong_out_is_named():
-    x, w, b = _inputs(2, 3, 4, torch.float32, "cpu")
+    x, w, b = _inputs(2, 3, 4, torch.float32, DEVICE)
     with pytest.raises(ValueError, match=r"out must be a contiguous \(2, 3\)"):
-        fused_linear(x, w, b, out=torch.empty(3, 2))
+        fused_linear(x, w, b, out=torch.empty(3, 2, device=DEVICE))
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or linear_mod.interpreting(), reason="needs compiled CUDA kernels")
+def test_cpu_tensor_with_compiled_kernels_is_named():
+    x, w, b = _inputs(2, 3, 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="x is on the CPU, but Triton kernels here are compiled for CUDA"):
+        fused_linear(x, w, b)
 
 
 # ---- compiled path, on the lent GPU ----

@@ -1,0 +1,1 @@
+"""fusedserve's HTTP service: configuration, model loading and planning, batching, metrics, routes."""

@@ -1,0 +1,91 @@
+"""`fusedserve` command line: `serve` (the HTTP service) and `check-model` (validate a model dir).
+
+`serve`'s options are generated from the Settings fields, so --help always lists every setting with
+its FUSEDSERVE_ variable and default; an option given on the command line beats the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import typing
+from pathlib import Path
+
+from .config import ENV_PREFIX, Settings, SettingsError, load_settings
+
+
+def _add_setting_options(parser: argparse.ArgumentParser) -> None:
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = ENV_PREFIX + name.upper()
+        default = field.default
+        help_text = f"{field.description} [env {env}; default {default}]"
+        choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
+        if field.annotation is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            metavar = None if choices else name.upper()
+            parser.add_argument(flag, dest=name, default=None, choices=choices, metavar=metavar, help=help_text)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    overrides = {name: getattr(args, name, None) for name in Settings.model_fields}
+    try:
+        settings = load_settings(**overrides)
+    except SettingsError as e:
+        print(f"fusedserve: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from .main import create_app
+    from .model.spec import ModelFormatError
+
+    try:
+        app = create_app(settings)
+    except (ModelFormatError, RuntimeError) as e:
+        print(f"fusedserve: cannot serve: {e}", file=sys.stderr)
+        return 2
+    # One process owns the GPU: batching needs every request in one queue, so no uvicorn workers.
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    return 0
+
+
+def _check_model(args: argparse.Namespace) -> int:
+    from .model.loader import load_model
+    from .model.planner import kernel_names, plan
+    from .model.spec import ModelFormatError
+
+    try:
+        model = load_model(Path(args.path))
+    except ModelFormatError as e:
+        print(f"invalid model: {e}", file=sys.stderr)
+        return 1
+    kernels = kernel_names(plan(model.ops))
+    print(f"{model.name}: input {model.input_shape} -> {model.output_features} outputs; {len(model.ops)} ops")
+    print(f"fused plan ({len(kernels)} kernels): {', '.join(kernels)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fusedserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP",
+        description="Serve a model: POST /predict, GET /health/live, /health/ready, /model, /metrics. "
+        "Every option can also be set by its FUSEDSERVE_ environment variable or in a .env file.",
+    )
+    _add_setting_options(serve)
+    serve.set_defaults(func=_serve)
+    check = sub.add_parser("check-model", help="validate a model directory and print its fused plan")
+    check.add_argument("path", help="a model directory (config.json + model.safetensors)")
+    check.set_defaults(func=_check_model)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

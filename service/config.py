@@ -1,0 +1,105 @@
+"""All configuration: one pydantic-settings class, read from FUSEDSERVE_* variables and `.env`.
+
+`fusedserve serve --help` lists these same fields (service/cli.py builds its options from them).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "FUSEDSERVE_"
+PACKAGE_MODEL_DIR = Path(__file__).resolve().parents[1] / "model_weights"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_file=".env", extra="ignore")
+
+    mode: Literal["fused", "unfused"] = Field(
+        "fused", description="fused: Triton kernels (GEMM+bias+act in one); unfused: plain torch, one op at a time"
+    )
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="auto picks cuda when present; fused on cpu runs Triton's interpreter (slow)"
+    )
+    model: str = Field("digits-mlp", description="a model name under model_dir, or a path to a model directory")
+    model_dir: Path = Field(Path("model_weights"), description="where model names are looked up")
+    dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        "float32", description="compute dtype; weights are cast at load"
+    )
+    allow_tf32: bool = Field(False, description="let float32 matmuls use TF32 on GPU (both modes alike)")
+    max_batch_size: int = Field(256, ge=1, le=65536, description="most rows merged into one forward")
+    max_delay_ms: float = Field(
+        2.0, ge=0, le=10_000, description="longest wait for more requests after the first one of a batch"
+    )
+    max_rows_per_request: int | None = Field(
+        None, ge=1, description="most rows in one request (default: max_batch_size; never more than it)"
+    )
+    max_queue_requests: int = Field(1024, ge=1, description="requests waiting beyond this are refused at once with 503")
+    request_timeout_ms: float = Field(
+        30_000, gt=0, description="a request still queued after this long is dropped with 504"
+    )
+    kernel_timing_every: int = Field(
+        1, ge=0, description="time kernels on every Nth batch (0: never); CUDA events, no extra sync"
+    )
+    warmup: bool = Field(True, description="compile and autotune kernels for every batch-size bucket before ready")
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 in containers)")
+    port: int = Field(8000, ge=1, le=65535, description="port to listen on")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
+
+    @model_validator(mode="after")
+    def _rows_fit_a_batch(self) -> Settings:
+        if self.max_rows_per_request is None:
+            self.max_rows_per_request = self.max_batch_size
+        elif self.max_rows_per_request > self.max_batch_size:
+            raise ValueError(
+                f"max_rows_per_request ({self.max_rows_per_request}) exceeds max_batch_size "
+                f"({self.max_batch_size}): a request must fit in one batch"
+            )
+        return self
+
+    def model_path(self) -> Path:
+        """The model directory: `model` as a path if it is one, else `model_dir/model`.
+
+        A relative model_dir that does not exist falls back to the one beside the package, so the
+        shipped model is found from any working directory of a source checkout.
+        """
+        given = Path(self.model)
+        if given.is_dir():
+            return given
+        base = self.model_dir
+        if not base.is_absolute() and not base.exists() and PACKAGE_MODEL_DIR.is_dir():
+            base = PACKAGE_MODEL_DIR
+        return base / self.model
+
+
+class SettingsError(ValueError):
+    """A configuration value is wrong; the message names the variable."""
+
+
+def unknown_variables(environ: os._Environ | dict[str, str] | None = None) -> list[str]:
+    """FUSEDSERVE_* variables that match no setting: a typo would otherwise be silently ignored."""
+    environ = os.environ if environ is None else environ
+    known = {ENV_PREFIX + name.upper() for name in Settings.model_fields}
+    return sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
+
+
+def load_settings(**overrides) -> Settings:
+    """Settings from the environment, `.env` and explicit overrides, or a SettingsError naming each bad value."""
+    typos = unknown_variables()
+    if typos:
+        known = ", ".join(ENV_PREFIX + n.upper() for n in Settings.model_fields)
+        raise SettingsError(f"unknown setting(s) {', '.join(typos)}; known: {known}")
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "settings"
+            name = ENV_PREFIX + field.upper() if field in Settings.model_fields else field
+            got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+            lines.append(f"{name}: {err['msg']}{got}")
+        raise SettingsError("invalid configuration:\n  " + "\n  ".join(lines)) from None

@@ -1,0 +1,100 @@
+"""Two executors, one plan: the fused one swaps each step's implementation, never the model.
+
+    fused:   LinearStep -> kernels.fused_linear (1 kernel), ActivationStep -> kernels.fused_activation
+    unfused: LinearStep -> kernels.reference.linear (mm, add, act: 3 kernels), ActivationStep -> torch
+
+Each step can be timed under its plan name: on CUDA with events recorded on the stream around the
+step and read after the batch's own synchronisation (no extra sync); on the CPU with the wall clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+from .loader import Model
+from .planner import ActivationStep, FlattenStep, LinearStep, Step, plan
+
+Mode = Literal["fused", "unfused"]
+
+
+class StepTimer:
+    """Times steps of one forward. `results()` may only be called after the output was synchronised."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        self._events: dict[str, tuple[torch.cuda.Event, torch.cuda.Event]] = {}  # reused across batches
+        self._wall: dict[str, float] = {}
+        self._order: list[str] = []
+
+    def start(self, name: str) -> None:
+        if name not in self._order:
+            self._order.append(name)
+        if self._cuda:
+            pair = self._events.get(name)
+            if pair is None:
+                pair = self._events[name] = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            pair[0].record()
+        else:
+            self._wall[name] = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        if self._cuda:
+            self._events[name][1].record()
+        else:
+            self._wall[name] = time.perf_counter() - self._wall[name]
+
+    def results(self) -> list[tuple[str, float]]:
+        if self._cuda:
+            # The caller already synchronised on the output; the last event is complete, so this waits
+            # for nothing. elapsed_time is in milliseconds.
+            return [(n, self._events[n][0].elapsed_time(self._events[n][1]) / 1e3) for n in self._order]
+        return [(n, self._wall[n]) for n in self._order]
+
+
+class Executor:
+    """Runs the plan of `model` on one device in one dtype, fused or unfused."""
+
+    def __init__(self, model: Model, mode: Mode, device: torch.device, dtype: torch.dtype):
+        self.model = model
+        self.mode = mode
+        self.device = device
+        self.dtype = dtype
+        self.steps: list[Step] = plan(model.ops)
+        # Weights are cast and placed once, contiguous, as the kernels require.
+        self.tensors = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in model.tensors.items()}
+        self._linear, self._activation = _implementations(mode)
+
+    def forward(self, x: torch.Tensor, timer: StepTimer | None = None) -> torch.Tensor:
+        """x: (rows, *input_shape) on the executor's device and dtype -> (rows, output_features)."""
+        for step in self.steps:
+            if isinstance(step, FlattenStep):
+                x = x.reshape(x.shape[0], -1)
+                continue
+            if timer:
+                timer.start(step.name)
+            if isinstance(step, LinearStep):
+                bias = self.tensors[step.bias] if step.bias else None
+                x = self._linear(
+                    x, self.tensors[step.weight], bias, step.activation, negative_slope=step.negative_slope
+                )
+            elif isinstance(step, ActivationStep):
+                x = self._activation(x.contiguous(), step.activation, negative_slope=step.negative_slope)
+            if timer:
+                timer.stop(step.name)
+        return x
+
+
+def _implementations(mode: Mode) -> tuple[Callable, Callable]:
+    # Imported here, not at module top: the service decides interpreter vs compiled (TRITON_INTERPRET)
+    # from its settings before the kernels are first defined.
+    from kernels import fused_activation, fused_linear, reference
+
+    if mode == "fused":
+        return fused_linear, fused_activation
+    if mode == "unfused":
+        return reference.linear, reference.activation
+    raise ValueError(f"unknown mode {mode!r}; expected 'fused' or 'unfused'")

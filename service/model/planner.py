@@ -1,0 +1,71 @@
+"""Turn the op list into fused steps, as TensorRT or torch.compile would.
+
+    linear + activation -> one LinearStep (GEMM + bias + activation in one kernel)
+    linear alone        -> LinearStep with activation "none"
+    other activation    -> ActivationStep (its own elementwise kernel)
+    flatten             -> FlattenStep (a view: no kernel, no copy)
+
+Each step that launches work has a stable name (`linear_0_relu`, `linear_2`, `activation_0_tanh`):
+the `kernel` label in metrics. Both executors run the same plan, so fused and unfused times line
+up kernel by kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .spec import FlattenOp, LinearOp, Op, activation_of
+
+
+@dataclass(frozen=True)
+class LinearStep:
+    name: str
+    weight: str
+    bias: str | None
+    activation: str
+    negative_slope: float
+
+
+@dataclass(frozen=True)
+class ActivationStep:
+    name: str
+    activation: str
+    negative_slope: float
+
+
+@dataclass(frozen=True)
+class FlattenStep:
+    name: str
+
+
+Step = LinearStep | ActivationStep | FlattenStep
+
+
+def plan(ops: list[Op]) -> list[Step]:
+    steps: list[Step] = []
+    n_linear = n_act = n_flat = 0
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        if isinstance(op, LinearOp):
+            act = activation_of(ops[i + 1]) if i + 1 < len(ops) else None
+            name, slope = act or ("none", 0.01)
+            label = f"linear_{n_linear}" + ("" if name == "none" else f"_{name}")
+            steps.append(LinearStep(label, op.weight, op.bias, name, slope))
+            n_linear += 1
+            i += 2 if act else 1
+        elif isinstance(op, FlattenOp):
+            steps.append(FlattenStep(f"flatten_{n_flat}"))
+            n_flat += 1
+            i += 1
+        else:
+            name, slope = activation_of(op)
+            steps.append(ActivationStep(f"activation_{n_act}_{name}", name, slope))
+            n_act += 1
+            i += 1
+    return steps
+
+
+def kernel_names(steps: list[Step]) -> list[str]:
+    """The steps that launch work, by name (flatten is a view)."""
+    return [s.name for s in steps if not isinstance(s, FlattenStep)]

@@ -1,0 +1,95 @@
+"""Runs batches for the batcher: numpy rows in, numpy outputs out, metrics observed on the way.
+
+Called only from the batcher's single worker thread, which owns the device (and its CUDA stream).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from .executors import Executor, Mode, StepTimer
+from .loader import Model
+
+log = logging.getLogger("fusedserve.runner")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda if present, else cpu; 'cuda' without a GPU is an error, not a silent fallback."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("FUSEDSERVE_DEVICE=cuda but torch sees no CUDA device (torch.cuda.is_available() is False)")
+    return torch.device(name)
+
+
+def warmup_sizes(max_batch_size: int, device: torch.device) -> list[int]:
+    """Batch sizes to run before ready. On CUDA every power-of-two bucket up to max_batch_size (the
+    autotuner keys on the bucket) plus the max itself; under the CPU interpreter nothing compiles,
+    so the smallest and largest batches only check the path."""
+    if device.type != "cuda":
+        return sorted({1, max_batch_size})
+    sizes, b = [], 1
+    while b < max_batch_size:
+        sizes.append(b)
+        b *= 2
+    return [*sizes, max_batch_size]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Model,
+        mode: Mode,
+        device: torch.device,
+        dtype: str,
+        *,
+        kernel_timing_every: int = 1,
+        observe_kernel: Callable[[str, float], None] | None = None,
+        observe_forward: Callable[[float], None] | None = None,
+    ):
+        self.model = model
+        self.device = device
+        self.executor = Executor(model, mode, device, DTYPES[dtype])
+        self.kernel_timing_every = kernel_timing_every
+        self._observe_kernel = observe_kernel
+        self._observe_forward = observe_forward
+        self._timer = StepTimer(device)
+        self._batches = 0
+
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        """batch: (rows, *input_shape) float32 -> (rows, output_features) float32."""
+        started = time.perf_counter()
+        self._batches += 1
+        every = self.kernel_timing_every
+        timer = self._timer if (every and self._observe_kernel and self._batches % every == 0) else None
+        x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32))
+        x = x.to(self.device, non_blocking=False).to(self.executor.dtype)
+        y = self.executor.forward(x, timer)
+        # .cpu() synchronises with the stream: the batch's one sync, after which the events are ready.
+        out = y.float().cpu().numpy()
+        if timer:
+            for name, seconds in timer.results():
+                self._observe_kernel(name, seconds)
+        if self._observe_forward:
+            self._observe_forward(time.perf_counter() - started)
+        return out
+
+    def warmup(self, max_batch_size: int) -> list[int]:
+        """Compile and autotune every batch bucket so no request pays for it; returns the sizes run."""
+        sizes = warmup_sizes(max_batch_size, self.device)
+        gen = np.random.default_rng(0)
+        for n in sizes:
+            t = time.perf_counter()
+            x = gen.standard_normal((n, *self.model.input_shape), dtype=np.float32)
+            y = self.executor.forward(torch.from_numpy(x).to(self.device).to(self.executor.dtype))
+            if not torch.isfinite(y).all():
+                raise RuntimeError(f"warm-up forward at batch {n} produced NaN/Inf")
+            log.info("warm-up: batch %d in %.1f ms", n, (time.perf_counter() - t) * 1e3)
+        return sizes

@@ -1,0 +1,69 @@
+"""What one running app holds: settings, the loaded model, its runner, batcher and metrics."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .batching import Batcher
+from .config import Settings
+from .metrics import Metrics
+from .model.loader import Model
+from .model.planner import FlattenStep, LinearStep
+from .model.runner import ModelRunner
+
+# Longest JSON number orjson writes for a float ("-1.2345678901234567e-308," is 25 bytes), rounded up.
+BYTES_PER_VALUE = 32
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    model: Model
+    device: torch.device
+    runner: ModelRunner
+    batcher: Batcher
+    metrics: Metrics
+    status: str = "loading"  # loading -> warming -> ready | failed
+    error: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready"
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.settings.max_rows_per_request * math.prod(self.model.input_shape) * BYTES_PER_VALUE + 4096
+
+    def predictions(self, indices: np.ndarray) -> list:
+        labels = self.model.spec.labels
+        return [labels[i] for i in indices.tolist()] if labels else indices.tolist()
+
+    def describe(self) -> dict:
+        steps = []
+        for s in self.runner.executor.steps:
+            if isinstance(s, LinearStep):
+                w = self.model.tensors[s.weight]
+                steps.append({"kernel": s.name, "op": "linear", "in": w.shape[1], "out": w.shape[0],
+                              "bias": s.bias is not None, "activation": s.activation})  # fmt: skip
+            elif isinstance(s, FlattenStep):
+                steps.append({"kernel": None, "op": "flatten"})
+            else:
+                steps.append({"kernel": s.name, "op": "activation", "activation": s.activation})
+        return {
+            "name": self.model.name,
+            "description": self.model.spec.description,
+            "input_shape": list(self.model.input_shape),
+            "output_features": self.model.output_features,
+            "labels": self.model.spec.labels,
+            "mode": self.settings.mode,
+            "device": str(self.device),
+            "dtype": self.settings.dtype,
+            "max_batch_size": self.settings.max_batch_size,
+            "max_rows_per_request": self.settings.max_rows_per_request,
+            "plan": steps,
+            "status": self.status,
+        }

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Set up fusedserve in ./.venv:  ./setup.sh          (to serve)
+#                                ./setup.sh --test   (also test tools and Debian's prometheus, for the tests)
+#
+# torch comes first and deliberately: with a GPU, PyPI's default (CUDA) build; without one, a CPU
+# build and never the multi-GB CUDA one. The CPU build is `torch==2.13.0+cpu` where pip can find it
+# (this project's dev and CI machines carry it locally); elsewhere set FUSEDSERVE_TORCH_INDEX_URL to
+# PyTorch's CPU wheel index, or install a torch into .venv yourself first: an installed torch is kept.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+with_tests=0
+case "${1:-}" in
+  --test) with_tests=1 ;;
+  "") ;;
+  *) echo "usage: ./setup.sh [--test]" >&2; exit 2 ;;
+esac
+
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
+
+if .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "setup: keeping installed torch $(.venv/bin/python -c 'import torch; print(torch.__version__)')"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "setup: GPU found; installing torch (CUDA build)"
+  "${pip[@]}" install torch
+elif [ -n "${FUSEDSERVE_TORCH_INDEX_URL:-}" ]; then
+  echo "setup: no GPU; installing CPU torch from $FUSEDSERVE_TORCH_INDEX_URL"
+  "${pip[@]}" install --index-url "$FUSEDSERVE_TORCH_INDEX_URL" torch
+elif "${pip[@]}" install "torch==2.13.0+cpu" 2>/dev/null; then
+  echo "setup: no GPU; installed torch 2.13.0+cpu"
+else
+  echo "setup: no GPU, and no CPU build of torch found. Set FUSEDSERVE_TORCH_INDEX_URL to PyTorch's CPU" >&2
+  echo "       wheel index (see pytorch.org, 'Get started'), or pip install a CPU torch into .venv first." >&2
+  exit 1
+fi
+
+if [ "$with_tests" = 1 ]; then
+  "${pip[@]}" install -e ".[test]"
+  if ! command -v prometheus >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      echo "setup: installing Debian's prometheus (the tests start a real one on loopback)"
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    else
+      echo "setup: prometheus not found and cannot apt-get it; the tests that need it will skip" >&2
+    fi
+  fi
+else
+  "${pip[@]}" install -e .
+fi
+echo "setup: done ($(.venv/bin/python -c 'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}, cuda {torch.cuda.is_available()}")'))"

