@@ -8,12 +8,13 @@ choose_backend()
 
 from .activations import ACTIVATIONS, DEFAULT_NEGATIVE_SLOPE  # noqa: E402
 from .elementwise import fused_activation  # noqa: E402
-from .linear import SUPPORTED_DTYPES, fused_linear  # noqa: E402
+from .linear import SUPPORTED_DTYPES, FusedLinear, fused_linear  # noqa: E402
 
 __all__ = [
     "ACTIVATIONS",
     "DEFAULT_NEGATIVE_SLOPE",
     "SUPPORTED_DTYPES",
+    "FusedLinear",
     "fused_activation",
     "fused_linear",
     "interpreting",

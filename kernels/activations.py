@@ -39,6 +39,20 @@ def _tanh(x):
 
 
 @triton.jit
+def round_to_bf16(x):
+    """Round fp32 x to the nearest bf16 value (ties to even), returned as fp32 holding that value.
+
+    Needed only under Triton's interpreter, whose fp32 -> bf16 cast truncates (triton 3.9: cast_impl
+    passes no rounding mode), erring by up to 1 ulp (7.8e-3) toward zero; compiled kernels round to
+    nearest in the cast itself. Adding 0x7FFF plus the lowest kept bit, then clearing the 16 dropped
+    bits, is round-to-nearest-even on the bit pattern; the later cast is then exact. Finite x only.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def apply_activation(x, ACTIVATION: tl.constexpr, negative_slope):
     """x: an fp32 tile; returns ACTIVATION(x) in fp32. `negative_slope` is used by leaky_relu only."""
     if ACTIVATION == "relu":

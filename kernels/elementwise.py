@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation
+from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
 from .linear import SUPPORTED_DTYPES
-from .runtime import check_device
+from .runtime import check_device, interpreting
 
 BLOCK = 1024  # 4 warps x 32 lanes x 8 elements: 16-byte fp16 / 32-byte fp32 accesses per lane
 
@@ -27,12 +27,15 @@ def _activation_kernel(
     negative_slope,
     # meta-parameters
     ACTIVATION: tl.constexpr,
+    ROUND_BF16: tl.constexpr,  # interpreter only: its fp32 -> bf16 cast truncates (activations.round_to_bf16)
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
     y = apply_activation(x, ACTIVATION, negative_slope)
+    if ROUND_BF16:
+        y = round_to_bf16(y)
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -59,6 +62,12 @@ def fused_activation(
     n = x.numel()
     if n:
         _activation_kernel[(triton.cdiv(n, BLOCK),)](
-            x, out, n, float(negative_slope), ACTIVATION=activation, BLOCK=BLOCK
+            x,
+            out,
+            n,
+            float(negative_slope),
+            ACTIVATION=activation,
+            ROUND_BF16=interpreting() and x.dtype == torch.bfloat16,
+            BLOCK=BLOCK,
         )
     return out

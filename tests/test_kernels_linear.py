@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kernels.linear as linear_mod
-from kernels import ACTIVATIONS, fused_linear, reference
+from kernels import ACTIVATIONS, FusedLinear, fused_linear, reference
 from tests.tolerances import RTOL, RTOL_TF32, assert_close_to
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -91,7 +91,8 @@ BAD_INPUTS = [
     (lambda x, w, b: (x[:, :-1].contiguous(), w, b), "K=6 columns but weight"),
     (lambda x, w, b: (x, w, b[:-1]), r"bias must have shape \(5,\)"),
     (lambda x, w, b: (x.double(), w.double(), b.double()), "float64"),
-    (lambda x, w, b: (x, w.half(), b), "weight has dtype torch.float16 but x has torch.float32"),
+    (lambda x, w, b: (x, w.half(), b.half()), "x has dtype torch.float32 but weight has torch.float16"),
+    (lambda x, w, b: (x, w, b.half()), "bias has dtype torch.float16 but weight has torch.float32"),
     (lambda x, w, b: (x.t().contiguous().t(), w, b), "x must be contiguous"),
     (lambda x, w, b: (x, w[:0], b[:0]), "N >= 1"),
 ]
@@ -150,3 +151,24 @@ def test_gpu_tf32(shape):
 def test_gpu_every_batch_size_bucket(M):
     """Autotuning is keyed on a power-of-two bucket of M: each M in a bucket must still be right."""
     _check(M, 256, 64, torch.float16, "relu", "cuda")
+
+
+def test_prepared_layer_matches_function_and_remembers_nothing_wrong(small_tile):
+    """FusedLinear (weights checked once, per-bucket config cache on CUDA) computes what fused_linear does,
+    across batch sizes that share and that do not share a bucket."""
+    x, w, b = _inputs(70, 37, 29, torch.float32, DEVICE)
+    layer = FusedLinear(w, b, "tanh")
+    for m in (1, 3, 4, 33, 70, 5):
+        want = reference.linear(x[:m].double(), w.double(), b.double(), "tanh")
+        assert_close_to(layer(x[:m].contiguous()), want, RTOL[torch.float32], f"FusedLinear M={m}")
+
+
+def test_prepared_layer_checks_x_per_call():
+    x, w, b = _inputs(4, 5, 7, torch.float32, DEVICE)
+    layer = FusedLinear(w, b, "relu")
+    with pytest.raises(ValueError, match="x has K=6 columns"):
+        layer(x[:, :6].contiguous())
+    with pytest.raises(TypeError, match="x has dtype torch.float16 but weight has torch.float32"):
+        layer(x.half())
+    with pytest.raises(ValueError, match="unknown activation 'gelu_fast'"):
+        FusedLinear(w, b, "gelu_fast")
