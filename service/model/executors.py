@@ -1,14 +1,16 @@
 """Two executors, one plan: the fused one swaps each step's implementation, never the model.
 
-    fused:   LinearStep -> kernels.fused_linear (1 kernel), ActivationStep -> kernels.fused_activation
+    fused:   LinearStep -> kernels.FusedLinear (1 kernel), ActivationStep -> kernels.fused_activation
     unfused: LinearStep -> kernels.reference.linear (mm, add, act: 3 kernels), ActivationStep -> torch
 
+Each step is bound once, at load, to its tensors and parameters, so a forward is a loop of calls.
 Each step can be timed under its plan name: on CUDA with events recorded on the stream around the
 step and read after the batch's own synchronisation (no extra sync); on the CPU with the wall clock.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Literal
@@ -19,6 +21,7 @@ from .loader import Model
 from .planner import ActivationStep, FlattenStep, LinearStep, Step, plan
 
 Mode = Literal["fused", "unfused"]
+Layer = Callable[[torch.Tensor], torch.Tensor]
 
 
 class StepTimer:
@@ -55,10 +58,16 @@ class StepTimer:
         return [(n, self._wall[n]) for n in self._order]
 
 
+def _flatten(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape[0], -1)  # a view of a contiguous batch: no copy, no kernel
+
+
 class Executor:
     """Runs the plan of `model` on one device in one dtype, fused or unfused."""
 
     def __init__(self, model: Model, mode: Mode, device: torch.device, dtype: torch.dtype):
+        if mode not in ("fused", "unfused"):
+            raise ValueError(f"unknown mode {mode!r}; expected 'fused' or 'unfused'")
         self.model = model
         self.mode = mode
         self.device = device
@@ -66,35 +75,48 @@ class Executor:
         self.steps: list[Step] = plan(model.ops)
         # Weights are cast and placed once, contiguous, as the kernels require.
         self.tensors = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in model.tensors.items()}
-        self._linear, self._activation = _implementations(mode)
+        # (name to time under, or None for a view; the bound layer)
+        self.layers: list[tuple[str | None, Layer]] = [self._bind(s) for s in self.steps]
+
+    def _bind(self, step: Step) -> tuple[str | None, Layer]:
+        # Imported here, not at module top: the service decides interpreter vs compiled
+        # (TRITON_INTERPRET) from its settings before the kernels are first defined.
+        from kernels import FusedLinear, fused_activation, reference
+
+        if isinstance(step, FlattenStep):
+            return None, _flatten
+        if isinstance(step, LinearStep):
+            w = self.tensors[step.weight]
+            b = self.tensors[step.bias] if step.bias else None
+            if self.mode == "fused":
+                return step.name, FusedLinear(w, b, step.activation, negative_slope=step.negative_slope)
+            return step.name, functools.partial(
+                _reference_linear, weight=w, bias=b, activation=step.activation, negative_slope=step.negative_slope
+            )
+        if isinstance(step, ActivationStep):
+            fn = fused_activation if self.mode == "fused" else reference.activation
+            return step.name, functools.partial(
+                _contiguous_then, fn=fn, activation=step.activation, negative_slope=step.negative_slope
+            )
+        raise TypeError(f"no implementation for step {step!r}")
 
     def forward(self, x: torch.Tensor, timer: StepTimer | None = None) -> torch.Tensor:
         """x: (rows, *input_shape) on the executor's device and dtype -> (rows, output_features)."""
-        for step in self.steps:
-            if isinstance(step, FlattenStep):
-                x = x.reshape(x.shape[0], -1)
-                continue
-            if timer:
-                timer.start(step.name)
-            if isinstance(step, LinearStep):
-                bias = self.tensors[step.bias] if step.bias else None
-                x = self._linear(
-                    x, self.tensors[step.weight], bias, step.activation, negative_slope=step.negative_slope
-                )
-            elif isinstance(step, ActivationStep):
-                x = self._activation(x.contiguous(), step.activation, negative_slope=step.negative_slope)
-            if timer:
-                timer.stop(step.name)
+        for name, layer in self.layers:
+            if timer is None or name is None:
+                x = layer(x)
+            else:
+                timer.start(name)
+                x = layer(x)
+                timer.stop(name)
         return x
 
 
-def _implementations(mode: Mode) -> tuple[Callable, Callable]:
-    # Imported here, not at module top: the service decides interpreter vs compiled (TRITON_INTERPRET)
-    # from its settings before the kernels are first defined.
-    from kernels import fused_activation, fused_linear, reference
+def _reference_linear(x, *, weight, bias, activation, negative_slope):
+    from kernels import reference
 
-    if mode == "fused":
-        return fused_linear, fused_activation
-    if mode == "unfused":
-        return reference.linear, reference.activation
-    raise ValueError(f"unknown mode {mode!r}; expected 'fused' or 'unfused'")
+    return reference.linear(x, weight, bias, activation, negative_slope=negative_slope)
+
+
+def _contiguous_then(x, *, fn, activation, negative_slope):
+    return fn(x.contiguous(), activation, negative_slope=negative_slope)
