@@ -6,18 +6,22 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
+from dotenv import dotenv_values
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "FUSEDSERVE_"
 PACKAGE_MODEL_DIR = Path(__file__).resolve().parents[1] / "model_weights"
+DEFAULT_MODEL_DIR = Path("model_weights")
+ENV_FILE = ".env"
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_file=".env", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_file=ENV_FILE, extra="ignore")
 
     mode: Literal["fused", "unfused"] = Field(
         "fused", description="fused: Triton kernels (GEMM+bias+act in one); unfused: plain torch, one op at a time"
@@ -26,7 +30,7 @@ class Settings(BaseSettings):
         "auto", description="auto picks cuda when present; fused on cpu runs Triton's interpreter (slow)"
     )
     model: str = Field("digits-mlp", description="a model name under model_dir, or a path to a model directory")
-    model_dir: Path = Field(Path("model_weights"), description="where model names are looked up")
+    model_dir: Path = Field(DEFAULT_MODEL_DIR, description="where model names are looked up")
     dtype: Literal["float32", "float16", "bfloat16"] = Field(
         "float32", description="compute dtype; weights are cast at load"
     )
@@ -56,7 +60,7 @@ class Settings(BaseSettings):
             self.max_rows_per_request = self.max_batch_size
         elif self.max_rows_per_request > self.max_batch_size:
             raise ValueError(
-                f"max_rows_per_request ({self.max_rows_per_request}) exceeds max_batch_size "
+                f"{ENV_PREFIX}MAX_ROWS_PER_REQUEST ({self.max_rows_per_request}) exceeds {ENV_PREFIX}MAX_BATCH_SIZE "
                 f"({self.max_batch_size}): a request must fit in one batch"
             )
         return self
@@ -64,14 +68,15 @@ class Settings(BaseSettings):
     def model_path(self) -> Path:
         """The model directory: `model` as a path if it is one, else `model_dir/model`.
 
-        A relative model_dir that does not exist falls back to the one beside the package, so the
-        shipped model is found from any working directory of a source checkout.
+        The default model_dir, if the working directory has none, falls back to the one beside the
+        package, so the shipped model is found from any working directory of a source checkout; a
+        model_dir that was set is taken as given, so a typo in it is reported, not papered over.
         """
         given = Path(self.model)
         if given.is_dir():
             return given
         base = self.model_dir
-        if not base.is_absolute() and not base.exists() and PACKAGE_MODEL_DIR.is_dir():
+        if base == DEFAULT_MODEL_DIR and not base.exists() and PACKAGE_MODEL_DIR.is_dir():
             base = PACKAGE_MODEL_DIR
         return base / self.model
 
@@ -80,11 +85,14 @@ class SettingsError(ValueError):
     """A configuration value is wrong; the message names the variable."""
 
 
-def unknown_variables(environ: os._Environ | dict[str, str] | None = None) -> list[str]:
-    """FUSEDSERVE_* variables that match no setting: a typo would otherwise be silently ignored."""
-    environ = os.environ if environ is None else environ
+def unknown_variables(environ: Mapping[str, str] | None = None, env_file: str | Path | None = ENV_FILE) -> list[str]:
+    """FUSEDSERVE_* names, in the environment or the .env file, that match no setting: a typo
+    would otherwise be silently ignored."""
+    names = set(os.environ if environ is None else environ)
+    if env_file is not None and Path(env_file).is_file():
+        names |= {k for k in dotenv_values(env_file) if k}
     known = {ENV_PREFIX + name.upper() for name in Settings.model_fields}
-    return sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
+    return sorted(k for k in names if k.upper().startswith(ENV_PREFIX) and k.upper() not in known)
 
 
 def load_settings(**overrides) -> Settings:

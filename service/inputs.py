@@ -30,13 +30,16 @@ def parse_rows(body: bytes, input_shape: tuple[int, ...], max_rows: int) -> np.n
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        if any(tok in body for tok in (b"NaN", b"Infinity")) or "infinity" in str(e):
+        # orjson stops at the offending token: NaN/Infinity literals, or a number beyond float64
+        # ("number is infinity when parsed as double"), are bad values, not bad JSON.
+        at = body[e.pos : e.pos + 9] if isinstance(getattr(e, "pos", None), int) else b""
+        if at.startswith((b"NaN", b"Infinity", b"-Infinity")) or "infinity" in str(e):
             raise InputError(
                 422, f"inputs hold NaN, Infinity or a number out of range; every value must be finite ({e})"
             ) from None
         raise InputError(400, f"body is not valid JSON: {e}") from None
     if not isinstance(doc, dict):
-        raise InputError(422, f'body must be a JSON object {{"inputs": [[...], ...]}}; got {type(doc).__name__}')
+        raise InputError(422, f'body must be a JSON object {{"inputs": [[...], ...]}}; got {_json_type(doc)}')
     unknown = sorted(set(doc) - {"inputs"})
     if unknown:
         raise InputError(422, f"unknown field(s) {', '.join(map(repr, unknown))}; the body takes only 'inputs'")
@@ -44,7 +47,7 @@ def parse_rows(body: bytes, input_shape: tuple[int, ...], max_rows: int) -> np.n
         raise InputError(422, "missing field 'inputs': a list of rows, each a list of numbers")
     rows = doc["inputs"]
     if not isinstance(rows, list):
-        raise InputError(422, f"inputs must be a list of rows; got {type(rows).__name__}")
+        raise InputError(422, f"inputs must be a list of rows; got {_json_type(rows)}")
     if not rows:
         raise InputError(422, "inputs is empty; send at least one row")
     if len(rows) > max_rows:
@@ -111,5 +114,18 @@ def _kind(v: object) -> str:
     if isinstance(v, str):
         return f"{v[:20]!r} (a string)"
     if isinstance(v, (list, dict)):
-        return f"a {'list' if isinstance(v, list) else 'object'}"
+        return "a list" if isinstance(v, list) else "an object"
     return repr(v)
+
+
+def _json_type(v: object) -> str:
+    """The JSON name of a parsed value's type, for messages (not Python's: NoneType, dict)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    return "a list" if isinstance(v, list) else "an object"

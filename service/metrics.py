@@ -45,7 +45,8 @@ class Metrics:
             lm, buckets=SECONDS_BUCKETS, registry=r,
         )  # fmt: skip
         self.request_seconds = Histogram(
-            "fusedserve_request_seconds", "Time from request body received to response ready, in the server",
+            "fusedserve_request_seconds",
+            "Time from the request reaching the handler (body not yet read) to response ready, in the server",
             lm, buckets=SECONDS_BUCKETS, registry=r,
         )  # fmt: skip
         self.queue_wait_seconds = Histogram(
