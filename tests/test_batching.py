@@ -117,8 +117,13 @@ def run_with(
     obs = Recorder()
 
     async def main() -> None:
-        b = Batcher(fwd, max_batch_size=max_batch_size, max_delay_s=max_delay_s,
-                    max_queue_requests=max_queue_requests, observer=obs)
+        b = Batcher(
+            fwd,
+            max_batch_size=max_batch_size,
+            max_delay_s=max_delay_s,
+            max_queue_requests=max_queue_requests,
+            observer=obs,
+        )
         await b.start()
         try:
             await body(b, fwd, obs)
@@ -131,6 +136,7 @@ def run_with(
 
 
 # 1 ---------------------------------------------------------------------------------------------
+
 
 def test_concurrent_requests_are_merged_into_batches() -> None:
     rng = random.Random(1)
@@ -148,6 +154,7 @@ def test_concurrent_requests_are_merged_into_batches() -> None:
 
 
 # 2 ---------------------------------------------------------------------------------------------
+
 
 def rowwise(x: np.ndarray) -> np.ndarray:
     """Row-wise, and different for every row we send, so any swap/shift of rows is detected."""
@@ -174,6 +181,7 @@ def test_each_caller_gets_exactly_its_own_rows_in_order() -> None:
 
 
 # 3 ---------------------------------------------------------------------------------------------
+
 
 def test_batches_hold_whole_requests_in_fifo_order_up_to_max_batch_size() -> None:
     sizes = [3, 3, 2, 4, 1]
@@ -249,6 +257,7 @@ def test_request_larger_than_max_batch_size_is_rejected() -> None:
 
 # 4 ---------------------------------------------------------------------------------------------
 
+
 def fail_on_marker(x: np.ndarray) -> np.ndarray:
     if (x == MARKER).any():
         raise RuntimeError("bad marker row")
@@ -282,6 +291,7 @@ def test_forward_failure_fails_only_that_batch() -> None:
 
 # 5 ---------------------------------------------------------------------------------------------
 
+
 def test_full_queue_raises_overloaded_immediately() -> None:
     async def body(b: Batcher, fwd: Forward, obs: Recorder) -> None:
         gate = asyncio.ensure_future(b.submit(rows(4, BLOCK)))
@@ -304,6 +314,7 @@ def test_full_queue_raises_overloaded_immediately() -> None:
 
 
 # 6 ---------------------------------------------------------------------------------------------
+
 
 def test_expired_deadline_is_dropped_before_the_forward() -> None:
     async def body(b: Batcher, fwd: Forward, obs: Recorder) -> None:
@@ -350,6 +361,7 @@ def test_deadline_expiring_while_the_batch_is_formed() -> None:
 
 
 # 7 ---------------------------------------------------------------------------------------------
+
 
 def test_cancelled_waiting_request_never_reaches_the_forward() -> None:
     async def body(b: Batcher, fwd: Forward, obs: Recorder) -> None:
@@ -407,6 +419,7 @@ def test_cancelling_a_running_request_does_not_affect_its_batch_mates() -> None:
 
 # 8 ---------------------------------------------------------------------------------------------
 
+
 def test_forward_runs_on_one_worker_thread_and_the_loop_stays_responsive() -> None:
     ticks = 0
     ticked = threading.Event()
@@ -448,6 +461,7 @@ def test_forward_runs_on_one_worker_thread_and_the_loop_stays_responsive() -> No
 
 # 9 ---------------------------------------------------------------------------------------------
 
+
 def test_stop_fails_queued_requests_and_finishes_the_batch_in_flight() -> None:
     async def body(b: Batcher, fwd: Forward, obs: Recorder) -> None:
         running = asyncio.ensure_future(b.submit(rows(4, BLOCK)))
@@ -487,6 +501,7 @@ def test_stop_fails_the_batch_being_formed() -> None:
 
 # 10 --------------------------------------------------------------------------------------------
 
+
 def test_observer_sees_sane_values() -> None:
     sizes = [1 + i % 3 for i in range(40)]
 
@@ -523,6 +538,7 @@ def test_a_raising_observer_breaks_nothing() -> None:
 
 
 # 11 --------------------------------------------------------------------------------------------
+
 
 def test_wrong_output_row_count_fails_only_that_batch() -> None:
     def drop_a_row(x: np.ndarray) -> np.ndarray:

@@ -1,0 +1,287 @@
+"""Settings (service.config) and the `fusedserve` command line (service.cli).
+
+Every test runs in an empty temporary directory with no FUSEDSERVE_* variable set, so neither the
+developer's environment nor a `.env` file in the checkout can change what it sees. No test starts a
+server: uvicorn.run is replaced by a function that fails the test if it is ever reached.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import service.main
+from service.cli import main
+from service.config import ENV_PREFIX, PACKAGE_MODEL_DIR, Settings, SettingsError, load_settings, unknown_variables
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[1]
+FIELDS = list(Settings.model_fields)
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch, tmp_path):
+    for key in list(os.environ):
+        if key.startswith(ENV_PREFIX):
+            monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture
+def no_server(monkeypatch):
+    import uvicorn
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("uvicorn.run was called: the command should have stopped before serving")
+
+    monkeypatch.setattr(uvicorn, "run", refuse)
+
+
+# ---- Settings ----
+
+
+def test_defaults():
+    s = load_settings()
+    assert s.mode == "fused"
+    assert s.device == "auto"
+    assert s.model == "digits-mlp"
+    assert s.model_dir == Path("model_weights")
+    assert s.dtype == "float32"
+    assert s.allow_tf32 is False
+    assert s.max_batch_size == 256
+    assert s.max_delay_ms == 2.0
+    assert s.max_rows_per_request == 256  # defaults to max_batch_size
+    assert s.max_queue_requests == 1024
+    assert s.request_timeout_ms == 30_000
+    assert s.kernel_timing_every == 1
+    assert s.warmup is True
+    assert s.host == "127.0.0.1"
+    assert s.port == 8000
+    assert s.log_level == "info"
+    assert set(FIELDS) == {
+        "mode", "device", "model", "model_dir", "dtype", "allow_tf32", "max_batch_size", "max_delay_ms",
+        "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "kernel_timing_every", "warmup",
+        "host", "port", "log_level",
+    }  # fmt: skip
+
+
+ENV_VALUES = [
+    ("MODE", "unfused", "mode", "unfused"),
+    ("DEVICE", "cpu", "device", "cpu"),
+    ("DTYPE", "bfloat16", "dtype", "bfloat16"),
+    ("ALLOW_TF32", "true", "allow_tf32", True),
+    ("WARMUP", "0", "warmup", False),
+    ("MAX_BATCH_SIZE", "37", "max_batch_size", 37),
+    ("MAX_DELAY_MS", "0.5", "max_delay_ms", 0.5),
+    ("MAX_QUEUE_REQUESTS", "13", "max_queue_requests", 13),
+    ("REQUEST_TIMEOUT_MS", "250", "request_timeout_ms", 250.0),
+    ("KERNEL_TIMING_EVERY", "0", "kernel_timing_every", 0),
+    ("HOST", "0.0.0.0", "host", "0.0.0.0"),
+    ("PORT", "9137", "port", 9137),
+    ("LOG_LEVEL", "debug", "log_level", "debug"),
+    ("MODEL", "other-model", "model", "other-model"),
+    ("MODEL_DIR", "/srv/models", "model_dir", Path("/srv/models")),
+]
+
+
+@pytest.mark.parametrize("var,raw,field,value", ENV_VALUES, ids=[v[0] for v in ENV_VALUES])
+def test_environment_is_read(monkeypatch, var, raw, field, value):
+    monkeypatch.setenv(ENV_PREFIX + var, raw)
+    assert getattr(load_settings(), field) == value
+
+
+def test_dotenv_is_read_and_environment_wins(monkeypatch, tmp_path):
+    (tmp_path / ".env").write_text("FUSEDSERVE_MODE=unfused\nFUSEDSERVE_MAX_BATCH_SIZE=64\nFUSEDSERVE_PORT=9001\n")
+    s = load_settings()
+    assert (s.mode, s.max_batch_size, s.port, s.max_rows_per_request) == ("unfused", 64, 9001, 64)
+    monkeypatch.setenv("FUSEDSERVE_PORT", "9002")
+    assert load_settings().port == 9002
+
+
+def test_explicit_override_wins(monkeypatch):
+    monkeypatch.setenv("FUSEDSERVE_MODE", "unfused")
+    monkeypatch.setenv("FUSEDSERVE_MAX_BATCH_SIZE", "8")
+    s = load_settings(mode="fused", max_batch_size=None)  # None means "not given": the environment stays
+    assert s.mode == "fused" and s.max_batch_size == 8
+
+
+INVALID = [
+    ("FUSEDSERVE_MODE", "fast", r"FUSEDSERVE_MODE: Input should be 'fused' or 'unfused' \(got 'fast'\)"),
+    ("FUSEDSERVE_MAX_BATCH_SIZE", "0", r"FUSEDSERVE_MAX_BATCH_SIZE: Input should be greater than or equal to 1"),
+    ("FUSEDSERVE_MAX_BATCH_SIZE", "65537", r"FUSEDSERVE_MAX_BATCH_SIZE: Input should be less than or equal to 65536"),
+    ("FUSEDSERVE_PORT", "abc", r"FUSEDSERVE_PORT: Input should be a valid integer.*\(got 'abc'\)"),
+    ("FUSEDSERVE_PORT", "70000", r"FUSEDSERVE_PORT: Input should be less than or equal to 65535"),
+    ("FUSEDSERVE_MAX_DELAY_MS", "-1", r"FUSEDSERVE_MAX_DELAY_MS: Input should be greater than or equal to 0"),
+    ("FUSEDSERVE_REQUEST_TIMEOUT_MS", "0", r"FUSEDSERVE_REQUEST_TIMEOUT_MS: Input should be greater than 0"),
+    ("FUSEDSERVE_WARMUP", "maybe", r"FUSEDSERVE_WARMUP: Input should be a valid boolean"),
+    ("FUSEDSERVE_DTYPE", "float64", r"FUSEDSERVE_DTYPE: Input should be 'float32', 'float16' or 'bfloat16'"),
+    ("FUSEDSERVE_KERNEL_TIMING_EVERY", "-2", r"FUSEDSERVE_KERNEL_TIMING_EVERY: Input should be greater than or equal"),
+]
+
+
+@pytest.mark.parametrize("var,raw,message", INVALID, ids=[f"{v}={r}" for v, r, _ in INVALID])
+def test_invalid_value_names_the_variable(monkeypatch, var, raw, message):
+    monkeypatch.setenv(var, raw)
+    with pytest.raises(SettingsError, match=message):
+        load_settings()
+
+
+def test_invalid_value_in_dotenv_names_the_variable(tmp_path):
+    (tmp_path / ".env").write_text("FUSEDSERVE_DEVICE=tpu\n")
+    with pytest.raises(SettingsError, match=r"FUSEDSERVE_DEVICE: Input should be 'auto', 'cuda' or 'cpu'"):
+        load_settings()
+
+
+def test_every_invalid_value_is_listed(monkeypatch):
+    monkeypatch.setenv("FUSEDSERVE_MODE", "fast")
+    monkeypatch.setenv("FUSEDSERVE_PORT", "abc")
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert "FUSEDSERVE_MODE" in str(info.value) and "FUSEDSERVE_PORT" in str(info.value)
+
+
+@pytest.mark.parametrize("typo", ["FUSEDSERVE_MAX_BATCHSIZE", "FUSEDSERVE_MDOE", "FUSEDSERVE_"])
+def test_unknown_variable_is_rejected(monkeypatch, typo):
+    monkeypatch.setenv(typo, "8")
+    with pytest.raises(SettingsError, match=rf"unknown setting\(s\) {typo}; known: FUSEDSERVE_MODE, "):
+        load_settings()
+    assert unknown_variables() == [typo]
+    assert unknown_variables({"FUSEDSERVE_PORT": "1", "OTHER_MAX": "2"}) == []
+
+
+def test_max_rows_per_request(monkeypatch):
+    monkeypatch.setenv("FUSEDSERVE_MAX_BATCH_SIZE", "40")
+    assert load_settings().max_rows_per_request == 40
+    assert load_settings(max_rows_per_request=40).max_rows_per_request == 40
+    assert load_settings(max_rows_per_request=7).max_rows_per_request == 7
+    with pytest.raises(
+        SettingsError, match=r"FUSEDSERVE_MAX_ROWS_PER_REQUEST \(41\) exceeds FUSEDSERVE_MAX_BATCH_SIZE \(40\)"
+    ):
+        load_settings(max_rows_per_request=41)
+    monkeypatch.setenv("FUSEDSERVE_MAX_ROWS_PER_REQUEST", "0")
+    with pytest.raises(SettingsError, match=r"FUSEDSERVE_MAX_ROWS_PER_REQUEST: Input should be greater than or"):
+        load_settings()
+
+
+def test_model_path_resolves_a_name():
+    # The cwd (tmp_path) has no model_weights/: the directory beside the package is used.
+    assert Settings().model_path() == PACKAGE_MODEL_DIR / "digits-mlp"
+    assert (Settings().model_path() / "config.json").is_file()
+
+
+def test_model_path_uses_an_existing_model_dir(tmp_path):
+    (tmp_path / "model_weights" / "mine").mkdir(parents=True)
+    assert Settings(model="mine").model_path() == Path("model_weights") / "mine"
+    assert Settings(model="x", model_dir=tmp_path / "elsewhere").model_path() == tmp_path / "elsewhere" / "x"
+
+
+def test_model_path_resolves_a_path(tmp_path):
+    d = tmp_path / "some" / "model"
+    d.mkdir(parents=True)
+    assert Settings(model=str(d)).model_path() == d
+    assert Settings(model="some/model", model_dir=tmp_path / "unused").model_path() == Path("some/model")
+
+
+# ---- the command line ----
+
+
+def _help_lists_everything(text: str) -> None:
+    for name in FIELDS:
+        assert re.search(rf"--{name.replace('_', '-')}\b", text), f"--{name.replace('_', '-')} missing from --help"
+        assert ENV_PREFIX + name.upper() in text, f"{ENV_PREFIX + name.upper()} missing from --help"
+    assert "--warmup" in text and "--no-warmup" in text
+    assert "{fused,unfused}" in text and "{float32,float16,bfloat16}" in text
+
+
+def test_serve_help_lists_every_setting(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--help"])
+    assert info.value.code == 0
+    _help_lists_everything(capsys.readouterr().out)
+
+
+def test_serve_help_as_a_process():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)} | {"COLUMNS": "100"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve", "--help"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    _help_lists_everything(proc.stdout)
+
+
+def test_serve_invalid_choice_exits_2(no_server, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--mode", "fast"])
+    assert info.value.code == 2
+    assert re.search(r"--mode: invalid choice: '?fast'?", capsys.readouterr().err)
+
+
+def test_serve_invalid_env_exits_2(monkeypatch, no_server, capsys):
+    monkeypatch.setenv("FUSEDSERVE_MAX_DELAY_MS", "-1")
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fusedserve: invalid configuration:")
+    assert "FUSEDSERVE_MAX_DELAY_MS: Input should be greater than or equal to 0 (got '-1')" in err
+
+
+def test_serve_invalid_option_value_names_the_variable(no_server, capsys):
+    assert main(["serve", "--max-batch-size", "0"]) == 2
+    assert "FUSEDSERVE_MAX_BATCH_SIZE: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+def test_serve_unknown_variable_exits_2(monkeypatch, no_server, capsys):
+    monkeypatch.setenv("FUSEDSERVE_MAX_BATCHSIZE", "8")
+    assert main(["serve"]) == 2
+    assert "unknown setting(s) FUSEDSERVE_MAX_BATCHSIZE" in capsys.readouterr().err
+
+
+def test_serve_missing_model_exits_2(tmp_path, no_server, capsys):
+    missing = tmp_path / "nonexistent"
+    assert main(["serve", "--model", str(missing), "--device", "cpu", "--no-warmup"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fusedserve: cannot serve: ") and f"{missing}: no such model directory" in err
+
+
+def test_serve_options_beat_environment(monkeypatch, no_server, capsys):
+    """The parsed Settings as create_app receives them (create_app replaced: it fails after recording)."""
+    seen = []
+
+    def fake_create_app(settings):
+        seen.append(settings)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(service.main, "create_app", fake_create_app)
+    monkeypatch.setenv("FUSEDSERVE_MODE", "unfused")
+    monkeypatch.setenv("FUSEDSERVE_PORT", "9100")
+    monkeypatch.setenv("FUSEDSERVE_WARMUP", "true")
+    argv = ["serve", "--mode", "fused", "--max-batch-size", "8", "--no-warmup", "--allow-tf32", "--log-level", "error"]
+    assert main(argv) == 2
+    assert "cannot serve: stop here" in capsys.readouterr().err
+    (s,) = seen
+    assert (s.mode, s.max_batch_size, s.max_rows_per_request, s.warmup, s.allow_tf32) == ("fused", 8, 8, False, True)
+    assert s.port == 9100 and s.log_level == "error"  # not given on the command line: the environment's
+
+
+def test_unknown_variable_in_dotenv_is_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text("FUSEDSERVE_MAX_BATCHSIZE=3\nOTHER_TOOL_SETTING=1\n")
+    with pytest.raises(SettingsError, match="FUSEDSERVE_MAX_BATCHSIZE"):
+        load_settings()
+
+
+def test_a_model_dir_that_was_set_is_not_replaced(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_settings().model_path().is_dir()  # the default falls back to the packaged models
+    monkeypatch.setenv("FUSEDSERVE_MODEL_DIR", "typo_dir")
+    assert load_settings().model_path() == Path("typo_dir") / "digits-mlp"

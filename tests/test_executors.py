@@ -1,0 +1,304 @@
+"""Fused vs unfused executors and a float64 reference, on the shipped model and on random architectures;
+ModelRunner's numpy interface, metric callbacks and warm-up; the shipped model's held-out accuracy.
+
+The float64 reference is written here from config.json and the safetensors file with plain torch
+ops, without the loader's Model or the planner, so a planning mistake (an activation dropped, fused
+into the wrong layer, a slope lost) shows up as a numeric mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from service.model.executors import Executor, StepTimer
+from service.model.loader import load_model
+from service.model.planner import kernel_names, plan
+from service.model.runner import ModelRunner, warmup_sizes
+from tests.modelgen import random_model_spec, spec_id, write_model
+from tests.tolerances import RTOL, RTOL_VS_UNFUSED, assert_close_to
+
+pytestmark = pytest.mark.timeout(120)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SHIPPED = Path(__file__).resolve().parents[1] / "model_weights" / "digits-mlp"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def reference_forward(model_dir: Path, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The model in float64, op by op, on the same inputs the executors see: x and the weights are
+    first rounded to `dtype` (as the executors cast them), then every op runs exactly in float64."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    tensors = {k: v.to(dtype).double() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    h = x.to(dtype).double().cpu()
+    for op in cfg["ops"]:
+        kind = op["op"]
+        if kind == "linear":
+            h = F.linear(h, tensors[op["weight"]], tensors[op["bias"]] if op.get("bias") else None)
+        elif kind == "flatten":
+            h = h.flatten(1)
+        elif kind == "relu":
+            h = torch.relu(h)
+        elif kind == "leaky_relu":
+            h = F.leaky_relu(h, op.get("negative_slope", 0.01))
+        elif kind == "gelu":
+            h = F.gelu(h, approximate=op.get("approximate", "none"))
+        elif kind == "sigmoid":
+            h = torch.sigmoid(h)
+        elif kind == "silu":
+            h = F.silu(h)
+        elif kind == "tanh":
+            h = torch.tanh(h)
+        else:
+            raise AssertionError(f"reference does not know op {kind!r}")
+    return h
+
+
+def _both(model_dir: Path, x: torch.Tensor, dtype: torch.dtype):
+    model = load_model(model_dir)
+    xs = x.to(DEVICE, dtype)
+    fused = Executor(model, "fused", DEVICE, dtype).forward(xs)
+    unfused = Executor(model, "unfused", DEVICE, dtype).forward(xs)
+    assert fused.dtype == unfused.dtype == dtype
+    assert fused.shape == unfused.shape == (x.shape[0], model.output_features)
+    return model, fused, unfused
+
+
+def _rtol_vs_float64(model, dtype: torch.dtype) -> float:
+    # Each kernel of the fused plan rounds its output to `dtype` once (RTOL[dtype] bounds one such
+    # rounding plus fp32 accumulation). Later layers carry that error forward: with weights of scale
+    # 1/sqrt(K) a layer maps an error vector to one of about the same size relative to its output,
+    # so the roundings of a chain of n kernels add up at most linearly: n * RTOL. No more is allowed.
+    return RTOL[dtype] * len(kernel_names(plan(model.ops)))
+
+
+# ---- the shipped model ----
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch", [1, 7, 33])
+def test_shipped_model_fused_vs_unfused(batch, dtype):
+    x = torch.rand(batch, 64) * 16  # raw pixel scale, 0..16, as the model is served
+    model, fused, unfused = _both(SHIPPED, x, dtype)
+    what = f"digits-mlp batch {batch} {dtype}"
+    assert_close_to(fused, unfused.double(), RTOL_VS_UNFUSED[dtype], f"{what}: fused vs unfused")
+    assert_close_to(fused, reference_forward(SHIPPED, x, dtype), _rtol_vs_float64(model, dtype), f"{what}: vs f64")
+
+
+# ---- random architectures ----
+
+_rng = np.random.default_rng(3)
+RANDOM_SPECS = [random_model_spec(_rng) for _ in range(12)]
+BATCHES = [1, 7, 33, 40]
+
+
+@pytest.mark.parametrize("i", range(len(RANDOM_SPECS)), ids=[spec_id(s) for s in RANDOM_SPECS])
+def test_random_model_float32(tmp_path, i):
+    spec = RANDOM_SPECS[i]
+    d = write_model(tmp_path / "m", **spec)
+    batch = BATCHES[i % len(BATCHES)]
+    x = torch.randn(batch, *(spec["input_shape"] or [spec["widths"][0]]))
+    model, fused, unfused = _both(d, x, torch.float32)
+    what = f"{spec_id(spec)} batch {batch}"
+    assert_close_to(fused, unfused.double(), RTOL_VS_UNFUSED[torch.float32], f"{what}: fused vs unfused")
+    assert_close_to(fused, reference_forward(d, x, torch.float32), _rtol_vs_float64(model, torch.float32), what)
+
+
+# Hand-picked for the half-precision runs: each exercises something different (flatten + a standalone
+# activation, no bias + a width-1 bottleneck, leading activation + wide layers + leaky slope).
+LOW_PRECISION_SPECS = [
+    dict(
+        widths=[30, 37, 13],
+        activations=["relu", [{"op": "gelu", "approximate": "tanh"}, "sigmoid"]],
+        input_shape=[2, 3, 5],
+        extra_ops=[{"op": "flatten"}],
+        seed=1,
+    ),
+    dict(widths=[13, 64, 1, 7], activations=["silu", "tanh", None], bias=[False, True, False], seed=2),
+    dict(
+        widths=[16, 130, 37],
+        activations=[{"op": "leaky_relu", "negative_slope": 0.2}, "gelu"],
+        extra_ops=[{"op": "tanh"}],
+        seed=3,
+    ),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("spec", LOW_PRECISION_SPECS, ids=spec_id)
+def test_random_model_half_precision(tmp_path, spec, dtype):
+    d = write_model(tmp_path / "m", **spec)
+    x = torch.randn(33, *(spec.get("input_shape") or [spec["widths"][0]]))
+    model, fused, unfused = _both(d, x, dtype)
+    what = f"{spec_id(spec)} {dtype}"
+    assert_close_to(fused, unfused.double(), RTOL_VS_UNFUSED[dtype], f"{what}: fused vs unfused")
+    assert_close_to(fused, reference_forward(d, x, dtype), _rtol_vs_float64(model, dtype), f"{what}: vs f64")
+
+
+# bf16 under the interpreter goes through kernels.activations.round_to_bf16 (its cast truncates).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_output_is_rounded_to_nearest(tmp_path, dtype):
+    """One K=1 layer without bias: x * w of two `dtype` values is exact in fp32, so the fused kernel's
+    only rounding is its store, which must give exactly torch's round-to-nearest of that product."""
+    d = write_model(tmp_path / "m", [1, 130], [None], bias=False)
+    x = torch.randn(40, 1).to(dtype)
+    fused = Executor(load_model(d), "fused", DEVICE, dtype).forward(x.to(DEVICE))
+    exact = reference_forward(d, x, dtype)  # float64, exact: the product of two dtype values
+    want = exact.to(dtype)
+    mismatched = (fused.cpu() != want).sum().item()
+    assert mismatched == 0, f"{mismatched} of {want.numel()} outputs not rounded to nearest"
+
+
+def test_unknown_mode_is_named():
+    with pytest.raises(ValueError, match="unknown mode 'fast'; expected 'fused' or 'unfused'"):
+        Executor(load_model(SHIPPED), "fast", DEVICE, torch.float32)
+
+
+# ---- ModelRunner ----
+
+
+@pytest.fixture
+def runner_model(tmp_path):
+    """Every kind of step: flatten (no kernel), a leading standalone activation, fused linears, two
+    activations in a row (a second standalone kernel)."""
+    d = write_model(
+        tmp_path / "m",
+        [30, 13, 7],
+        [["relu", "tanh"], {"op": "leaky_relu", "negative_slope": 0.3}],
+        input_shape=[2, 3, 5],
+        extra_ops=[{"op": "flatten"}, {"op": "silu"}],
+        seed=int(torch.randint(0, 2**31, ())),
+    )
+    return load_model(d)
+
+
+class Recorder:
+    def __init__(self):
+        self.kernels: list[tuple[str, float]] = []
+        self.forwards: list[float] = []
+
+    def kernel(self, name: str, seconds: float) -> None:
+        self.kernels.append((name, seconds))
+
+    def forward(self, seconds: float) -> None:
+        self.forwards.append(seconds)
+
+
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+def test_runner_run_numpy_and_metrics(runner_model, mode):
+    rec = Recorder()
+    runner = ModelRunner(runner_model, mode, DEVICE, "float32", observe_kernel=rec.kernel, observe_forward=rec.forward)
+    batch = np.random.default_rng(int(torch.randint(0, 2**31, ()))).standard_normal((9, 2, 3, 5))  # float64 in
+    out = runner.run(batch)
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (9, 7)
+    want = reference_forward(runner_model.path, torch.from_numpy(batch).float(), torch.float32)
+    assert_close_to(torch.from_numpy(out), want, _rtol_vs_float64(runner_model, torch.float32), mode)
+
+    names = kernel_names(plan(runner_model.ops))
+    assert names == ["activation_0_silu", "linear_0_relu", "activation_1_tanh", "linear_1_leaky_relu"]
+    assert [n for n, _ in rec.kernels] == names  # once each, in plan order
+    assert all(s > 0 for _, s in rec.kernels), rec.kernels
+    assert len(rec.forwards) == 1 and rec.forwards[0] > 0
+    # On the CPU steps are timed by the wall clock inside the forward, so they cannot add up to more.
+    assert rec.forwards[0] >= sum(s for _, s in rec.kernels)
+
+
+@pytest.mark.parametrize("every,timed", [(1, [1, 2, 3, 4, 5]), (2, [2, 4]), (3, [3]), (0, [])])
+def test_kernel_timing_every(runner_model, every, timed):
+    rec, seen = Recorder(), []
+    runner = ModelRunner(
+        runner_model,
+        "unfused",
+        DEVICE,
+        "float32",
+        kernel_timing_every=every,
+        observe_kernel=rec.kernel,
+        observe_forward=rec.forward,
+    )
+    n_kernels = len(kernel_names(plan(runner_model.ops)))
+    for b in range(1, 6):
+        before = len(rec.kernels)
+        runner.run(np.random.default_rng(b).standard_normal((b, 2, 3, 5)).astype(np.float32))
+        assert len(rec.kernels) - before in (0, n_kernels)
+        if len(rec.kernels) > before:
+            seen.append(b)
+    assert seen == timed
+    assert len(rec.forwards) == 5
+
+
+def test_runner_without_observers(runner_model):
+    runner = ModelRunner(runner_model, "fused", DEVICE, "bfloat16")
+    out = runner.run(np.random.default_rng(1).standard_normal((3, 2, 3, 5)).astype(np.float32))
+    assert out.dtype == np.float32 and out.shape == (3, 7) and np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("max_batch", [1, 5, 40])
+def test_warmup_on_cpu(runner_model, max_batch):
+    if DEVICE.type != "cpu":
+        pytest.skip("CPU warm-up sizes")
+    for mode in ("fused", "unfused"):
+        rec = Recorder()
+        runner = ModelRunner(runner_model, mode, DEVICE, "float16", observe_kernel=rec.kernel)
+        assert runner.warmup(max_batch) == sorted({1, max_batch})
+        assert rec.kernels == []  # warm-up is not a served batch: no metrics
+
+
+@pytest.mark.parametrize(
+    "max_batch,sizes",
+    [(1, [1]), (2, [1, 2]), (100, [1, 2, 4, 8, 16, 32, 64, 100]), (256, [1, 2, 4, 8, 16, 32, 64, 128, 256])],
+)
+def test_warmup_sizes_on_cuda_cover_every_bucket(max_batch, sizes):
+    assert warmup_sizes(max_batch, torch.device("cuda")) == sizes
+    assert warmup_sizes(max_batch, torch.device("cpu")) == sorted({1, max_batch})
+
+
+def test_warmup_refuses_a_model_that_overflows(tmp_path):
+    d = write_model(tmp_path / "m", [16, 4], [None])
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["layer0.weight"] = tensors["layer0.weight"].sign() * 3e4  # finite in the file, overflows fp16
+    save_file(tensors, str(d / "model.safetensors"))
+    runner = ModelRunner(load_model(d), "fused", DEVICE, "float16")
+    with pytest.raises(RuntimeError, match="warm-up forward at batch 1 produced NaN/Inf"):
+        runner.warmup(4)
+
+
+def test_step_timer_reuse_across_batches():
+    timer = StepTimer(torch.device("cpu"))
+    for _ in range(3):
+        for name in ("a", "b"):
+            timer.start(name)
+            timer.stop(name)
+    res = timer.results()
+    assert [n for n, _ in res] == ["a", "b"]
+    assert all(0 < s < 1 for _, s in res)
+
+
+# ---- the shipped model is the model its README describes ----
+
+
+def test_shipped_model_accuracy_on_held_out_digits():
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    _, x_test, _, y_test = train_test_split(
+        digits.data, digits.target, test_size=0.2, random_state=0, stratify=digits.target
+    )
+    assert x_test.shape == (360, 64)
+    model = load_model(SHIPPED)
+    preds = {}
+    for mode in ("fused", "unfused"):
+        logits = ModelRunner(model, mode, DEVICE, "float32").run(x_test)
+        assert logits.shape == (360, 10) and np.isfinite(logits).all()
+        preds[mode] = logits.argmax(axis=1)
+        accuracy = float((preds[mode] == y_test).mean())
+        assert accuracy >= 0.95, f"{mode}: held-out accuracy {accuracy:.4f}"
+    agree = float((preds["fused"] == preds["unfused"]).mean())
+    assert agree >= 0.99, f"fused and unfused disagree on {math.ceil((1 - agree) * 360)} of 360 digits"

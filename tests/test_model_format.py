@@ -1,0 +1,407 @@
+"""The model format (service.model.spec + loader) and the planner: what loads, what is refused and how.
+
+Every refusal must be a ModelFormatError whose message says what is wrong and where (the file, the
+op index, the tensor name, the expected shape), so a user can fix the model from the message alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from service.cli import main
+from service.model.loader import load_model
+from service.model.planner import ActivationStep, FlattenStep, LinearStep, kernel_names, plan
+from service.model.spec import ModelFormatError, parse_op
+from tests.modelgen import random_model_spec, spec_id, write_model
+
+pytestmark = pytest.mark.timeout(120)
+
+SHIPPED = Path(__file__).resolve().parents[1] / "model_weights" / "digits-mlp"
+
+
+# ---- helpers: a valid model in tmp_path, then one thing broken ----
+
+
+def _config(d: Path) -> dict:
+    return json.loads((d / "config.json").read_text())
+
+
+def _write_config(d: Path, cfg: dict) -> None:
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_config(d: Path, edit) -> None:
+    cfg = _config(d)
+    edit(cfg)
+    _write_config(d, cfg)
+
+
+def _edit_tensors(d: Path, edit) -> None:
+    tensors = load_file(str(d / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(d / "model.safetensors"))
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    """64 -> 37 (relu) -> 13 (leaky 0.2) -> 10, with labels: the baseline that each case breaks."""
+    return write_model(
+        tmp_path / "m",
+        [64, 37, 13, 10],
+        ["relu", {"op": "leaky_relu", "negative_slope": 0.2}, None],
+        seed=int(torch.randint(0, 2**31, ())),
+        labels=[f"class{i}" for i in range(10)],
+    )
+
+
+# ---- what loads ----
+
+
+def test_shipped_model_loads():
+    model = load_model(SHIPPED)
+    assert model.name == "digits-mlp"
+    assert model.input_shape == (64,)
+    assert model.input_features == 64
+    assert model.output_features == 10
+    assert model.spec.labels == [str(i) for i in range(10)]
+    assert {k: tuple(v.shape) for k, v in model.tensors.items()} == {
+        "fc1.weight": (256, 64),
+        "fc1.bias": (256,),
+        "fc2.weight": (256, 256),
+        "fc2.bias": (256,),
+        "fc3.weight": (10, 256),
+        "fc3.bias": (10,),
+    }
+    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in model.tensors.values())
+
+
+def test_check_model_cli_on_shipped_model(capsys):
+    assert main(["check-model", str(SHIPPED)]) == 0
+    out = capsys.readouterr().out
+    assert "digits-mlp: input (64,) -> 10 outputs; 5 ops" in out
+    assert "fused plan (3 kernels): linear_0_relu, linear_1_relu, linear_2" in out
+
+
+def test_check_model_cli_on_invalid_model(model_dir, capsys):
+    (model_dir / "model.safetensors").unlink()
+    assert main(["check-model", str(model_dir)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("invalid model: ") and "model.safetensors: not found" in err
+
+
+RANDOM_SPECS = [random_model_spec(np.random.default_rng(seed)) for seed in range(16)]
+
+
+@pytest.mark.parametrize("spec", RANDOM_SPECS, ids=spec_id)
+def test_random_models_load(tmp_path, spec):
+    d = write_model(tmp_path / "m", **spec)
+    model = load_model(d)
+    assert model.input_shape == tuple(spec["input_shape"] or [spec["widths"][0]])
+    assert model.output_features == spec["widths"][-1]
+    n_layers = len(spec["widths"]) - 1
+    biases = spec["bias"]
+    assert len(model.tensors) == n_layers + sum(biases)
+    steps = plan(model.ops)
+    assert sum(isinstance(s, LinearStep) for s in steps) == n_layers
+    assert [s.bias is not None for s in steps if isinstance(s, LinearStep)] == biases
+
+
+def test_stored_half_precision_tensors_load(tmp_path):
+    d = write_model(tmp_path / "m", [7, 5, 3], ["silu", None])
+    _edit_tensors(d, lambda t: t.update({k: v.half() if "0" in k else v.bfloat16() for k, v in t.items()}))
+    model = load_model(d)
+    assert model.tensors["layer0.weight"].dtype == torch.float16
+    assert model.tensors["layer1.weight"].dtype == torch.bfloat16
+
+
+def test_unused_tensors_are_dropped(model_dir):
+    _edit_tensors(model_dir, lambda t: t.update({"optimizer.state": torch.randn(3, 3), "step": torch.tensor([1])}))
+    model = load_model(model_dir)
+    assert "optimizer.state" not in model.tensors and "step" not in model.tensors
+
+
+def test_labels_are_optional(model_dir):
+    _edit_config(model_dir, lambda c: c.pop("labels"))
+    assert load_model(model_dir).spec.labels is None
+
+
+# ---- what is refused, and the message ----
+
+
+def _set_op(index: int, op: dict):
+    def edit(cfg):
+        cfg["ops"][index] = op
+
+    return edit
+
+
+# (id, how to break the config, regex the message must match). The baseline ops are
+# [linear layer0, relu, linear layer1, leaky_relu, linear layer2].
+BAD_CONFIGS = [
+    (
+        "wrong format",
+        lambda c: c.update(format="fusedserve-model/2"),
+        r"format 'fusedserve-model/2' is not supported; ",
+    ),
+    ("unknown top-level field", lambda c: c.update(layers=3), r"layers: Extra inputs are not permitted"),
+    ("empty ops", lambda c: c.update(ops=[]), r"ops: List should have at least 1 item"),
+    ("missing ops", lambda c: c.pop("ops"), r"ops: Field required"),
+    ("bad name", lambda c: c.update(name="my model!"), r"name: String should match pattern"),
+    ("zero input dim", lambda c: c.update(input={"shape": [0]}), r"input\.shape\.0: Input should be greater than"),
+    ("input dtype", lambda c: c.update(input={"shape": [64], "dtype": "int8"}), r"input\.dtype: Input should be"),
+    ("unknown op", _set_op(1, {"op": "conv9"}), r"ops\[1\]: unknown op 'conv9'; expected one of linear, "),
+    ("op not an object", _set_op(1, "relu"), r"ops\.1: Input should be a valid dictionary"),
+    ("op name not a string", _set_op(1, {"op": 3}), r"ops\[1\]: each op must be an object with a string 'op' field"),
+    ("op without op", _set_op(3, {"negative_slope": 0.1}), r"ops\[3\]: each op must be an object with a string 'op'"),
+    (
+        "leaky slope not a number",
+        _set_op(3, {"op": "leaky_relu", "negative_slope": "x"}),
+        r"ops\[3\] \(leaky_relu\): negative_slope: Input should be a valid number",
+    ),
+    (
+        "gelu approximate fast",
+        _set_op(1, {"op": "gelu", "approximate": "fast"}),
+        r"ops\[1\] \(gelu\): approximate: Input should be 'none' or 'tanh'",
+    ),
+    (
+        "extra op field",
+        _set_op(1, {"op": "relu", "inplace": True}),
+        r"ops\[1\] \(relu\): inplace: Extra inputs are not",
+    ),
+    ("linear without weight", _set_op(2, {"op": "linear"}), r"ops\[2\] \(linear\): weight: Field required"),
+    (
+        "missing tensor",
+        _set_op(2, {"op": "linear", "weight": "fc2.weight", "bias": "layer1.bias"}),
+        r"ops\[2\] \(linear\): weight tensor 'fc2.weight' is not in model.safetensors "
+        r"\(it has: layer0.bias, layer0.weight, layer1.bias, layer1.weight, layer2.bias, layer2.weight\)",
+    ),
+    (
+        "missing bias tensor",
+        _set_op(4, {"op": "linear", "weight": "layer2.weight", "bias": "head.bias"}),
+        r"ops\[4\] \(linear\): bias tensor 'head.bias' is not in model.safetensors \(it has: layer0.bias, ",
+    ),
+    (
+        "input size mismatch",
+        lambda c: c.update(input={"shape": [65]}),
+        r"ops\[0\] \(linear\): weight 'layer0.weight' has shape \(37, 64\); expected \(N, 65\) "
+        r"because its input has 65 features",
+    ),
+    (
+        "multi-dim input without flatten",
+        lambda c: c.update(input={"shape": [4, 16]}),
+        r"ops\[0\] \(linear\): input has shape \(4, 16\) per row; linear needs a vector \(add flatten\)",
+    ),
+    (
+        "layers swapped",
+        lambda c: c.update(ops=[c["ops"][0], c["ops"][1], c["ops"][4], c["ops"][3], c["ops"][2]]),
+        r"ops\[2\] \(linear\): weight 'layer2.weight' has shape \(10, 13\); expected \(N, 37\)",
+    ),
+    ("too few labels", lambda c: c.update(labels=["a", "b", "c"]), r"3 labels but the model outputs 10 values per row"),
+    ("too many labels", lambda c: c.update(labels=list("abcdefghijk")), r"11 labels but the model outputs 10 values"),
+]
+
+
+@pytest.mark.parametrize("edit,message", [c[1:] for c in BAD_CONFIGS], ids=[c[0] for c in BAD_CONFIGS])
+def test_bad_config_is_named(model_dir, edit, message):
+    _edit_config(model_dir, edit)
+    with pytest.raises(ModelFormatError, match=message) as info:
+        load_model(model_dir)
+    # The place: every message starts with the file it is about.
+    assert str(info.value).startswith(str(model_dir / "config.json") + ": "), str(info.value)
+
+
+# (id, how to break the tensors, regex). layer0.weight is (37, 64), layer1 (13, 37), layer2 (10, 13).
+BAD_TENSORS = [
+    (
+        "wrong weight shape",
+        lambda t: t.update({"layer1.weight": torch.randn(13, 38)}),
+        r"ops\[2\] \(linear\): weight 'layer1.weight' has shape \(13, 38\); expected \(N, 37\) "
+        r"because its input has 37 features",
+    ),
+    (
+        "1-D weight",
+        lambda t: t.update({"layer2.weight": torch.randn(13)}),
+        r"ops\[4\] \(linear\): weight 'layer2.weight' has shape \(13,\); expected \(N, 13\)",
+    ),
+    (
+        "wrong bias shape",
+        lambda t: t.update({"layer0.bias": torch.randn(36)}),
+        r"ops\[0\] \(linear\): bias 'layer0.bias' has shape \(36,\); expected \(37,\) to match weight 'layer0.weight'",
+    ),
+    (
+        "2-D bias",
+        lambda t: t.update({"layer2.bias": torch.randn(1, 10)}),
+        r"ops\[4\] \(linear\): bias 'layer2.bias' has shape \(1, 10\); expected \(10,\)",
+    ),
+    (
+        "integer weight",
+        lambda t: t.update({"layer1.weight": torch.randint(-3, 3, (13, 37), dtype=torch.int32)}),
+        r"ops\[2\] \(linear\): weight tensor 'layer1.weight' has dtype torch.int32; expected float32/16 or bfloat16",
+    ),
+    (
+        "float64 bias",
+        lambda t: t.update({"layer2.bias": t["layer2.bias"].double()}),
+        r"ops\[4\] \(linear\): bias tensor 'layer2.bias' has dtype torch.float64",
+    ),
+    (
+        "NaN in a weight",
+        lambda t: t["layer1.weight"].view(-1)[int(torch.randint(0, 13 * 37, ()))].fill_(float("nan")),
+        r"ops\[2\] \(linear\): weight tensor 'layer1.weight' contains NaN or Inf",
+    ),
+    (
+        "Inf in a bias",
+        lambda t: t["layer0.bias"].view(-1)[int(torch.randint(0, 37, ()))].fill_(float("-inf")),
+        r"ops\[0\] \(linear\): bias tensor 'layer0.bias' contains NaN or Inf",
+    ),
+    (
+        "missing tensor",
+        lambda t: t.pop("layer2.weight"),
+        r"ops\[4\] \(linear\): weight tensor 'layer2.weight' is not in model.safetensors \(it has: layer0.bias, "
+        r"layer0.weight, layer1.bias, layer1.weight, layer2.bias\)",
+    ),
+]
+
+
+@pytest.mark.parametrize("edit,message", [c[1:] for c in BAD_TENSORS], ids=[c[0] for c in BAD_TENSORS])
+def test_bad_tensor_is_named(model_dir, edit, message):
+    _edit_tensors(model_dir, edit)
+    with pytest.raises(ModelFormatError, match=message) as info:
+        load_model(model_dir)
+    assert str(info.value).startswith(str(model_dir / "config.json") + ": "), str(info.value)
+
+
+def test_missing_model_dir(tmp_path):
+    with pytest.raises(ModelFormatError, match=re.escape(f"{tmp_path / 'nope'}: no such model directory")):
+        load_model(tmp_path / "nope")
+
+
+def test_missing_config(model_dir):
+    (model_dir / "config.json").unlink()
+    with pytest.raises(ModelFormatError, match=re.escape(f"{model_dir / 'config.json'}: not found")):
+        load_model(model_dir)
+
+
+@pytest.mark.parametrize("text", ['{"format": "fusedserve-model/1",', "", "ops: []", "{'single': 'quotes'}"])
+def test_invalid_json(model_dir, text):
+    (model_dir / "config.json").write_text(text)
+    with pytest.raises(ModelFormatError, match=re.escape(f"{model_dir / 'config.json'}: not valid JSON: ")):
+        load_model(model_dir)
+
+
+def test_config_not_an_object(model_dir):
+    (model_dir / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelFormatError, match=re.escape(f"{model_dir / 'config.json'}: ")):
+        load_model(model_dir)
+
+
+def test_missing_safetensors(model_dir):
+    (model_dir / "model.safetensors").unlink()
+    with pytest.raises(ModelFormatError, match=re.escape(f"{model_dir / 'model.safetensors'}: not found")):
+        load_model(model_dir)
+
+
+@pytest.mark.parametrize("corrupt", ["truncated", "garbage", "empty"])
+def test_corrupt_safetensors(model_dir, corrupt):
+    path = model_dir / "model.safetensors"
+    data = path.read_bytes()
+    new = {"truncated": data[: len(data) // 2], "garbage": bytes(np.random.default_rng().bytes(300)), "empty": b""}
+    path.write_bytes(new[corrupt])
+    with pytest.raises(ModelFormatError, match=re.escape(f"{path}: not a readable safetensors file: ")):
+        load_model(model_dir)
+
+
+def test_output_must_be_a_vector(tmp_path):
+    d = write_model(tmp_path / "m", [4, 3], ["relu"])
+    _edit_config(d, lambda c: c.update(input={"shape": [2, 3]}, ops=[{"op": "tanh"}]))
+    with pytest.raises(
+        ModelFormatError, match=r"the last op leaves shape \(2, 3\) per row; the output must be a vector"
+    ):
+        load_model(d)
+
+
+def test_flatten_makes_multi_dim_input_valid(tmp_path):
+    d = write_model(tmp_path / "m", [30, 7], ["relu"], input_shape=[2, 3, 5], extra_ops=[{"op": "flatten"}])
+    model = load_model(d)
+    assert model.input_shape == (2, 3, 5) and model.input_features == 30 and model.output_features == 7
+
+
+# ---- planner ----
+
+
+def _ops(*raw: dict):
+    return [parse_op(r, i) for i, r in enumerate(raw)]
+
+
+def _linear(i: int, bias: bool = True) -> dict:
+    return {"op": "linear", "weight": f"w{i}", **({"bias": f"b{i}"} if bias else {})}
+
+
+def test_digits_plan():
+    steps = plan(load_model(SHIPPED).ops)
+    assert steps == [
+        LinearStep("linear_0_relu", "fc1.weight", "fc1.bias", "relu", 0.01),
+        LinearStep("linear_1_relu", "fc2.weight", "fc2.bias", "relu", 0.01),
+        LinearStep("linear_2", "fc3.weight", "fc3.bias", "none", 0.01),
+    ]
+    assert kernel_names(steps) == ["linear_0_relu", "linear_1_relu", "linear_2"]
+
+
+def test_second_activation_becomes_its_own_step():
+    steps = plan(_ops(_linear(0), {"op": "relu"}, {"op": "sigmoid"}, _linear(1, bias=False)))
+    assert steps == [
+        LinearStep("linear_0_relu", "w0", "b0", "relu", 0.01),
+        ActivationStep("activation_0_sigmoid", "sigmoid", 0.01),
+        LinearStep("linear_1", "w1", None, "none", 0.01),
+    ]
+
+
+@pytest.mark.parametrize(
+    "op,kernel",
+    [
+        ({"op": "gelu", "approximate": "tanh"}, "gelu_tanh"),
+        ({"op": "gelu", "approximate": "none"}, "gelu"),
+        ({"op": "gelu"}, "gelu"),
+        ({"op": "silu"}, "silu"),
+        ({"op": "tanh"}, "tanh"),
+        ({"op": "sigmoid"}, "sigmoid"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else json.dumps(v),
+)
+def test_activation_names(op, kernel):
+    (step,) = plan(_ops(_linear(0), op))
+    assert step == LinearStep(f"linear_0_{kernel}", "w0", "b0", kernel, 0.01)
+
+
+@pytest.mark.parametrize("slope", [0.2, -0.5, 3.0])
+def test_leaky_slope_is_carried(slope):
+    steps = plan(_ops(_linear(0), {"op": "leaky_relu", "negative_slope": slope}, {"op": "leaky_relu"}))
+    assert steps == [
+        LinearStep("linear_0_leaky_relu", "w0", "b0", "leaky_relu", slope),
+        ActivationStep("activation_0_leaky_relu", "leaky_relu", 0.01),
+    ]
+
+
+def test_leading_activation_and_flatten():
+    steps = plan(_ops({"op": "flatten"}, {"op": "tanh"}, _linear(0), {"op": "relu"}, {"op": "flatten"}, _linear(1)))
+    assert steps == [
+        FlattenStep("flatten_0"),
+        ActivationStep("activation_0_tanh", "tanh", 0.01),
+        LinearStep("linear_0_relu", "w0", "b0", "relu", 0.01),
+        FlattenStep("flatten_1"),
+        LinearStep("linear_1", "w1", "b1", "none", 0.01),
+    ]
+    assert kernel_names(steps) == ["activation_0_tanh", "linear_0_relu", "linear_1"]
+
+
+def test_activation_then_flatten_is_not_fused():
+    """Only an activation directly after a linear rides in its epilogue."""
+    steps = plan(_ops(_linear(0), {"op": "flatten"}, {"op": "silu"}))
+    assert [type(s) for s in steps] == [LinearStep, FlattenStep, ActivationStep]
+    assert steps[0].activation == "none" and steps[2].name == "activation_0_silu"
