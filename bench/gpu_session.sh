@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$out/gpu.txt"
 
 # Deploy checks need hadolint/promtool (not on the GPU image); they run in CI instead.
-timeout "${TEST_TIMEOUT:-420}" python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider -n "${XDIST:-8}" \
+timeout "${TEST_TIMEOUT:-420}" python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider -n "${XDIST:-8}" --dist loadfile \
   --ignore=tests/test_deploy_static.py --ignore=tests/test_prometheus_scrape.py "$@" > "$out/tests.txt" 2>&1 || status=1
 tail -n 25 "$out/tests.txt"
 
