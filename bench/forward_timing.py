@@ -51,6 +51,7 @@ def _median_wall_us(fn, inputs, iters, sync):
     return statistics.median(times) * 1e6
 
 
+@torch.inference_mode()  # as the service runs it (ModelRunner.run)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="digits-mlp")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Annotated
 
@@ -15,6 +16,7 @@ from .inputs import InputError, parse_rows
 from .state import AppState
 
 router = APIRouter()
+log = logging.getLogger("fusedserve.api")
 
 
 def _state(request: Request) -> AppState:
@@ -93,6 +95,10 @@ async def predict(request: Request, state: State) -> Response:
     except BatchFailed as e:
         metrics.observe_request("error")
         return _error(500, f"inference failed: {e}")
+    except Exception as e:  # a bug, not a bad request: count it and say so, never an uncounted 500
+        log.exception("unexpected error serving /predict")
+        metrics.observe_request("error")
+        return _error(500, f"internal error: {type(e).__name__}: {e}")
     doc = {
         "outputs": outputs,
         "predictions": state.predictions(np.argmax(outputs, axis=1)),

@@ -63,6 +63,7 @@ class ModelRunner:
         self._timer = StepTimer(device)
         self._batches = 0
 
+    @torch.inference_mode()  # no autograd bookkeeping in either mode: the baseline is served as fast as it can be
     def run(self, batch: np.ndarray) -> np.ndarray:
         """batch: (rows, *input_shape) float32 -> (rows, output_features) float32."""
         started = time.perf_counter()
@@ -81,6 +82,7 @@ class ModelRunner:
             self._observe_forward(time.perf_counter() - started)
         return out
 
+    @torch.inference_mode()
     def warmup(self, max_batch_size: int) -> list[int]:
         """Compile and autotune every batch bucket so no request pays for it; returns the sizes run."""
         sizes = warmup_sizes(max_batch_size, self.device)
