@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything one lent-GPU call should do, in order: GPU facts, the test suite on CUDA (gpu-marked
-# tests included), the forward timing in each dtype, and a real service smoke test in both modes.
+# tests included), the forward timing in each dtype, the launch-overhead breakdown, and a real service
+# smoke test in both modes. Timings are host-launch-bound at the shipped model's size and vary between
+# processes: run it more than once before comparing (bench/results/forward_spread_h200.md).
 # Usage on the device machine (after the wheel prologue of ../shared/gpu/README.md):
 #   OUT=$OUT bash bench/gpu_session.sh [pytest args...]
 set -uo pipefail
@@ -21,6 +23,8 @@ for dt in float32 float16 bfloat16; do
   timeout 120 python3 -m bench.forward_timing --dtype "$dt" --out "$out" > "$out/timing_$dt.log" 2>&1 || status=1
 done
 cat "$out"/forward_*.md
+timeout 120 python3 -m bench.launch_overhead --dtype float32 > "$out/launch_overhead_float32.txt" 2>&1 || status=1
+cat "$out/launch_overhead_float32.txt"
 
 timeout 300 python3 -m bench.smoke_service --device cuda > "$out/smoke.txt" 2>&1 || status=1
 grep -E "accuracy|ready:|kernel_seconds_sum|exited|not ready|Error" "$out/smoke.txt"
