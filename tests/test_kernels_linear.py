@@ -13,7 +13,7 @@ import torch
 
 import kernels.linear as linear_mod
 from kernels import ACTIVATIONS, FusedLinear, fused_activation, fused_linear, reference
-from tests.tolerances import RTOL, RTOL_TF32, assert_close_to
+from tests.tolerances import NORMWISE_TF32, RTOL, RTOL_TF32, assert_close_to, normwise_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -38,6 +38,7 @@ def _check(M, N, K, dtype, activation, device, bias=True, slope=0.01, allow_tf32
         x.double(), w.double(), b.double() if b is not None else None, activation, negative_slope=slope
     )
     assert_close_to(got, want, rtol or RTOL[dtype], f"{M}x{N}x{K} {dtype} {activation} bias={bias}")
+    return got, want
 
 
 @pytest.fixture
@@ -145,7 +146,11 @@ def test_gpu_every_dtype_and_activation(shape, dtype, activation):
 @pytest.mark.parametrize("shape", [(64, 256, 128), (1024, 1024, 1024), (16, 4096, 4096)], ids=str)
 def test_gpu_tf32(shape):
     """TF32 against float64: each operand rounded to 10 mantissa bits, so a looser bound than fp32."""
-    _check(*shape, torch.float32, "relu", "cuda", allow_tf32=True, rtol=RTOL_TF32)
+    got, want = _check(*shape, torch.float32, "relu", "cuda", allow_tf32=True, rtol=RTOL_TF32)
+    err = normwise_error(got, want)
+    assert err <= NORMWISE_TF32, f"TF32 normwise error {err:.2e} > {NORMWISE_TF32:.0e}"
+    # and it really ran in TF32: full fp32 would be ~1e-6, so a much smaller error means the flag was ignored
+    assert err > 1e-5, f"normwise error {err:.2e}: looks like fp32, not TF32"
 
 
 @pytest.mark.gpu
