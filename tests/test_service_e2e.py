@@ -9,6 +9,7 @@ exercises the same code path.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import shutil
 import subprocess
@@ -458,6 +459,16 @@ def test_metrics_after_traffic(url, mode, digits):
     assert len(info) == 1 and info[0].value == 1, info
     assert info[0].labels["device"].split(":")[0] in ("cpu", "cuda"), info[0].labels
     assert info[0].labels["dtype"] == "float32" and {k: info[0].labels[k] for k in lm} == lm, info[0].labels
+
+
+def test_readme_demo_body_answers_with_true_labels(url, mode):
+    """The README posts model_weights/digits-mlp/examples.json as it is: it must be a valid body."""
+    model_dir = Path(__file__).resolve().parents[1] / "model_weights" / "digits-mlp"
+    body = (model_dir / "examples.json").read_bytes()
+    truth = json.loads((model_dir / "examples_labels.json").read_text())
+    r = httpx.post(url + "/predict", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["predictions"] == [str(t) for t in truth] and r.json()["mode"] == mode
 
 
 # ----------------------------------------------------------------------------------------- startup errors
