@@ -259,6 +259,8 @@ def test_warmup_sizes_on_cuda_cover_every_bucket(max_batch, sizes):
     assert warmup_sizes(max_batch, torch.device("cpu")) == sorted({1, max_batch})
 
 
+# The overflow is the point of the test; the interpreter's numpy cast warns about it.
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 def test_warmup_refuses_a_model_that_overflows(tmp_path):
     d = write_model(tmp_path / "m", [16, 4], [None])
     tensors = load_file(str(d / "model.safetensors"))
