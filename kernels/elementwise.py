@@ -12,7 +12,7 @@ import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
 from .linear import SUPPORTED_DTYPES
-from .runtime import check_device, interpreting
+from .runtime import bf16_on_interpreter, check_device
 
 BLOCK = 1024  # 4 warps x 32 lanes x 8 elements: 16-byte fp16 / 32-byte fp32 accesses per lane
 
@@ -67,7 +67,7 @@ def fused_activation(
             n,
             float(negative_slope),
             ACTIVATION=activation,
-            ROUND_BF16=interpreting() and x.dtype == torch.bfloat16,
+            ROUND_BF16=bf16_on_interpreter(x.dtype),
             BLOCK=BLOCK,
         )
     return out

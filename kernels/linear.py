@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
-from .runtime import check_device, interpreting
+from .runtime import bf16_on_interpreter, check_device, interpreting
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -240,8 +240,6 @@ def fused_linear(
     relative error) or in full fp32. None follows `torch.backends.cuda.matmul.allow_tf32`, so the
     fused and the torch paths use the same setting.
     """
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D (M, K); got shape {tuple(x.shape)}")
     _check_weights(weight, bias)
     _check_x(x, weight)
     check_activation(activation)
@@ -260,11 +258,9 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
     if allow_tf32 is None:
         allow_tf32 = torch.backends.cuda.matmul.allow_tf32
     interp = interpreting()
-    # Triton's interpreter returns garbage from tl.dot on bf16 operands (relative error ~1e10, seen
-    # with triton 3.9) while bf16 loads and stores are exact; multiplying the bf16 tiles as fp32 is
-    # exact (bf16 * bf16 fits fp32), so the CPU path stays correct. Compiled kernels use native bf16.
-    # The same interpreter truncates on the fp32 -> bf16 store, so the result is rounded by hand too.
-    upcast = interp and x.dtype == torch.bfloat16
+    # Under the interpreter bf16 tiles are multiplied as fp32 (exact: bf16 * bf16 fits fp32) and the
+    # result is rounded to bf16 by hand; see runtime.bf16_on_interpreter. Compiled kernels use native bf16.
+    upcast = bf16_on_interpreter(x.dtype)
     precision = "tf32" if (allow_tf32 and not upcast) else "ieee"
     bucket = m_bucket(M)
     args = (

@@ -42,6 +42,13 @@ def choose_backend() -> None:
     _chosen[:] = [_env_interpret()]
 
 
+def bf16_on_interpreter(dtype: torch.dtype) -> bool:
+    """bf16 under Triton's interpreter, which needs two workarounds in every kernel (triton 3.9): its
+    tl.dot on bf16 operands returns garbage (relative error ~1e10), and its fp32 -> bf16 cast truncates
+    instead of rounding to nearest. Compiled kernels need neither."""
+    return dtype == torch.bfloat16 and interpreting()
+
+
 def check_device(t: torch.Tensor, name: str) -> None:
     """Fail early, by name, when a tensor sits where the kernels cannot run."""
     if t.device.type == "cpu" and not interpreting():

@@ -63,8 +63,8 @@ class Metrics:
         )
         self._labels = {"model": model, "mode": mode}
         self.model_info.labels(model=model, mode=mode, device=device, dtype=dtype).set(1)
-        for outcome in OUTCOMES:  # every outcome visible from the start, at 0, so rates are defined
-            self.requests.labels(**self._labels, outcome=outcome)
+        # Every outcome visible from the start, at 0, so rates are defined.
+        self._outcomes = {o: self.requests.labels(**self._labels, outcome=o) for o in OUTCOMES}
         self.queue_depth_gauge.labels(**self._labels).set(0)
         # Children resolved once: labels() costs a dict lookup and a lock per call otherwise.
         self._forward = self.forward_seconds.labels(**self._labels)
@@ -86,7 +86,7 @@ class Metrics:
 
     # -- request hooks (event loop) --
     def observe_request(self, outcome: str, seconds: float | None = None) -> None:
-        self.requests.labels(**self._labels, outcome=outcome).inc()
+        self._outcomes[outcome].inc()
         if seconds is not None:
             self._request.observe(seconds)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +35,7 @@ class AppState:
 
     @property
     def max_body_bytes(self) -> int:
-        return self.settings.max_rows_per_request * math.prod(self.model.input_shape) * BYTES_PER_VALUE + 4096
+        return self.settings.max_rows_per_request * self.model.input_features * BYTES_PER_VALUE + 4096
 
     def predictions(self, indices: np.ndarray) -> list:
         labels = self.model.spec.labels

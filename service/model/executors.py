@@ -91,7 +91,7 @@ class Executor:
             if self.mode == "fused":
                 return step.name, FusedLinear(w, b, step.activation, negative_slope=step.negative_slope)
             return step.name, functools.partial(
-                _reference_linear, weight=w, bias=b, activation=step.activation, negative_slope=step.negative_slope
+                reference.linear, weight=w, bias=b, activation=step.activation, negative_slope=step.negative_slope
             )
         if isinstance(step, ActivationStep):
             fn = fused_activation if self.mode == "fused" else reference.activation
@@ -110,12 +110,6 @@ class Executor:
                 x = layer(x)
                 timer.stop(name)
         return x
-
-
-def _reference_linear(x, *, weight, bias, activation, negative_slope):
-    from kernels import reference
-
-    return reference.linear(x, weight, bias, activation, negative_slope=negative_slope)
 
 
 def _contiguous_then(x, *, fn, activation, negative_slope):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec import FlattenOp, LinearOp, Op, activation_of
+from .spec import DEFAULT_NEGATIVE_SLOPE, FlattenOp, LinearOp, Op, activation_of
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def plan(ops: list[Op]) -> list[Step]:
         op = ops[i]
         if isinstance(op, LinearOp):
             act = activation_of(ops[i + 1]) if i + 1 < len(ops) else None
-            name, slope = act or ("none", 0.01)
+            name, slope = act or ("none", DEFAULT_NEGATIVE_SLOPE)
             label = f"linear_{n_linear}" + ("" if name == "none" else f"_{name}")
             steps.append(LinearStep(label, op.weight, op.bias, name, slope))
             n_linear += 1

@@ -20,6 +20,9 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 FORMAT = "fusedserve-model/1"
+# torch.nn.LeakyReLU's default, as kernels.activations.DEFAULT_NEGATIVE_SLOPE (not imported from there:
+# importing `kernels` fixes interpreted-vs-compiled, which the service decides later, from its settings).
+DEFAULT_NEGATIVE_SLOPE = 0.01
 
 
 class ModelFormatError(ValueError):
@@ -46,7 +49,7 @@ class SimpleActivationOp(_Op):
 
 class LeakyReluOp(_Op):
     op: Literal["leaky_relu"]
-    negative_slope: float = 0.01
+    negative_slope: float = DEFAULT_NEGATIVE_SLOPE
 
 
 class GeluOp(_Op):
@@ -70,11 +73,11 @@ OP_TYPES: dict[str, type[_Op]] = {
 def activation_of(op: Op) -> tuple[str, float] | None:
     """(kernel activation name, negative_slope) if `op` is an activation, else None."""
     if isinstance(op, SimpleActivationOp):
-        return op.op, 0.01
+        return op.op, DEFAULT_NEGATIVE_SLOPE
     if isinstance(op, LeakyReluOp):
         return "leaky_relu", op.negative_slope
     if isinstance(op, GeluOp):
-        return ("gelu_tanh" if op.approximate == "tanh" else "gelu"), 0.01
+        return ("gelu_tanh" if op.approximate == "tanh" else "gelu"), DEFAULT_NEGATIVE_SLOPE
     return None
 
 
