@@ -15,15 +15,17 @@ import triton
 import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
+from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail
 from .runtime import bf16_on_interpreter, check_device, interpreting
+from .tuning import LaunchConfig, scope_for, tune
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _linear_kernel(
-    # pointers
-    x_ptr, w_ptr, b_ptr, y_ptr,
+    # pointers (ws_ptr, cnt_ptr: split-K workspace and per-tile arrival counters; unused when SPLIT_K == 1)
+    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
     # sizes
     M, N, K,
     # strides
@@ -42,10 +44,12 @@ def _linear_kernel(
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand before the store (interpreter workaround)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs per output tile, each summing 1/SPLIT_K of K (small batches, see below)
 ):  # fmt: skip
     # Grouped tile order (Triton tutorial 03): GROUP_M row-blocks share each column of W tiles
     # while they are in L2, instead of sweeping all of W once per row-block.
-    pid = tl.program_id(0)
+    pid = tl.program_id(0) // SPLIT_K
+    pid_k = tl.program_id(0) % SPLIT_K
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
@@ -59,12 +63,20 @@ def _linear_kernel(
     # throw-away values that the masked store below never writes.
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
+    k_first = pid_k * k_tiles_per_split
+    k_end = min(k_first + k_tiles_per_split, k_tiles)
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn  # a (BLOCK_K, BLOCK_N) view of W^T
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_first * BLOCK_K + offs_k)[None, :] * stride_xk
+    # a (BLOCK_K, BLOCK_N) view of W^T
+    w_ptrs = w_ptr + (k_first * BLOCK_K + offs_k)[:, None] * stride_wk + offs_n[None, :] * stride_wn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(k_first, k_end):
+        # The mask must read `arange < scalar`: Triton then sees it constant over 16-element runs (K % 16
+        # == 0) and issues 16-byte cp.async copies. Written as `scalar - arange > 0` it could not, and every
+        # load became a 2-byte one with no pipelining: 4x slower than cuBLAS at 4096^3 (H200, measured).
         k_left = K - k * BLOCK_K
         a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
@@ -74,6 +86,27 @@ def _linear_kernel(
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
+
+    if SPLIT_K > 1:
+        # Split-K for small batches: at M = 1, N = 1024 a 32-wide tile gives 32 programs for 132 SMs;
+        # SPLIT_K of them per tile stream the weights 4x faster. Each writes its fp32 partial tile to the
+        # workspace; the last to arrive (per-tile counter) sums all SPLIT_K partials in a fixed order
+        # (deterministic, unlike atomic adds), runs the epilogue, and resets the counter to 0 so the next
+        # launch (or CUDA-graph replay) needs no memset. The barrier + acq_rel atomic is CUTLASS's
+        # semaphore: every thread's partial is stored before the arrival is published.
+        tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(ws_ptr + (pid * SPLIT_K + pid_k) * (BLOCK_M * BLOCK_N) + tile_offs, acc)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        # Only the last program loads (masked loads of the others issue no memory requests) and stores.
+        last = (tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32) + arrived) == SPLIT_K - 1  # as a tile: a mask
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(SPLIT_K):
+            part = ws_ptr + (pid * SPLIT_K + s) * (BLOCK_M * BLOCK_N) + tile_offs
+            acc += tl.load(part, mask=last, other=0.0, cache_modifier=".cg")  # .cg: from L2, never a stale L1 line
+        tl.atomic_add(cnt_ptr + pid, tl.where(arrived == SPLIT_K - 1, -SPLIT_K, 0))  # back to 0 for the next call
+    else:
+        last = True
 
     # Epilogue on the fp32 accumulator: bias, activation, one rounding to the output dtype.
     if HAS_BIAS:
@@ -86,60 +119,83 @@ def _linear_kernel(
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
     if ROUND_BF16:
         acc = round_to_bf16(acc)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N) & last)
 
 
-def _config(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps, num_stages=stages
-    )
+HOPPER_SHARED_MEMORY = 232_448  # bytes per block (opt-in) on H100/H200, as Triton reports it
 
 
-def cuda_configs() -> list[triton.Config]:
-    """Candidates for the autotuner: large tiles for big batches, BLOCK_M 16/32 with wide N for serving
-    batches of 1-32 rows (a 128-row tile at M=1 would waste 127/128 of every MMA)."""
-    return [
-        _config(128, 128, 64, 8, 3),
-        _config(128, 64, 64, 4, 4),
-        _config(64, 128, 64, 4, 4),
-        _config(64, 64, 64, 4, 4),
-        _config(32, 128, 64, 4, 4),
-        _config(32, 64, 128, 4, 3),
-        _config(16, 128, 128, 4, 3),
-        _config(16, 64, 128, 4, 4),
-        _config(16, 64, 256, 4, 3),
-    ]
+def pipeline_shared_memory(config: LaunchConfig, element_size: int) -> int:
+    """Shared memory the software pipeline takes for the x and W tiles: num_stages - 1 buffers of each.
+    (H200: BLOCK 16x64x256 fp32 at 4 stages asked for 245,760 B = 3 x (16*256 + 256*64) x 4.)"""
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    return max(1, config.num_stages - 1) * (bm * bk + bk * bn) * element_size
 
 
-def _prune_configs(configs, named_args, **kwargs):
-    # A tile taller than twice the batch is mostly padding; drop it so tuning a small batch is quick.
-    limit = max(16, 2 * named_args["M_BUCKET"])
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= limit]
-    return kept or configs
+def cuda_configs(
+    bucket: int, N: int, K: int, sms: int, element_size: int = 2, shared_memory: int = HOPPER_SHARED_MEMORY
+) -> list[LaunchConfig]:
+    """Candidates the tuner times for one (batch bucket, N, K) on a GPU with `sms` multiprocessors, for
+    elements of `element_size` bytes; a candidate whose pipeline would not fit `shared_memory` is left out
+    (the tuner would skip it anyway, after a failed compile).
+
+    Batches of 1-16 rows are weight-streaming problems (M=1, 4096x4096 fp16: 32 MB read for 32 kFLOP):
+    a 16-row MMA tile, narrow N tiles and split-K so that every SM streams weights, and deep pipelines
+    for bytes in flight. Bigger batches get the usual square-ish tiles.
+    """
+
+    def split_for(bn: int, bk: int) -> int:
+        tiles = triton.cdiv(N, bn) * triton.cdiv(bucket, 16)
+        split = 1
+        while tiles * split < sms and split < 8 and triton.cdiv(K, bk) >= 4 * split:  # >= 2 K steps per split
+            split *= 2
+        return split
+
+    def cfg(bm, bn, bk, warps, stages, split=1):
+        return LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split)
+
+    # Each candidate is a compile (~1 s) and a timing the first time a shape is tuned, so the lists are
+    # short: the winners of a wider sweep on an H200 (bench/probe_hopper.py) and their neighbours.
+    configs = []
+    if bucket <= 16:
+        for bn in (32, 64):
+            for bk in (128, 256):
+                configs.append(cfg(16, bn, bk, 4, 4))
+                if split_for(bn, bk) > 1:
+                    configs.append(cfg(16, bn, bk, 4, 4, split_for(bn, bk)))
+    elif bucket <= 64:
+        for bm in (32, 64):
+            for bn in (64, 128):
+                configs.append(cfg(bm, bn, 64, 4, 4))
+                if split_for(bn, 64) > 1:
+                    configs.append(cfg(bm, bn, 64, 4, 4, split_for(bn, 64)))
+    else:
+        configs += [
+            cfg(128, 256, 64, 8, 3),
+            cfg(128, 128, 64, 8, 3),
+            cfg(128, 128, 64, 4, 4),
+            cfg(64, 128, 64, 4, 4),
+            cfg(64, 64, 64, 4, 4),  # small GEMMs (64x256x128: 4 tiles of 32x64) want more programs
+        ]
+    return [c for c in configs if pipeline_shared_memory(c, element_size) <= shared_memory]
 
 
-# Interpreter (CPU): no autotuning: the autotuner needs a GPU driver to time configs ("0 active
-# drivers" under the interpreter), and timing the interpreter would measure numpy, not the kernel.
+# Interpreter (CPU): no tuning: nothing can be timed there (the interpreter runs numpy, not the kernel).
 # Its cost is per program and per K step, not per element (64x256x128: 900 ms with 16x32x32 tiles,
 # 27 ms with 64x256x128), so it takes the largest tile the problem fills. Tests force the small
-# tile too (`interpreter_tile`) so that awkward shapes cross block edges in every dimension.
+# tile too (`interpreter_tile`) so that awkward shapes cross block edges in every dimension, and
+# split-K (`interpreter_split_k`) so its reduction is checked.
 SMALL_INTERPRETER_TILE = (16, 32, 32)
 interpreter_tile: tuple[int, int, int] | None = None  # (BLOCK_M, BLOCK_N, BLOCK_K) override, for tests
+interpreter_split_k = 1
 
 
-def _interpreter_config(M: int, N: int, K: int) -> dict[str, int]:
+def _interpreter_config(M: int, N: int, K: int) -> LaunchConfig:
     def fit(n: int, hi: int) -> int:
         return max(16, min(hi, triton.next_power_of_2(n)))  # tl.dot needs every block dim >= 16
 
     bm, bn, bk = interpreter_tile or (fit(M, 64), fit(N, 256), fit(K, 128))
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 4}
-
-
-_linear_kernel_tuned = triton.autotune(
-    configs=cuda_configs(),
-    key=["M_BUCKET", "N", "K"],  # dtypes of the tensor arguments are added to the key by Triton
-    prune_configs_by={"early_config_prune": _prune_configs},
-)(_linear_kernel)
+    return LaunchConfig.of(4, 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, SPLIT_K=interpreter_split_k)
 
 
 def m_bucket(m: int) -> int:
@@ -195,9 +251,9 @@ def _check_out(out: torch.Tensor, x: torch.Tensor, N: int) -> None:
 class FusedLinear:
     """y = act(x @ weight.T + bias) as a layer prepared for many calls, as a server makes them.
 
-    The weights are checked once here; a call checks only x. On CUDA the config the autotuner picks
-    for each batch bucket is remembered, so later calls in that bucket launch the kernel directly
-    instead of going through the autotuner's Python (key building and cache lookup on every call).
+    The weights are checked once here; a call checks only x. On CUDA the config tuned for each batch
+    bucket is remembered with its compiled kernel, so later calls in that bucket launch it straight
+    through Triton's C launcher (launch.py): no tuner lookup, no JITFunction.run.
     """
 
     def __init__(
@@ -215,12 +271,44 @@ class FusedLinear:
         self.activation = activation
         self.negative_slope = float(negative_slope)
         self.allow_tf32 = allow_tf32
-        self.configs: dict[tuple[int, str], triton.Config] = {}  # (M bucket, input precision) -> tuned config
+        self.configs: dict[tuple[int, str], LaunchConfig] = {}  # (M bucket, input precision) -> tuned config
+        self.direct: dict[tuple[int, str], DirectLaunch] = {}  # the same key -> its compiled kernel
+        self.workspace = SplitKWorkspace(weight.device)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         _check_x(x, self.weight)
+        M = x.shape[0]
+        if self.direct and M:
+            tf32 = torch.backends.cuda.matmul.allow_tf32 if self.allow_tf32 is None else self.allow_tf32
+            bucket = m_bucket(M)
+            key = (bucket, "tf32" if tf32 else "ieee")
+            launch = self.direct.get(key)
+            if launch is not None:
+                N, K = self.weight.shape
+                if out is None:
+                    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+                else:
+                    _check_out(out, x, N)
+                if aligned(x, out):
+                    config = self.configs[key]
+                    bm, bn, split = config["BLOCK_M"], config["BLOCK_N"], config["SPLIT_K"]
+                    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+                    ws, cnt = self.workspace.get(tiles, bm * bn, split)
+                    b = self.bias if self.bias is not None else x
+                    launch(tiles * split, x, self.weight, b, out, ws, cnt, M, N, K, K, 1, K, 1, N, 1,
+                           self.negative_slope, bucket)  # fmt: skip
+                    return out
         return _launch(
-            x, self.weight, self.bias, self.activation, self.negative_slope, out, self.allow_tf32, self.configs
+            x,
+            self.weight,
+            self.bias,
+            self.activation,
+            self.negative_slope,
+            out,
+            self.allow_tf32,
+            self.configs,
+            self.workspace,
+            self.direct,
         )
 
 
@@ -243,10 +331,46 @@ def fused_linear(
     _check_weights(weight, bias)
     _check_x(x, weight)
     check_activation(activation)
-    return _launch(x, weight, bias, activation, float(negative_slope), out, allow_tf32, None)
+    return _launch(x, weight, bias, activation, float(negative_slope), out, allow_tf32, None, None, None)
 
 
-def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, configs):
+class SplitKWorkspace:
+    """fp32 partial tiles and zeroed per-tile counters for split-K launches, grown on demand and kept:
+    the kernel leaves every counter at 0, so the buffers can be reused, and captured in a CUDA graph."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.partials = torch.empty(0, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(0, dtype=torch.int32, device=device)
+        self._outgrown: list[torch.Tensor] = []
+
+    def get(self, tiles: int, tile_elems: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Outgrown buffers are kept, never freed: a CUDA graph captured earlier still writes to them, and
+        # freed memory would be handed to other tensors. A few KB per layer at serving batch sizes.
+        if self.partials.numel() < tiles * split * tile_elems:
+            self._outgrown.append(self.partials)
+            self.partials = torch.empty(tiles * split * tile_elems, dtype=torch.float32, device=self.device)
+        if self.counters.numel() < tiles:
+            self._outgrown.append(self.counters)
+            self.counters = torch.zeros(tiles, dtype=torch.int32, device=self.device)
+        return self.partials, self.counters
+
+
+_limits: dict[torch.device, tuple[int, int]] = {}
+
+
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    """(multiprocessors, shared memory per block in bytes) of a CUDA device, looked up once."""
+    if device not in _limits:
+        props = torch.cuda.get_device_properties(device)
+        _limits[device] = (
+            props.multi_processor_count,
+            getattr(props, "shared_memory_per_block_optin", HOPPER_SHARED_MEMORY),
+        )
+    return _limits[device]
+
+
+def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, configs, workspace, direct):
     M, K = x.shape
     N = weight.shape[0]
     if out is None:
@@ -257,42 +381,47 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
         return out
     if allow_tf32 is None:
         allow_tf32 = torch.backends.cuda.matmul.allow_tf32
-    interp = interpreting()
     # Under the interpreter bf16 tiles are multiplied as fp32 (exact: bf16 * bf16 fits fp32) and the
     # result is rounded to bf16 by hand; see runtime.bf16_on_interpreter. Compiled kernels use native bf16.
     upcast = bf16_on_interpreter(x.dtype)
     precision = "tf32" if (allow_tf32 and not upcast) else "ieee"
     bucket = m_bucket(M)
-    args = (
-        x, weight, bias if bias is not None else x, out,
-        M, N, K,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        negative_slope,
-        bucket,
-    )  # fmt: skip
-    meta = dict(
+    workspace = workspace or SplitKWorkspace(x.device)
+    fixed = dict(
         HAS_BIAS=bias is not None,
         ACTIVATION=activation,
         INPUT_PRECISION=precision,
         UPCAST_DOT=upcast,
         ROUND_BF16=upcast,
     )
-    if interp:
-        cfg = _interpreter_config(M, N, K)
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-        _linear_kernel[grid](*args, **meta, **cfg)
-        return out
-    best = configs.get((bucket, precision)) if configs is not None else None
-    if best is not None:
-        kw = best.all_kwargs()
-        grid = (triton.cdiv(M, kw["BLOCK_M"]) * triton.cdiv(N, kw["BLOCK_N"]),)
-        _linear_kernel[grid](*args, **meta, **kw)
-        return out
 
-    def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+    def run(config: LaunchConfig):
+        meta = config.meta()
+        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        ws, cnt = workspace.get(tiles, meta["BLOCK_M"] * meta["BLOCK_N"], meta["SPLIT_K"])
+        return _linear_kernel[(tiles * meta["SPLIT_K"],)](
+            x, weight, bias if bias is not None else x, out, ws, cnt,
+            M, N, K,
+            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+            negative_slope,
+            bucket,
+            **fixed, **meta,
+        )  # fmt: skip
 
-    _linear_kernel_tuned[grid](*args, **meta)
-    if configs is not None and getattr(_linear_kernel_tuned, "best_config", None) is not None:
-        configs[(bucket, precision)] = _linear_kernel_tuned.best_config
+    if interpreting():
+        run(_interpreter_config(M, N, K))
+        return out
+    config = configs.get((bucket, precision)) if configs is not None else None
+    if config is None:
+        key = f"N{N}|K{K}|{x.dtype}|{activation}|bias={bias is not None}|{precision}|m{bucket}"
+        scope = scope_for("linear", _linear_kernel, apply_activation)
+        sms, shared_memory = _device_limits(x.device)
+        config = tune(scope, key, cuda_configs(bucket, N, K, sms, x.element_size(), shared_memory), run)
+        if configs is not None:
+            configs[(bucket, precision)] = config
+    compiled = run(config)
+    if direct is not None and DIRECT_LAUNCH and aligned(x, out):
+        direct[(bucket, precision)] = DirectLaunch(
+            compiled, constexpr_tail(_linear_kernel, 17, {**fixed, **config.meta()})
+        )
     return out

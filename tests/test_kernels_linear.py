@@ -189,3 +189,84 @@ def test_gelu_is_accurate_in_the_negative_tail():
     want = torch.tensor([0.5 * v * math.erfc(-v / math.sqrt(2.0)) for v in x.double().tolist()], dtype=torch.float64)
     rel = (got.double().cpu() - want).abs() / want.abs().clamp_min(1e-300)
     assert rel.max() < 2e-5, f"worst relative error {rel.max():.2e} at x = {x[int(rel.argmax())]:.4f}"
+
+
+# ---- split-K (small batches on the GPU) and every config the tuner may pick ----
+
+
+@pytest.mark.parametrize("split", [2, 3])
+@pytest.mark.parametrize("shape", [(1, 40, 200), (5, 33, 97), (17, 70, 129)], ids=lambda s: "x".join(map(str, s)))
+def test_split_k_sums_every_partial_and_resets_its_counters(small_tile, monkeypatch, shape, split):
+    """Split-K: the last program of each tile adds all partials (some splits get no K tile at all when
+    the K tiles do not divide evenly) and leaves its counter at 0, so the next call needs no memset."""
+    monkeypatch.setattr(linear_mod, "interpreter_split_k", split)
+    x, w, b = _inputs(*shape, torch.float32, DEVICE)
+    layer = FusedLinear(w, b, "gelu_tanh")
+    want = reference.linear(x.double(), w.double(), b.double(), "gelu_tanh")
+    for _ in range(2):  # the second call reuses the workspace and its counters
+        out = torch.full((shape[0], shape[1]), float("nan"), device=DEVICE)
+        assert_close_to(layer(x, out=out), want, RTOL[torch.float32], f"split-K {split} {shape}")
+        assert int(layer.workspace.counters.abs().sum()) == 0, "split-K counters not reset"
+
+
+def _force_config(monkeypatch, config):
+    monkeypatch.setattr(linear_mod, "tune", lambda scope, key, candidates, run, bench=None: config)
+
+
+def _candidate_ids(configs):
+    return [
+        "bm{BLOCK_M}-bn{BLOCK_N}-bk{BLOCK_K}-s{SPLIT_K}".format(**dict(c.kwargs)) + f"-st{c.num_stages}"
+        for c in configs
+    ]
+
+
+def _candidates(bucket, N, K, dtypes):
+    """(dtype, config) for every config the tuner may try for this bucket and dtype on a 132-SM H100/H200."""
+    return [(dt, c) for dt in dtypes for c in linear_mod.cuda_configs(bucket, N, K, 132, dt.itemsize)]
+
+
+SMALL_M_CANDIDATES = _candidates(1, 1000, 4096, DTYPES)
+LARGER_M_CANDIDATES = _candidates(64, 1000, 1000, [torch.float16]) + _candidates(1024, 1000, 1000, DTYPES)
+
+
+def _ids(pairs):
+    return [_candidate_ids([c])[0] + f"-{str(dt).removeprefix('torch.')}" for dt, c in pairs]
+
+
+def test_small_batches_get_split_k_candidates():
+    for dt in DTYPES:
+        configs = linear_mod.cuda_configs(1, 1000, 4096, 132, dt.itemsize)
+        splits = {c["SPLIT_K"] for c in configs}
+        assert splits & {2, 4, 8}, f"no split-K candidate for M=1, N=1000, K=4096, {dt}: {splits}"
+        assert {c["BLOCK_M"] for c in configs} == {16}
+
+
+def test_candidates_fit_shared_memory():
+    """A candidate whose pipeline overflows shared memory fails to launch (H200: 16x64x256 fp32 at 4 stages
+    asked for 245,760 B of 232,448): it is never offered, so every candidate can be tested and picked."""
+    big = linear_mod.LaunchConfig.of(4, 4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, SPLIT_K=1)
+    assert linear_mod.pipeline_shared_memory(big, 4) == 245_760
+    for bucket, N, K in [(1, 1000, 4096), (64, 1000, 1000), (1024, 4096, 4096)]:
+        for dt in DTYPES:
+            configs = linear_mod.cuda_configs(bucket, N, K, 132, dt.itemsize)
+            assert configs, (bucket, dt)
+            for c in configs:
+                assert linear_mod.pipeline_shared_memory(c, dt.itemsize) <= linear_mod.HOPPER_SHARED_MEMORY, c
+    fp32 = linear_mod.cuda_configs(1, 1000, 4096, 132, 4)
+    assert big not in fp32 and big in linear_mod.cuda_configs(1, 1000, 4096, 132, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,config", SMALL_M_CANDIDATES, ids=_ids(SMALL_M_CANDIDATES))
+def test_gpu_every_small_batch_config(monkeypatch, config, dtype):
+    """Whatever the tuner picks must be exact: every small-M candidate, split-K included, twice."""
+    _force_config(monkeypatch, config)
+    for _ in range(2):
+        _check(3, 1000, 4096, dtype, "gelu_tanh", "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,config", LARGER_M_CANDIDATES, ids=_ids(LARGER_M_CANDIDATES))
+def test_gpu_every_larger_batch_config(monkeypatch, config, dtype):
+    _force_config(monkeypatch, config)
+    _check(77, 1000, 1000, dtype, "relu", "cuda")

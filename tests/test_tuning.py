@@ -1,0 +1,119 @@
+"""The tuning cache: the fastest candidate is kept, survives a restart, and a bad file costs a re-tune only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kernels import tuning
+from kernels.tuning import LaunchConfig, TuningCache, tune
+
+A = LaunchConfig.of(4, 3, BLOCK_M=16, BLOCK_N=32)
+B = LaunchConfig.of(8, 2, BLOCK_M=64, BLOCK_N=64)
+C = LaunchConfig.of(4, 5, BLOCK_M=32, BLOCK_N=16)
+
+
+@pytest.fixture
+def cache_file(tmp_path, monkeypatch):
+    path = tmp_path / "sub" / "tuning.json"
+    monkeypatch.setattr(tuning, "_cache", [])
+    monkeypatch.setenv("FUSEDSERVE_TUNING_CACHE", str(path))
+    return path
+
+
+def _bench_by(times: dict[LaunchConfig, float], calls: list):
+    def bench(fn):
+        before = len(calls)
+        fn()
+        config = calls[before]
+        return times[config]
+
+    return bench
+
+
+def test_fastest_candidate_is_chosen_and_written(cache_file):
+    calls: list[LaunchConfig] = []
+    best = tune("gpu | t | k@1", "m1", [A, B, C], calls.append, _bench_by({A: 5.0, B: 2.5, C: 9.0}, calls))
+    assert best == B
+    assert calls == [A, B, C]
+    saved = json.loads(cache_file.read_text())
+    assert saved["gpu | t | k@1"]["m1"] == {**B.to_json(), "us": 2.5}
+
+
+def test_a_restart_reads_the_file_and_times_nothing(cache_file):
+    calls: list[LaunchConfig] = []
+    tune("s", "k", [A, B], calls.append, _bench_by({A: 1.0, B: 2.0}, calls))
+    tuning._cache.clear()  # a new process
+    again: list[LaunchConfig] = []
+    assert tune("s", "k", [A, B], again.append, _bench_by({A: 1.0, B: 2.0}, again)) == A
+    assert again == []
+    # another key still tunes
+    assert tune("s", "k2", [A, B], again.append, _bench_by({A: 3.0, B: 2.0}, again)) == B
+    assert again == [A, B]
+
+
+def test_a_failing_candidate_is_skipped_and_all_failing_is_an_error(cache_file):
+    def run(config):
+        if config is A:
+            raise RuntimeError("out of shared memory")
+
+    assert tune("s", "k", [A, C], run, lambda fn: (fn(), 1.0)[1]) == C
+
+    def broken(config):
+        raise RuntimeError("nope")
+
+    with pytest.raises(RuntimeError, match="no launch config runs s k3"):
+        tune("s", "k3", [A, B], broken, lambda fn: (fn(), 1.0)[1])
+
+
+def test_corrupt_file_is_replaced_not_fatal(cache_file, caplog):
+    cache_file.parent.mkdir(parents=True)
+    cache_file.write_text("{not json")
+    calls: list[LaunchConfig] = []
+    assert tune("s", "k", [A, B], calls.append, _bench_by({A: 2.0, B: 1.0}, calls)) == B
+    assert "unreadable" in caplog.text
+    assert json.loads(cache_file.read_text())["s"]["k"]["num_warps"] == 8
+
+
+def test_unwritable_location_keeps_results_in_memory(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setattr(tuning, "_cache", [])
+    monkeypatch.setenv("FUSEDSERVE_TUNING_CACHE", str(blocker / "tuning.json"))  # parent is a file
+    calls: list[LaunchConfig] = []
+    assert tune("s", "k", [A, B], calls.append, _bench_by({A: 2.0, B: 1.0}, calls)) == B
+    assert "cannot write tuning cache" in caplog.text
+    assert tune("s", "k", [A, B], calls.append, _bench_by({A: 2.0, B: 1.0}, calls)) == B
+    assert len(calls) == 2  # the second call was a memory hit
+
+
+def test_default_path_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv("FUSEDSERVE_TUNING_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert tuning.default_cache_path() == tmp_path / "fusedserve" / "tuning.json"
+
+
+def test_memory_only_cache(monkeypatch):
+    monkeypatch.setattr(tuning, "_cache", [])
+    store = tuning.use_cache(None)
+    assert isinstance(store, TuningCache) and store.path is None
+    calls: list[LaunchConfig] = []
+    assert tune("s", "k", [A], calls.append, _bench_by({A: 1.0}, calls)) == A
+
+
+def test_tuning_off_takes_the_first_candidate_untimed(cache_file, monkeypatch):
+    monkeypatch.setattr(tuning, "_enabled", [False])
+    calls: list[LaunchConfig] = []
+    assert tune("s", "k", [C, A, B], calls.append, _bench_by({A: 1.0, B: 2.0, C: 3.0}, calls)) == C
+    assert calls == []
+    assert not cache_file.exists()  # an untimed pick is never recorded as tuned
+
+
+def test_tuning_switch_reads_the_environment(monkeypatch):
+    monkeypatch.setattr(tuning, "_enabled", [])
+    monkeypatch.setenv("FUSEDSERVE_TUNING", "false")
+    assert tuning.enabled() is False
+    monkeypatch.setattr(tuning, "_enabled", [])
+    monkeypatch.setenv("FUSEDSERVE_TUNING", "true")
+    assert tuning.enabled() is True
