@@ -1,0 +1,351 @@
+"""The whole MLP in one kernel: every layer's GEMM + bias + activation, activations kept on chip.
+
+For a narrow MLP (every width <= MAX_WIDTH) a forward is a few microseconds of GPU work, less than
+one kernel launch costs from Python, and per-layer kernels write each hidden activation to memory and
+read it back. Here one program takes BLOCK_M rows of the batch through every layer; nothing but the
+input, the weights and the output touches memory. tiny-cuda-nn's fully fused MLP is the model; this
+one adds bias, every activation, any batch size and any width up to MAX_WIDTH.
+
+Layers go in pairs, the way a fused FFN runs. For layers (A, B) with hidden width P_MID:
+
+    for each BLOCK_N-wide chunk j of the hidden width:           (a pipelined loop: the chunk's
+        mid_j = act_A(h @ W_A[j]^T + b_A[j])      (BLOCK_M, BLOCK_N)   weights are copied to shared
+        acc  += mid_j @ W_B[:, j]^T               (BLOCK_M, P_OUT)     memory while the last chunk
+    h = act_B(acc + b_B)                                               is multiplied)
+
+so the hidden activation exists only a chunk at a time, in registers, and no weight tile is larger
+than (P, BLOCK_N): a whole (256, 256) tile in registers spills (3.4 KB of stack per thread, measured
+with ptxas for sm_90). A last unpaired layer runs the same loop with B = the identity, generated in
+registers (an exact MMA: x * 1 + 0), which places each chunk at its columns of the output.
+
+mid_j is rounded to the model dtype before the second product, exactly as a per-layer kernel rounds its
+stored output, so the whole-MLP kernel and the per-layer kernels compute the same function.
+
+Weights are packed once (`FusedMLP`): each layer's W (nn.Linear layout, (N, K)) zero-padded to
+(P_out, P_in), powers of two >= 16 (tl.dot's minimum), laid end to end; biases likewise (zeros where
+a layer has none). Padding is exact: padded input columns meet zero weight columns, so whatever an
+activation makes of a padded unit (sigmoid(0) = 0.5) adds nothing downstream, and padded outputs are
+never stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
+from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail
+from .linear import SUPPORTED_DTYPES, m_bucket
+from .runtime import bf16_on_interpreter, check_device, interpreting
+from .tuning import LaunchConfig, scope_for, tune
+
+MAX_LAYERS = 8
+MAX_WIDTH = 256  # padded; the (BLOCK_M, P) fp32 accumulator is 32 registers per thread at 16 x 256
+
+SKIP, PAIR, SINGLE = 0, 1, 2  # per-layer schedule: second of a pair, first of a pair, unpaired last layer
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:  # bf16 under the interpreter: its bf16 tl.dot is wrong; bf16 products are exact in fp32
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _bias_act(acc, b_ptr, cols, ACT: tl.constexpr, SLOPE: tl.constexpr, ROUND_BF16: tl.constexpr, dtype):
+    acc = acc + tl.load(b_ptr + cols).to(tl.float32)[None, :]
+    acc = apply_activation(acc, ACT, SLOPE)
+    if ROUND_BF16:
+        acc = round_to_bf16(acc)
+    return acc.to(dtype)
+
+
+@triton.jit
+def _pair(h, wa_ptr, ba_ptr, wb_ptr, bb_ptr,
+          P_IN: tl.constexpr, P_MID: tl.constexpr, P_OUT: tl.constexpr,
+          ACT_A: tl.constexpr, SLOPE_A: tl.constexpr, ACT_B: tl.constexpr, SLOPE_B: tl.constexpr,
+          IDENTITY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+          PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
+    """h (BLOCK_M, P_IN) -> act_B(act_A(h @ W_A^T + b_A) @ W_B^T + b_B) (BLOCK_M, P_OUT), model dtype.
+    IDENTITY: there is no layer B (P_OUT == P_MID); the result is act_A(h @ W_A^T + b_A)."""
+    dtype = wa_ptr.dtype.element_ty
+    BN: tl.constexpr = BLOCK_N if BLOCK_N < P_MID else P_MID
+    k = tl.arange(0, P_IN)
+    n = tl.arange(0, BN)
+    o = tl.arange(0, P_OUT)
+    acc = tl.zeros((BLOCK_M, P_OUT), dtype=tl.float32)
+    for j in tl.range(0, P_MID // BN, num_stages=STAGES):
+        mid_cols = j * BN + n
+        wa = tl.load(wa_ptr + mid_cols[None, :] * P_IN + k[:, None])  # (P_IN, BN) view of W_A rows
+        mid = _dot(h, wa, tl.zeros((BLOCK_M, BN), dtype=tl.float32), PRECISION, UPCAST)
+        mid = _bias_act(mid, ba_ptr, mid_cols, ACT_A, SLOPE_A, ROUND_BF16, dtype)
+        if IDENTITY:
+            # (BN, P_OUT): puts mid's column i at output column j*BN + i. Built as fp32 and cast: the
+            # interpreter's bool -> bf16 cast gives 0. "ieee": an fp32 mid must not be truncated to tf32.
+            eye = tl.where(mid_cols[:, None] == o[None, :], 1.0, 0.0)
+            acc = _dot(mid, eye.to(dtype), acc, "ieee", UPCAST)
+        else:
+            wb = tl.load(wb_ptr + o[None, :] * P_MID + mid_cols[:, None])  # (BN, P_OUT) view of W_B columns
+            acc = _dot(mid, wb, acc, PRECISION, UPCAST)
+    if IDENTITY:
+        return acc.to(dtype)  # already biased, activated and rounded, chunk by chunk
+    return _bias_act(acc, bb_ptr, o, ACT_B, SLOPE_B, ROUND_BF16, dtype)
+
+
+@triton.jit
+def _step(h, w_ptr, b_ptr, MODE: tl.constexpr, P_IN: tl.constexpr, P_MID: tl.constexpr, P_OUT: tl.constexpr,
+          ACT_A: tl.constexpr, SLOPE_A: tl.constexpr, ACT_B: tl.constexpr, SLOPE_B: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+          PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
+    """Layer l of the schedule; w_ptr/b_ptr point at its packed weights. SKIP returns h unchanged."""
+    if MODE == 1:  # PAIR with layer l + 1, whose weights follow this layer's
+        h = _pair(h, w_ptr, b_ptr, w_ptr + P_MID * P_IN, b_ptr + P_MID, P_IN, P_MID, P_OUT,
+                  ACT_A, SLOPE_A, ACT_B, SLOPE_B, False, BLOCK_M, BLOCK_N, STAGES,
+                  PRECISION, UPCAST, ROUND_BF16)  # fmt: skip
+    elif MODE == 2:  # SINGLE
+        h = _pair(h, w_ptr, b_ptr, w_ptr, b_ptr, P_IN, P_MID, P_MID,
+                  ACT_A, SLOPE_A, ACT_A, SLOPE_A, True, BLOCK_M, BLOCK_N, STAGES,
+                  PRECISION, UPCAST, ROUND_BF16)  # fmt: skip
+    return h
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mlp_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, stride_xm, stride_ym,
+    IN_FEATURES: tl.constexpr, OUT_FEATURES: tl.constexpr, NUM_LAYERS: tl.constexpr,
+    P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, P4: tl.constexpr,
+    P5: tl.constexpr, P6: tl.constexpr, P7: tl.constexpr, P8: tl.constexpr, P9: tl.constexpr,
+    M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, M3: tl.constexpr,
+    M4: tl.constexpr, M5: tl.constexpr, M6: tl.constexpr, M7: tl.constexpr,
+    A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr,
+    A4: tl.constexpr, A5: tl.constexpr, A6: tl.constexpr, A7: tl.constexpr, A8: tl.constexpr,
+    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
+    S4: tl.constexpr, S5: tl.constexpr, S6: tl.constexpr, S7: tl.constexpr, S8: tl.constexpr,
+    P_LAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    # Layer l maps P_l -> P_l+1 with activation A_l (slope S_l) and schedule M_l; its packed weights
+    # start at sum_{i<l} P_i * P_i+1. Every `if NUM_LAYERS > l` is decided at compile time, so h changes
+    # width from step to step. P9, A8, S8 are padding so that layer 7 can name "the next layer".
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, P0)
+    h = tl.load(
+        x_ptr + rows[:, None] * stride_xm + cols[None, :],
+        mask=(rows[:, None] < M) & (cols[None, :] < IN_FEATURES),
+        other=0.0,
+    )
+    w = w_ptr
+    b = b_ptr
+    h = _step(h, w, b, M0, P0, P1, P2, A0, S0, A1, S1, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST, ROUND_BF16)
+    if NUM_LAYERS > 1:
+        w += P0 * P1
+        b += P1
+        h = _step(h, w, b, M1, P1, P2, P3, A1, S1, A2, S2, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST, ROUND_BF16)
+    if NUM_LAYERS > 2:
+        w += P1 * P2
+        b += P2
+        h = _step(h, w, b, M2, P2, P3, P4, A2, S2, A3, S3, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST, ROUND_BF16)
+    if NUM_LAYERS > 3:
+        w += P2 * P3
+        b += P3
+        h = _step(h, w, b, M3, P3, P4, P5, A3, S3, A4, S4, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST, ROUND_BF16)
+    if NUM_LAYERS > 4:
+        w += P3 * P4
+        b += P4
+        h = _step(h, w, b, M4, P4, P5, P6, A4, S4, A5, S5, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST, ROUND_BF16)
+    if NUM_LAYERS > 5:
+        w += P4 * P5
+        b += P5
+        h = _step(h, w, b, M5, P5, P6, P7, A5, S5, A6, S6, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST, ROUND_BF16)
+    if NUM_LAYERS > 6:
+        w += P5 * P6
+        b += P6
+        h = _step(h, w, b, M6, P6, P7, P8, A6, S6, A7, S7, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST, ROUND_BF16)
+    if NUM_LAYERS > 7:
+        w += P6 * P7
+        b += P7
+        h = _step(h, w, b, M7, P7, P8, P9, A7, S7, A8, S8, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST, ROUND_BF16)
+    out_cols = tl.arange(0, P_LAST)
+    tl.store(
+        y_ptr + rows[:, None] * stride_ym + out_cols[None, :],
+        h,
+        mask=(rows[:, None] < M) & (out_cols[None, :] < OUT_FEATURES),
+    )
+
+
+def padded_width(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def schedule(num_layers: int) -> list[int]:
+    """Layers in pairs; an odd last layer runs alone. 3 layers -> [PAIR, SKIP, SINGLE]."""
+    modes = []
+    while len(modes) + 2 <= num_layers:
+        modes += [PAIR, SKIP]
+    if len(modes) < num_layers:
+        modes.append(SINGLE)
+    return modes
+
+
+@dataclass(frozen=True)
+class MLPLayer:
+    weight: torch.Tensor  # (N, K), nn.Linear layout
+    bias: torch.Tensor | None
+    activation: str = "none"
+    negative_slope: float = DEFAULT_NEGATIVE_SLOPE
+
+
+def mlp_fits(widths: Sequence[int]) -> bool:
+    """Whether an MLP with these feature widths (input, hidden..., output) runs as one kernel."""
+    return 2 <= len(widths) <= MAX_LAYERS + 1 and all(padded_width(w) <= MAX_WIDTH for w in widths)
+
+
+def cuda_configs(bucket: int) -> list[LaunchConfig]:
+    """BLOCK_M from 16 (batch 1-16 fills one MMA tile) to 64. BLOCK_N sets the hidden chunk: each chunk
+    is a dependent step (wait for its weights, two MMAs, an epilogue), so wide chunks mean fewer steps
+    (digits MLP at BLOCK_N 32: 8 + 1 steps, ~10 us on an H200; see bench/results). 8 warps split the
+    second MMA's 256 output columns further. Configs over the shared-memory limit fail and are skipped."""
+    configs = []
+    for bm in (16, 32, 64):
+        if bm > max(16, 2 * bucket):  # a tile more than half padding is never the fastest
+            continue
+        for bn in (32, 64, 128):
+            for warps in (4, 8):
+                stages = 3 if bn == 32 else 2
+                configs.append(LaunchConfig.of(num_warps=warps, num_stages=1, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages))
+    return configs
+
+
+class FusedMLP:
+    """A chain of linear layers (each with bias or not, any activation) run as one kernel per forward.
+
+    The weights are checked and packed once; a call checks x, picks the tuned config for its batch
+    bucket (tuned on first use, or read from the tuning cache) and launches once.
+    """
+
+    def __init__(self, layers: Sequence[MLPLayer], *, allow_tf32: bool | None = None):
+        if not layers:
+            raise ValueError("FusedMLP needs at least one layer")
+        if len(layers) > MAX_LAYERS:
+            raise ValueError(f"FusedMLP runs at most {MAX_LAYERS} layers in one kernel; got {len(layers)}")
+        first = layers[0].weight
+        widths = [first.shape[1] if first.dim() == 2 else -1]
+        for i, layer in enumerate(layers):
+            w, b = layer.weight, layer.bias
+            if w.dim() != 2:
+                raise ValueError(f"layers[{i}].weight must be 2-D (N, K); got shape {tuple(w.shape)}")
+            if w.shape[1] != widths[-1]:
+                raise ValueError(
+                    f"layers[{i}].weight has K={w.shape[1]} but the previous layer outputs {widths[-1]} features"
+                )
+            if w.dtype not in SUPPORTED_DTYPES or w.dtype != first.dtype or w.device != first.device:
+                raise TypeError(
+                    f"layers[{i}].weight is {w.dtype} on {w.device}; every layer must be {first.dtype} on "
+                    f"{first.device} (float32, float16 or bfloat16)"
+                )
+            if b is not None and (tuple(b.shape) != (w.shape[0],) or b.dtype != w.dtype or b.device != w.device):
+                raise ValueError(f"layers[{i}].bias must be a ({w.shape[0]},) {w.dtype} tensor on {w.device}")
+            check_activation(layer.activation)
+            widths.append(w.shape[0])
+        if not mlp_fits(widths):
+            raise ValueError(f"widths {widths} do not fit one kernel (each at most {MAX_WIDTH} after padding)")
+        check_device(first, "layers[0].weight")
+        self.widths = widths
+        self.padded = [padded_width(n) for n in widths]
+        self.dtype, self.device = first.dtype, first.device
+        self.layers = list(layers)
+        self.allow_tf32 = allow_tf32
+        self.weights, self.biases = self._pack()
+        self._configs: dict[tuple[int, str], LaunchConfig] = {}  # (M bucket, precision) -> tuned config
+        self._direct: dict[tuple[int, str], DirectLaunch] = {}  # the same key -> its compiled kernel
+        self._meta_fixed = self._fixed_meta()
+
+    def _pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        P = self.padded
+        w_all = torch.zeros(sum(P[i] * P[i + 1] for i in range(len(self.layers))), dtype=self.dtype, device=self.device)
+        b_all = torch.zeros(sum(P[1:]), dtype=self.dtype, device=self.device)
+        w_off = b_off = 0
+        for i, layer in enumerate(self.layers):
+            n, k = layer.weight.shape
+            w_all[w_off : w_off + P[i + 1] * P[i]].view(P[i + 1], P[i])[:n, :k] = layer.weight
+            if layer.bias is not None:
+                b_all[b_off : b_off + n] = layer.bias
+            w_off += P[i + 1] * P[i]
+            b_off += P[i + 1]
+        return w_all, b_all
+
+    def _fixed_meta(self) -> dict:
+        L = len(self.layers)
+        P = self.padded + [16] * (10 - len(self.padded))
+        modes = schedule(L) + [SKIP] * (MAX_LAYERS - L)
+        acts = [layer.activation for layer in self.layers] + ["none"] * (MAX_LAYERS + 1 - L)
+        slopes = [float(layer.negative_slope) for layer in self.layers] + [0.0] * (MAX_LAYERS + 1 - L)
+        meta = dict(IN_FEATURES=self.widths[0], OUT_FEATURES=self.widths[-1], NUM_LAYERS=L, P_LAST=self.padded[-1])
+        meta.update({f"P{i}": P[i] for i in range(10)})
+        meta.update({f"M{i}": modes[i] for i in range(MAX_LAYERS)})
+        meta.update({f"A{i}": acts[i] for i in range(MAX_LAYERS + 1)})
+        meta.update({f"S{i}": slopes[i] for i in range(MAX_LAYERS + 1)})
+        upcast = bf16_on_interpreter(self.dtype)
+        meta.update(UPCAST=upcast, ROUND_BF16=upcast)
+        return meta
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.widths[0]:
+            raise ValueError(f"x must be (M, {self.widths[0]}); got shape {tuple(x.shape)}")
+        if x.dtype != self.dtype or x.device != self.device:
+            raise TypeError(f"x is {x.dtype} on {x.device}; the MLP is {self.dtype} on {self.device}")
+        if x.stride(1) != 1:
+            raise ValueError(f"x rows must be contiguous (stride 1 along features); got strides {x.stride()}")
+        M = x.shape[0]
+        if out is None:
+            out = torch.empty((M, self.widths[-1]), dtype=self.dtype, device=self.device)
+        elif out.shape != (M, self.widths[-1]) or out.dtype != self.dtype or out.stride(1) != 1:
+            raise ValueError(f"out must be a ({M}, {self.widths[-1]}) {self.dtype} tensor with contiguous rows")
+        if M == 0:
+            return out
+        allow_tf32 = torch.backends.cuda.matmul.allow_tf32 if self.allow_tf32 is None else self.allow_tf32
+        precision = "tf32" if (allow_tf32 and self.dtype == torch.float32) else "ieee"
+        if self._direct:  # a compiled kernel for this bucket: straight through Triton's C launcher (launch.py)
+            key = (m_bucket(M), precision)
+            launch = self._direct.get(key)
+            if launch is not None and aligned(x, out):
+                grid = triton.cdiv(M, self._configs[key]["BLOCK_M"])
+                launch(grid, x, self.weights, self.biases, out, M, x.stride(0), out.stride(0))
+                return out
+        config = self._config(x, out, precision)
+        compiled = self._launch(x, out, precision, config)
+        if not interpreting() and DIRECT_LAUNCH and aligned(x, out):
+            values = {**self._meta_fixed, "PRECISION": precision, **config.meta()}
+            self._direct[(m_bucket(M), precision)] = DirectLaunch(compiled, constexpr_tail(_mlp_kernel, 7, values))
+        return out
+
+    def _launch(self, x, out, precision, config: LaunchConfig):
+        meta = config.meta()
+        grid = (triton.cdiv(x.shape[0], meta["BLOCK_M"]),)
+        return _mlp_kernel[grid](
+            x, self.weights, self.biases, out, x.shape[0], x.stride(0), out.stride(0),
+            **self._meta_fixed, PRECISION=precision, **meta,
+        )  # fmt: skip
+
+    def _config(self, x, out, precision) -> LaunchConfig:
+        if interpreting():
+            # One tile size: the interpreter's cost is per program and per chunk, and no timing is possible.
+            return LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=interpreter_block_n, STAGES=1)
+        bucket = m_bucket(x.shape[0])
+        hit = self._configs.get((bucket, precision))
+        if hit is None:
+            key = f"{self.widths}|{[layer.activation for layer in self.layers]}|{self.dtype}|{precision}|m{bucket}"
+            scope = scope_for("mlp", _mlp_kernel, _step, _pair, _bias_act, _dot, apply_activation)
+            hit = tune(scope, key, cuda_configs(bucket), lambda c: self._launch(x, out, precision, c))
+            self._configs[(bucket, precision)] = hit
+        return hit
+
+
+interpreter_block_n = 32  # tests set 16 so that every width > 16 takes several chunks

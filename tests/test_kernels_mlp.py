@@ -1,0 +1,176 @@
+"""The whole-MLP kernel against float64 and against the per-layer path: every dtype, activation and
+awkward width, 1 to 8 layers, any batch. Interpreted on the CPU, compiled on the lent GPU (`gpu`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.mlp as mlp_mod
+from kernels import ACTIVATIONS, reference
+from kernels.mlp import MAX_WIDTH, FusedMLP, MLPLayer, mlp_fits, schedule
+from tests.tolerances import NORMWISE_TF32, RTOL_VS_UNFUSED, assert_close_to, normwise_error
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Normwise error against float64 of a whole forward: each layer rounds its output to the dtype once
+# (fp16 half-ulp 4.9e-4, bf16 3.9e-3), a few layers deep. fp32: 1e-5, the suite's fp32 standard; an
+# H200 measured up to 3.0e-6 (4 layers, widths to 255, one row, silu: few outputs, so little averaging).
+NORMWISE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _layers(widths, activations, dtype, device, bias=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    layers = []
+    for i, act in enumerate(activations):
+        k, n = widths[i], widths[i + 1]
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(device=device, dtype=dtype)
+        has_bias = bias is True or (type(bias) is int and bias == i)  # bias=i: only layer i has one
+        b = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if has_bias else None
+        layers.append(MLPLayer(w, b, act, 0.2 if act == "leaky_relu" else 0.01))
+    return layers
+
+
+def _reference(x, layers, dtype):
+    """float64 forward, and the per-layer forward in the model dtype (mm, add, act per layer)."""
+    h64, h = x.double(), x
+    for layer in layers:
+        b64 = layer.bias.double() if layer.bias is not None else None
+        h64 = reference.linear(h64, layer.weight.double(), b64, layer.activation, negative_slope=layer.negative_slope)
+        h = reference.linear(h, layer.weight, layer.bias, layer.activation, negative_slope=layer.negative_slope)
+    return h64, h
+
+
+def _check(widths, activations, dtype, M, device=DEVICE, bias=True, allow_tf32=False, seed=0):
+    layers = _layers(widths, activations, dtype, device, bias, seed)
+    mlp = FusedMLP(layers, allow_tf32=allow_tf32)
+    x = torch.randn(M, widths[0], device=device).to(dtype)
+    out = torch.full((M, widths[-1]), float("nan"), device=device, dtype=dtype)  # NaN left = not written
+    got = mlp(x, out=out)
+    assert got is out
+    want64, per_layer = _reference(x, layers, dtype)
+    what = f"{widths} {activations} {dtype} M={M}"
+    assert torch.isfinite(got).all(), f"{what}: NaN/Inf (an element not written?)"
+    err = normwise_error(got, want64)
+    bound = NORMWISE_TF32 * len(layers) if allow_tf32 else NORMWISE[dtype]
+    assert err <= bound, f"{what}: normwise error {err:.2e} > {bound:.1e}"
+    # and the same function as the per-layer kernels (which round each layer's output the same way).
+    # Not under TF32: the per-layer reference multiplies in full fp32 (torch's global TF32 switch is off),
+    # so it sits ~2e-3 from a TF32 result elementwise (H200: 1.9e-3); the float64 check above bounds TF32.
+    if not allow_tf32:
+        assert_close_to(got, per_layer.double(), RTOL_VS_UNFUSED[dtype] * 4, what + " vs per-layer")
+    return err
+
+
+@pytest.fixture(autouse=True)
+def narrow_chunks(monkeypatch):
+    # Under the interpreter: 16-wide hidden chunks, so every width above 16 takes several loop steps.
+    monkeypatch.setattr(mlp_mod, "interpreter_block_n", 16)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_and_activation(dtype, activation):
+    _check([13, 37, 5], [activation, activation], dtype, 7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M", [1, 16, 17, 45])
+def test_digits_shape_every_batch(dtype, M):
+    _check([64, 256, 256, 10], ["relu", "relu", "none"], dtype, M)
+
+
+@pytest.mark.parametrize(
+    "widths",
+    [
+        [1, 1],
+        [2, 3, 1],
+        [7, 130, 3],
+        [256, 256, 256],
+        [17, 33, 65, 129, 255],
+        [5] * 9,
+        [3, 16, 32, 64, 128, 256, 9, 1, 4],
+    ],
+    ids=lambda w: "-".join(map(str, w)),
+)
+def test_depths_and_awkward_widths(widths):
+    acts = [ACTIVATIONS[(i * 3 + 1) % len(ACTIVATIONS)] for i in range(len(widths) - 1)]
+    _check(widths, acts, torch.float32, 19, seed=len(widths))
+
+
+@pytest.mark.parametrize("bias", [False, 0, 1])
+def test_layers_without_bias(bias):
+    _check([20, 50, 40, 6], ["silu", "gelu", "tanh"], torch.float32, 9, bias=bias)
+
+
+def test_schedule_pairs_layers_and_runs_an_odd_last_one_alone():
+    assert schedule(1) == [mlp_mod.SINGLE]
+    assert schedule(2) == [mlp_mod.PAIR, mlp_mod.SKIP]
+    assert schedule(3) == [mlp_mod.PAIR, mlp_mod.SKIP, mlp_mod.SINGLE]
+    assert schedule(8) == [mlp_mod.PAIR, mlp_mod.SKIP] * 4
+
+
+def test_fits():
+    assert mlp_fits([64, 256, 256, 10])
+    assert mlp_fits([MAX_WIDTH] * 9)
+    assert not mlp_fits([64, MAX_WIDTH + 1, 10])
+    assert not mlp_fits([4] * 10)  # 9 layers
+    assert not mlp_fits([1024, 4096, 4096, 1024])
+
+
+def test_bad_layers_are_named():
+    w = torch.randn(8, 4, device=DEVICE)
+    with pytest.raises(ValueError, match=r"layers\[1\].weight has K=5 but the previous layer outputs 8"):
+        FusedMLP([MLPLayer(w, None), MLPLayer(torch.randn(3, 5, device=DEVICE), None)])
+    with pytest.raises(TypeError, match=r"layers\[1\].weight is torch.float16"):
+        FusedMLP([MLPLayer(w, None), MLPLayer(torch.randn(3, 8, device=DEVICE).half(), None)])
+    with pytest.raises(ValueError, match=r"layers\[0\].bias must be a \(8,\)"):
+        FusedMLP([MLPLayer(w, torch.randn(7, device=DEVICE))])
+    with pytest.raises(ValueError, match="do not fit one kernel"):
+        FusedMLP([MLPLayer(torch.randn(300, 4, device=DEVICE), None)])
+    with pytest.raises(ValueError, match="unknown activation 'swish'"):
+        FusedMLP([MLPLayer(w, None, "swish")])
+    mlp = FusedMLP([MLPLayer(w, None)])
+    with pytest.raises(ValueError, match=r"x must be \(M, 4\)"):
+        mlp(torch.randn(2, 5, device=DEVICE))
+    with pytest.raises(TypeError, match="x is torch.float16"):
+        mlp(torch.randn(2, 4, device=DEVICE).half())
+
+
+def test_empty_batch():
+    mlp = FusedMLP(_layers([4, 8, 2], ["relu", "none"], torch.float32, DEVICE))
+    assert mlp(torch.randn(0, 4, device=DEVICE)).shape == (0, 2)
+
+
+# ---- compiled, on the lent GPU ----
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M", [1, 3, 64, 300])
+def test_gpu_every_dtype_and_activation(dtype, activation, M):
+    _check([64, 256, 256, 10], [activation] * 3, dtype, M, "cuda")
+    _check([3, 17, 130, 255, 2], [activation] * 4, dtype, M, "cuda", bias=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("widths", [[1, 1], [256] * 9, [5, 200, 7], [64, 256, 256, 10]], ids=str)
+@pytest.mark.parametrize("M", [1, 2, 15, 16, 17, 31, 33, 255, 256, 257, 1000, 4096])
+def test_gpu_depths_and_every_batch_bucket(widths, M):
+    _check(widths, ["gelu_tanh"] * (len(widths) - 1), torch.float16, M, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", mlp_mod.cuda_configs(4096), ids=lambda c: str(c.meta()))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_every_config_the_tuner_may_pick(monkeypatch, config, dtype):
+    monkeypatch.setattr(mlp_mod, "tune", lambda scope, key, candidates, run, bench=None: config)
+    for M in (1, 100):
+        _check([64, 256, 256, 10], ["relu", "sigmoid", "none"], dtype, M, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_tf32():
+    err = _check([64, 256, 256, 10], ["relu"] * 3, torch.float32, 64, "cuda", allow_tf32=True)
+    assert err > 1e-5, f"normwise error {err:.2e}: looks like fp32, not TF32"
