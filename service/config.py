@@ -47,7 +47,19 @@ class Settings(BaseSettings):
         30_000, gt=0, description="a request still queued after this long is dropped with 504"
     )
     kernel_timing_every: int = Field(
-        1, ge=0, description="time kernels on every Nth batch (0: never); CUDA events, no extra sync"
+        16,
+        ge=0,
+        description="time kernels on every Nth batch (0: never); that batch runs launch by launch with CUDA "
+        "events instead of replaying its CUDA graph",
+    )
+    cuda_graphs: bool = Field(True, description="on CUDA, replay one captured CUDA graph per batch bucket")
+    tuning: bool = Field(
+        True, description="time candidate kernel configs per batch bucket at warm-up (false: first candidate, untimed)"
+    )
+    tuning_cache: Path | None = Field(
+        None,
+        description="JSON file of tuned kernel configs kept across restarts "
+        "(default $XDG_CACHE_HOME/fusedserve/tuning.json)",
     )
     warmup: bool = Field(True, description="compile and autotune kernels for every batch-size bucket before ready")
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 in containers)")

@@ -36,6 +36,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     from .state import AppState
 
     torch.backends.cuda.matmul.allow_tf32 = settings.allow_tf32  # one setting for both modes
+    from kernels import tuning
+
+    tuning.use_cache(settings.tuning_cache or tuning.default_cache_path())
+    tuning.set_enabled(settings.tuning)
     model = load_model(settings.model_path())
     metrics = Metrics(model.name, settings.mode, str(device), settings.dtype)
     runner = ModelRunner(
@@ -44,6 +48,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         device,
         settings.dtype,
         kernel_timing_every=settings.kernel_timing_every,
+        cuda_graphs=settings.cuda_graphs,
+        max_batch_size=settings.max_batch_size,
         observe_kernel=metrics.observe_kernel,
         observe_forward=metrics.observe_forward,
     )

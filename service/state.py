@@ -11,7 +11,7 @@ from .batching import Batcher
 from .config import Settings
 from .metrics import Metrics
 from .model.loader import Model
-from .model.planner import FlattenStep, LinearStep
+from .model.planner import FlattenStep, LinearStep, MLPStep
 from .model.runner import ModelRunner
 
 # Longest JSON number orjson writes for a float ("-1.2345678901234567e-308," is 25 bytes), rounded up.
@@ -43,11 +43,16 @@ class AppState:
 
     def describe(self) -> dict:
         steps = []
+
+        def linear(s: LinearStep) -> dict:
+            w = self.model.tensors[s.weight]
+            return {"in": w.shape[1], "out": w.shape[0], "bias": s.bias is not None, "activation": s.activation}
+
         for s in self.runner.executor.steps:
             if isinstance(s, LinearStep):
-                w = self.model.tensors[s.weight]
-                steps.append({"kernel": s.name, "op": "linear", "in": w.shape[1], "out": w.shape[0],
-                              "bias": s.bias is not None, "activation": s.activation})  # fmt: skip
+                steps.append({"kernel": s.name, "op": "linear", **linear(s)})
+            elif isinstance(s, MLPStep):
+                steps.append({"kernel": s.name, "op": "mlp", "layers": [linear(x) for x in s.layers]})
             elif isinstance(s, FlattenStep):
                 steps.append({"kernel": None, "op": "flatten"})
             else:

@@ -59,14 +59,18 @@ def test_defaults():
     assert s.max_rows_per_request == 256  # defaults to max_batch_size
     assert s.max_queue_requests == 1024
     assert s.request_timeout_ms == 30_000
-    assert s.kernel_timing_every == 1
+    assert s.kernel_timing_every == 16
+    assert s.cuda_graphs is True
+    assert s.tuning_cache is None
+    assert s.tuning is True
     assert s.warmup is True
     assert s.host == "127.0.0.1"
     assert s.port == 8000
     assert s.log_level == "info"
     assert set(FIELDS) == {
         "mode", "device", "model", "model_dir", "dtype", "allow_tf32", "max_batch_size", "max_delay_ms",
-        "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "kernel_timing_every", "warmup",
+        "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "kernel_timing_every", "cuda_graphs",
+        "tuning", "tuning_cache", "warmup",
         "host", "port", "log_level",
     }  # fmt: skip
 

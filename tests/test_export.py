@@ -28,13 +28,17 @@ def test_exported_sequential_matches_torch(tmp_path, mode):
     path = export_sequential(model, tmp_path / "seq", input_shape=[2, 3, 5], labels=list("abcd"))
     loaded = load_model(path)
     assert loaded.spec.labels == list("abcd")
-    ex = Executor(loaded, mode, DEVICE, torch.float32)
-    assert [name for name, _ in ex.layers] == [None, "linear_0_gelu_tanh", "linear_1_leaky_relu", "activation_0_tanh",
-                                               "linear_2"]  # fmt: skip
     x = torch.randn(11, 2, 3, 5)
     with torch.no_grad():
         want = model.double()(x.double())
-    assert_close_to(ex.forward(x.to(DEVICE)), want, 1e-5, f"exported sequential, {mode}")
+    # Per-layer plan, and the plan that runs the two adjacent linear layers as one whole-MLP kernel.
+    per_layer = Executor(loaded, mode, DEVICE, torch.float32, whole_mlp=False)
+    assert [name for name, _ in per_layer.layers] == [None, "linear_0_gelu_tanh", "linear_1_leaky_relu",
+                                                      "activation_0_tanh", "linear_2"]  # fmt: skip
+    grouped = Executor(loaded, mode, DEVICE, torch.float32)
+    assert [name for name, _ in grouped.layers] == [None, "mlp_0_1", "activation_0_tanh", "linear_2"]
+    for ex in (per_layer, grouped):
+        assert_close_to(ex.forward(x.to(DEVICE)), want, 1e-5, f"exported sequential, {mode}")
 
 
 def test_unsupported_module_is_named(tmp_path):

@@ -1,7 +1,9 @@
 """Two executors, one plan: the fused one swaps each step's implementation, never the model.
 
-    fused:   LinearStep -> kernels.FusedLinear (1 kernel), ActivationStep -> kernels.fused_activation
-    unfused: LinearStep -> kernels.reference.linear (mm, add, act: 3 kernels), ActivationStep -> torch
+    fused:   MLPStep -> kernels.FusedMLP (1 kernel for all its layers), LinearStep -> kernels.FusedLinear
+             (1 kernel), ActivationStep -> kernels.fused_activation
+    unfused: MLPStep and LinearStep -> kernels.reference.linear per layer (mm, add, act: 3 kernels each),
+             ActivationStep -> torch
 
 Each step is bound once, at load, to its tensors and parameters, so a forward is a loop of calls.
 Each step can be timed under its plan name: on CUDA with events recorded on the stream around the
@@ -18,7 +20,7 @@ from typing import Literal
 import torch
 
 from .loader import Model
-from .planner import ActivationStep, FlattenStep, LinearStep, Step, plan
+from .planner import ActivationStep, FlattenStep, LinearStep, MLPStep, Step, group_mlps, plan
 
 Mode = Literal["fused", "unfused"]
 Layer = Callable[[torch.Tensor], torch.Tensor]
@@ -65,14 +67,16 @@ def _flatten(x: torch.Tensor) -> torch.Tensor:
 class Executor:
     """Runs the plan of `model` on one device in one dtype, fused or unfused."""
 
-    def __init__(self, model: Model, mode: Mode, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model: Model, mode: Mode, device: torch.device, dtype: torch.dtype, *, whole_mlp: bool = True):
         if mode not in ("fused", "unfused"):
             raise ValueError(f"unknown mode {mode!r}; expected 'fused' or 'unfused'")
         self.model = model
         self.mode = mode
         self.device = device
         self.dtype = dtype
-        self.steps: list[Step] = plan(model.ops)
+        # Both modes run one plan, so their per-step timings line up under the same names.
+        steps = plan(model.ops)
+        self.steps: list[Step] = group_mlps(steps, model.tensors) if whole_mlp else steps
         # Weights are cast and placed once, contiguous, as the kernels require.
         self.tensors = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in model.tensors.items()}
         # (name to time under, or None for a view; the bound layer)
@@ -82,9 +86,21 @@ class Executor:
         # Imported here, not at module top: the service decides interpreter vs compiled
         # (TRITON_INTERPRET) from its settings before the kernels are first defined.
         from kernels import FusedLinear, fused_activation, reference
+        from kernels.mlp import FusedMLP, MLPLayer
 
         if isinstance(step, FlattenStep):
             return None, _flatten
+        if isinstance(step, MLPStep):
+            if self.mode == "fused":
+                layers = [
+                    MLPLayer(
+                        self.tensors[s.weight], self.tensors[s.bias] if s.bias else None, s.activation, s.negative_slope
+                    )
+                    for s in step.layers
+                ]
+                return step.name, FusedMLP(layers)
+            per_layer = [self._bind(s)[1] for s in step.layers]
+            return step.name, functools.partial(_chain, layers=per_layer)
         if isinstance(step, LinearStep):
             w = self.tensors[step.weight]
             b = self.tensors[step.bias] if step.bias else None
@@ -110,6 +126,12 @@ class Executor:
                 x = layer(x)
                 timer.stop(name)
         return x
+
+
+def _chain(x, *, layers):
+    for layer in layers:
+        x = layer(x)
+    return x
 
 
 def _contiguous_then(x, *, fn, activation, negative_slope):

@@ -5,6 +5,9 @@
     other activation    -> ActivationStep (its own elementwise kernel)
     flatten             -> FlattenStep (a view: no kernel, no copy)
 
+then `group_mlps` turns each run of 2-8 consecutive LinearSteps whose widths all fit the whole-MLP
+kernel (<= 256 after padding) into one MLPStep (`mlp_0_2`: linear layers 0 to 2, one kernel).
+
 Each step that launches work has a stable name (`linear_0_relu`, `linear_2`, `activation_0_tanh`):
 the `kernel` label in metrics. Both executors run the same plan, so fused and unfused times line
 up kernel by kernel.
@@ -12,7 +15,10 @@ up kernel by kernel.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+import torch
 
 from .spec import DEFAULT_NEGATIVE_SLOPE, FlattenOp, LinearOp, Op, activation_of
 
@@ -38,7 +44,13 @@ class FlattenStep:
     name: str
 
 
-Step = LinearStep | ActivationStep | FlattenStep
+@dataclass(frozen=True)
+class MLPStep:
+    name: str
+    layers: tuple[LinearStep, ...]
+
+
+Step = LinearStep | ActivationStep | FlattenStep | MLPStep
 
 
 def plan(ops: list[Op]) -> list[Step]:
@@ -64,6 +76,40 @@ def plan(ops: list[Op]) -> list[Step]:
             n_act += 1
             i += 1
     return steps
+
+
+def group_mlps(steps: list[Step], tensors: Mapping[str, torch.Tensor]) -> list[Step]:
+    """Replace each maximal run of consecutive LinearSteps that fits one whole-MLP kernel by an MLPStep.
+
+    A run too long for one kernel is cut into kernels of at most MAX_LAYERS layers; a run of one layer
+    stays a LinearStep (the per-layer kernel is the same single launch).
+    """
+    from kernels.mlp import MAX_LAYERS, mlp_fits
+
+    def widths(run: list[LinearStep]) -> list[int]:
+        return [tensors[run[0].weight].shape[1]] + [tensors[s.weight].shape[0] for s in run]
+
+    out: list[Step] = []
+    run: list[LinearStep] = []
+
+    def flush() -> None:
+        while run:
+            chunk = run[:MAX_LAYERS]
+            del run[: len(chunk)]
+            if len(chunk) >= 2:
+                first, last = chunk[0].name.split("_")[1], chunk[-1].name.split("_")[1]
+                out.append(MLPStep(f"mlp_{first}_{last}", tuple(chunk)))
+            else:
+                out.extend(chunk)
+
+    for step in steps:
+        if isinstance(step, LinearStep) and mlp_fits(widths([step])):  # widths chain: run + step fits too
+            run.append(step)
+        else:
+            flush()
+            out.append(step)
+    flush()
+    return out
 
 
 def kernel_names(steps: list[Step]) -> list[str]:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .executors import Executor, Mode, StepTimer
+from .graphs import GraphedExecutor
 from .loader import Model
 
 log = logging.getLogger("fusedserve.runner")
@@ -51,12 +52,19 @@ class ModelRunner:
         dtype: str,
         *,
         kernel_timing_every: int = 1,
+        cuda_graphs: bool = True,
+        max_batch_size: int = 256,
         observe_kernel: Callable[[str, float], None] | None = None,
         observe_forward: Callable[[float], None] | None = None,
     ):
         self.model = model
         self.device = device
         self.executor = Executor(model, mode, device, DTYPES[dtype])
+        # On CUDA a forward replays one captured graph per batch bucket (graphs.py); batches whose kernels
+        # are timed run launch by launch instead, with CUDA events between steps.
+        self.graphs = (
+            GraphedExecutor(self.executor, max_batch_size) if (cuda_graphs and device.type == "cuda") else None
+        )
         self.kernel_timing_every = kernel_timing_every
         self._observe_kernel = observe_kernel
         self._observe_forward = observe_forward
@@ -72,7 +80,10 @@ class ModelRunner:
         timer = self._timer if (every and self._observe_kernel and self._batches % every == 0) else None
         x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32))
         x = x.to(self.device, non_blocking=False).to(self.executor.dtype)
-        y = self.executor.forward(x, timer)
+        # A batch larger than the biggest graph bucket (a direct caller; the batcher never forms one) runs
+        # launch by launch rather than failing.
+        graphed = self.graphs is not None and not timer and x.shape[0] <= self.graphs.max_batch_size
+        y = self.graphs.forward(x) if graphed else self.executor.forward(x, timer)
         # .cpu() synchronises with the stream: the batch's one sync, after which the events are ready.
         out = y.float().cpu().numpy()
         if timer:
@@ -84,13 +95,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self, max_batch_size: int) -> list[int]:
-        """Compile and autotune every batch bucket so no request pays for it; returns the sizes run."""
+        """Compile, tune and (on CUDA) capture every batch bucket so no request pays for it; returns the sizes run."""
         sizes = warmup_sizes(max_batch_size, self.device)
         gen = np.random.default_rng(0)
         for n in sizes:
             t = time.perf_counter()
             x = gen.standard_normal((n, *self.model.input_shape), dtype=np.float32)
             y = self.executor.forward(torch.from_numpy(x).to(self.device).to(self.executor.dtype))
+            if self.graphs is not None:
+                self.graphs.capture(self.graphs.bucket_for(n))
             if not torch.isfinite(y).all():
                 raise RuntimeError(f"warm-up forward at batch {n} produced NaN/Inf")
             log.info("warm-up: batch %d in %.1f ms", n, (time.perf_counter() - t) * 1e3)

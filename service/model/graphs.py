@@ -1,0 +1,82 @@
+"""One CUDA graph per batch bucket: a forward is one replay instead of one Python launch per kernel.
+
+Measured on an H200 before this (bench/results/launch_overhead_float32_h200.txt): a Triton launch
+from Python costs 40-65 us, while the digits MLP's GPU work is a few us, so the fused path was
+launch-bound. A graph replays every kernel of the forward for ~2-3 us of host time.
+
+Batches are padded up to the bucket (powers of two up to max_batch_size, and max_batch_size itself):
+rows of an MLP are independent, so pad rows (left over from earlier batches, always finite) change no
+real row. Capture happens at warm-up for every bucket; the first forward of a bucket not yet captured
+captures it then. Kernel tuning runs before capture, outside the graph, on a side stream as
+torch.cuda.graph requires.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .executors import Executor
+
+
+def graph_buckets(max_batch_size: int) -> list[int]:
+    """1, 2, 4, ... below max_batch_size, then max_batch_size itself."""
+    sizes, b = [], 1
+    while b < max_batch_size:
+        sizes.append(b)
+        b *= 2
+    return [*sizes, max_batch_size]
+
+
+class GraphedExecutor:
+    """Runs an Executor's forward through captured CUDA graphs, one per batch bucket."""
+
+    def __init__(self, executor: Executor, max_batch_size: int):
+        if executor.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA executor; this one runs on {executor.device}")
+        self.executor = executor
+        self.max_batch_size = max_batch_size
+        self.buckets = graph_buckets(max_batch_size)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle()  # one memory pool: buckets never run at once
+
+    def bucket_for(self, rows: int) -> int:
+        for b in self.buckets:
+            if rows <= b:
+                return b
+        raise ValueError(f"{rows} rows exceed max_batch_size {self.max_batch_size}")
+
+    @torch.inference_mode()
+    def capture(self, rows: int) -> None:
+        """Tune and capture the bucket `rows` (a bucket size) unless it is already captured."""
+        if rows in self._graphs:
+            return
+        ex = self.executor
+        gen = torch.Generator(device=ex.device).manual_seed(rows)
+        static_in = torch.randn((rows, *ex.model.input_shape), generator=gen, device=ex.device).to(ex.dtype)
+        side = torch.cuda.Stream(ex.device)
+        side.wait_stream(torch.cuda.current_stream(ex.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compiles, tunes (or reads the tuning cache) and allocates workspaces
+                ex.forward(static_in)
+        torch.cuda.current_stream(ex.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            static_out = ex.forward(static_in)
+        self._graphs[rows] = (graph, static_in, static_out)
+
+    def capture_all(self) -> None:
+        for b in self.buckets:
+            self.capture(b)
+
+    @torch.inference_mode()  # the static buffers are inference tensors (made in capture): copy_ needs the mode
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (rows, *input_shape) on the device, in the executor's dtype. Returns a view of the bucket's
+        static output: valid until the next forward, so copy or consume it first."""
+        rows = x.shape[0]
+        bucket = self.bucket_for(rows)
+        if bucket not in self._graphs:
+            self.capture(bucket)
+        graph, static_in, static_out = self._graphs[bucket]
+        static_in[:rows].copy_(x)
+        graph.replay()
+        return static_out[:rows]

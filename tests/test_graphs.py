@@ -1,0 +1,77 @@
+"""CUDA-graph replay per batch bucket gives exactly what launching each step gives, for every batch size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from service.model.executors import Executor
+from service.model.graphs import GraphedExecutor, graph_buckets
+from service.model.loader import load_model
+from service.model.runner import ModelRunner
+from tests.modelgen import write_model
+
+SHIPPED = Path(__file__).resolve().parents[1] / "model_weights" / "digits-mlp"
+
+
+@pytest.mark.parametrize(
+    "max_batch,buckets", [(1, [1]), (2, [1, 2]), (5, [1, 2, 4, 5]), (256, [1, 2, 4, 8, 16, 32, 64, 128, 256])]
+)
+def test_buckets(max_batch, buckets):
+    assert graph_buckets(max_batch) == buckets
+
+
+def test_graphs_need_cuda():
+    ex = Executor(load_model(SHIPPED), "unfused", torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA executor"):
+        GraphedExecutor(ex, 8)
+
+
+def _models(tmp_path):
+    # the shipped model (one whole-MLP kernel) and one with a wide layer, a flatten and a lone activation
+    wide = write_model(
+        tmp_path / "wide", [300, 2, 3, 5], ["relu", None, ["tanh", "sigmoid"]], input_shape=[6, 50],
+        extra_ops=[{"op": "flatten"}],
+    )  # fmt: skip
+    return [load_model(SHIPPED), load_model(wide)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_gpu_replay_equals_launching_each_step(tmp_path, mode, dtype):
+    for model in _models(tmp_path):
+        ex = Executor(model, mode, torch.device("cuda"), dtype)
+        graphs = GraphedExecutor(ex, 100)
+        graphs.capture_all()
+        for rows in (1, 2, 3, 17, 64, 65, 100, 7, 1):  # pad rows left by bigger batches must not leak
+            x = torch.randn(rows, *model.input_shape, device="cuda").to(dtype)
+            want = ex.forward(x)
+            got = graphs.forward(x).clone()
+            assert got.shape == want.shape
+            assert torch.equal(got, want), f"{model.name} {mode} {dtype} rows={rows}: replay differs from launches"
+        with pytest.raises(ValueError, match="101 rows exceed max_batch_size 100"):
+            graphs.forward(torch.randn(101, *model.input_shape, device="cuda").to(dtype))
+
+
+@pytest.mark.gpu
+def test_gpu_runner_replays_and_times_every_nth_batch():
+    model = load_model(SHIPPED)
+    kernels = []
+    runner = ModelRunner(
+        model, "fused", torch.device("cuda"), "float16", kernel_timing_every=3, max_batch_size=64,
+        observe_kernel=lambda name, s: kernels.append((name, s)),
+    )  # fmt: skip
+    runner.warmup(64)
+    assert sorted(runner.graphs._graphs) == [1, 2, 4, 8, 16, 32, 64]
+    rng = np.random.default_rng(0)
+    eager = Executor(model, "fused", torch.device("cuda"), torch.float16)
+    for rows in (1, 5, 33, 64, 2, 9):
+        x = rng.standard_normal((rows, 64), dtype=np.float32)
+        want = eager.forward(torch.from_numpy(x).cuda().half()).float().cpu().numpy()
+        np.testing.assert_array_equal(runner.run(x), want)
+    assert [n for n, _ in kernels] == ["mlp_0_2", "mlp_0_2"]  # batches 3 and 6
+    assert all(0 < s < 1e-3 for _, s in kernels), kernels
