@@ -1,0 +1,68 @@
+"""Keeps the whole benchmark inside one device call (--time-limit) by skipping torch.compile work last.
+
+What a full H200 run costs, roughly: each case's non-compile providers 1-3 s (do_bench's 10+50 ms and
+3 wall runs of 20 ms per variant, plus our autotuning the first time a dtype/act/bucket is seen);
+torch.compile 2-5 s a case; max-autotune 10-30 s for each new GEMM shape (less for the second
+activation of a shape: inductor's autotune cache keys on the GEMM, not the epilogue). 36 layer cases
+and 10 model cases with max-autotune everywhere would take 10-15 minutes, so:
+
+- non-compile providers always run (they are the comparison) until the section's hard limit: its share
+  of the time plus 15% of the total (so slow layers cannot starve the models section);
+- `compile` runs when its expected cost still leaves room for the rest of the section;
+- `compile-max` runs when it leaves room for the rest of the section *including* `compile` there.
+
+Expected costs are running means of what this run measured (start values below). Once a hard limit
+has passed, the section's remaining cases are recorded as skipped and the report is still written.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+START_ESTIMATE_S = {"base": 3.0, "compile": 5.0, "compile-max": 20.0}
+HARD_GRACE = 0.15  # of the whole time limit: how far a section may run past its share
+
+
+class Budget:
+    def __init__(self, limit_s: float):
+        self.start = time.perf_counter()
+        self.deadline = self.start + limit_s if limit_s > 0 else math.inf
+        self.section_deadline = self.deadline
+        self.section_hard_deadline = self.deadline
+        self._seen: dict[str, list[float]] = {k: [] for k in START_ESTIMATE_S}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def expired(self) -> bool:
+        """Past the section's hard limit (or the whole run's): the section's remaining cases are skipped."""
+        return time.perf_counter() > min(self.deadline, self.section_hard_deadline)
+
+    def start_section(self, share: float) -> None:
+        """The section may use `share` of the time left (the layers leave the rest to the models)."""
+        now = time.perf_counter()
+        if not math.isfinite(self.deadline):
+            return
+        self.section_deadline = now + (self.deadline - now) * share
+        grace = (self.deadline - self.start) * HARD_GRACE
+        self.section_hard_deadline = min(self.deadline, self.section_deadline + grace)
+
+    def estimate(self, kind: str) -> float:
+        seen = self._seen[kind]
+        return sum(seen) / len(seen) if seen else START_ESTIMATE_S[kind]
+
+    def record(self, kind: str, seconds: float) -> None:
+        self._seen[kind].append(seconds)
+
+    def skip_reason(self, provider: str, cases_after: int) -> str | None:
+        """None if `provider` fits before the section deadline; else why it is skipped."""
+        if provider not in ("compile", "compile-max") or not math.isfinite(self.section_deadline):
+            return None
+        need = self.estimate(provider) + (cases_after + 1) * self.estimate("base")
+        if provider == "compile-max":
+            need += cases_after * self.estimate("compile")
+        left = self.section_deadline - time.perf_counter()
+        if need <= left:
+            return None
+        return f"skipped: --time-limit (needs ~{need:.0f} s with the cases after it, {max(left, 0):.0f} s left)"

@@ -1,0 +1,319 @@
+"""The benchmark's outputs: kernels_<gpu>.md (tables), kernels_<gpu>.json (raw results), the summary
+printed last (the device call returns only the last 12,000 characters), and the plot (kernel_plot).
+
+A provider's result: {"plain": cell, "graph": cell, "compile_s", "seconds"} or {"na" | "error" |
+"skipped": why}; a cell: {"device_us", "wall_us", "err", "finite", "bad"} or {"error": why}.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+ANCHORS = ("eager", "linear", "compile", "compile-max")  # what a user could run instead of ours
+
+
+def slug_of(gpu_name: str) -> str:
+    """'NVIDIA H200' -> 'h200'; 'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'."""
+    s = re.sub(r"^nvidia\s+", "", gpu_name.strip().lower())
+    return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu"
+
+
+def primary(res: dict) -> float | None:
+    """The time a provider is compared by: graph-replay device time, else plain device time, else wall
+    time (the CPU smoke run has only wall time)."""
+    g, p = res.get("graph") or {}, res.get("plain") or {}
+    for v in (g.get("device_us"), p.get("device_us"), p.get("wall_us"), g.get("wall_us")):
+        if v is not None:
+            return v
+    return None
+
+
+def wall(res: dict) -> float | None:
+    """Host time per call as the provider is run from Python: plain, or the graphed executor's own call."""
+    p, g = res.get("plain") or {}, res.get("graph") or {}
+    return p.get("wall_us") if p.get("wall_us") is not None else g.get("wall_us")
+
+
+def _cells(res: dict) -> list[dict]:
+    return [c for k, c in res.items() if k in ("plain", "graph") and isinstance(c, dict)]
+
+
+def ours_failed(results: dict) -> bool:
+    """True when one of ours computed a wrong or non-finite result anywhere."""
+    return any(
+        c.get("bad")
+        for section in ("layers", "models")
+        for case in results[section]
+        for name, res in case["providers"].items()
+        if name.startswith("ours")
+        for c in _cells(res)
+    )
+
+
+def max_error(case: dict) -> tuple[float | None, list[str]]:
+    """(largest error over every provider and variant, providers over the bound or non-finite)."""
+    errs, bad = [], []
+    for name, res in case["providers"].items():
+        for c in _cells(res):
+            if c.get("err") is not None:
+                errs.append(c["err"])
+            if c.get("bad") and name not in bad:
+                bad.append(name)
+    return (max(errs) if errs else None), bad
+
+
+def us(v: float | None) -> str:
+    if v is None:
+        return "—"
+    return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 100 else f"{v:.0f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else "—"
+
+
+def _pct_floor(case: dict, res: dict | None) -> str:
+    t = primary(res) if res else None
+    if not t or not case.get("floor_us"):
+        return "—"
+    pct = 100 * case["floor_us"] / t
+    return f"{pct:.0f}%" if pct >= 10 else f"{pct:.1g}%"
+
+
+class _Notes:
+    """Numbered footnotes for n/a reasons and errors; one number per distinct text."""
+
+    def __init__(self):
+        self.items: dict[str, int] = {}
+
+    def ref(self, text: str) -> str:
+        n = self.items.setdefault(_md(text), len(self.items) + 1)
+        return f"[{n}]"
+
+    def lines(self) -> list[str]:
+        return [f"{n}. {text}" for text, n in self.items.items()]
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "/").replace("\n", " ")
+
+
+def _cell_text(name: str, res: dict, fields: list, notes: _Notes) -> str:
+    if "skipped" in res:
+        return "skip"
+    if "na" in res:
+        return "n/a" + notes.ref(f"{name}: {res['na']}")
+    if "error" in res:
+        return "**ERR**" + notes.ref(f"{name}: {res['error']}")
+    parts = []
+    for field in fields:
+        variant, key = field
+        cell = res.get(variant) if variant != "any" else (res.get("plain") or res.get("graph"))
+        if not cell:
+            parts.append("—")
+        elif "error" in cell:
+            parts.append("ERR" + notes.ref(f"{name} ({variant}): {cell['error']}"))
+        elif "na" in cell:
+            parts.append("n/a" + notes.ref(f"{name} ({variant}): {cell['na']}"))
+        else:
+            parts.append(us(cell.get(key)))
+    bad = any(c.get("bad") for c in _cells(res))
+    return " / ".join(parts) + (" **!**" if bad else "")
+
+
+def _err_text(case: dict) -> str:
+    m, bad = max_error(case)
+    text = f"{m:.1e}" if m is not None else "—"
+    if bad:
+        text += f" **over {case['error_bound']:.0e} or not finite: {', '.join(bad)}**"
+    return text
+
+
+def markdown(results: dict) -> str:
+    meta = results["meta"]
+    cuda = meta["device"] == "cuda"
+    notes = _Notes()
+    c = meta["ceilings"]
+    rates = " / ".join(
+        f"{dt}{' (TF32)' if dt == 'float32' and meta['tf32'] else ''} **{r / 1e12:.1f}**"
+        for dt, r in c["matmul_rate"].items()
+    )
+    side = c["matmul_side"]
+    lines = [
+        f"# Kernel benchmark: {meta['gpu']}",
+        "",
+        f"{'GPU' if cuda else 'Device'} **{meta['gpu']}** · torch {meta['torch']} · triton {meta['triton']} · "
+        f"CUDA {meta['cuda'] or 'none'} · "
+        f"TF32 **{'on' if meta['tf32'] else 'off'}** · copy bandwidth **{c['bandwidth'] / 1e9:.0f} GB/s** · "
+        f"matmul ({side}^3, random data) {rates} TFLOP/s · started {meta['started_utc']}, "
+        f"took {meta.get('elapsed_s', 0):.0f} s",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+    ]
+    if cuda:
+        lines.append(
+            "Device time: median of `triton.testing.do_bench` (L2 flushed before every rep); graph: the call "
+            "captured once into a CUDA graph and replayed. Wall: host time per call, calls back-to-back from "
+            "Python, one synchronize at the end. Floor: max(bytes / copy bandwidth, flops / matmul rate), "
+            "bytes = inputs and weights read once, output written once. Error: ||y - ref|| / ||ref|| vs "
+            "float64 on the same dtype-cast inputs; **!** marks a result over the bound or not finite."
+        )
+    else:
+        lines.append(
+            "CPU smoke run: no CUDA graphs and no device timer, so every time is wall time per call "
+            "(ours through Triton's interpreter: it checks the path, not the speed)."
+        )
+    if results["layers"]:
+        lines += ["", *_layer_table(results["layers"], cuda, notes)]
+    if results["models"]:
+        lines += ["", *_model_table(results["models"], cuda, notes, meta.get("model_dtype", ""))]
+    if notes.items:
+        lines += ["", "## Notes", "", *notes.lines()]
+    providers = [res for sec in ("layers", "models") for case in results[sec] for res in case["providers"].values()]
+    if any("skipped" in res for res in providers):
+        lines += ["", f"skip: left out to stay within --time-limit ({meta['time_limit_s']:.0f} s); the JSON says why."]
+    return "\n".join(lines) + "\n"
+
+
+def _layer_table(cases: list[dict], cuda: bool, notes: _Notes) -> list[str]:
+    providers = list(dict.fromkeys(p for case in cases for p in case["providers"]))
+    fields = [("graph", "device_us"), ("plain", "device_us"), ("plain", "wall_us")] if cuda else [("plain", "wall_us")]
+    legend = "graph device / plain device / wall" if cuda else "wall"
+    head = ["M×K×N", "dtype", "act", "floor µs", *providers]
+    head += ["eager wall / ours wall", "ours / cublaslt (device)", "ours % floor", "max err"]
+    lines = [
+        "## Layers: y = act(x @ W^T + b)",
+        "",
+        f"Each provider's cell: {legend} µs per call. Ratios: eager wall / ours wall > 1 and "
+        "ours / cublaslt < 1 mean ours is faster.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + "|",
+    ]
+    for case in cases:
+        ps = case["providers"]
+        row = [f"{case['M']}×{case['K']}×{case['N']}", case["dtype"], case["act"], us(case["floor_us"])]
+        row += [_cell_text(p, ps[p], fields, notes) if p in ps else "—" for p in providers]
+        ours = ps.get("ours")
+        row.append(_ratio(wall(ps["eager"]) if "eager" in ps else None, wall(ours) if ours else None))
+        row.append(_ratio(primary(ours) if ours else None, primary(ps["cublaslt"]) if "cublaslt" in ps else None))
+        row += [_pct_floor(case, ours), _err_text(case)]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def best_anchor(case: dict) -> tuple[str | None, float | None]:
+    times = {p: primary(r) for p, r in case["providers"].items() if p in ANCHORS}
+    times = {p: t for p, t in times.items() if t is not None}
+    if not times:
+        return None, None
+    p = min(times, key=times.get)
+    return p, times[p]
+
+
+def _model_table(cases: list[dict], cuda: bool, notes: _Notes, dtype: str) -> list[str]:
+    providers = list(dict.fromkeys(p for case in cases for p in case["providers"]))
+    fields = [("graph", "device_us"), ("any", "wall_us")] if cuda else [("any", "wall_us")]
+    legend = "graph device / wall" if cuda else "wall"
+    head = ["model", "batch", "floor µs", *providers]
+    head += ["best anchor", "ours / best", "eager wall / ours wall", "ours % floor", "max err"]
+    ours_name = "ours" if cuda else "ours-eager"  # no graphs on the CPU
+    lines = [
+        f"## Models: whole forward, {dtype}",
+        "",
+        f"Each provider's cell: {legend} µs per call (ours and ours-unfused-graph: the GraphedExecutor's own "
+        "forward, which copies the batch in and replays its bucket's graph). Best anchor: the fastest of "
+        f"{', '.join(ANCHORS)}; ours / best < 1 means ours is faster.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join(["---", "---:"] + ["---:"] * (len(head) - 2)) + "|",
+    ]
+    for case in cases:
+        ps = case["providers"]
+        row = [case["model"], str(case["batch"]), us(case.get("floor_us"))]
+        row += [_cell_text(p, ps[p], fields, notes) if p in ps else "—" for p in providers]
+        best, t_best = best_anchor(case)
+        ours = ps.get(ours_name)
+        row.append(f"{best} {us(t_best)}" if best else "—")
+        row.append(_ratio(primary(ours) if ours else None, t_best))
+        row.append(_ratio(wall(ps["eager"]) if "eager" in ps else None, wall(ours) if ours else None))
+        row += [_pct_floor(case, ours) if "floor_us" in case else "—", _err_text(case) if ps else "—"]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def summary(results: dict) -> str:
+    """A short fixed-width table for the end of the output."""
+    cuda = results["meta"]["device"] == "cuda"
+    what = "device us, graph replay" if cuda else "wall us (CPU)"
+    out = []
+    if results["layers"]:
+        out += [f"== layers ({what}; ours/cublaslt < 1 and eager/ours wall > 1: ours faster) =="]
+        out.append(
+            f"{'case':34s} {'floor':>7s} {'eager':>7s} {'cublaslt':>8s} {'ours':>7s} "
+            f"{'ours/lt':>7s} {'eag/ours wall':>13s} {'%floor':>6s}  err"
+        )
+        for case in results["layers"]:
+            ps = case["providers"]
+            ours, lt, eager = ps.get("ours") or {}, ps.get("cublaslt") or {}, ps.get("eager") or {}
+            m, bad = max_error(case)
+            label = f"{case['M']}x{case['K']}x{case['N']} {case['dtype']} {case['act']}"
+            out.append(
+                f"{label:34s} {us(case['floor_us']):>7s} {us(primary(eager)):>7s} {us(primary(lt)):>8s} "
+                f"{us(primary(ours)):>7s} {_ratio(primary(ours), primary(lt)):>7s} "
+                f"{_ratio(wall(eager), wall(ours)):>13s} {_pct_floor(case, ours):>6s}  "
+                f"{'-' if m is None else f'{m:.0e}'}{' BAD: ' + ','.join(bad) if bad else ''}"
+            )
+    if results["models"]:
+        ours_name = "ours" if cuda else "ours-eager"
+        out += ["", f"== models, {results['meta'].get('model_dtype')} ({what}; {ours_name} / best < 1: ours faster) =="]
+        out.append(
+            f"{'model':12s} {'batch':>5s} {'floor':>7s} {'best anchor':>20s} {ours_name:>10s} "
+            f"{'ours/best':>9s} {'eag/ours wall':>13s} {'%floor':>6s}  err"
+        )
+        for case in results["models"]:
+            ps = case["providers"]
+            ours, eager = ps.get(ours_name) or {}, ps.get("eager") or {}
+            best, t_best = best_anchor(case)
+            m, bad = max_error(case)
+            anchor = f"{best} {us(t_best)}" if best else "-"
+            out.append(
+                f"{case['model']:12s} {case['batch']:>5d} {us(case.get('floor_us')):>7s} {anchor:>20s} "
+                f"{us(primary(ours)):>10s} {_ratio(primary(ours), t_best):>9s} "
+                f"{_ratio(wall(eager), wall(ours)):>13s} "
+                f"{_pct_floor(case, ours) if 'floor_us' in case else '-':>6s}  "
+                f"{'-' if m is None else f'{m:.0e}'}{' BAD: ' + ','.join(bad) if bad else ''}"
+            )
+    return "\n".join(out)
+
+
+def _finite(obj):
+    """JSON without NaN/Infinity (not JSON): non-finite floats become null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def write_report(results: dict, out_dir: Path, slug: str, *, png: bool) -> list[Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / f"kernels_{slug}.md"
+    md.write_text(markdown(results))
+    js = out_dir / f"kernels_{slug}.json"
+    js.write_text(json.dumps(_finite(results), indent=1, allow_nan=False) + "\n")
+    paths = [md, js]
+    if png:
+        from .kernel_plot import plot
+
+        p = plot(results, out_dir / f"kernels_{slug}.png")
+        if p is not None:
+            paths.append(p)
+    return paths

@@ -1,0 +1,278 @@
+"""Runs `fusedserve bench kernels`: the ceilings, then the layer cases, then the model cases.
+
+The report is rewritten after every case (markdown + JSON, a few ms), so a run cut short by the device
+call's limit still leaves every finished case behind; the plot is drawn at the end of each section.
+One progress line per case, flushed, with the seconds since start.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import math
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels.activations import torch_activation
+
+from .kernel_budget import Budget
+from .kernel_providers import COMPILE_MODES, NotAvailable, inductor_settings, layer_provider
+from .kernel_report import ours_failed, primary, slug_of, summary, write_report
+from .kernel_timing import (
+    DTYPES,
+    ELEMENT_BYTES,
+    Prepared,
+    Timing,
+    describe,
+    error_bound,
+    floor_us,
+    measure,
+    measure_ceilings,
+)
+
+if TYPE_CHECKING:
+    from .kernel_models import ModelProviders
+
+TIME_UP = "skipped: --time-limit reached"
+LAYERS_SHARE = 0.55  # of the time limit, when the models section follows (it needs ~45%: see kernel_budget)
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    """What every case of one run shares."""
+
+    plan: object  # bench.kernels.Plan
+    device: torch.device
+    tf32: bool
+    timing: Timing
+    budget: Budget
+    ceilings: dict
+    save: Callable[..., list[Path]]
+
+    def floor_us(self, nbytes: float, flops: float, dtype: str) -> float:
+        return floor_us(nbytes, flops, self.ceilings["bandwidth"], self.ceilings["matmul_rate"][dtype])
+
+
+def execute(plan, command: str) -> int:
+    """Run the plan (bench.kernels.Plan); 0 when done, 1 when one of ours gave a wrong or non-finite result."""
+    device = torch.device(plan.device)
+    tf32 = plan.tf32 and device.type == "cuda"
+    saved_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32  # every torch provider; ours gets allow_tf32=tf32 explicitly
+    settings = inductor_settings()
+    try:
+        with torch.inference_mode(), torch._inductor.config.patch(settings):
+            return _execute(plan, command, device, tf32, settings)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved_tf32
+
+
+def _execute(plan, command: str, device: torch.device, tf32: bool, settings: dict) -> int:
+    import triton
+
+    import kernels
+
+    cuda = device.type == "cuda"
+    timing = Timing(*plan.timing)
+    budget = Budget(plan.time_limit)
+    name = torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})"
+    slug = slug_of(name) if cuda else "cpu"
+    n_layers = len(plan.dtypes) * len(plan.shapes) * len(plan.acts) if "layers" in plan.sections else 0
+    n_models = len(plan.models) * len(plan.batches) if "models" in plan.sections else 0
+    limit = f"{plan.time_limit:.0f} s" if plan.time_limit > 0 else "none"
+    _say(budget, f"{name}: {n_layers} layer cases, {n_models} model cases; time limit {limit}; command: {command}")
+
+    needed = sorted(({*plan.dtypes} if n_layers else set()) | ({plan.model_dtype} if n_models else set()))
+    ceilings = measure_ceilings(device, needed, timing)
+    rates = ", ".join(f"{k} {v / 1e12:.1f}" for k, v in ceilings["matmul_rate"].items())
+    _say(budget, f"ceilings: copy {ceilings['bandwidth'] / 1e9:.0f} GB/s; matmul TFLOP/s {rates}")
+    results = {
+        "meta": {
+            "gpu": name, "device": device.type, "slug": slug,
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "tf32": tf32, "interpreter": kernels.interpreting(),
+            "quick": plan.quick, "command": command, "time_limit_s": plan.time_limit,
+            "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "timing": {"warmup_ms": timing.warmup_ms, "rep_ms": timing.rep_ms, "wall_target_s": timing.wall_target_s},
+            "inductor_settings": settings, "ceilings": ceilings, "model_dtype": plan.model_dtype,
+            "tuning_cache": _tuning_cache(),
+        },
+        "layers": [],
+        "models": [],
+    }  # fmt: skip
+
+    def save(png: bool = False) -> list[Path]:
+        results["meta"]["elapsed_s"] = round(budget.elapsed(), 1)
+        return write_report(results, plan.out, slug, png=png)
+
+    ctx = _Ctx(plan, device, tf32, timing, budget, ceilings, save)
+    if n_layers:
+        budget.start_section(LAYERS_SHARE if n_models else 1.0)
+        _layers(ctx, results["layers"])
+        save(png=True)
+    if n_models:
+        budget.start_section(1.0)
+        _models(ctx, results["models"])
+    paths = save(png=True)
+    print(summary(results), flush=True)
+    print("wrote " + ", ".join(str(p) for p in paths), flush=True)
+    return 1 if ours_failed(results) else 0
+
+
+def _tuning_cache() -> str | None:
+    """Where ours keeps tuned configs (a hit there makes ours's first call cheap), if this version has one."""
+    try:
+        from kernels import tuning
+
+        path = tuning.cache().path
+        return str(path) if path else None
+    except Exception:  # no kernels.tuning (older kernels) or no cache: nothing to report
+        return None
+
+
+def _say(budget: Budget, line: str) -> None:
+    print(f"[{budget.elapsed():6.1f}s] {line}", flush=True)
+
+
+def _layers(ctx: _Ctx, out: list) -> None:
+    plan, device, budget = ctx.plan, ctx.device, ctx.budget
+    cases = [(dt, s, a) for dt in plan.dtypes for s in plan.shapes for a in plan.acts]
+    for i, (dtype, (M, K, N), act) in enumerate(cases):
+        nbytes = ELEMENT_BYTES[dtype] * (M * K + N * K + N + M * N)
+        flops = 2 * M * N * K
+        case = {
+            "M": M, "K": K, "N": N, "dtype": dtype, "act": act, "bytes": nbytes, "flops": flops,
+            "floor_us": ctx.floor_us(nbytes, flops, dtype), "error_bound": error_bound(dtype, ctx.tf32),
+            "providers": {},
+        }  # fmt: skip
+        label = f"{M}x{K}x{N} {dtype} {act}"
+        if budget.expired():
+            case["providers"] = {p: {"skipped": TIME_UP} for p in plan.layer_providers}
+        else:
+            gen = torch.Generator(device=device).manual_seed(plan.seed * 100_003 + i)
+            dt = DTYPES[dtype]
+            # Unit-scale x, W scaled by 1/sqrt(K): pre-activations ~N(0, 1) plus a bias of 0.5 scale.
+            x = torch.randn(M, K, device=device, generator=gen).to(dt)
+            w = (torch.randn(N, K, device=device, generator=gen) / math.sqrt(K)).to(dt)
+            b = (0.5 * torch.randn(N, device=device, generator=gen)).to(dt)
+            ref = torch_activation(x.double() @ w.double().t() + b.double(), act)
+            prepare = functools.partial(layer_provider, x=x, w=w, b=b, act=act, tf32=ctx.tf32, device=device)
+            _run_case(ctx, case, plan.layer_providers, prepare, ref, len(cases) - i - 1)
+            del x, w, b, ref, prepare
+        out.append(case)
+        ctx.save()
+        _say(budget, f"layers {i + 1}/{len(cases)} {label}: {_progress(case)}")
+
+
+def _models(ctx: _Ctx, out: list) -> None:
+    # Imported here: the models need the service's loader (pydantic, safetensors), the layers only torch.
+    from .kernel_models import ModelProviders, load_named
+
+    plan, device = ctx.plan, ctx.device
+    total = len(plan.models) * len(plan.batches)
+    done = 0
+    with tempfile.TemporaryDirectory(prefix="fusedserve-bench-") as tmp:
+        for name in plan.models:
+            try:
+                model = load_named(name, Path(tmp), plan.seed)
+                providers = ModelProviders(model, device, DTYPES[plan.model_dtype], max(plan.batches))
+            except Exception as e:  # every batch of this model reports it; the other model still runs
+                model, providers, failure = None, None, describe(e)
+            for batch in plan.batches:
+                done += 1
+                if providers is None:
+                    case = {"model": name, "batch": batch, "dtype": plan.model_dtype, "providers": {}}
+                    case["providers"] = {p: {"error": failure} for p in plan.model_providers}
+                else:
+                    seed = plan.seed * 100_003 + 50_000 + done
+                    case = _model_case(ctx, providers, batch, seed, total - done)
+                out.append(case)
+                ctx.save()
+                label = f"{case['model']} batch {batch} {plan.model_dtype}"
+                _say(ctx.budget, f"models {done}/{total} {label}: {_progress(case)}")
+            providers = None  # frees this model's executors, graphs and weights before the next model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def _model_case(ctx: _Ctx, providers: ModelProviders, batch: int, seed: int, cases_after: int) -> dict:
+    from .kernel_models import bytes_and_flops, model_dims, reference_forward
+
+    plan, device = ctx.plan, ctx.device
+    model, dtype = providers.model, plan.model_dtype
+    nbytes, flops = bytes_and_flops(model, batch, dtype)
+    case = {
+        "model": model.name, "batch": batch, "dtype": dtype, "dims": model_dims(model), "bytes": nbytes,
+        "flops": flops, "floor_us": ctx.floor_us(nbytes, flops, dtype), "error_bound": error_bound(dtype, ctx.tf32),
+        "providers": {},
+    }  # fmt: skip
+    if ctx.budget.expired():
+        case["providers"] = {p: {"skipped": TIME_UP} for p in plan.model_providers}
+        return case
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn((batch, *model.input_shape), device=device, generator=gen).to(DTYPES[dtype])
+    ref = reference_forward(providers.steps, x)
+    prepare = functools.partial(providers.prepare, x=x)
+    _run_case(ctx, case, plan.model_providers, prepare, ref, cases_after)
+    return case
+
+
+def _run_case(
+    ctx: _Ctx,
+    case: dict,
+    names: tuple[str, ...],
+    prepare: Callable[[str], Prepared],
+    ref: torch.Tensor,
+    cases_after: int,
+) -> None:
+    """Every provider of one case, in order; a failure is recorded in its cell and the case goes on."""
+    device, budget = ctx.device, ctx.budget
+    t_case = time.perf_counter()
+    compile_seconds = 0.0
+    for name in names:
+        reason = budget.skip_reason(name, cases_after)
+        if reason:
+            case["providers"][name] = {"skipped": reason}
+            continue
+        t = time.perf_counter()
+        try:
+            prep = prepare(name)
+        except NotAvailable as e:
+            res = {"na": str(e)}
+        except Exception as e:
+            res = {"error": describe(e)}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        else:
+            res = {"compile_s": prep.compile_s, **measure(prep, ref, device, ctx.timing, case["error_bound"])}
+            del prep
+        res["seconds"] = round(time.perf_counter() - t, 2)
+        case["providers"][name] = res
+        if name in COMPILE_MODES:
+            compile_seconds += res["seconds"]
+            budget.record(name, res["seconds"])
+            torch._dynamo.reset()  # drop the compiled code (and what it holds) before the next provider
+    budget.record("base", time.perf_counter() - t_case - compile_seconds)
+
+
+def _progress(case: dict) -> str:
+    """One line: each provider's primary time (graph device us; wall on the CPU), compile seconds, max error."""
+    parts, comp, errs = [], [], []
+    for name, res in case["providers"].items():
+        v = primary(res)
+        tag = "skip" if "skipped" in res else "n/a" if "na" in res else "ERR" if "error" in res else "-"
+        parts.append(f"{name} {v:.1f}" if v is not None else f"{name} {tag}")
+        if res.get("compile_s") is not None:
+            comp.append(f"{name} {res['compile_s']:.1f}s")
+        errs += [c["err"] for c in res.values() if isinstance(c, dict) and c.get("err") is not None]
+        if any(isinstance(c, dict) and c.get("bad") for c in res.values()):
+            parts[-1] += "(BAD)"
+    err = f"max err {max(errs):.1e}" if errs else "no error measured"
+    return "  ".join(parts) + " us | " + err + (" | first calls: " + ", ".join(comp) if comp else "")

@@ -1,0 +1,138 @@
+"""Development probe for the kernel work of issue 3: one device call that times the candidates behind
+each tuning decision, so the choices in kernels/ rest on numbers. Not the benchmark (bench/kernels.py).
+
+    python -m bench.probe_hopper --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+import kernels.linear as linear_mod
+import kernels.mlp as mlp_mod
+from kernels import FusedLinear
+from kernels.mlp import FusedMLP, MLPLayer
+
+BW = 4.25e12  # H200 device-to-device copy, ../shared/gpu/README.md
+
+
+def dev_us(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")) * 1e3
+
+
+def graph_us(fn) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return dev_us(g.replay)
+
+
+def sweep_linear(M, K, N, dtype, act="relu", top=6):
+    x = torch.randn(M, K, device="cuda").to(dtype)
+    w = (torch.randn(N, K, device="cuda") / K**0.5).to(dtype)
+    b = torch.randn(N, device="cuda").to(dtype)
+    ref = torch.relu(F.linear(x.double(), w.double(), b.double()))
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for cfg in linear_mod.cuda_configs(linear_mod.m_bucket(M), N, K, sms, x.element_size()):
+        orig = linear_mod.tune
+        linear_mod.tune = lambda *a, cfg=cfg, **k: cfg
+        try:
+            layer = FusedLinear(w, b, act)
+            y = layer(x)
+            err = float((y.double() - ref).norm() / ref.norm())
+            us = dev_us(lambda layer=layer: layer(x))
+            rows.append((us, err, cfg.meta()))
+        except Exception as e:  # noqa: BLE001
+            rows.append((float("inf"), float("nan"), {**cfg.meta(), "error": str(e)[:80]}))
+        finally:
+            linear_mod.tune = orig
+    rows.sort(key=lambda r: r[0])
+    floor = (M * K + K * N + M * N) * x.element_size() / BW * 1e6
+    lt = dev_us(lambda: torch._addmm_activation(b, x, w.t()))
+    fl = dev_us(lambda: torch.relu(F.linear(x, w, b)))
+    print(f"linear M={M} K={K} N={N} {dtype}: floor {floor:.1f} us, cublaslt {lt:.1f}, F.linear+relu {fl:.1f}")
+    for us, err, meta in rows[:top]:
+        print(f"   {us:7.1f} us  {floor / us * 100:5.1f}% floor  err {err:.1e}  {meta}")
+    worst_err = max(r[1] for r in rows if r[1] == r[1])
+    print(f"   ({len(rows)} configs, worst err {worst_err:.1e}, slowest {rows[-1][0]:.1f} us)")
+    return {"M": M, "K": K, "N": N, "dtype": str(dtype), "floor": floor, "cublaslt": lt, "linear": fl,
+            "configs": [(us, err, meta) for us, err, meta in rows]}  # fmt: skip
+
+
+def sweep_mlp(widths, M, dtype):
+    gen = torch.Generator().manual_seed(0)
+    layers = [
+        MLPLayer((torch.randn(widths[i + 1], widths[i], generator=gen) / widths[i] ** 0.5).to("cuda", dtype),
+                 torch.randn(widths[i + 1], generator=gen).to("cuda", dtype), "relu" if i < len(widths) - 2 else "none")
+        for i in range(len(widths) - 1)
+    ]  # fmt: skip
+    x = torch.randn(M, widths[0], device="cuda").to(dtype)
+    h = x.double()
+    for la in layers:
+        h = F.linear(h, la.weight.double(), la.bias.double())
+        h = torch.relu(h) if la.activation == "relu" else h
+    rows = []
+    for cfg in mlp_mod.cuda_configs(linear_mod.m_bucket(M)):
+        orig = mlp_mod.tune
+        mlp_mod.tune = lambda *a, cfg=cfg, **k: cfg
+        try:
+            m = FusedMLP(layers)
+            y = m(x)
+            err = float((y.double() - h).norm() / h.norm())
+            rows.append((dev_us(lambda m=m: m(x)), graph_us(lambda m=m: m(x)), err, cfg.meta()))
+        except Exception as e:  # noqa: BLE001
+            rows.append((float("inf"), float("inf"), float("nan"), {**cfg.meta(), "error": str(e)[:80]}))
+        finally:
+            mlp_mod.tune = orig
+    rows.sort(key=lambda r: r[0])
+
+    def anchor():
+        t = x
+        for la in layers:
+            t = F.linear(t, la.weight, la.bias)
+            t = torch.relu(t) if la.activation == "relu" else t
+        return t
+
+    print(f"mlp {widths} M={M} {dtype}: F.linear+relu eager {dev_us(anchor):.1f} us, graph {graph_us(anchor):.1f} us")
+    for us, gus, err, meta in rows[:4]:
+        print(f"   {us:6.1f} us (graph {gus:6.1f})  err {err:.1e}  {meta}")
+    return {"widths": widths, "M": M, "configs": rows}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, default=Path("."))
+    args = p.parse_args()
+    t0 = time.time()
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    res = {"mlp": [], "linear": []}
+    for M in (1, 8, 32, 256, 4096):
+        res["mlp"].append(sweep_mlp([64, 256, 256, 10], M, torch.float16))
+        print(f"[{time.time() - t0:.0f}s]", flush=True)
+    for M, K, N in ((1, 1024, 4096), (1, 4096, 4096), (1, 4096, 1024), (16, 4096, 4096)):
+        res["linear"].append(sweep_linear(M, K, N, torch.float16))
+        print(f"[{time.time() - t0:.0f}s]", flush=True)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for M, K, N in ((64, 256, 128), (128, 256, 256), (1024, 1024, 1024), (4096, 4096, 4096)):
+            res["linear"].append(sweep_linear(M, K, N, dtype, top=2))
+            print(f"[{time.time() - t0:.0f}s]", flush=True)
+    (args.out / "probe.json").write_text(json.dumps(res, default=str, indent=1))
+
+
+if __name__ == "__main__":
+    main()
