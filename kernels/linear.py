@@ -20,6 +20,7 @@ from .runtime import bf16_on_interpreter, check_device, interpreting
 from .tuning import LaunchConfig, scope_for, tune
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_FAST_BATCH_SIZES = 4096  # distinct batch sizes whose launch records a layer keeps
 
 
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
@@ -274,17 +275,43 @@ class FusedLinear:
         self.configs: dict[tuple[int, str], LaunchConfig] = {}  # (M bucket, input precision) -> tuned config
         self.direct: dict[tuple[int, str], DirectLaunch] = {}  # the same key -> its compiled kernel
         self.workspace = SplitKWorkspace(weight.device)
+        # (rows, TF32 on) -> (launch, grid, split-K workspace, counters, bucket): everything a call of that
+        # size needs, filled on the first direct launch of each size (__call__'s fast path).
+        self._fast: dict[tuple[int, bool], tuple] = {}
+        self._bias_arg = bias if bias is not None else weight  # any pointer when HAS_BIAS is off; never read
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        _check_x(x, self.weight)
+        w = self.weight
+        N, K = w.shape
+        tf32 = torch.backends.cuda.matmul.allow_tf32 if self.allow_tf32 is None else self.allow_tf32
+        # Fast path, once a batch size has been launched directly: one cheap test for everything
+        # _check_x would reject (it runs, and names the problem, whenever this test fails), one dict
+        # lookup, the output, the launch. The Python around a launch is most of a small layer's wall
+        # time (64x256x128 fp16 on an H200: ~3 us of GPU work, 17 us per call before this path).
+        if (
+            self._fast
+            and out is None
+            and x.dtype is w.dtype
+            and x.dim() == 2
+            and x.shape[1] == K
+            and x.is_contiguous()
+            and x.device == w.device
+        ):
+            M = x.shape[0]
+            fast = self._fast.get((M, tf32))
+            if fast is not None and x.data_ptr() % 16 == 0 and M * K < 2**31:
+                launch, grid, ws, cnt, bucket = fast
+                out = torch.empty((M, N), device=x.device, dtype=x.dtype)  # allocator blocks: 512-byte aligned
+                launch(grid, x, w, self._bias_arg, out, ws, cnt, M, N, K, K, 1, K, 1, N, 1,
+                       self.negative_slope, bucket)  # fmt: skip
+                return out
+        _check_x(x, w)
         M = x.shape[0]
         if self.direct and M:
-            tf32 = torch.backends.cuda.matmul.allow_tf32 if self.allow_tf32 is None else self.allow_tf32
             bucket = m_bucket(M)
             key = (bucket, "tf32" if tf32 else "ieee")
             launch = self.direct.get(key)
             if launch is not None:
-                N, K = self.weight.shape
                 if out is None:
                     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
                 else:
@@ -294,9 +321,11 @@ class FusedLinear:
                     bm, bn, split = config["BLOCK_M"], config["BLOCK_N"], config["SPLIT_K"]
                     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
                     ws, cnt = self.workspace.get(tiles, bm * bn, split)
-                    b = self.bias if self.bias is not None else x
-                    launch(tiles * split, x, self.weight, b, out, ws, cnt, M, N, K, K, 1, K, 1, N, 1,
-                           self.negative_slope, bucket)  # fmt: skip
+                    if len(self._fast) < MAX_FAST_BATCH_SIZES:
+                        # ws/cnt stay valid for this M: the workspace keeps outgrown buffers (see SplitKWorkspace)
+                        self._fast[(M, tf32)] = (launch, tiles * split, ws, cnt, bucket)
+                    launch(tiles * split, x, w, self._bias_arg, out, ws, cnt,
+                           M, N, K, K, 1, K, 1, N, 1, self.negative_slope, bucket)  # fmt: skip
                     return out
         return _launch(
             x,

@@ -270,3 +270,47 @@ def test_gpu_every_small_batch_config(monkeypatch, config, dtype):
 def test_gpu_every_larger_batch_config(monkeypatch, config, dtype):
     _force_config(monkeypatch, config)
     _check(77, 1000, 1000, dtype, "relu", "cuda")
+
+
+# ---- the direct-launch paths (CUDA only in production), run here through the interpreter ----
+
+
+class _InterpretedLaunch:
+    """Stands in for launch.DirectLaunch on the CPU: takes the runtime arguments exactly as a prepared
+    layer passes them to Triton's C launcher and runs the interpreted kernel with them, so that a wrong
+    argument order or value in the fast paths gives a wrong result here instead of only on a GPU."""
+
+    def __init__(self, kernel, constexprs: dict):
+        self.kernel, self.constexprs, self.calls = kernel, constexprs, 0
+
+    def __call__(self, grid: int, *args):
+        self.calls += 1
+        self.kernel[(grid,)](*args, **self.constexprs)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA the real direct launch runs in every GPU test")
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_direct_and_fast_paths_pass_the_right_arguments(dtype, bias):
+    x0, w, b = _inputs(5, 37, 70, dtype, DEVICE, bias)
+    layer = FusedLinear(w, b, "leaky_relu", negative_slope=0.3, allow_tf32=False)
+    config = linear_mod.LaunchConfig.of(4, 1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, SPLIT_K=2)
+    upcast = linear_mod.bf16_on_interpreter(dtype)
+    fixed = dict(HAS_BIAS=bias, ACTIVATION="leaky_relu", INPUT_PRECISION="ieee", UPCAST_DOT=upcast, ROUND_BF16=upcast)
+    launch = _InterpretedLaunch(linear_mod._linear_kernel, {**fixed, **config.meta()})
+    for bucket in (4, 8, 32):
+        layer.configs[(bucket, "ieee")] = config
+        layer.direct[(bucket, "ieee")] = launch
+    for M in (5, 3, 5, 17, 5, 3):  # first of a size: direct path, records it; then the fast path
+        x = torch.randn(M, 70, device=DEVICE).to(dtype) if M != 5 else x0
+        want = reference.linear(x.double(), w.double(), b.double() if bias else None, "leaky_relu", negative_slope=0.3)
+        assert_close_to(layer(x), want, RTOL[dtype], f"direct M={M} {dtype} bias={bias}")
+        assert int(layer.workspace.counters.abs().sum()) == 0
+    assert launch.calls == 6 and set(layer._fast) == {(5, False), (3, False), (17, False)}
+    # Anything the checks must reject still raises on the fast path's layer, naming the problem.
+    with pytest.raises(ValueError, match="x has K=69 columns"):
+        layer(torch.randn(5, 69, device=DEVICE).to(dtype))
+    with pytest.raises(TypeError, match="x has dtype"):
+        layer(torch.randn(5, 70, device=DEVICE).to(torch.float64))
+    with pytest.raises(ValueError, match="must be contiguous"):
+        layer(torch.randn(70, 5, device=DEVICE).to(dtype).t())

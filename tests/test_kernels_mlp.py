@@ -174,3 +174,35 @@ def test_gpu_every_config_the_tuner_may_pick(monkeypatch, config, dtype):
 def test_gpu_tf32():
     err = _check([64, 256, 256, 10], ["relu"] * 3, torch.float32, 64, "cuda", allow_tf32=True)
     assert err > 1e-5, f"normwise error {err:.2e}: looks like fp32, not TF32"
+
+
+class _InterpretedLaunch:
+    """Stands in for launch.DirectLaunch on the CPU (see test_kernels_linear): the runtime arguments as the
+    prepared MLP passes them to Triton's C launcher, run through the interpreted kernel."""
+
+    def __init__(self, constexprs: dict):
+        self.constexprs, self.calls = constexprs, 0
+
+    def __call__(self, grid: int, *args):
+        self.calls += 1
+        mlp_mod._mlp_kernel[(grid,)](*args, **self.constexprs)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA the real direct launch runs in every GPU test")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_direct_and_fast_paths_pass_the_right_arguments(dtype):
+    layers = _layers([13, 37, 5], ["gelu_tanh", "leaky_relu"], dtype, DEVICE)
+    mlp = FusedMLP(layers, allow_tf32=False)
+    config = mlp_mod.LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=16, STAGES=1)
+    launch = _InterpretedLaunch({**mlp._meta_fixed, "PRECISION": "ieee", **config.meta()})
+    for bucket in (4, 32):
+        mlp._configs[(bucket, "ieee")] = config
+        mlp._direct[(bucket, "ieee")] = launch
+    for M in (3, 20, 3, 20):  # first of a size: direct path, records it; then the fast path
+        x = torch.randn(M, 13, device=DEVICE).to(dtype)
+        want64, _ = _reference(x, layers, dtype)
+        err = normwise_error(mlp(x), want64)
+        assert err <= NORMWISE[dtype], f"direct M={M} {dtype}: normwise error {err:.2e}"
+    assert launch.calls == 4 and set(mlp._fast) == {(3, False), (20, False)}
+    with pytest.raises(ValueError, match=r"x must be \(M, 13\)"):
+        mlp(torch.randn(3, 12, device=DEVICE).to(dtype))
