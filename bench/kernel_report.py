@@ -167,6 +167,11 @@ def markdown(results: dict) -> str:
             "CPU smoke run: no CUDA graphs and no device timer, so every time is wall time per call "
             "(ours through Triton's interpreter: it checks the path, not the speed)."
         )
+    from .kernel_targets import table as targets_table  # here: kernel_targets imports this module
+
+    targets = targets_table(results)
+    if targets:
+        lines += ["", *targets]
     if results["layers"]:
         lines += ["", *_layer_table(results["layers"], cuda, notes)]
     if results["models"]:
@@ -288,6 +293,13 @@ def summary(results: dict) -> str:
                 f"{_pct_floor(case, ours) if 'floor_us' in case else '-':>6s}  "
                 f"{'-' if m is None else f'{m:.0e}'}{' BAD: ' + ','.join(bad) if bad else ''}"
             )
+    from .kernel_targets import checks
+
+    targets = checks(results)
+    if targets:
+        missed = [c for c in targets if c.met is not True]
+        out += ["", f"== targets: {len(targets) - len(missed)} of {len(targets)} met =="]
+        out += [f"not met: {c.target}, {c.case}: {c.measured} (goal {c.goal}) {c.gap}".rstrip() for c in missed]
     return "\n".join(out)
 
 
@@ -317,3 +329,21 @@ def write_report(results: dict, out_dir: Path, slug: str, *, png: bool) -> list[
         if p is not None:
             paths.append(p)
     return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Re-render a run's markdown (and plot) from its JSON, e.g. after the report gained a section."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m bench.kernel_report", description=main.__doc__)
+    parser.add_argument("json", type=Path, help="a kernels_<gpu>.json written by `fusedserve bench kernels`")
+    parser.add_argument("--png", action="store_true", help="redraw the plot too (needs matplotlib)")
+    args = parser.parse_args(argv)
+    results = json.loads(args.json.read_text())
+    for path in write_report(results, args.json.parent, results["meta"]["slug"], png=args.png):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -212,3 +212,62 @@ def test_gpu_quick_run(tmp_path):
                     assert cell.get("device_us", 0) > 0 and cell.get("finite") and not cell.get("bad"), (name, cell)
         assert "plain" not in case["providers"]["ours"] and "graph" not in case["providers"]["ours-eager"]
     assert (tmp_path / f"kernels_{slug}.md").exists()
+
+
+def _cell(device_us: float, wall_us: float) -> dict:
+    graph = {"device_us": device_us, "wall_us": wall_us, "err": 1e-4, "finite": True, "bad": False}
+    return {"graph": graph, "plain": dict(graph, device_us=device_us + 1)}
+
+
+def test_targets_say_met_or_how_far():
+    from bench.kernel_targets import checks
+
+    results = _fake_results(1e-3)
+    results["layers"][0]["providers"] = {
+        "eager": _cell(10.0, 30.0),
+        "cublaslt": _cell(6.0, 12.0),
+        "ours": _cell(5.0, 20.0),
+    }
+    unmeasured = dict(results["layers"][0], M=128, N=256, providers={"eager": _cell(10.0, 30.0)})
+    results["layers"] += [unmeasured, dict(results["layers"][0], M=4096, K=4096, N=4096)]  # not a published shape
+    models = {
+        ("digits-mlp", 1): {"compile-max": _cell(12.0, 60.0), "linear": _cell(16.0, 50.0), "ours": _cell(5.5, 10.0)},
+        ("digits-mlp", 256): {"compile-max": _cell(12.0, 60.0), "ours": _cell(8.0, 10.0)},
+        ("digits-mlp", 4096): {"compile-max": _cell(19.0, 60.0), "ours": _cell(30.0, 10.0)},  # no target
+        ("wide-mlp", 1): {"linear": _cell(37.0, 55.0), "ours": _cell(15.0, 20.0)},
+        ("wide-mlp", 4096): {"linear": _cell(330.0, 340.0), "ours": _cell(400.0, 410.0)},
+    }
+    results["models"] = [
+        {"model": m, "batch": b, "dtype": "float16", "floor_us": 11.8, "providers": ps} for (m, b), ps in models.items()
+    ]
+    assert len(checks(results)) == 2 * 2 + 2 * 2 + 2
+    wall = next(c for c in checks(results) if c.target.endswith("ours wall") and c.case.startswith("64x"))
+    # eager wall / ours wall = 30 / 20 = 1.5 < 2: needs 2 / 1.5 = 1.33x; device 5 <= cuBLASLt 6: met
+    assert wall.met is False and wall.gap == "needs 1.33x"
+    device = [c for c in checks(results) if c.target.endswith("vs cuBLASLt") and c.case.startswith("64x")][0]
+    assert device.met is True and device.gap == ""
+    assert [c.met for c in checks(results) if c.case.startswith("128x256x256")] == [None, None]  # ours missing
+    digits = [c for c in checks(results) if c.case.startswith("digits-mlp batch 1 ")]
+    assert [c.met for c in digits] == [True, True]  # 5.5 <= 6 us; best anchor 12 / 5.5 = 2.2x
+    digits256 = [c for c in checks(results) if c.case.startswith("digits-mlp batch 256")]
+    assert [(c.met, c.gap) for c in digits256] == [(False, "needs 1.33x"), (False, "needs 1.33x")]
+    wide1 = next(c for c in checks(results) if c.case.startswith("wide-mlp batch 1 "))
+    assert wide1.met is True and wide1.measured == "79%"  # 11.8 / 15
+    wide4096 = next(c for c in checks(results) if c.case.startswith("wide-mlp batch 4096"))
+    assert wide4096.met is False and wide4096.gap == "needs 1.21x"  # 400 / 330
+    md = markdown(results)
+    assert "## Targets (issue 3)" in md and "4 met, 4 not met, 2 not measured" in md
+    assert "== targets: 4 of 10 met ==" in summary(results)
+    cpu = dict(results, meta=dict(results["meta"], device="cpu"))
+    assert checks(cpu) == [] and "## Targets" not in markdown(cpu)
+
+
+def test_report_rerenders_from_its_json(tmp_path):
+    from bench.kernel_report import main as rerender
+
+    results = _fake_results(1e-3)
+    results["meta"]["slug"] = "h200"
+    path = tmp_path / "kernels_h200.json"
+    path.write_text(json.dumps(results))
+    assert rerender([str(path)]) == 0
+    assert (tmp_path / "kernels_h200.md").read_text() == markdown(results)
