@@ -25,7 +25,9 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
-# Unprivileged runtime user with a writable home for Triton's kernel cache.
+# Unprivileged runtime user with a writable home for Triton's kernel cache. The tuned kernel configs
+# are kept beside the compiled kernels, in the volume compose mounts there: a restart neither recompiles
+# nor re-times them.
 RUN groupadd --system --gid 10001 fusedserve \
     && useradd --system --uid 10001 --gid fusedserve --create-home --home-dir /home/fusedserve \
         --shell /usr/sbin/nologin fusedserve \
@@ -36,7 +38,8 @@ ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore \
-    TRITON_CACHE_DIR=/home/fusedserve/.triton/cache
+    TRITON_CACHE_DIR=/home/fusedserve/.triton/cache \
+    FUSEDSERVE_TUNING_CACHE=/home/fusedserve/.triton/cache/fusedserve-tuning.json
 
 WORKDIR /app
 

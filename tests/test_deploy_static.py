@@ -383,6 +383,8 @@ def test_dockerfile_contract():
     assert env["FUSEDSERVE_HOST"] == "0.0.0.0"
     assert env["FUSEDSERVE_MODEL_DIR"] == "/app/model_weights"
     assert env.get("TRITON_CACHE_DIR"), "Triton's cache must go to a directory the user can write"
+    # Tuned configs live in the same (compose-mounted) directory, so restarts do not re-tune.
+    assert env["FUSEDSERVE_TUNING_CACHE"].startswith(env["TRITON_CACHE_DIR"] + "/"), env
 
     exposed = [a for k, a in stage if k == "EXPOSE"]
     assert exposed == [env["FUSEDSERVE_PORT"]] == [str(SERVICE_PORT)]
