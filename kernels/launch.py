@@ -49,3 +49,9 @@ def constexpr_tail(kernel, n_runtime: int, values: dict) -> tuple:
 def aligned(*tensors) -> bool:
     """Contiguous and 16-byte aligned, as at the first launch: the specialization a direct launch assumes."""
     return all(t.data_ptr() % 16 == 0 and t.is_contiguous() for t in tensors)
+
+
+def plain_rows(x, dtype, device, features: int) -> bool:
+    """x is a contiguous (rows, features) tensor of `dtype` on `device`: what a launch recorded for a batch
+    size assumes (a fast path; anything else takes the checked path, which names what is wrong)."""
+    return x.dtype is dtype and x.dim() == 2 and x.shape[1] == features and x.is_contiguous() and x.device == device

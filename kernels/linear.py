@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
-from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail
+from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail, plain_rows
 from .runtime import bf16_on_interpreter, check_device, interpreting
 from .tuning import LaunchConfig, scope_for, tune
 
@@ -288,15 +288,7 @@ class FusedLinear:
         # _check_x would reject (it runs, and names the problem, whenever this test fails), one dict
         # lookup, the output, the launch. The Python around a launch is most of a small layer's wall
         # time (64x256x128 fp16 on an H200: ~3 us of GPU work, 17 us per call before this path).
-        if (
-            self._fast
-            and out is None
-            and x.dtype is w.dtype
-            and x.dim() == 2
-            and x.shape[1] == K
-            and x.is_contiguous()
-            and x.device == w.device
-        ):
+        if self._fast and out is None and plain_rows(x, w.dtype, w.device, K):
             M = x.shape[0]
             fast = self._fast.get((M, tf32))
             if fast is not None and x.data_ptr() % 16 == 0 and M * K < 2**31:

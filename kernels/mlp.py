@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
-from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail
+from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail, plain_rows
 from .linear import MAX_FAST_BATCH_SIZES, SUPPORTED_DTYPES, m_bucket
 from .runtime import bf16_on_interpreter, check_device, interpreting
 from .tuning import LaunchConfig, scope_for, tune
@@ -301,15 +301,7 @@ class FusedMLP:
         tf32 = torch.backends.cuda.matmul.allow_tf32 if self.allow_tf32 is None else self.allow_tf32
         # Fast path once this batch size has been launched directly (as FusedLinear's): a cheap test of
         # everything checked below, one lookup, the output, the launch.
-        if (
-            self._fast
-            and out is None
-            and x.dtype is self.dtype
-            and x.dim() == 2
-            and x.shape[1] == self.widths[0]
-            and x.is_contiguous()
-            and x.device == self.device
-        ):
+        if self._fast and out is None and plain_rows(x, self.dtype, self.device, self.widths[0]):
             M = x.shape[0]
             fast = self._fast.get((M, tf32))
             if fast is not None and x.data_ptr() % 16 == 0:

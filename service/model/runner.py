@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .executors import Executor, Mode, StepTimer
-from .graphs import GraphedExecutor
+from .graphs import GraphedExecutor, graph_buckets
 from .loader import Model
 
 log = logging.getLogger("fusedserve.runner")
@@ -36,11 +36,7 @@ def warmup_sizes(max_batch_size: int, device: torch.device) -> list[int]:
     so the smallest and largest batches only check the path."""
     if device.type != "cuda":
         return sorted({1, max_batch_size})
-    sizes, b = [], 1
-    while b < max_batch_size:
-        sizes.append(b)
-        b *= 2
-    return [*sizes, max_batch_size]
+    return graph_buckets(max_batch_size)
 
 
 class ModelRunner:
