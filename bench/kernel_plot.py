@@ -12,6 +12,16 @@ from pathlib import Path
 from .kernel_report import primary
 
 OURS_STYLE = {"color": "tab:red", "linewidth": 3, "zorder": 5}
+# One color per model provider, none of them ours's red but ours-eager's dashed pink.
+MODEL_STYLES = {
+    "eager": {"color": "tab:gray"},
+    "linear": {"color": "tab:orange"},
+    "compile": {"color": "tab:green"},
+    "compile-max": {"color": "tab:blue"},
+    "ours-unfused-graph": {"color": "tab:brown"},
+    "ours-eager": {"color": "tab:pink", "linestyle": "--"},
+    "ours": OURS_STYLE,
+}
 LAYER_SERIES = (("eager", "tab:gray", "s"), ("cublaslt", "tab:blue", "^"), ("ours", "tab:red", "o"))
 
 
@@ -57,7 +67,7 @@ def _model_panel(ax, cases: list[dict], model: str, ylabel: str) -> None:
         pts = [(c["batch"], primary(c["providers"][p])) for c in cases if p in c["providers"]]
         pts = [(b, t) for b, t in pts if t is not None]
         if pts:
-            style = OURS_STYLE if p == "ours" else {"color": "tab:red", "linestyle": "--"} if p == "ours-eager" else {}
+            style = MODEL_STYLES.get(p, {})
             ax.plot(*zip(*pts, strict=True), marker="o", markersize=3, label=p, **style)
     floor = [(c["batch"], c["floor_us"]) for c in cases if c.get("floor_us")]
     if floor:
