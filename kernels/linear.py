@@ -284,41 +284,26 @@ class FusedLinear:
         w = self.weight
         N, K = w.shape
         tf32 = torch.backends.cuda.matmul.allow_tf32 if self.allow_tf32 is None else self.allow_tf32
-        # Fast path, once a batch size has been launched directly: one cheap test for everything
-        # _check_x would reject (it runs, and names the problem, whenever this test fails), one dict
-        # lookup, the output, the launch. The Python around a launch is most of a small layer's wall
-        # time (64x256x128 fp16 on an H200: ~3 us of GPU work, 17 us per call before this path).
-        if self._fast and out is None and plain_rows(x, w.dtype, w.device, K):
+        # Direct path, once this bucket's kernel is compiled: one cheap test for everything _check_x would
+        # reject (it runs, and names the problem, whenever this test fails), one lookup of the batch size's
+        # launch record, the output, the launch. The Python around a launch is most of a small layer's
+        # wall time (64x256x128 fp16 on an H200: ~3 us of GPU work, 17 us per call before this path).
+        if self.direct and plain_rows(x, w.dtype, w.device, K) and x.data_ptr() % 16 == 0:
             M = x.shape[0]
-            fast = self._fast.get((M, tf32))
-            if fast is not None and x.data_ptr() % 16 == 0 and M * K < 2**31:
-                launch, grid, ws, cnt, bucket = fast
-                out = torch.empty((M, N), device=x.device, dtype=x.dtype)  # allocator blocks: 512-byte aligned
-                launch(grid, x, w, self._bias_arg, out, ws, cnt, M, N, K, K, 1, K, 1, N, 1,
-                       self.negative_slope, bucket)  # fmt: skip
-                return out
-        _check_x(x, w)
-        M = x.shape[0]
-        if self.direct and M:
-            bucket = m_bucket(M)
-            key = (bucket, "tf32" if tf32 else "ieee")
-            launch = self.direct.get(key)
-            if launch is not None:
+            fast = None
+            if M > 0 and M * K < 2**31:
+                fast = self._fast.get((M, tf32)) or self._record(M, tf32)
+            if fast is not None:
                 if out is None:
-                    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+                    out = torch.empty((M, N), device=x.device, dtype=x.dtype)  # allocator blocks: 512-byte aligned
                 else:
                     _check_out(out, x, N)
-                if aligned(x, out):
-                    config = self.configs[key]
-                    bm, bn, split = config["BLOCK_M"], config["BLOCK_N"], config["SPLIT_K"]
-                    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-                    ws, cnt = self.workspace.get(tiles, bm * bn, split)
-                    if len(self._fast) < MAX_FAST_BATCH_SIZES:
-                        # ws/cnt stay valid for this M: the workspace keeps outgrown buffers (see SplitKWorkspace)
-                        self._fast[(M, tf32)] = (launch, tiles * split, ws, cnt, bucket)
-                    launch(tiles * split, x, w, self._bias_arg, out, ws, cnt,
-                           M, N, K, K, 1, K, 1, N, 1, self.negative_slope, bucket)  # fmt: skip
+                if out.data_ptr() % 16 == 0:
+                    launch, grid, ws, cnt, bucket = fast
+                    launch(grid, x, w, self._bias_arg, out, ws, cnt, M, N, K, K, 1, K, 1, N, 1,
+                           self.negative_slope, bucket)  # fmt: skip
                     return out
+        _check_x(x, w)
         return _launch(
             x,
             self.weight,
@@ -331,6 +316,24 @@ class FusedLinear:
             self.workspace,
             self.direct,
         )
+
+    def _record(self, M: int, tf32: bool) -> tuple | None:
+        """The launch record of M rows, (launch, grid, split-K workspace, counters, bucket), kept for the next
+        call of that size; None while the bucket has no compiled kernel. The workspace keeps outgrown
+        buffers (SplitKWorkspace), so older records stay valid."""
+        bucket = m_bucket(M)
+        key = (bucket, "tf32" if tf32 else "ieee")
+        launch = self.direct.get(key)
+        if launch is None:
+            return None
+        config = self.configs[key]
+        bm, bn, split = config["BLOCK_M"], config["BLOCK_N"], config["SPLIT_K"]
+        tiles = triton.cdiv(M, bm) * triton.cdiv(self.weight.shape[0], bn)
+        ws, cnt = self.workspace.get(tiles, bm * bn, split)
+        record = (launch, tiles * split, ws, cnt, bucket)
+        if len(self._fast) < MAX_FAST_BATCH_SIZES:
+            self._fast[(M, tf32)] = record
+        return record
 
 
 def fused_linear(

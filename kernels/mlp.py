@@ -299,16 +299,20 @@ class FusedMLP:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         tf32 = torch.backends.cuda.matmul.allow_tf32 if self.allow_tf32 is None else self.allow_tf32
-        # Fast path once this batch size has been launched directly (as FusedLinear's): a cheap test of
-        # everything checked below, one lookup, the output, the launch.
-        if self._fast and out is None and plain_rows(x, self.dtype, self.device, self.widths[0]):
+        # Direct path once this bucket's kernel is compiled (as FusedLinear's): a cheap test of everything
+        # checked below, one lookup of the batch size's launch record, the output, the launch.
+        if self._direct and plain_rows(x, self.dtype, self.device, self.widths[0]) and x.data_ptr() % 16 == 0:
             M = x.shape[0]
-            fast = self._fast.get((M, tf32))
-            if fast is not None and x.data_ptr() % 16 == 0:
-                launch, grid = fast
-                out = torch.empty((M, self.widths[-1]), dtype=self.dtype, device=self.device)
-                launch(grid, x, self.weights, self.biases, out, M, self.widths[0], self.widths[-1])
-                return out
+            fast = (self._fast.get((M, tf32)) or self._record(M, tf32)) if M > 0 else None
+            if fast is not None:
+                if out is None:
+                    out = torch.empty((M, self.widths[-1]), dtype=self.dtype, device=self.device)
+                else:
+                    self._check_out(out, M)
+                if out.is_contiguous() and out.data_ptr() % 16 == 0:
+                    launch, grid = fast
+                    launch(grid, x, self.weights, self.biases, out, M, self.widths[0], self.widths[-1])
+                    return out
         if x.dim() != 2 or x.shape[1] != self.widths[0]:
             raise ValueError(f"x must be (M, {self.widths[0]}); got shape {tuple(x.shape)}")
         if x.dtype != self.dtype or x.device != self.device:
@@ -318,26 +322,33 @@ class FusedMLP:
         M = x.shape[0]
         if out is None:
             out = torch.empty((M, self.widths[-1]), dtype=self.dtype, device=self.device)
-        elif out.shape != (M, self.widths[-1]) or out.dtype != self.dtype or out.stride(1) != 1:
-            raise ValueError(f"out must be a ({M}, {self.widths[-1]}) {self.dtype} tensor with contiguous rows")
+        else:
+            self._check_out(out, M)
         if M == 0:
             return out
         precision = "tf32" if (tf32 and self.dtype == torch.float32) else "ieee"
-        if self._direct:  # a compiled kernel for this bucket: straight through Triton's C launcher (launch.py)
-            key = (m_bucket(M), precision)
-            launch = self._direct.get(key)
-            if launch is not None and aligned(x, out):
-                grid = triton.cdiv(M, self._configs[key]["BLOCK_M"])
-                if len(self._fast) < MAX_FAST_BATCH_SIZES:
-                    self._fast[(M, tf32)] = (launch, grid)
-                launch(grid, x, self.weights, self.biases, out, M, x.stride(0), out.stride(0))
-                return out
         config = self._config(x, out, precision)
         compiled = self._launch(x, out, precision, config)
         if not interpreting() and DIRECT_LAUNCH and aligned(x, out):
             values = {**self._meta_fixed, "PRECISION": precision, **config.meta()}
             self._direct[(m_bucket(M), precision)] = DirectLaunch(compiled, constexpr_tail(_mlp_kernel, 7, values))
         return out
+
+    def _check_out(self, out: torch.Tensor, M: int) -> None:
+        if out.shape != (M, self.widths[-1]) or out.dtype != self.dtype or out.stride(1) != 1:
+            raise ValueError(f"out must be a ({M}, {self.widths[-1]}) {self.dtype} tensor with contiguous rows")
+
+    def _record(self, M: int, tf32: bool) -> tuple | None:
+        """The launch record of M rows, (launch, grid), kept for the next call of that size; None while the
+        bucket has no compiled kernel."""
+        key = (m_bucket(M), "tf32" if (tf32 and self.dtype == torch.float32) else "ieee")
+        launch = self._direct.get(key)
+        if launch is None:
+            return None
+        record = (launch, triton.cdiv(M, self._configs[key]["BLOCK_M"]))
+        if len(self._fast) < MAX_FAST_BATCH_SIZES:
+            self._fast[(M, tf32)] = record
+        return record
 
     def _launch(self, x, out, precision, config: LaunchConfig):
         meta = config.meta()

@@ -307,6 +307,10 @@ def test_direct_and_fast_paths_pass_the_right_arguments(dtype, bias):
         assert_close_to(layer(x), want, RTOL[dtype], f"direct M={M} {dtype} bias={bias}")
         assert int(layer.workspace.counters.abs().sum()) == 0
     assert launch.calls == 6 and set(layer._fast) == {(5, False), (3, False), (17, False)}
+    out = torch.full((5, 37), float("nan"), device=DEVICE).to(dtype)  # a given output takes the same path
+    want = reference.linear(x0.double(), w.double(), b.double() if bias else None, "leaky_relu", negative_slope=0.3)
+    assert layer(x0, out=out) is out and launch.calls == 7
+    assert_close_to(out, want, RTOL[dtype], f"direct with out= {dtype} bias={bias}")
     # Anything the checks must reject still raises on the fast path's layer, naming the problem.
     with pytest.raises(ValueError, match="x has K=69 columns"):
         layer(torch.randn(5, 69, device=DEVICE).to(dtype))

@@ -204,5 +204,9 @@ def test_direct_and_fast_paths_pass_the_right_arguments(dtype):
         err = normwise_error(mlp(x), want64)
         assert err <= NORMWISE[dtype], f"direct M={M} {dtype}: normwise error {err:.2e}"
     assert launch.calls == 4 and set(mlp._fast) == {(3, False), (20, False)}
+    out = torch.full((3, 5), float("nan"), device=DEVICE).to(dtype)  # a given output takes the same path
+    assert mlp(x[:3].contiguous(), out=out) is out and launch.calls == 5
+    err = normwise_error(out, _reference(x[:3], layers, dtype)[0])
+    assert err <= NORMWISE[dtype], f"direct with out= {dtype}: normwise error {err:.2e}"
     with pytest.raises(ValueError, match=r"x must be \(M, 13\)"):
         mlp(torch.randn(3, 12, device=DEVICE).to(dtype))
