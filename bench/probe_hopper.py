@@ -14,31 +14,24 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-import triton.testing
 
 import kernels.linear as linear_mod
 import kernels.mlp as mlp_mod
 from kernels import FusedLinear
 from kernels.mlp import FusedMLP, MLPLayer
 
+from .kernel_timing import Timing, capture, device_us
+
 BW = 4.25e12  # H200 device-to-device copy, ../shared/gpu/README.md
 
 
 def dev_us(fn) -> float:
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")) * 1e3
+    return device_us(fn, Timing())
 
 
 def graph_us(fn) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return dev_us(g.replay)
+    graph, _ = capture(fn)
+    return dev_us(graph.replay)
 
 
 def sweep_linear(M, K, N, dtype, act="relu", top=6):
