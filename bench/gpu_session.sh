@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Everything one lent-GPU call should do, in order: GPU facts, the test suite on CUDA (gpu-marked
 # tests included), the kernel benchmark (fusedserve bench kernels), and a real service smoke test in
-# both modes. Choose steps with STEPS (default "tests bench smoke"); one 600 s call fits all three
-# only on a warm Triton cache, so a first call of a session is best STEPS="tests bench" with
-# TEST_TIMEOUT=150 BENCH_LIMIT=365 (what the 2026-11-23 run did: bench/results/gpu_tests_h200.txt).
+# both modes. Choose steps with STEPS (default "tests bench smoke"). On a cold Triton cache the suite
+# (~1000 tests on CUDA) takes ~250-300 s with 16 workers and the benchmark ~365 s, so they go in
+# separate 600 s calls: STEPS=tests TEST_TIMEOUT=540, then STEPS=bench BENCH_LIMIT=365.
 # Usage on the device machine (after the wheel prologue of ../shared/gpu/README.md):
 #   OUT=$OUT bash bench/gpu_session.sh [pytest args...]
 set -uo pipefail
@@ -20,10 +20,11 @@ if [[ $steps == *" tests "* ]]; then
   # Tuning off: every candidate config is tested explicitly, and timing 6-18 candidates per new shape
   # would triple the run. Deploy checks need hadolint/promtool (not on the GPU image); CI runs them.
   FUSEDSERVE_TUNING=false FUSEDSERVE_TUNING_CACHE=/tmp/fusedserve-test-tuning.json \
-    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider -n "${XDIST:-16}" \
-    --dist load --ignore=tests/test_deploy_static.py --ignore=tests/test_prometheus_scrape.py "$@" \
+    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest ${TESTS:-tests} -v -rfE --tb=short --durations=10 -p no:cacheprovider \
+    -n "${XDIST:-16}" --dist load --ignore=tests/test_deploy_static.py --ignore=tests/test_prometheus_scrape.py "$@" \
     > "$out/tests.txt" 2>&1 || status=1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.txt" | tail -n 25
+  # -v gives one line per test as it finishes, so a run cut off by the timeout still names its failures.
+  grep -E " (FAILED|ERROR) |^(FAILED|ERROR)|passed|failed" "$out/tests.txt" | sort -u | tail -n 40
 fi
 
 if [[ $steps == *" bench "* ]]; then

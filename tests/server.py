@@ -56,10 +56,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Read at import, before any test ran: an in-process test of a CPU app sets TRITON_INTERPRET=1 in this
+# process (service.main.prepare_backend must, before kernels are defined), and a CUDA server started
+# later from the same worker would inherit it and run its kernels interpreted (seen on an H200).
+_TRITON_INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
+# Kernel tuning changes which config runs, never a result: the GPU session switches it off
+# (FUSEDSERVE_TUNING=false) so that servers warm up in seconds, not 10-50 s per batch bucket.
+_PASSED_THROUGH = ("FUSEDSERVE_TUNING", "FUSEDSERVE_TUNING_CACHE")
+
+
 def service_env(**env: str | int | float) -> dict[str, str]:
     """The test process's environment without any FUSEDSERVE_* (a stray one would change the
-    server or, unknown, stop it), plus `env`: keys without the prefix get it (max_delay_ms=20)."""
-    out = {k: v for k, v in os.environ.items() if not k.startswith("FUSEDSERVE_")}
+    server or, unknown, stop it) but the tuning switches, plus `env`: keys without the prefix get it
+    (max_delay_ms=20)."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith("FUSEDSERVE_") or k in _PASSED_THROUGH}
+    out.pop("TRITON_INTERPRET", None)
+    if _TRITON_INTERPRET_AT_START is not None:
+        out["TRITON_INTERPRET"] = _TRITON_INTERPRET_AT_START
     out["PYTHONUNBUFFERED"] = "1"
     out["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     for k, v in env.items():

@@ -15,6 +15,8 @@ from service.model.runner import ModelRunner
 from tests.modelgen import write_model
 
 SHIPPED = Path(__file__).resolve().parents[1] / "model_weights" / "digits-mlp"
+# unfused only: cuBLAS at the padded bucket vs at the batch's own row count, same math in another order
+RTOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
 @pytest.mark.parametrize(
@@ -50,9 +52,14 @@ def test_gpu_replay_equals_launching_each_step(tmp_path, mode, dtype):
         for rows in (1, 2, 3, 17, 64, 65, 100, 7, 1):  # pad rows left by bigger batches must not leak
             x = torch.randn(rows, *model.input_shape, device="cuda").to(dtype)
             want = ex.forward(x)
-            got = graphs.forward(x).clone()
+            # The service stages a host batch (its H2D copy lands in the graph's input); others pass device rows.
+            got = graphs.forward(x.cpu() if rows % 2 else x).clone()
             assert got.shape == want.shape
-            assert torch.equal(got, want), f"{model.name} {mode} {dtype} rows={rows}: replay differs from launches"
+            if mode == "fused":  # our kernels take a row's result from the same config at any row count
+                assert torch.equal(got, want), f"{model.name} {mode} {dtype} rows={rows}: replay differs from launches"
+            else:  # cuBLAS may choose another kernel for the padded bucket (H200: fp32 at 17 vs 32 rows)
+                tol = RTOL[dtype]
+                torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=f"{model.name} {dtype} rows={rows}")
         with pytest.raises(ValueError, match="101 rows exceed max_batch_size 100"):
             graphs.forward(torch.randn(101, *model.input_shape, device="cuda").to(dtype))
 
