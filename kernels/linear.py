@@ -127,10 +127,13 @@ HOPPER_SHARED_MEMORY = 232_448  # bytes per block (opt-in) on H100/H200, as Trit
 
 
 def pipeline_shared_memory(config: LaunchConfig, element_size: int) -> int:
-    """Shared memory the software pipeline takes for the x and W tiles: num_stages - 1 buffers of each.
-    (H200: BLOCK 16x64x256 fp32 at 4 stages asked for 245,760 B = 3 x (16*256 + 256*64) x 4.)"""
+    """Shared memory the software pipeline takes for the x and W tiles. Tiles of 64+ rows run Hopper's
+    warpgroup MMA, whose pipeline keeps num_stages buffers of each; smaller ones keep num_stages - 1.
+    Both measured on an H200: 128x256x64 fp32 at 3 stages asked for 294,912 B = 3 x (128*64 + 64*256) x 4;
+    16x64x256 fp32 at 4 stages for 245,760 B = 3 x (16*256 + 256*64) x 4."""
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    return max(1, config.num_stages - 1) * (bm * bk + bk * bn) * element_size
+    buffers = config.num_stages if bm >= 64 else max(1, config.num_stages - 1)
+    return buffers * (bm * bk + bk * bn) * element_size
 
 
 def cuda_configs(
@@ -151,6 +154,15 @@ def cuda_configs(
         while tiles * split < sms and split < 8 and triton.cdiv(K, bk) >= 4 * split:  # >= 2 K steps per split
             split *= 2
         return split
+
+    def wave_split(bm: int, bn: int, bk: int) -> int:
+        """The split (1-8) whose programs fill the last wave of SMs best, the smaller on a tie; at least 4
+        K steps per split."""
+        tiles = triton.cdiv(N, bn) * triton.cdiv(bucket, bm)
+        if tiles >= sms:  # already a full wave: splitting only adds the reduction
+            return 1
+        fits = [s for s in (1, 2, 4, 8) if triton.cdiv(K, bk) >= 4 * s]
+        return max(fits, key=lambda s: (round(tiles * s / (triton.cdiv(tiles * s, sms) * sms), 2), -s))
 
     def cfg(bm, bn, bk, warps, stages, split=1):
         return LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split)
@@ -178,6 +190,12 @@ def cuda_configs(
             cfg(64, 128, 64, 4, 4),
             cfg(64, 64, 64, 4, 4),  # small GEMMs (64x256x128: 4 tiles of 32x64) want more programs
         ]
+        # Mid-size GEMMs leave SMs idle with big tiles (1024^3 in 128x128 tiles: 64 programs on 132 SMs)
+        # and starve each SM with small ones (64x128 tiles: each program reads 384 KB through L2 for
+        # 17 MFLOP). Big tiles split along K fill the SMs at half the bytes per FLOP.
+        for bm, bn, warps, stages in ((128, 128, 8, 3), (128, 256, 8, 3)):
+            if wave_split(bm, bn, 64) > 1:
+                configs.append(cfg(bm, bn, 64, warps, stages, wave_split(bm, bn, 64)))
     return [c for c in configs if pipeline_shared_memory(c, element_size) <= shared_memory]
 
 

@@ -241,11 +241,22 @@ def test_small_batches_get_split_k_candidates():
         assert {c["BLOCK_M"] for c in configs} == {16}
 
 
+def test_mid_size_gemms_get_big_tiles_split_to_fill_the_sms():
+    """1024^3 in 128x128 tiles is 64 programs for 132 SMs: split 2 makes one full wave; 128x256 needs 4.
+    4096^3 already fills the SMs many times over: no split."""
+    splits = {(c["BLOCK_M"], c["BLOCK_N"], c["SPLIT_K"]) for c in linear_mod.cuda_configs(1024, 1024, 1024, 132)}
+    assert {(128, 128, 2), (128, 256, 4)} <= splits, splits
+    assert {c["SPLIT_K"] for c in linear_mod.cuda_configs(4096, 4096, 4096, 132)} == {1}
+
+
 def test_candidates_fit_shared_memory():
     """A candidate whose pipeline overflows shared memory fails to launch (H200: 16x64x256 fp32 at 4 stages
     asked for 245,760 B of 232,448): it is never offered, so every candidate can be tested and picked."""
     big = linear_mod.LaunchConfig.of(4, 4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, SPLIT_K=1)
     assert linear_mod.pipeline_shared_memory(big, 4) == 245_760
+    wide = linear_mod.LaunchConfig.of(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, SPLIT_K=1)
+    assert linear_mod.pipeline_shared_memory(wide, 4) == 294_912  # warpgroup MMA: num_stages buffers
+    assert wide not in linear_mod.cuda_configs(1024, 1024, 1024, 132, 4)
     for bucket, N, K in [(1, 1000, 4096), (64, 1000, 1000), (1024, 4096, 4096)]:
         for dt in DTYPES:
             configs = linear_mod.cuda_configs(bucket, N, K, 132, dt.itemsize)
