@@ -230,8 +230,9 @@ def _model_table(cases: list[dict], cuda: bool, notes: _Notes, dtype: str) -> li
     lines = [
         f"## Models: whole forward, {dtype}",
         "",
-        f"Each provider's cell: {legend} µs per call (ours and ours-unfused-graph: the GraphedExecutor's own "
-        "forward, which copies the batch in and replays its bucket's graph). Best anchor: the fastest of "
+        f"Each provider's cell: {legend} µs per call (ours and ours-unfused-graph: one replay of "
+        "the GraphedExecutor's graph for the bucket, the batch already in the graph's input, where the service's "
+        "H2D copy puts it). Best anchor: the fastest of "
         f"{', '.join(ANCHORS)}; ours / best < 1 means ours is faster.",
         "",
         "| " + " | ".join(head) + " |",

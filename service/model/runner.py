@@ -74,14 +74,15 @@ class ModelRunner:
         self._batches += 1
         every = self.kernel_timing_every
         timer = self._timer if (every and self._observe_kernel and self._batches % every == 0) else None
-        x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32))
-        x = x.to(self.device, non_blocking=False).to(self.executor.dtype)
+        # Cast on the host (a 256 x 64 batch is 64 KB: microseconds) so the device runs no cast kernel: a
+        # graphed forward is then one H2D copy straight into the graph's input, one replay, one D2H copy.
+        x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32)).to(self.executor.dtype)
         # A batch larger than the biggest graph bucket (a direct caller; the batcher never forms one) runs
         # launch by launch rather than failing.
         graphed = self.graphs is not None and not timer and x.shape[0] <= self.graphs.max_batch_size
-        y = self.graphs.forward(x) if graphed else self.executor.forward(x, timer)
+        y = self.graphs.forward(x) if graphed else self.executor.forward(x.to(self.device), timer)
         # .cpu() synchronises with the stream: the batch's one sync, after which the events are ready.
-        out = y.float().cpu().numpy()
+        out = y.cpu().float().numpy()
         if timer:
             for name, seconds in timer.results():
                 self._observe_kernel(name, seconds)
