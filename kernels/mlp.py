@@ -18,6 +18,9 @@ than (P, BLOCK_N): a whole (256, 256) tile in registers spills (3.4 KB of stack 
 with ptxas for sm_90). A last unpaired layer runs the same loop with B = the identity, generated in
 registers (an exact MMA: x * 1 + 0), which places each chunk at its columns of the output.
 
+At entry, program 0 asks L2 for every weight line (`prefetch.py`), so that a layer's first weight loads,
+otherwise HBM misses taken one layer after another, find them in L2.
+
 mid_j is rounded to the model dtype before the second product, exactly as a per-layer kernel rounds its
 stored output, so the whole-MLP kernel and the per-layer kernels compute the same function.
 
@@ -40,6 +43,7 @@ import triton.language as tl
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
 from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail, plain_rows
 from .linear import MAX_FAST_BATCH_SIZES, SUPPORTED_DTYPES, m_bucket
+from .prefetch import prefetch_l2, prefetch_lines
 from .runtime import bf16_on_interpreter, check_device, interpreting
 from .tuning import LaunchConfig, scope_for, tune
 
@@ -127,13 +131,15 @@ def _mlp_kernel(
     A4: tl.constexpr, A5: tl.constexpr, A6: tl.constexpr, A7: tl.constexpr, A8: tl.constexpr,
     S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
     S4: tl.constexpr, S5: tl.constexpr, S6: tl.constexpr, S7: tl.constexpr, S8: tl.constexpr,
-    P_LAST: tl.constexpr,
+    P_LAST: tl.constexpr, W_BYTES: tl.constexpr, PREFETCH_LINES: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     # Layer l maps P_l -> P_l+1 with activation A_l (slope S_l) and schedule M_l; its packed weights
     # start at sum_{i<l} P_i * P_i+1. Every `if NUM_LAYERS > l` is decided at compile time, so h changes
     # width from step to step. P9, A8, S8 are padding so that layer 7 can name "the next layer".
+    if PREFETCH_LINES > 0:  # every layer's weights start their trip to L2 now, not when the layer starts
+        prefetch_l2(w_ptr, W_BYTES, PREFETCH_LINES)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, P0)
     h = tl.load(
@@ -289,6 +295,9 @@ class FusedMLP:
         acts = [layer.activation for layer in self.layers] + ["none"] * (MAX_LAYERS + 1 - L)
         slopes = [float(layer.negative_slope) for layer in self.layers] + [0.0] * (MAX_LAYERS + 1 - L)
         meta = dict(IN_FEATURES=self.widths[0], OUT_FEATURES=self.widths[-1], NUM_LAYERS=L, P_LAST=self.padded[-1])
+        w_bytes = self.weights.numel() * self.weights.element_size()
+        no_ptx = interpreting() or torch.version.hip is not None  # the prefetch is inline PTX
+        meta.update(W_BYTES=w_bytes, PREFETCH_LINES=0 if no_ptx else prefetch_lines(w_bytes))
         meta.update({f"P{i}": P[i] for i in range(10)})
         meta.update({f"M{i}": modes[i] for i in range(MAX_LAYERS)})
         meta.update({f"A{i}": acts[i] for i in range(MAX_LAYERS + 1)})
@@ -366,7 +375,7 @@ class FusedMLP:
         hit = self._configs.get((bucket, precision))
         if hit is None:
             key = f"{self.widths}|{[layer.activation for layer in self.layers]}|{self.dtype}|{precision}|m{bucket}"
-            scope = scope_for("mlp", _mlp_kernel, _step, _pair, _bias_act, _dot, apply_activation)
+            scope = scope_for("mlp", _mlp_kernel, _step, _pair, _bias_act, _dot, apply_activation, prefetch_l2)
             hit = tune(scope, key, cuda_configs(bucket), lambda c: self._launch(x, out, precision, c))
             self._configs[(bucket, precision)] = hit
         return hit

@@ -1,0 +1,42 @@
+"""Pull a small weight buffer into L2 at the start of a kernel, so that later dependent loads hit L2.
+
+A whole-MLP forward at serving sizes is a chain of dependent steps in one or a few programs: each
+layer's weights are first touched only when that layer starts, and from HBM each first touch costs
+~600-800 ns on an H100/H200 (vs ~250 ns from L2). Issuing `prefetch.global.L2` for every 128-byte line
+of the packed weights at entry overlaps all those misses with the first layer's; the prefetches write
+nothing and hold no registers, and a line already in L2 (the steady state of a busy server) costs one
+L2 lookup. One program issues them, so the number of requests does not grow with the grid.
+
+Compiled GPUs only: the interpreter has no inline PTX (callers pass LINES=0 there).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LINE_BYTES = 128
+MAX_LINES = 2048  # 256 KB: 16 prefetches per thread at 4 warps; the digits MLP's fp16 weights are 172 KB
+
+
+def prefetch_lines(n_bytes: int) -> int:
+    """The LINES constexpr that covers n_bytes (a power of two, capped at MAX_LINES)."""
+    return min(MAX_LINES, triton.next_power_of_2(triton.cdiv(n_bytes, LINE_BYTES)))
+
+
+@triton.jit
+def prefetch_l2(ptr, n_bytes, LINES: tl.constexpr):
+    """Program 0 asks L2 for the first min(n_bytes, LINES * 128) bytes from ptr."""
+    if tl.program_id(0) == 0:
+        offset = tl.arange(0, LINES) * 128
+        address = ptr.to(tl.pointer_type(tl.uint8)) + offset
+        # setp/@p skips lines past the end; the dummy output exists only because the op must return one,
+        # and is_pure=False keeps the compiler from deleting an instruction whose result goes unused.
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            constraints="=r,l,r",
+            args=[address, (offset < n_bytes).to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
