@@ -158,8 +158,9 @@ def markdown(results: dict) -> str:
         lines.append(
             "Device time: median of `triton.testing.do_bench` (L2 flushed before every rep); graph: the call "
             "captured once into a CUDA graph and replayed. Wall: host time per call, calls back-to-back from "
-            "Python, one synchronize at the end. Floor: max(bytes / copy bandwidth, flops / matmul rate), "
-            "bytes = inputs and weights read once, output written once. Error: ||y - ref|| / ||ref|| vs "
+            "Python, one synchronize at the end, best of 5 runs (the same rule for every provider). "
+            "Floor: max(bytes / copy bandwidth, flops / matmul rate), bytes = inputs and weights read once, "
+            "output written once. Error: ||y - ref|| / ||ref|| vs "
             "float64 on the same dtype-cast inputs; **!** marks a result over the bound or not finite."
         )
     else:
