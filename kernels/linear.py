@@ -161,8 +161,10 @@ def cuda_configs(
         tiles = triton.cdiv(N, bn) * triton.cdiv(bucket, bm)
         if tiles >= sms:  # already a full wave: splitting only adds the reduction
             return 1
-        fits = [s for s in (1, 2, 4, 8) if triton.cdiv(K, bk) >= 4 * s]
-        return max(fits, key=lambda s: (round(tiles * s / (triton.cdiv(tiles * s, sms) * sms), 2), -s))
+        fits = [s for s in (2, 4, 8) if triton.cdiv(K, bk) >= 4 * s]
+        if not fits:
+            return 1
+        return max([1, *fits], key=lambda s: (round(tiles * s / (triton.cdiv(tiles * s, sms) * sms), 2), -s))
 
     def cfg(bm, bn, bk, warps, stages, split=1):
         return LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split)

@@ -247,6 +247,8 @@ def test_mid_size_gemms_get_big_tiles_split_to_fill_the_sms():
     splits = {(c["BLOCK_M"], c["BLOCK_N"], c["SPLIT_K"]) for c in linear_mod.cuda_configs(1024, 1024, 1024, 132)}
     assert {(128, 128, 2), (128, 256, 4)} <= splits, splits
     assert {c["SPLIT_K"] for c in linear_mod.cuda_configs(4096, 4096, 4096, 132)} == {1}
+    for K in (64, 129, 192):  # under 4 K steps of 64 per split: never split (an H200 run crashed here)
+        assert {c["SPLIT_K"] for c in linear_mod.cuda_configs(128, 256, K, 132)} == {1}
 
 
 def test_candidates_fit_shared_memory():
