@@ -413,7 +413,10 @@ def test_client_that_leaves_is_counted_cancelled(slow_servers, mode, digits):
 def test_metrics_after_traffic(url, mode, digits):
     X, _ = digits
     with httpx.Client(base_url=url, timeout=TIMEOUT) as client:
-        assert client.post("/predict", json={"inputs": X[:5].tolist()}).status_code == 200
+        # One after another, so each is a batch: at least TIMING_EVERY of them on this server even when this
+        # test is the first it serves (under xdist each worker starts its own servers).
+        for _ in range(TIMING_EVERY):
+            assert client.post("/predict", json={"inputs": X[:5].tolist()}).status_code == 200
         assert client.post("/predict", json={"inputs": [[1.0] * 3]}).status_code == 422
     fam = scrape(url)
     lm = {"model": MODEL, "mode": mode}
