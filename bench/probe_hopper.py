@@ -14,11 +14,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
+import triton.testing
 
 import kernels.linear as linear_mod
 import kernels.mlp as mlp_mod
 from kernels import FusedLinear
 from kernels.mlp import FusedMLP, MLPLayer
+from service.model.loader import load_model
+from service.model.planner import group_mlps, plan
 
 from .kernel_timing import Timing, capture, device_us
 
@@ -107,12 +111,61 @@ def sweep_mlp(widths, M, dtype):
     return {"widths": widths, "M": M, "configs": rows}
 
 
+@triton.jit
+def _one_store(y_ptr):
+    tl.store(y_ptr, 1.0)
+
+
+def hot_graph_us(fn) -> float:
+    """Back to back in one graph (as the tuner times): weights stay in L2 between calls."""
+    return float(triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")) * 1e3
+
+
+def mlp_prefetch_and_floor() -> dict:
+    """The whole-MLP kernel with and without its L2 prefetch, cold (L2 flushed, as the benchmark) and hot
+    (as the tuner and a busy server), beside the same measurement of a kernel that stores one float: the
+    fixed cost of one graph replay under this method, which no forward can go below."""
+    y = torch.empty(1, device="cuda")
+    floor = {"cold": graph_us(lambda: _one_store[(1,)](y)), "hot": hot_graph_us(lambda: _one_store[(1,)](y))}
+    print(f"one-store kernel, graph replay: cold {floor['cold']:.2f} us, hot {floor['hot']:.2f} us", flush=True)
+    digits = load_model(Path(__file__).resolve().parents[1] / "model_weights" / "digits-mlp")
+    steps = [s for step in group_mlps(plan(digits.ops), digits.tensors) for s in getattr(step, "layers", [])]
+    t = {k: v.to("cuda", torch.float16).contiguous() for k, v in digits.tensors.items()}
+    layers = [MLPLayer(t[s.weight], t[s.bias] if s.bias else None, s.activation) for s in steps]
+    rows = []
+    for M, bn in ((1, 64), (32, 128), (256, 128)):
+        x = torch.randn(M, layers[0].weight.shape[1], device="cuda").to(torch.float16)
+        cfg = mlp_mod.LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=bn, STAGES=2)
+        for prefetch in (True, False):
+            orig = mlp_mod.tune
+            mlp_mod.tune = lambda *a, cfg=cfg, **k: cfg
+            try:
+                m = FusedMLP(layers)
+                if not prefetch:
+                    m._meta_fixed["PREFETCH_LINES"] = 0
+                row = {"M": M, "BLOCK_N": bn, "prefetch": prefetch, "cold": graph_us(lambda m=m, x=x: m(x)),
+                       "hot": hot_graph_us(lambda m=m, x=x: m(x))}  # fmt: skip
+            finally:
+                mlp_mod.tune = orig
+            print(
+                f"digits MLP M={M} BLOCK_N={bn} prefetch={prefetch}: cold {row['cold']:.2f} us, hot {row['hot']:.2f} us"
+            )
+            rows.append(row)
+    return {"one_store": floor, "digits": rows}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=Path("."))
+    p.add_argument("--only", choices=["mlp-prefetch"], help="just this part (with the 1024^3 fp16 config sweep)")
     args = p.parse_args()
     t0 = time.time()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    if args.only == "mlp-prefetch":
+        res = {"mlp_prefetch": mlp_prefetch_and_floor(), "linear": [sweep_linear(1024, 1024, 1024, torch.float16)]}
+        (args.out / "probe_mlp_prefetch.json").write_text(json.dumps(res, default=str, indent=1))
+        print(f"[{time.time() - t0:.0f}s]", flush=True)
+        return
     res = {"mlp": [], "linear": []}
     for M in (1, 8, 32, 256, 4096):
         res["mlp"].append(sweep_mlp([64, 256, 256, 10], M, torch.float16))
