@@ -155,17 +155,6 @@ def cuda_configs(
             split *= 2
         return split
 
-    def wave_split(bm: int, bn: int, bk: int) -> int:
-        """The split (1-8) whose programs fill the last wave of SMs best, the smaller on a tie; at least 4
-        K steps per split."""
-        tiles = triton.cdiv(N, bn) * triton.cdiv(bucket, bm)
-        if tiles >= sms:  # already a full wave: splitting only adds the reduction
-            return 1
-        fits = [s for s in (2, 4, 8) if triton.cdiv(K, bk) >= 4 * s]
-        if not fits:
-            return 1
-        return max([1, *fits], key=lambda s: (round(tiles * s / (triton.cdiv(tiles * s, sms) * sms), 2), -s))
-
     def cfg(bm, bn, bk, warps, stages, split=1):
         return LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split)
 
@@ -192,12 +181,9 @@ def cuda_configs(
             cfg(64, 128, 64, 4, 4),
             cfg(64, 64, 64, 4, 4),  # small GEMMs (64x256x128: 4 tiles of 32x64) want more programs
         ]
-        # Mid-size GEMMs leave SMs idle with big tiles (1024^3 in 128x128 tiles: 64 programs on 132 SMs)
-        # and starve each SM with small ones (64x128 tiles: each program reads 384 KB through L2 for
-        # 17 MFLOP). Big tiles split along K fill the SMs at half the bytes per FLOP.
-        for bm, bn, warps, stages in ((128, 128, 8, 3), (128, 256, 8, 3)):
-            if wave_split(bm, bn, 64) > 1:
-                configs.append(cfg(bm, bn, 64, warps, stages, wave_split(bm, bn, 64)))
+        # Not offered: 128x128 / 128x256 tiles split along K to fill one wave at 1024^3. Timed cold on an
+        # H200 (bench/results/probe_mlp_prefetch_h200.txt) they took 17.4 us against 11.6 us for 64x128x64,
+        # and the tuner (hot) never picked them either.
     return [c for c in configs if pipeline_shared_memory(c, element_size) <= shared_memory]
 
 

@@ -241,14 +241,11 @@ def test_small_batches_get_split_k_candidates():
         assert {c["BLOCK_M"] for c in configs} == {16}
 
 
-def test_mid_size_gemms_get_big_tiles_split_to_fill_the_sms():
-    """1024^3 in 128x128 tiles is 64 programs for 132 SMs: split 2 makes one full wave; 128x256 needs 4.
-    4096^3 already fills the SMs many times over: no split."""
-    splits = {(c["BLOCK_M"], c["BLOCK_N"], c["SPLIT_K"]) for c in linear_mod.cuda_configs(1024, 1024, 1024, 132)}
-    assert {(128, 128, 2), (128, 256, 4)} <= splits, splits
-    assert {c["SPLIT_K"] for c in linear_mod.cuda_configs(4096, 4096, 4096, 132)} == {1}
-    for K in (64, 129, 192):  # under 4 K steps of 64 per split: never split (an H200 run crashed here)
-        assert {c["SPLIT_K"] for c in linear_mod.cuda_configs(128, 256, K, 132)} == {1}
+def test_big_batches_are_never_split():
+    """Split-K is for weight streaming (batches of 1-16): at 1024^3 the split 128x128 tiles lost to 64x128
+    unsplit on an H200, 17.4 vs 11.6 us."""
+    for bucket, N, K in [(1024, 1024, 1024), (4096, 4096, 4096), (128, 256, 64), (256, 257, 129)]:
+        assert {c["SPLIT_K"] for c in linear_mod.cuda_configs(bucket, N, K, 132)} == {1}, (bucket, N, K)
 
 
 def test_candidates_fit_shared_memory():
