@@ -7,6 +7,7 @@ each tuning decision, so the choices in kernels/ rest on numbers. Not the benchm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -15,11 +16,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-import triton.testing
 
 import kernels.linear as linear_mod
 import kernels.mlp as mlp_mod
-from kernels import FusedLinear
+from kernels import FusedLinear, tuning
 from kernels.mlp import FusedMLP, MLPLayer
 from service.model.loader import load_model
 from service.model.planner import group_mlps, plan
@@ -27,6 +27,17 @@ from service.model.planner import group_mlps, plan
 from .kernel_timing import Timing, capture, device_us
 
 BW = 4.25e12  # H200 device-to-device copy, ../shared/gpu/README.md
+
+
+@contextlib.contextmanager
+def forced(module, cfg):
+    """module's kernels take cfg instead of tuning, until the block ends."""
+    orig = module.tune
+    module.tune = lambda *a, **k: cfg
+    try:
+        yield
+    finally:
+        module.tune = orig
 
 
 def dev_us(fn) -> float:
@@ -46,18 +57,15 @@ def sweep_linear(M, K, N, dtype, act="relu", top=6):
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for cfg in linear_mod.cuda_configs(linear_mod.m_bucket(M), N, K, sms, x.element_size()):
-        orig = linear_mod.tune
-        linear_mod.tune = lambda *a, cfg=cfg, **k: cfg
         try:
-            layer = FusedLinear(w, b, act)
-            y = layer(x)
-            err = float((y.double() - ref).norm() / ref.norm())
-            us = dev_us(lambda layer=layer: layer(x))
+            with forced(linear_mod, cfg):
+                layer = FusedLinear(w, b, act)
+                y = layer(x)
+                err = float((y.double() - ref).norm() / ref.norm())
+                us = dev_us(lambda layer=layer: layer(x))
             rows.append((us, err, cfg.meta()))
         except Exception as e:  # noqa: BLE001
             rows.append((float("inf"), float("nan"), {**cfg.meta(), "error": str(e)[:80]}))
-        finally:
-            linear_mod.tune = orig
     rows.sort(key=lambda r: r[0])
     floor = (M * K + K * N + M * N) * x.element_size() / BW * 1e6
     lt = dev_us(lambda: torch._addmm_activation(b, x, w.t()))
@@ -85,17 +93,14 @@ def sweep_mlp(widths, M, dtype):
         h = torch.relu(h) if la.activation == "relu" else h
     rows = []
     for cfg in mlp_mod.cuda_configs(linear_mod.m_bucket(M)):
-        orig = mlp_mod.tune
-        mlp_mod.tune = lambda *a, cfg=cfg, **k: cfg
         try:
-            m = FusedMLP(layers)
-            y = m(x)
-            err = float((y.double() - h).norm() / h.norm())
-            rows.append((dev_us(lambda m=m: m(x)), graph_us(lambda m=m: m(x)), err, cfg.meta()))
+            with forced(mlp_mod, cfg):
+                m = FusedMLP(layers)
+                y = m(x)
+                err = float((y.double() - h).norm() / h.norm())
+                rows.append((dev_us(lambda m=m: m(x)), graph_us(lambda m=m: m(x)), err, cfg.meta()))
         except Exception as e:  # noqa: BLE001
             rows.append((float("inf"), float("inf"), float("nan"), {**cfg.meta(), "error": str(e)[:80]}))
-        finally:
-            mlp_mod.tune = orig
     rows.sort(key=lambda r: r[0])
 
     def anchor():
@@ -117,8 +122,8 @@ def _one_store(y_ptr):
 
 
 def hot_graph_us(fn) -> float:
-    """Back to back in one graph (as the tuner times): weights stay in L2 between calls."""
-    return float(triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")) * 1e3
+    """Back to back in one graph, timed exactly as the tuner times: weights stay in L2 between calls."""
+    return tuning._do_bench_us(fn)
 
 
 def mlp_prefetch_and_floor() -> dict:
@@ -137,16 +142,12 @@ def mlp_prefetch_and_floor() -> dict:
         x = torch.randn(M, layers[0].weight.shape[1], device="cuda").to(torch.float16)
         cfg = mlp_mod.LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=bn, STAGES=2)
         for prefetch in (True, False):
-            orig = mlp_mod.tune
-            mlp_mod.tune = lambda *a, cfg=cfg, **k: cfg
-            try:
+            with forced(mlp_mod, cfg):
                 m = FusedMLP(layers)
                 if not prefetch:
                     m._meta_fixed["PREFETCH_LINES"] = 0
                 row = {"M": M, "BLOCK_N": bn, "prefetch": prefetch, "cold": graph_us(lambda m=m, x=x: m(x)),
                        "hot": hot_graph_us(lambda m=m, x=x: m(x))}  # fmt: skip
-            finally:
-                mlp_mod.tune = orig
             print(
                 f"digits MLP M={M} BLOCK_N={bn} prefetch={prefetch}: cold {row['cold']:.2f} us, hot {row['hot']:.2f} us"
             )
