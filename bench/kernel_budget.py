@@ -1,10 +1,10 @@
 """Keeps the whole benchmark inside one device call (--time-limit) by skipping torch.compile work last.
 
 What a full H200 run costs, roughly: each case's non-compile providers 1-3 s (do_bench's 10+50 ms and
-3 wall runs of 20 ms per variant, plus our autotuning the first time a dtype/act/bucket is seen);
-torch.compile 2-5 s a case; max-autotune 10-30 s for each new GEMM shape (less for the second
-activation of a shape: inductor's autotune cache keys on the GEMM, not the epilogue). 36 layer cases
-and 10 model cases with max-autotune everywhere would take 10-15 minutes, so:
+5 wall runs of ~10 ms per variant, interleaved with the other providers, plus our autotuning the first
+time a dtype/act/bucket is seen); torch.compile 2-5 s a case; max-autotune 10-30 s for each new GEMM
+shape (less for the second activation of a shape: inductor's autotune cache keys on the GEMM, not the
+epilogue). 36 layer cases and 10 model cases with max-autotune everywhere would take 10-15 minutes, so:
 
 - non-compile providers always run (they are the comparison) until the section's hard limit: its share
   of the time plus 15% of the total (so slow layers cannot starve the models section);

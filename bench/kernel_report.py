@@ -155,10 +155,18 @@ def markdown(results: dict) -> str:
         "",
     ]
     if cuda:
+        # Results written before the wall runs were interleaved (no "wall_interleaved") keep their own method.
+        if meta.get("timing", {}).get("wall_interleaved"):
+            wall = (
+                "GC off, best of 5 runs; a case's providers take turns run by run, so they see the same host "
+                "(torch.compile ones: their 5 runs on the spot)"
+            )
+        else:
+            wall = "best of 5 runs (the same rule for every provider)"
         lines.append(
             "Device time: median of `triton.testing.do_bench` (L2 flushed before every rep); graph: the call "
             "captured once into a CUDA graph and replayed. Wall: host time per call, calls back-to-back from "
-            "Python, one synchronize at the end, best of 5 runs (the same rule for every provider). "
+            f"Python, one synchronize at the end, {wall}. "
             "Floor: max(bytes / copy bandwidth, flops / matmul rate), bytes = inputs and weights read once, "
             "output written once. Error: ||y - ref|| / ||ref|| vs "
             "float64 on the same dtype-cast inputs; **!** marks a result over the bound or not finite."

@@ -28,11 +28,14 @@ from .kernel_report import ours_failed, primary, slug_of, summary, write_report
 from .kernel_timing import (
     DTYPES,
     ELEMENT_BYTES,
+    WALL_ROUNDS,
     Prepared,
     Timing,
+    WallRun,
     describe,
     error_bound,
     floor_us,
+    interleave,
     measure,
     measure_ceilings,
 )
@@ -100,7 +103,10 @@ def _execute(plan, command: str, device: torch.device, tf32: bool, settings: dic
             "python": platform.python_version(), "tf32": tf32, "interpreter": kernels.interpreting(),
             "quick": plan.quick, "command": command, "time_limit_s": plan.time_limit,
             "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "timing": {"warmup_ms": timing.warmup_ms, "rep_ms": timing.rep_ms, "wall_target_s": timing.wall_target_s},
+            "timing": {
+                "warmup_ms": timing.warmup_ms, "rep_ms": timing.rep_ms, "wall_target_s": timing.wall_target_s,
+                "wall_rounds": WALL_ROUNDS, "wall_interleaved": True,
+            },
             "inductor_settings": settings, "ceilings": ceilings, "model_dtype": plan.model_dtype,
             "tuning_cache": _tuning_cache(),
         },
@@ -232,10 +238,16 @@ def _run_case(
     ref: torch.Tensor,
     cases_after: int,
 ) -> None:
-    """Every provider of one case, in order; a failure is recorded in its cell and the case goes on."""
+    """Every provider of one case, in order; a failure is recorded in its cell and the case goes on.
+
+    Wall times are taken last, the providers' runs interleaved round by round (kernel_timing's docstring
+    says why), so each provider stays alive until then, held by its WallRuns; a torch.compile provider is
+    timed on the spot instead and dropped at once: compiled code kept across the next compiles is unsafe.
+    """
     device, budget = ctx.device, ctx.budget
     t_case = time.perf_counter()
     compile_seconds = 0.0
+    walls: dict[str, list[WallRun]] = {}
     for name in names:
         reason = budget.skip_reason(name, cases_after)
         if reason:
@@ -251,7 +263,8 @@ def _run_case(
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         else:
-            res = {"compile_s": prep.compile_s, **measure(prep, ref, device, ctx.timing, case["error_bound"])}
+            defer = None if name in COMPILE_MODES else walls.setdefault(name, [])
+            res = {"compile_s": prep.compile_s, **measure(prep, ref, device, ctx.timing, case["error_bound"], defer)}
             del prep
         res["seconds"] = round(time.perf_counter() - t, 2)
         case["providers"][name] = res
@@ -259,6 +272,10 @@ def _run_case(
             compile_seconds += res["seconds"]
             budget.record(name, res["seconds"])
             torch._dynamo.reset()  # drop the compiled code (and what it holds) before the next provider
+    interleave([run for runs in walls.values() for run in runs], device)
+    for name, runs in walls.items():  # "seconds" stays the time spent on the provider, its wall runs included
+        res = case["providers"][name]
+        res["seconds"] = round(res["seconds"] + sum(run.spent_s for run in runs), 2)
     budget.record("base", time.perf_counter() - t_case - compile_seconds)
 
 

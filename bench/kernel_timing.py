@@ -4,10 +4,18 @@
   every rep, which flushes L2 (so no input is timed from cache: it also answers "rotate the inputs")
   and keeps the GPU busy ~75 us at 3.5 TB/s, so host launch gaps shorter than that stay hidden: for a
   plain call this is the time the kernels take on the device, not the time Python takes to launch them.
-- wall time: the callable run N times back-to-back from Python, one synchronize at the end, divided by
-  N; the best of 5 such runs. Small cases are launch-bound, so this is the host cost per call, and the
-  lent GPU's host is a VM whose launch cost wanders (the same fused call read 13.8-22.8 us across one
-  run): the best run is the least disturbed one, the same rule for every provider.
+- wall time: host time per call. One run: one untimed call and a synchronize (the device idle, this
+  provider's code and data back in the caches), then N calls back-to-back from Python and one
+  synchronize, divided by N; the garbage collector is off during the run (as in `timeit`). N is chosen
+  per cell from one timed call so that a run lasts about `Timing.wall_target_s` (3 to 2000 calls). Small
+  cases are launch-bound, so this is the host cost per call, and the lent GPU's host is a VM whose speed
+  drifts over seconds (the same fused call read 12.6 us in one case and 18.9 us in a nearly identical
+  one). So the cells of one case take turns: after every provider of the case has been measured
+  otherwise, round r runs each cell once (plain and graph, in provider order), 5 rounds, and a cell's
+  wall time is its best run, the least disturbed one: every provider sees the same host, and a ratio
+  of two wall times compares calls, not moments. A cell whose run raises gets the error; the rounds go
+  on without it. torch.compile providers are the exception: their 5 runs are taken on the spot, one
+  after the other, because their compiled code is dropped (torch._dynamo.reset) before the next provider.
 - graph: the callable captured once into a CUDA graph on its static inputs (after 3 warm-up calls on
   a side stream, as torch.cuda.graphs documents); timed as `graph.replay`.
 - error: ||y - ref|| / ||ref|| against a float64 reference of the same dtype-cast inputs.
@@ -17,10 +25,11 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +41,9 @@ ERROR_BOUND_TF32 = 2e-3
 
 ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# Wall-time runs per cell (the best one counts). Kept at 5: with the providers interleaved, a case's
+# wall phase lasts 5 x (cells x Timing.wall_target_s), about what the runs took one provider at a time.
+WALL_ROUNDS = 5
 
 
 def error_bound(dtype: str, tf32: bool) -> float:
@@ -44,7 +56,7 @@ class Timing:
 
     warmup_ms: int = 10
     rep_ms: int = 50
-    wall_target_s: float = 0.01  # each of the 5 wall-time runs lasts about this long (>= 3 calls)
+    wall_target_s: float = 0.01  # each wall-time run lasts about this long (>= 3 calls)
 
 
 def synchronize(device: torch.device) -> None:
@@ -59,8 +71,8 @@ def device_us(fn: Callable[[], object], timing: Timing) -> float:
     return float(triton.testing.do_bench(fn, warmup=timing.warmup_ms, rep=timing.rep_ms, return_mode="median")) * 1e3
 
 
-def wall_us(fn: Callable[[], object], device: torch.device, timing: Timing) -> float:
-    """Host time per call when calls run back-to-back and the device is waited for once, in microseconds."""
+def calls_per_run(fn: Callable[[], object], device: torch.device, timing: Timing) -> int:
+    """How many calls make one wall-time run last about `timing.wall_target_s`, from one timed call."""
     for _ in range(3):
         fn()
     synchronize(device)
@@ -68,15 +80,66 @@ def wall_us(fn: Callable[[], object], device: torch.device, timing: Timing) -> f
     fn()
     synchronize(device)
     one = max(time.perf_counter() - t, 1e-6)
-    n = int(min(2000, max(3, timing.wall_target_s / one)))
-    runs = []
-    for _ in range(5):
+    return int(min(2000, max(3, timing.wall_target_s / one)))
+
+
+def timed_run(fn: Callable[[], object], n: int, device: torch.device) -> float:
+    """One wall-time run: seconds per call over n back-to-back calls and one synchronize, GC off."""
+    gc_was_on = gc.isenabled()
+    gc.disable()  # a collection inside the run would be charged to whichever provider happened to trigger it
+    try:
+        fn()  # untimed: the previous run was another provider's (see the module docstring)
+        synchronize(device)
         t = time.perf_counter()
         for _ in range(n):
             fn()
         synchronize(device)
-        runs.append((time.perf_counter() - t) / n)
-    return min(runs) * 1e6
+        return (time.perf_counter() - t) / n
+    finally:
+        if gc_was_on:
+            gc.enable()
+
+
+def wall_us(fn: Callable[[], object], device: torch.device, timing: Timing) -> float:
+    """On the spot (torch.compile providers only): the best of WALL_ROUNDS runs, one after the other, in us."""
+    n = calls_per_run(fn, device, timing)
+    return min(timed_run(fn, n, device) for _ in range(WALL_ROUNDS)) * 1e6
+
+
+@dataclass
+class WallRun:
+    """One cell's wall time, deferred to the end of its case: `interleave` fills `cell["wall_us"]`.
+
+    fn keeps what it calls alive (the provider, or its captured graph) until the case drops its WallRuns.
+    """
+
+    fn: Callable[[], object]
+    n: int  # calls per run, chosen when the cell was measured
+    cell: dict
+    runs: list[float] = field(default_factory=list)  # seconds per call, one per round
+    spent_s: float = 0.0  # wall-clock seconds its runs took, warm-up calls included
+
+
+def interleave(jobs: list[WallRun], device: torch.device, rounds: int = WALL_ROUNDS) -> None:
+    """Round by round, one run of every job in turn; each cell's wall_us is its best run.
+
+    A job whose run raises has its cell replaced by {"error": ...} (as `_guarded` does) and leaves the rounds.
+    """
+    live = list(jobs)
+    for _ in range(rounds):
+        for job in list(live):
+            t = time.perf_counter()
+            try:
+                job.runs.append(timed_run(job.fn, job.n, device))
+            except Exception as e:  # this cell's result is its error; the others still need their rounds
+                live.remove(job)
+                job.cell.clear()
+                job.cell["error"] = describe(e)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            job.spent_s += time.perf_counter() - t
+    for job in live:
+        job.cell["wall_us"] = min(job.runs) * 1e6
 
 
 def capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -177,17 +240,32 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {' / '.join(lines)}"[:300]
 
 
-def measure(prep: Prepared, ref: torch.Tensor, device: torch.device, timing: Timing, bound: float) -> dict:
-    """{variant: cell} for "plain" and (on CUDA) "graph"; a variant that fails gets {"error": ...}."""
+def measure(
+    prep: Prepared,
+    ref: torch.Tensor,
+    device: torch.device,
+    timing: Timing,
+    bound: float,
+    defer: list[WallRun] | None = None,
+) -> dict:
+    """{variant: cell} for "plain" and (on CUDA) "graph"; a variant that fails gets {"error": ...}.
+
+    defer=None times the wall on the spot. With a list, each cell's wall runs are appended to it as a
+    WallRun (its "wall_us" stays None until `interleave` runs it with the rest of the case).
+    """
+
+    def cell(call, timed):
+        return _cell(call, timed, ref, device, timing, bound, defer)
+
     cells = {}
     if not prep.graphed:
-        cells["plain"] = _guarded(lambda: _cell(prep.fn, prep.fn, ref, device, timing, bound), device)
+        cells["plain"] = _guarded(lambda: cell(prep.fn, prep.fn), device)
     if device.type != "cuda":
         return cells
     if prep.graphed:
-        cells["graph"] = _guarded(lambda: _cell(prep.fn, prep.fn, ref, device, timing, bound), device)
+        cells["graph"] = _guarded(lambda: cell(prep.fn, prep.fn), device)
     elif not prep.plain_only:
-        cells["graph"] = _guarded(lambda: _graph_cell(prep.fn, ref, device, timing, bound), device)
+        cells["graph"] = _guarded(lambda: _graph_cell(prep.fn, cell), device)
     return cells
 
 
@@ -200,17 +278,21 @@ def _guarded(make: Callable[[], dict], device: torch.device) -> dict:
         return {"error": describe(e)}
 
 
-def _cell(call, timed, ref, device, timing, bound) -> dict:
+def _cell(call, timed, ref, device, timing, bound, defer: list[WallRun] | None) -> dict:
     y = call()
     err, finite = normwise_error(y, ref)  # before the next call: a graphed executor's output is a view
     del y
     cell = {"err": err, "finite": finite, "bad": (not finite) or err > bound}
     cell["device_us"] = device_us(timed, timing) if device.type == "cuda" else None
-    cell["wall_us"] = wall_us(timed, device, timing)
+    if defer is None:
+        cell["wall_us"] = wall_us(timed, device, timing)
+    else:
+        cell["wall_us"] = None  # until the case's interleaved rounds
+        defer.append(WallRun(timed, calls_per_run(timed, device, timing), cell))
     return cell
 
 
-def _graph_cell(fn, ref, device, timing, bound) -> dict:
+def _graph_cell(fn, cell: Callable) -> dict:
     graph, out = capture(fn)
     out.fill_(float("nan"))  # every element must be written by the replay itself
 
@@ -218,4 +300,4 @@ def _graph_cell(fn, ref, device, timing, bound) -> dict:
         graph.replay()
         return out
 
-    return _cell(replay_then_output, graph.replay, ref, device, timing, bound)
+    return cell(replay_then_output, graph.replay)

@@ -1,13 +1,19 @@
 """`fusedserve bench kernels`: the CPU smoke run writes the markdown, JSON and PNG with the expected rows
 and columns and small errors; no CUDA means exit 2 unless --device cpu; a wrong result is flagged in the
-table, not hidden; the time budget drops max-autotune before default compile. The GPU run is gpu-marked.
+table, not hidden; the time budget drops max-autotune before default compile; wall runs take turns across a
+case's providers (best run each, GC off, a failing one recorded, torch.compile ones on the spot). The GPU run is
+gpu-marked.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import itertools
 import json
 import math
+import types
+import weakref
 
 import pytest
 import torch
@@ -271,3 +277,147 @@ def test_report_rerenders_from_its_json(tmp_path):
     path.write_text(json.dumps(results))
     assert rerender([str(path)]) == 0
     assert (tmp_path / "kernels_h200.md").read_text() == markdown(results)
+
+
+# Wall time, interleaved (bench/kernel_timing.py's docstring). The fake providers below run on a fake clock;
+# with wall_target_s=0 every cell gets n=3 calls per run, so a provider's calls come in known blocks:
+PREP_CALLS = 5  # before its runs: 1 call checked against ref, then calls_per_run's 3 warm-up calls and 1 timed
+CALLS_PER_RUN = 4  # timed_run's untimed call, then n=3 timed
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _Provider:
+    """Each call logs its name and costs run_costs[k] fake seconds during its k-th wall run (1 ms before);
+    fail_at_run=k raises on the first call of run k."""
+
+    def __init__(self, name, log, clock, run_costs, fail_at_run=None, probe=None):
+        self.name, self.log, self.clock, self.run_costs = name, log, clock, run_costs
+        self.fail_at_run, self.probe, self.calls = fail_at_run, probe, 0
+        self.gc_in_runs: list[bool] = []
+
+    def __call__(self):
+        run = (self.calls - PREP_CALLS) // CALLS_PER_RUN if self.calls >= PREP_CALLS else None
+        self.calls += 1
+        self.log.append(self.name)
+        if run is not None:
+            self.gc_in_runs.append(gc.isenabled())
+            if self.probe:
+                self.probe()
+            if run == self.fail_at_run:
+                raise RuntimeError(f"{self.name} broke in run {run}")
+        self.clock.now += 1e-3 if run is None else self.run_costs[run]
+        return torch.ones(2, 2)
+
+
+def _blocks(log: list[str]) -> list[tuple[str, int]]:
+    """The log as (name, consecutive entries) blocks."""
+    return [(name, len(list(group))) for name, group in itertools.groupby(log)]
+
+
+def _run_fake_case(monkeypatch, names, make) -> tuple[dict, list[str]]:
+    """bench.kernel_run._run_case on the CPU with fake providers (make(name, log, clock) -> Prepared)."""
+    from bench import kernel_timing
+    from bench.kernel_run import _Ctx, _run_case
+    from bench.kernel_timing import Timing
+
+    log: list[str] = []
+    clock = _Clock()
+    monkeypatch.setattr(kernel_timing, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: log.append("reset"))
+    ctx = _Ctx(None, torch.device("cpu"), False, Timing(0, 0, 0.0), Budget(0), {}, lambda **_: [])
+    case = {"error_bound": 1e-2, "providers": {}}
+    ref = torch.ones(2, 2, dtype=torch.float64)
+    _run_case(ctx, case, names, lambda name: make(name, log, clock), ref, cases_after=0)
+    return case, log
+
+
+def test_wall_runs_alternate_between_providers_and_keep_each_ones_best(monkeypatch):
+    from bench.kernel_timing import Prepared
+
+    costs = {"eager": [5e-6, 3e-6, 4e-6, 2e-6, 6e-6], "compile": [9e-6, 7e-6, 8e-6, 8e-6, 9e-6]}
+    costs["ours"] = [2e-6, 1.5e-6, 3e-6, 1e-6, 2.5e-6]
+    compiled: list[weakref.ref] = []
+    compile_alive_in_rounds: list[bool] = []
+    providers: dict[str, _Provider] = {}
+
+    def make(name, log, clock):
+        probe = (lambda: compile_alive_in_rounds.append(compiled[0]() is not None)) if name == "eager" else None
+        p = _Provider(name, log, clock, costs[name], probe=probe)
+        if name == "compile":
+            compiled.append(weakref.ref(p))  # the test holds no strong reference to it
+        else:
+            providers[name] = p
+        return Prepared(p)
+
+    assert gc.isenabled()
+    case, log = _run_fake_case(monkeypatch, ("eager", "compile", "ours"), make)
+    # compile: measured on the spot (5 runs in a row), then dynamo reset; eager and ours take turns, round by round
+    on_the_spot = PREP_CALLS + 5 * CALLS_PER_RUN
+    expected = [("eager", PREP_CALLS), ("compile", on_the_spot), ("reset", 1), ("ours", PREP_CALLS)]
+    assert _blocks(log) == expected + [("eager", CALLS_PER_RUN), ("ours", CALLS_PER_RUN)] * 5
+    walls = {name: res["plain"]["wall_us"] for name, res in case["providers"].items()}
+    assert walls == pytest.approx({"eager": 2.0, "compile": 7.0, "ours": 1.0})  # min of the rounds, not the mean
+    assert compile_alive_in_rounds == [False] * 5 * CALLS_PER_RUN  # gone before the rounds started
+    for p in providers.values():
+        assert p.gc_in_runs == [False] * 5 * CALLS_PER_RUN  # GC off in every wall run
+    assert gc.isenabled()
+    cell = case["providers"]["ours"]["plain"]
+    assert cell["err"] == 0.0 and cell["finite"] and not cell["bad"] and cell["device_us"] is None
+
+
+def test_a_failing_wall_run_leaves_the_others_measured(monkeypatch):
+    from bench.kernel_timing import Prepared
+
+    costs = {"eager": [5e-6, 3e-6, 4e-6, 2e-6, 6e-6], "flaky": [1e-6] * 5, "ours": [2e-6, 1.5e-6, 3e-6, 1e-6, 2.5e-6]}
+
+    def make(name, log, clock):
+        return Prepared(_Provider(name, log, clock, costs[name], fail_at_run=1 if name == "flaky" else None))
+
+    case, log = _run_fake_case(monkeypatch, ("eager", "flaky", "ours"), make)
+    assert case["providers"]["flaky"]["plain"] == {"error": "RuntimeError: flaky broke in run 1"}
+    assert case["providers"]["eager"]["plain"]["wall_us"] == pytest.approx(2.0)
+    assert case["providers"]["ours"]["plain"]["wall_us"] == pytest.approx(1.0)
+    rounds = _blocks(log)[3:]
+    run = CALLS_PER_RUN
+    assert rounds[:6] == [("eager", run), ("flaky", run), ("ours", run), ("eager", run), ("flaky", 1), ("ours", run)]
+    assert rounds[6:] == [("eager", run), ("ours", run)] * 3  # flaky left the rounds, the others went on
+    assert gc.isenabled()
+
+
+def test_timed_run_turns_gc_off_and_restores_it():
+    from bench.kernel_timing import timed_run
+
+    cpu = torch.device("cpu")
+    seen: list[bool] = []
+    assert gc.isenabled()
+    assert timed_run(lambda: seen.append(gc.isenabled()), 3, cpu) >= 0
+    assert seen == [False] * 4 and gc.isenabled()
+
+    def broken():
+        raise RuntimeError("no")
+
+    with pytest.raises(RuntimeError):
+        timed_run(broken, 3, cpu)
+    assert gc.isenabled()  # re-enabled on the way out of an exception
+    gc.disable()
+    try:
+        timed_run(lambda: None, 3, cpu)
+        assert not gc.isenabled()  # as timeit: a GC the caller had off stays off
+    finally:
+        gc.enable()
+
+
+def test_method_line_says_how_the_wall_was_measured():
+    results = _fake_results(1e-3)
+    assert "best of 5 runs (the same rule for every provider)" in markdown(results)  # written before interleaving
+    results["meta"]["timing"] = {"wall_interleaved": True}
+    md = markdown(results)
+    assert "GC off, best of 5 runs; a case's providers take turns run by run" in md
+    assert "the same rule for every provider" not in md
