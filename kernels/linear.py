@@ -183,7 +183,7 @@ def cuda_configs(
         ]
         # Not offered: 128x128 / 128x256 tiles split along K to fill one wave at 1024^3. Timed cold on an
         # H200 (bench/results/probe_mlp_prefetch_h200.txt) they took 17.4 us against 11.6 us for 64x128x64,
-        # and the tuner (hot) never picked them either.
+        # and the tuner (which then timed hot) never picked them either.
     return [c for c in configs if pipeline_shared_memory(c, element_size) <= shared_memory]
 
 

@@ -182,12 +182,31 @@ def tune(
 
 
 def _do_bench_us(fn: Callable[[], None]) -> float:
+    """Device time of one call with L2 flushed before it (median, us): the way bench.kernels measures.
+
+    The call is captured once into a CUDA graph and the replay timed by triton's do_bench, which zeroes
+    a 256 MB buffer before every rep. Timing launches from Python instead measured the launcher: a 10 us
+    kernel read 10-40 us depending on how long Triton's Python took that time (H200), and the tuner
+    picked noise. Timing back to back (do_bench_cudagraph, as before) kept every weight in L2 and picked
+    for that case only: the 4096x4096 M=1 fp16 pick ran 12.3 us hot but 18.9 us cold, and the weights
+    of a layer that streams MBs of them are not in L2 when a request arrives (H200, bench/results).
+    """
+    import torch
     import triton.testing
 
-    # Kernel time from a CUDA graph of ~20 ms of calls (median of 10 replays). Timing launches from
-    # Python instead (do_bench) measured the launcher: a 10 us kernel read 10-40 us depending on how
-    # long Triton's Python took that time (H200), and the tuner picked noise.
-    return float(triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")) * 1e3
+    fn()  # compiles; first-call work must not happen inside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    try:
+        return float(triton.testing.do_bench(graph.replay, warmup=5, rep=20, return_mode="median")) * 1e3
+    finally:
+        del graph
 
 
 _enabled: list[bool] = []
