@@ -19,7 +19,7 @@ import triton.language as tl
 
 import kernels.linear as linear_mod
 import kernels.mlp as mlp_mod
-from kernels import FusedLinear, tuning
+from kernels import FusedLinear
 from kernels.mlp import FusedMLP, MLPLayer
 from service.model.loader import load_model
 from service.model.planner import group_mlps, plan
@@ -92,7 +92,7 @@ def sweep_mlp(widths, M, dtype):
         h = F.linear(h, la.weight.double(), la.bias.double())
         h = torch.relu(h) if la.activation == "relu" else h
     rows = []
-    for cfg in mlp_mod.cuda_configs(linear_mod.m_bucket(M)):
+    for cfg in mlp_mod.cuda_configs(linear_mod.m_bucket(M), widths[1] if widths[1] > 16 else 16):
         try:
             with forced(mlp_mod, cfg):
                 m = FusedMLP(layers)
@@ -122,25 +122,22 @@ def _one_store(y_ptr):
 
 
 def hot_graph_us(fn) -> float:
-    """Back to back in one graph, timed exactly as the tuner times: weights stay in L2 between calls."""
-    return tuning._do_bench_us(fn)
+    """Back to back in one graph (do_bench_cudagraph): weights stay in L2 between calls, as in a busy server."""
+    return float(triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")) * 1e3
 
 
 def mlp_prefetch_and_floor() -> dict:
     """The whole-MLP kernel with and without its L2 prefetch, cold (L2 flushed, as the benchmark) and hot
-    (as the tuner and a busy server), beside the same measurement of a kernel that stores one float: the
+    (as a busy server), beside the same measurement of a kernel that stores one float: the
     fixed cost of one graph replay under this method, which no forward can go below."""
     y = torch.empty(1, device="cuda")
     floor = {"cold": graph_us(lambda: _one_store[(1,)](y)), "hot": hot_graph_us(lambda: _one_store[(1,)](y))}
     print(f"one-store kernel, graph replay: cold {floor['cold']:.2f} us, hot {floor['hot']:.2f} us", flush=True)
-    digits = load_model(Path(__file__).resolve().parents[1] / "model_weights" / "digits-mlp")
-    steps = [s for step in group_mlps(plan(digits.ops), digits.tensors) for s in getattr(step, "layers", [])]
-    t = {k: v.to("cuda", torch.float16).contiguous() for k, v in digits.tensors.items()}
-    layers = [MLPLayer(t[s.weight], t[s.bias] if s.bias else None, s.activation) for s in steps]
+    layers = digits_layers()
     rows = []
     for M, bn in ((1, 64), (32, 128), (256, 128)):
         x = torch.randn(M, layers[0].weight.shape[1], device="cuda").to(torch.float16)
-        cfg = mlp_mod.LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=bn, STAGES=2)
+        cfg = mlp_mod.LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=bn, STAGES=2, SPLIT=1)
         for prefetch in (True, False):
             with forced(mlp_mod, cfg):
                 m = FusedMLP(layers)
@@ -155,13 +152,54 @@ def mlp_prefetch_and_floor() -> dict:
     return {"one_store": floor, "digits": rows}
 
 
+def digits_layers(dtype=torch.float16) -> list[MLPLayer]:
+    digits = load_model(Path(__file__).resolve().parents[1] / "model_weights" / "digits-mlp")
+    steps = [s for step in group_mlps(plan(digits.ops), digits.tensors) for s in getattr(step, "layers", [])]
+    t = {k: v.to("cuda", dtype).contiguous() for k, v in digits.tensors.items()}
+    return [MLPLayer(t[s.weight], t[s.bias] if s.bias else None, s.activation) for s in steps]
+
+
+def mlp_split_sweep() -> dict:
+    """The digits MLP under every config the tuner may pick for batches 1-256, cold (L2 flushed, as the
+    benchmark and now the tuner) and hot (back to back), and what the cold tuner picks; SPLIT > 1 shares the
+    first layer pair among programs."""
+    y = torch.empty(1, device="cuda")
+    floor = {"cold": graph_us(lambda: _one_store[(1,)](y)), "hot": hot_graph_us(lambda: _one_store[(1,)](y))}
+    print(f"one-store kernel, graph replay: cold {floor['cold']:.2f} us, hot {floor['hot']:.2f} us", flush=True)
+    layers = digits_layers()
+    out = {"one_store": floor, "rows": []}
+    for M in (1, 8, 32, 256):
+        x = torch.randn(M, layers[0].weight.shape[1], device="cuda").to(torch.float16)
+        rows = []
+        for cfg in mlp_mod.cuda_configs(linear_mod.m_bucket(M), 256, 2):
+            with forced(mlp_mod, cfg):
+                m = FusedMLP(layers)
+                rows.append((graph_us(lambda m=m, x=x: m(x)), hot_graph_us(lambda m=m, x=x: m(x)), cfg.meta()))
+        rows.sort(key=lambda r: r[0])
+        tuned = FusedMLP(layers)
+        tuned(x)
+        pick = tuned._configs[(linear_mod.m_bucket(M), "ieee")].meta()
+        print(f"digits MLP M={M}: cold tuner picks {pick}; fastest cold of {len(rows)}:", flush=True)
+        for cold, hot, meta in rows[:5]:
+            print(f"   cold {cold:6.2f} us  hot {hot:6.2f} us  {meta}")
+        best_unsplit = min(r for r in rows if r[2]["SPLIT"] == 1)
+        print(f"   best SPLIT=1: cold {best_unsplit[0]:6.2f} us  hot {best_unsplit[1]:6.2f} us  {best_unsplit[2]}")
+        out["rows"].append({"M": M, "pick": pick, "configs": rows})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=Path("."))
-    p.add_argument("--only", choices=["mlp-prefetch"], help="just this part (with the 1024^3 fp16 config sweep)")
+    p.add_argument("--only", choices=["mlp-prefetch", "mlp-split"], help="just this part (mlp-prefetch: with the "
+                   "1024^3 fp16 config sweep)")  # fmt: skip
     args = p.parse_args()
     t0 = time.time()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    if args.only == "mlp-split":
+        (args.out / "probe_mlp_split.json").write_text(json.dumps(mlp_split_sweep(), default=str, indent=1))
+        print(f"[{time.time() - t0:.0f}s]", flush=True)
+        return
     if args.only == "mlp-prefetch":
         res = {"mlp_prefetch": mlp_prefetch_and_floor(), "linear": [sweep_linear(1024, 1024, 1024, torch.float16)]}
         (args.out / "probe_mlp_prefetch.json").write_text(json.dumps(res, default=str, indent=1))

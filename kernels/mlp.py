@@ -18,6 +18,11 @@ than (P, BLOCK_N): a whole (256, 256) tile in registers spills (3.4 KB of stack 
 with ptxas for sm_90). A last unpaired layer runs the same loop with B = the identity, generated in
 registers (an exact MMA: x * 1 + 0), which places each chunk at its columns of the output.
 
+Small batches (few row blocks) leave most SMs idle while one program streams every weight through one
+SM. There a config may set SPLIT: SPLIT programs per row block share the first step's hidden chunks (for
+a pair, a split of the second layer's K), each streaming 1/SPLIT of those weights and storing its fp32
+share; the last to arrive sums the shares in a fixed order and runs the rest of the network alone.
+
 At entry, program 0 asks L2 for every weight line (`prefetch.py`), so that a layer's first weight loads,
 otherwise HBM misses taken one layer after another, find them in L2.
 
@@ -42,7 +47,7 @@ import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
 from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail, plain_rows
-from .linear import MAX_FAST_BATCH_SIZES, SUPPORTED_DTYPES, m_bucket
+from .linear import MAX_FAST_BATCH_SIZES, SUPPORTED_DTYPES, SplitKWorkspace, m_bucket
 from .prefetch import prefetch_l2, prefetch_lines
 from .runtime import bf16_on_interpreter, check_device, interpreting
 from .tuning import LaunchConfig, scope_for, tune
@@ -74,16 +79,23 @@ def _pair(h, wa_ptr, ba_ptr, wb_ptr, bb_ptr,
           P_IN: tl.constexpr, P_MID: tl.constexpr, P_OUT: tl.constexpr,
           ACT_A: tl.constexpr, SLOPE_A: tl.constexpr, ACT_B: tl.constexpr, SLOPE_B: tl.constexpr,
           IDENTITY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-          PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
+          PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16: tl.constexpr,
+          SPLIT: tl.constexpr, part):  # fmt: skip
     """h (BLOCK_M, P_IN) -> act_B(act_A(h @ W_A^T + b_A) @ W_B^T + b_B) (BLOCK_M, P_OUT), model dtype.
-    IDENTITY: there is no layer B (P_OUT == P_MID); the result is act_A(h @ W_A^T + b_A)."""
+    IDENTITY: there is no layer B (P_OUT == P_MID); the result is act_A(h @ W_A^T + b_A).
+
+    SPLIT > 1: this program takes only part `part` of the SPLIT equal runs of hidden chunks and returns
+    its fp32 share of layer B's accumulator, before b_B and act_B (the kernel sums the SPLIT shares)."""
     dtype = wa_ptr.dtype.element_ty
     BN: tl.constexpr = BLOCK_N if BLOCK_N < P_MID else P_MID
+    CHUNKS: tl.constexpr = (P_MID // BN) // SPLIT
+    tl.static_assert(CHUNKS * SPLIT * BN == P_MID, "SPLIT must divide the hidden width's chunks")
     k = tl.arange(0, P_IN)
     n = tl.arange(0, BN)
     o = tl.arange(0, P_OUT)
     acc = tl.zeros((BLOCK_M, P_OUT), dtype=tl.float32)
-    for j in tl.range(0, P_MID // BN, num_stages=STAGES):
+    first = part * CHUNKS
+    for j in tl.range(first, first + CHUNKS, num_stages=STAGES):
         mid_cols = j * BN + n
         wa = tl.load(wa_ptr + mid_cols[None, :] * P_IN + k[:, None])  # (P_IN, BN) view of W_A rows
         mid = _dot(h, wa, tl.zeros((BLOCK_M, BN), dtype=tl.float32), PRECISION, UPCAST)
@@ -96,31 +108,39 @@ def _pair(h, wa_ptr, ba_ptr, wb_ptr, bb_ptr,
         else:
             wb = tl.load(wb_ptr + o[None, :] * P_MID + mid_cols[:, None])  # (BN, P_OUT) view of W_B columns
             acc = _dot(mid, wb, acc, PRECISION, UPCAST)
-    if IDENTITY:
-        return acc.to(dtype)  # already biased, activated and rounded, chunk by chunk
-    return _bias_act(acc, bb_ptr, o, ACT_B, SLOPE_B, ROUND_BF16, dtype)
+    # One return: triton type-checks every return statement, even one after a return decided at compile time.
+    if SPLIT > 1:
+        res = acc  # a share: with IDENTITY exact values at this part's columns and zeros elsewhere
+    elif IDENTITY:
+        res = acc.to(dtype)  # already biased, activated and rounded, chunk by chunk
+    else:
+        res = _bias_act(acc, bb_ptr, o, ACT_B, SLOPE_B, ROUND_BF16, dtype)
+    return res
 
 
 @triton.jit
 def _step(h, w_ptr, b_ptr, MODE: tl.constexpr, P_IN: tl.constexpr, P_MID: tl.constexpr, P_OUT: tl.constexpr,
           ACT_A: tl.constexpr, SLOPE_A: tl.constexpr, ACT_B: tl.constexpr, SLOPE_B: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-          PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
-    """Layer l of the schedule; w_ptr/b_ptr point at its packed weights. SKIP returns h unchanged."""
+          PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16: tl.constexpr,
+          SPLIT: tl.constexpr = 1, part=0):  # fmt: skip
+    """Layer l of the schedule; w_ptr/b_ptr point at its packed weights. SKIP returns h unchanged.
+    SPLIT > 1 (the first step only): this program's fp32 share, as _pair."""
     if MODE == 1:  # PAIR with layer l + 1, whose weights follow this layer's
         h = _pair(h, w_ptr, b_ptr, w_ptr + P_MID * P_IN, b_ptr + P_MID, P_IN, P_MID, P_OUT,
                   ACT_A, SLOPE_A, ACT_B, SLOPE_B, False, BLOCK_M, BLOCK_N, STAGES,
-                  PRECISION, UPCAST, ROUND_BF16)  # fmt: skip
+                  PRECISION, UPCAST, ROUND_BF16, SPLIT, part)  # fmt: skip
     elif MODE == 2:  # SINGLE
         h = _pair(h, w_ptr, b_ptr, w_ptr, b_ptr, P_IN, P_MID, P_MID,
                   ACT_A, SLOPE_A, ACT_A, SLOPE_A, True, BLOCK_M, BLOCK_N, STAGES,
-                  PRECISION, UPCAST, ROUND_BF16)  # fmt: skip
+                  PRECISION, UPCAST, ROUND_BF16, SPLIT, part)  # fmt: skip
     return h
 
 
 @triton.jit(do_not_specialize=["M"])
 def _mlp_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
+    # ws_ptr, cnt_ptr: the SPLIT programs' fp32 shares and per-row-block arrival counters (SPLIT > 1 only)
+    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, stride_xm, stride_ym,
     IN_FEATURES: tl.constexpr, OUT_FEATURES: tl.constexpr, NUM_LAYERS: tl.constexpr,
     P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, P4: tl.constexpr,
@@ -133,57 +153,96 @@ def _mlp_kernel(
     S4: tl.constexpr, S5: tl.constexpr, S6: tl.constexpr, S7: tl.constexpr, S8: tl.constexpr,
     P_LAST: tl.constexpr, W_BYTES: tl.constexpr, PREFETCH_LINES: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     # Layer l maps P_l -> P_l+1 with activation A_l (slope S_l) and schedule M_l; its packed weights
     # start at sum_{i<l} P_i * P_i+1. Every `if NUM_LAYERS > l` is decided at compile time, so h changes
     # width from step to step. P9, A8, S8 are padding so that layer 7 can name "the next layer".
     if PREFETCH_LINES > 0:  # every layer's weights start their trip to L2 now, not when the layer starts
         prefetch_l2(w_ptr, W_BYTES, PREFETCH_LINES)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_m = tl.program_id(0) // SPLIT
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, P0)
-    h = tl.load(
+    x = tl.load(
         x_ptr + rows[:, None] * stride_xm + cols[None, :],
         mask=(rows[:, None] < M) & (cols[None, :] < IN_FEATURES),
         other=0.0,
     )
-    w = w_ptr
-    b = b_ptr
-    h = _step(h, w, b, M0, P0, P1, P2, A0, S0, A1, S1, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST, ROUND_BF16)
-    if NUM_LAYERS > 1:
-        w += P0 * P1
-        b += P1
-        h = _step(h, w, b, M1, P1, P2, P3, A1, S1, A2, S2, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST, ROUND_BF16)
-    if NUM_LAYERS > 2:
-        w += P1 * P2
-        b += P2
-        h = _step(h, w, b, M2, P2, P3, P4, A2, S2, A3, S3, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST, ROUND_BF16)
-    if NUM_LAYERS > 3:
-        w += P2 * P3
-        b += P3
-        h = _step(h, w, b, M3, P3, P4, P5, A3, S3, A4, S4, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST, ROUND_BF16)
-    if NUM_LAYERS > 4:
-        w += P3 * P4
-        b += P4
-        h = _step(h, w, b, M4, P4, P5, P6, A4, S4, A5, S5, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST, ROUND_BF16)
-    if NUM_LAYERS > 5:
-        w += P4 * P5
-        b += P5
-        h = _step(h, w, b, M5, P5, P6, P7, A5, S5, A6, S6, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST, ROUND_BF16)
-    if NUM_LAYERS > 6:
-        w += P5 * P6
-        b += P6
-        h = _step(h, w, b, M6, P6, P7, P8, A6, S6, A7, S7, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST, ROUND_BF16)
-    if NUM_LAYERS > 7:
-        w += P6 * P7
-        b += P7
-        h = _step(h, w, b, M7, P7, P8, P9, A7, S7, A8, S8, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST, ROUND_BF16)
-    out_cols = tl.arange(0, P_LAST)
-    tl.store(
-        y_ptr + rows[:, None] * stride_ym + out_cols[None, :],
-        h,
-        mask=(rows[:, None] < M) & (out_cols[None, :] < OUT_FEATURES),
-    )
+    if SPLIT == 1:
+        h = _step(x, w_ptr, b_ptr, M0, P0, P1, P2, A0, S0, A1, S1, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST,
+                  ROUND_BF16)  # fmt: skip
+        go: tl.constexpr = True  # constexpr: decided at compile time, so h keeps changing width below
+    else:
+        # Small batches: one program alone streams every weight through one SM (digits MLP: 172 KB, ~5 us
+        # even from L2, H200). Here SPLIT programs per row block share the first step (a pair's hidden
+        # chunks are a split of layer B's K), each streaming 1/SPLIT of its weights; each stores its fp32
+        # share, and the last to arrive sums the shares in a fixed order (deterministic) and runs the rest
+        # of the network alone, as linear.py's split-K: barrier, then an acq_rel arrival on a counter that
+        # the last program resets, so the next launch or graph replay needs no memset.
+        P_OUT0: tl.constexpr = P2 if M0 == 1 else P1
+        share = _step(x, w_ptr, b_ptr, M0, P0, P1, P2, A0, S0, A1, S1, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST,
+                      ROUND_BF16, SPLIT, tl.program_id(0) % SPLIT)  # fmt: skip
+        o = tl.arange(0, P_OUT0)
+        tile = tl.arange(0, BLOCK_M)[:, None] * P_OUT0 + o[None, :]
+        valid = (rows[:, None] < M) & (o[None, :] < P_OUT0)  # padding rows are neither stored nor read
+        tl.store(ws_ptr + tl.program_id(0) * (BLOCK_M * P_OUT0) + tile, share, mask=valid)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel")
+        go = arrived == SPLIT - 1
+    if go:
+        if SPLIT > 1:
+            acc = tl.zeros((BLOCK_M, P_OUT0), dtype=tl.float32)
+            for s in range(SPLIT):
+                part = ws_ptr + (pid_m * SPLIT + s) * (BLOCK_M * P_OUT0) + tile
+                acc += tl.load(part, mask=valid, other=0.0, cache_modifier=".cg")  # .cg: never a stale L1 line
+            tl.atomic_xchg(cnt_ptr + pid_m, 0)
+            if M0 == 1:
+                h = _bias_act(acc, b_ptr + P1, o, A1, S1, ROUND_BF16, w_ptr.dtype.element_ty)
+            else:
+                h = acc.to(w_ptr.dtype.element_ty)  # shares of disjoint columns: the sum is exact
+        w = w_ptr
+        b = b_ptr
+        if NUM_LAYERS > 1:
+            w += P0 * P1
+            b += P1
+            h = _step(h, w, b, M1, P1, P2, P3, A1, S1, A2, S2, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST,
+                      ROUND_BF16)  # fmt: skip
+        if NUM_LAYERS > 2:
+            w += P1 * P2
+            b += P2
+            h = _step(h, w, b, M2, P2, P3, P4, A2, S2, A3, S3, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST,
+                      ROUND_BF16)  # fmt: skip
+        if NUM_LAYERS > 3:
+            w += P2 * P3
+            b += P3
+            h = _step(h, w, b, M3, P3, P4, P5, A3, S3, A4, S4, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST,
+                      ROUND_BF16)  # fmt: skip
+        if NUM_LAYERS > 4:
+            w += P3 * P4
+            b += P4
+            h = _step(h, w, b, M4, P4, P5, P6, A4, S4, A5, S5, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST,
+                      ROUND_BF16)  # fmt: skip
+        if NUM_LAYERS > 5:
+            w += P4 * P5
+            b += P5
+            h = _step(h, w, b, M5, P5, P6, P7, A5, S5, A6, S6, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST,
+                      ROUND_BF16)  # fmt: skip
+        if NUM_LAYERS > 6:
+            w += P5 * P6
+            b += P6
+            h = _step(h, w, b, M6, P6, P7, P8, A6, S6, A7, S7, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST,
+                      ROUND_BF16)  # fmt: skip
+        if NUM_LAYERS > 7:
+            w += P6 * P7
+            b += P7
+            h = _step(h, w, b, M7, P7, P8, P9, A7, S7, A8, S8, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST,
+                      ROUND_BF16)  # fmt: skip
+        out_cols = tl.arange(0, P_LAST)
+        tl.store(
+            y_ptr + rows[:, None] * stride_ym + out_cols[None, :],
+            h,
+            mask=(rows[:, None] < M) & (out_cols[None, :] < OUT_FEATURES),
+        )
 
 
 def padded_width(n: int) -> int:
@@ -213,11 +272,17 @@ def mlp_fits(widths: Sequence[int]) -> bool:
     return 2 <= len(widths) <= MAX_LAYERS + 1 and all(padded_width(w) <= MAX_WIDTH for w in widths)
 
 
-def cuda_configs(bucket: int) -> list[LaunchConfig]:
+def cuda_configs(bucket: int, hidden: int = MAX_WIDTH, element_size: int = 2) -> list[LaunchConfig]:
     """BLOCK_M from 16 (batch 1-16 fills one MMA tile) to 64. BLOCK_N sets the hidden chunk: each chunk
     is a dependent step (wait for its weights, two MMAs, an epilogue), so wide chunks mean fewer steps
     (digits MLP at BLOCK_N 32: 8 + 1 steps, ~10 us on an H200; see bench/results). 8 warps split the
-    second MMA's 256 output columns further. Configs over the shared-memory limit fail and are skipped."""
+    second MMA's 256 output columns further. Configs over the shared-memory limit fail and are skipped.
+
+    `hidden`: the padded output width of the first layer. Up to 64 row blocks (bucket <= 1024 at BLOCK_M
+    16) also get SPLIT = 2, 4, 8 programs per row block sharing the first step's hidden chunks, where the
+    split divides them; the first step holds most of the weights (digits MLP: 80 of 84 k). fp32 programs
+    keep 2+ chunks each: with one, ptxas for sm_90 spilled (255 registers and 40-64 B of stack per thread
+    at 32 and 64 wide; 16-bit ones use 112-180 registers and no stack)."""
     configs = []
     for bm in (16, 32, 64):
         if bm > max(16, 2 * bucket):  # a tile more than half padding is never the fastest
@@ -225,7 +290,17 @@ def cuda_configs(bucket: int) -> list[LaunchConfig]:
         for bn in (32, 64, 128):
             for warps in (4, 8):
                 stages = 3 if bn == 32 else 2
-                configs.append(LaunchConfig.of(num_warps=warps, num_stages=1, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages))
+                configs.append(
+                    LaunchConfig.of(num_warps=warps, num_stages=1, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, SPLIT=1)
+                )
+    if bucket <= 1024:
+        for bn in (32, 64):
+            chunks = hidden // min(bn, hidden)
+            for split in (2, 4, 8):
+                if chunks % split == 0 and (element_size < 4 or chunks // split >= 2):
+                    configs.append(
+                        LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=bn, STAGES=2, SPLIT=split)
+                    )
     return configs
 
 
@@ -271,8 +346,12 @@ class FusedMLP:
         self.weights, self.biases = self._pack()
         self._configs: dict[tuple[int, str], LaunchConfig] = {}  # (M bucket, precision) -> tuned config
         self._direct: dict[tuple[int, str], DirectLaunch] = {}  # the same key -> its compiled kernel
-        self._fast: dict[tuple[int, bool], tuple] = {}  # (rows, TF32 on) -> (launch, grid): __call__'s fast path
+        # (rows, TF32 on) -> (launch, grid, shares, counters): __call__'s fast path
+        self._fast: dict[tuple[int, bool], tuple] = {}
         self._meta_fixed = self._fixed_meta()
+        self.workspace = SplitKWorkspace(self.device)
+        # the first step's output width: a pair's second layer, or an unpaired single layer's own
+        self._first_out = self.padded[2] if schedule(len(layers))[0] == PAIR else self.padded[1]
 
     def _pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         P = self.padded
@@ -319,8 +398,8 @@ class FusedMLP:
                 else:
                     self._check_out(out, M)
                 if out.is_contiguous() and out.data_ptr() % 16 == 0:
-                    launch, grid = fast
-                    launch(grid, x, self.weights, self.biases, out, M, self.widths[0], self.widths[-1])
+                    launch, grid, ws, cnt = fast
+                    launch(grid, x, self.weights, self.biases, out, ws, cnt, M, self.widths[0], self.widths[-1])
                     return out
         if x.dim() != 2 or x.shape[1] != self.widths[0]:
             raise ValueError(f"x must be (M, {self.widths[0]}); got shape {tuple(x.shape)}")
@@ -340,7 +419,7 @@ class FusedMLP:
         compiled = self._launch(x, out, precision, config)
         if not interpreting() and DIRECT_LAUNCH and aligned(x, out):
             values = {**self._meta_fixed, "PRECISION": precision, **config.meta()}
-            self._direct[(m_bucket(M), precision)] = DirectLaunch(compiled, constexpr_tail(_mlp_kernel, 7, values))
+            self._direct[(m_bucket(M), precision)] = DirectLaunch(compiled, constexpr_tail(_mlp_kernel, 9, values))
         return out
 
     def _check_out(self, out: torch.Tensor, M: int) -> None:
@@ -348,37 +427,50 @@ class FusedMLP:
             raise ValueError(f"out must be a ({M}, {self.widths[-1]}) {self.dtype} tensor with contiguous rows")
 
     def _record(self, M: int, tf32: bool) -> tuple | None:
-        """The launch record of M rows, (launch, grid), kept for the next call of that size; None while the
-        bucket has no compiled kernel."""
+        """The launch record of M rows, (launch, grid, shares, counters), kept for the next call of that
+        size; None while the bucket has no compiled kernel."""
         key = (m_bucket(M), "tf32" if (tf32 and self.dtype == torch.float32) else "ieee")
         launch = self._direct.get(key)
         if launch is None:
             return None
-        record = (launch, triton.cdiv(M, self._configs[key]["BLOCK_M"]))
+        record = (launch, *self._grid_and_workspace(M, self._configs[key]))
         if len(self._fast) < MAX_FAST_BATCH_SIZES:
             self._fast[(M, tf32)] = record
         return record
 
+    def _grid_and_workspace(self, M: int, config: LaunchConfig) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Programs to launch, and the shares/counters buffers (1 element each when SPLIT is 1: never read,
+        but a real pointer for the launcher). Outgrown buffers are kept, so older records stay valid."""
+        row_blocks, split = triton.cdiv(M, config["BLOCK_M"]), config["SPLIT"]
+        if split == 1:
+            ws, cnt = self.workspace.get(1, 1, 1)
+        else:
+            ws, cnt = self.workspace.get(row_blocks, config["BLOCK_M"] * self._first_out, split)
+        return row_blocks * split, ws, cnt
+
     def _launch(self, x, out, precision, config: LaunchConfig):
-        meta = config.meta()
-        grid = (triton.cdiv(x.shape[0], meta["BLOCK_M"]),)
-        return _mlp_kernel[grid](
-            x, self.weights, self.biases, out, x.shape[0], x.stride(0), out.stride(0),
-            **self._meta_fixed, PRECISION=precision, **meta,
+        grid, ws, cnt = self._grid_and_workspace(x.shape[0], config)
+        return _mlp_kernel[(grid,)](
+            x, self.weights, self.biases, out, ws, cnt, x.shape[0], x.stride(0), out.stride(0),
+            **self._meta_fixed, PRECISION=precision, **config.meta(),
         )  # fmt: skip
 
     def _config(self, x, out, precision) -> LaunchConfig:
         if interpreting():
             # One tile size: the interpreter's cost is per program and per chunk, and no timing is possible.
-            return LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=interpreter_block_n, STAGES=1)
+            return LaunchConfig.of(
+                num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=interpreter_block_n, STAGES=1, SPLIT=interpreter_split
+            )
         bucket = m_bucket(x.shape[0])
         hit = self._configs.get((bucket, precision))
         if hit is None:
             key = f"{self.widths}|{[layer.activation for layer in self.layers]}|{self.dtype}|{precision}|m{bucket}"
             scope = scope_for("mlp", _mlp_kernel, _step, _pair, _bias_act, _dot, apply_activation, prefetch_l2)
-            hit = tune(scope, key, cuda_configs(bucket), lambda c: self._launch(x, out, precision, c))
+            candidates = cuda_configs(bucket, self.padded[1], x.element_size())
+            hit = tune(scope, key, candidates, lambda c: self._launch(x, out, precision, c))
             self._configs[(bucket, precision)] = hit
         return hit
 
 
 interpreter_block_n = 32  # tests set 16 so that every width > 16 takes several chunks
+interpreter_split = 1  # tests set 2 or 4 (dividing the first step's chunks) to check the shared first step

@@ -103,6 +103,61 @@ def test_layers_without_bias(bias):
     _check([20, 50, 40, 6], ["silu", "gelu", "tanh"], torch.float32, 9, bias=bias)
 
 
+# ---- the first step shared by SPLIT programs per row block (small batches) ----
+
+
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M", [1, 16, 17, 45])
+def test_split_first_step_every_dtype_and_batch(monkeypatch, dtype, M, split):
+    # 16-wide chunks: the digits MLP's first pair has 16 hidden chunks, 8 or 4 per program
+    monkeypatch.setattr(mlp_mod, "interpreter_split", split)
+    _check([64, 256, 256, 10], ["relu", "relu", "none"], dtype, M)
+
+
+@pytest.mark.parametrize(
+    "widths, split",
+    [
+        ([13, 37, 5], 4),  # pair first (hidden 37 -> 64: 4 chunks, 1 per program), nothing after it
+        ([20, 50], 2),  # one unpaired layer: the shares are disjoint output columns
+        ([3, 17, 130, 255, 2], 2),  # a pair whose second layer's act runs after the sum, then a second pair
+        ([5, 200, 7], 4),  # hidden 200 -> 256: padded chunks shared too
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("activation", ["gelu_tanh", "sigmoid", "leaky_relu"])
+def test_split_first_step_depths_and_activations(monkeypatch, widths, split, activation):
+    monkeypatch.setattr(mlp_mod, "interpreter_split", split)
+    _check(widths, [activation] * (len(widths) - 1), torch.float32, 19, bias=len(widths) - 2)
+
+
+def test_split_leaves_its_counters_at_zero_and_repeats_exactly(monkeypatch):
+    # The last program of each row block resets its counter: a second call (or graph replay) must find 0s
+    # and give bit-identical results, the shares being summed in a fixed order.
+    monkeypatch.setattr(mlp_mod, "interpreter_split", 4)
+    mlp = FusedMLP(_layers([64, 256, 256, 10], ["relu", "relu", "none"], torch.float16, DEVICE), allow_tf32=False)
+    x = torch.randn(40, 64, device=DEVICE).half()  # 3 row blocks of 16
+    first = mlp(x)
+    counters = mlp.workspace.counters
+    assert counters.numel() >= 3 and int(counters.abs().sum()) == 0
+    assert torch.equal(mlp(x), first) and int(counters.abs().sum()) == 0
+
+
+def test_split_configs_divide_the_hidden_chunks():
+    for hidden in (16, 64, 256):
+        for elem in (2, 4):
+            configs = mlp_mod.cuda_configs(1, hidden, elem)
+            for c in configs:
+                chunks = hidden // min(c["BLOCK_N"], hidden)
+                assert chunks % c["SPLIT"] == 0, (hidden, c)
+                if elem == 4 and c["SPLIT"] > 1:
+                    assert chunks // c["SPLIT"] >= 2, (hidden, c)
+    assert {c["SPLIT"] for c in mlp_mod.cuda_configs(1, 256, 2)} == {1, 2, 4, 8}
+    assert {c["SPLIT"] for c in mlp_mod.cuda_configs(1, 256, 4)} == {1, 2, 4}
+    assert {c["SPLIT"] for c in mlp_mod.cuda_configs(4096, 256, 2)} == {1}  # enough row blocks already
+    assert {c["SPLIT"] for c in mlp_mod.cuda_configs(1, 16, 2)} == {1}  # one chunk: nothing to share
+
+
 def test_schedule_pairs_layers_and_runs_an_odd_last_one_alone():
     assert schedule(1) == [mlp_mod.SINGLE]
     assert schedule(2) == [mlp_mod.PAIR, mlp_mod.SKIP]
@@ -162,12 +217,18 @@ def test_gpu_depths_and_every_batch_bucket(widths, M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", mlp_mod.cuda_configs(4096), ids=lambda c: str(c.meta()))
+@pytest.mark.parametrize(
+    "config", sorted(set(mlp_mod.cuda_configs(1) + mlp_mod.cuda_configs(4096)), key=str), ids=lambda c: str(c.meta())
+)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gpu_every_config_the_tuner_may_pick(monkeypatch, config, dtype):
+    if config not in mlp_mod.cuda_configs(1, 256, dtype.itemsize) + mlp_mod.cuda_configs(4096, 256, dtype.itemsize):
+        pytest.skip("not offered for this dtype")
     monkeypatch.setattr(mlp_mod, "tune", lambda scope, key, candidates, run, bench=None: config)
     for M in (1, 100):
         _check([64, 256, 256, 10], ["relu", "sigmoid", "none"], dtype, M, "cuda")
+    if config in mlp_mod.cuda_configs(1, 64, dtype.itemsize) + mlp_mod.cuda_configs(4096, 64, dtype.itemsize):
+        _check([13, 37, 5], ["gelu_tanh", "none"], dtype, 33, "cuda")  # hidden 64: fewer chunks to share
 
 
 @pytest.mark.gpu
@@ -189,11 +250,12 @@ class _InterpretedLaunch:
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA the real direct launch runs in every GPU test")
+@pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_direct_and_fast_paths_pass_the_right_arguments(dtype):
+def test_direct_and_fast_paths_pass_the_right_arguments(dtype, split):
     layers = _layers([13, 37, 5], ["gelu_tanh", "leaky_relu"], dtype, DEVICE)
     mlp = FusedMLP(layers, allow_tf32=False)
-    config = mlp_mod.LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=16, STAGES=1)
+    config = mlp_mod.LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=16, STAGES=1, SPLIT=split)
     launch = _InterpretedLaunch({**mlp._meta_fixed, "PRECISION": "ieee", **config.meta()})
     for bucket in (4, 32):
         mlp._configs[(bucket, "ieee")] = config
