@@ -375,8 +375,13 @@ class SplitKWorkspace:
         self._outgrown: list[torch.Tensor] = []
 
     def get(self, tiles: int, tile_elems: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers for `tiles` output tiles of `tile_elems` each, `split` partials per tile. split == 1
+        launches never touch them but still need real pointers: one element each. (Sized by the tiles, a
+        4096x4096 output asked for 64 MB it never used, and twice that kept across the batch buckets.)"""
+        if split == 1:
+            tiles = tile_elems = 1
         # Outgrown buffers are kept, never freed: a CUDA graph captured earlier still writes to them, and
-        # freed memory would be handed to other tensors. A few KB per layer at serving batch sizes.
+        # freed memory would be handed to other tensors. Split-K runs at small batches: a few KB per layer.
         if self.partials.numel() < tiles * split * tile_elems:
             self._outgrown.append(self.partials)
             self.partials = torch.empty(tiles * split * tile_elems, dtype=torch.float32, device=self.device)

@@ -439,13 +439,10 @@ class FusedMLP:
         return record
 
     def _grid_and_workspace(self, M: int, config: LaunchConfig) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """Programs to launch, and the shares/counters buffers (1 element each when SPLIT is 1: never read,
-        but a real pointer for the launcher). Outgrown buffers are kept, so older records stay valid."""
+        """Programs to launch, and the shares/counters buffers (SplitKWorkspace: 1 element each when SPLIT
+        is 1; outgrown buffers are kept, so older records stay valid)."""
         row_blocks, split = triton.cdiv(M, config["BLOCK_M"]), config["SPLIT"]
-        if split == 1:
-            ws, cnt = self.workspace.get(1, 1, 1)
-        else:
-            ws, cnt = self.workspace.get(row_blocks, config["BLOCK_M"] * self._first_out, split)
+        ws, cnt = self.workspace.get(row_blocks, config["BLOCK_M"] * self._first_out, split)
         return row_blocks * split, ws, cnt
 
     def _launch(self, x, out, precision, config: LaunchConfig):

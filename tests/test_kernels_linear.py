@@ -209,6 +209,16 @@ def test_split_k_sums_every_partial_and_resets_its_counters(small_tile, monkeypa
         assert int(layer.workspace.counters.abs().sum()) == 0, "split-K counters not reset"
 
 
+def test_workspace_is_sized_for_split_k_only():
+    ws = linear_mod.SplitKWorkspace(torch.device(DEVICE))
+    partials, counters = ws.get(tiles=4096, tile_elems=128 * 256, split=1)  # a 4096x8192 output, no split
+    assert partials.numel() == 1 and counters.numel() == 1
+    partials, counters = ws.get(tiles=32, tile_elems=16 * 64, split=4)
+    assert partials.numel() == 32 * 4 * 16 * 64 and counters.numel() == 32 and int(counters.abs().sum()) == 0
+    again, _ = ws.get(tiles=8, tile_elems=16 * 64, split=2)  # smaller: the same buffer, nothing allocated
+    assert again.data_ptr() == partials.data_ptr()
+
+
 def _force_config(monkeypatch, config):
     monkeypatch.setattr(linear_mod, "tune", lambda scope, key, candidates, run, bench=None: config)
 
