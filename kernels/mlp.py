@@ -394,7 +394,7 @@ class FusedMLP:
             fast = (self._fast.get((M, tf32)) or self._record(M, tf32)) if M > 0 else None
             if fast is not None:
                 if out is None:
-                    out = torch.empty((M, self.widths[-1]), dtype=self.dtype, device=self.device)
+                    out = x.new_empty((M, self.widths[-1]))  # x is the MLP's dtype and device, as checked
                 else:
                     self._check_out(out, M)
                 if out.is_contiguous() and out.data_ptr() % 16 == 0:
