@@ -3,7 +3,8 @@
 # tests included), the kernel benchmark (fusedserve bench kernels), and a real service smoke test in
 # both modes. Choose steps with STEPS (default "tests bench smoke"). On a cold Triton cache the suite
 # (~1000 tests on CUDA) takes ~250-300 s with 16 workers and the benchmark ~365 s, so they go in
-# separate 600 s calls: STEPS=tests TEST_TIMEOUT=540, then STEPS=bench BENCH_LIMIT=365.
+# separate 600 s calls: STEPS=tests TEST_TIMEOUT=540, then STEPS=bench BENCH_LIMIT=365. STEPS=probe runs
+# bench.probe_hopper --only mlp-split (~1-2 min): every whole-MLP config cold and hot, and the tuner's picks.
 # Usage on the device machine (after the wheel prologue of ../shared/gpu/README.md):
 #   OUT=$OUT bash bench/gpu_session.sh [pytest args...]
 set -uo pipefail
@@ -32,6 +33,12 @@ if [[ $steps == *" bench "* ]]; then
   FUSEDSERVE_TUNING_CACHE="$out/tuning.json" timeout $(( ${BENCH_LIMIT:-365} + 30 )) \
     python3 -m bench.kernels --time-limit "${BENCH_LIMIT:-365}" --out "$out" > "$out/bench.log" 2>&1 || status=1
   tail -n 45 "$out/bench.log"
+fi
+
+if [[ $steps == *" probe "* ]]; then
+  timeout "${PROBE_TIMEOUT:-240}" python3 -m bench.probe_hopper --only mlp-split --out "$out" > "$out/probe.txt" 2>&1 \
+    || status=1
+  grep -v -i "warning" "$out/probe.txt" | tail -n 40
 fi
 
 if [[ $steps == *" smoke "* ]]; then

@@ -182,7 +182,7 @@ def mlp_split_sweep() -> dict:
         print(f"digits MLP M={M}: cold tuner picks {pick}; fastest cold of {len(rows)}:", flush=True)
         for cold, hot, meta in rows[:5]:
             print(f"   cold {cold:6.2f} us  hot {hot:6.2f} us  {meta}")
-        best_unsplit = min(r for r in rows if r[2]["SPLIT"] == 1)
+        best_unsplit = min((r for r in rows if r[2]["SPLIT"] == 1), key=lambda r: r[0])
         print(f"   best SPLIT=1: cold {best_unsplit[0]:6.2f} us  hot {best_unsplit[1]:6.2f} us  {best_unsplit[2]}")
         out["rows"].append({"M": M, "pick": pick, "configs": rows})
     return out
