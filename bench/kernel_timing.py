@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import graph_capture
+
 # Normwise error above which a result is flagged (loose: they catch wrong results, not rounding).
 # Rounding of the stored output alone is 2^-11 = 4.9e-4 in fp16, 2^-8 = 3.9e-3 in bf16; TF32 operands
 # give 5.4-5.7e-4 measured on an H200 (tests/tolerances.py); fp32 proper lands near 1e-7.
@@ -143,16 +145,8 @@ def interleave(jobs: list[WallRun], device: torch.device, rounds: int = WALL_ROU
 
 
 def capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """Capture one call of fn into a CUDA graph; returns the graph and its static output."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # first-call work (autotuning, module loads, handles) must not happen in capture
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    """Capture one call of fn into a CUDA graph (after 3 warm-up calls); returns the graph and its static output."""
+    graph, out = graph_capture.capture(fn, warmups=3)
     torch.cuda.synchronize()
     return graph, out
 

@@ -191,22 +191,12 @@ def _do_bench_us(fn: Callable[[], None]) -> float:
     for that case only: the 4096x4096 M=1 fp16 pick ran 12.3 us hot but 18.9 us cold, and the weights
     of a layer that streams MBs of them are not in L2 when a request arrives (H200, bench/results).
     """
-    import torch
     import triton.testing
 
-    fn()  # compiles; first-call work must not happen inside the capture
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    try:
-        return float(triton.testing.do_bench(graph.replay, warmup=5, rep=20, return_mode="median")) * 1e3
-    finally:
-        del graph
+    from .graph_capture import capture
+
+    graph, _ = capture(fn, warmups=2)  # the first compiles the candidate
+    return float(triton.testing.do_bench(graph.replay, warmup=5, rep=20, return_mode="median")) * 1e3
 
 
 _enabled: list[bool] = []

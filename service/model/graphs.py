@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.graph_capture import capture
+
 from .executors import Executor
 
 
@@ -53,15 +55,8 @@ class GraphedExecutor:
         ex = self.executor
         gen = torch.Generator(device=ex.device).manual_seed(rows)
         static_in = torch.randn((rows, *ex.model.input_shape), generator=gen, device=ex.device).to(ex.dtype)
-        side = torch.cuda.Stream(ex.device)
-        side.wait_stream(torch.cuda.current_stream(ex.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # compiles, tunes (or reads the tuning cache) and allocates workspaces
-                ex.forward(static_in)
-        torch.cuda.current_stream(ex.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            static_out = ex.forward(static_in)
+        # 2 warm-ups: they compile, tune (or read the tuning cache) and allocate workspaces
+        graph, static_out = capture(lambda: ex.forward(static_in), warmups=2, device=ex.device, pool=self._pool)
         self._graphs[rows] = (graph, static_in, static_out)
 
     def capture_all(self) -> None:
