@@ -126,13 +126,20 @@ def hot_graph_us(fn) -> float:
     return float(triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")) * 1e3
 
 
+def one_store_floor() -> dict:
+    """A kernel that stores one float, replayed from a graph cold and hot: the fixed cost of one graph
+    replay under each method, which no forward can go below."""
+    y = torch.empty(1, device="cuda")
+    floor = {"cold": graph_us(lambda: _one_store[(1,)](y)), "hot": hot_graph_us(lambda: _one_store[(1,)](y))}
+    print(f"one-store kernel, graph replay: cold {floor['cold']:.2f} us, hot {floor['hot']:.2f} us", flush=True)
+    return floor
+
+
 def mlp_prefetch_and_floor() -> dict:
     """The whole-MLP kernel with and without its L2 prefetch, cold (L2 flushed, as the benchmark) and hot
     (as a busy server), beside the same measurement of a kernel that stores one float: the
     fixed cost of one graph replay under this method, which no forward can go below."""
-    y = torch.empty(1, device="cuda")
-    floor = {"cold": graph_us(lambda: _one_store[(1,)](y)), "hot": hot_graph_us(lambda: _one_store[(1,)](y))}
-    print(f"one-store kernel, graph replay: cold {floor['cold']:.2f} us, hot {floor['hot']:.2f} us", flush=True)
+    floor = one_store_floor()
     layers = digits_layers()
     rows = []
     for M, bn in ((1, 64), (32, 128), (256, 128)):
@@ -163,9 +170,7 @@ def mlp_split_sweep() -> dict:
     """The digits MLP under every config the tuner may pick for batches 1-256, cold (L2 flushed, as the
     benchmark and now the tuner) and hot (back to back), and what the cold tuner picks; SPLIT > 1 shares the
     first layer pair among programs."""
-    y = torch.empty(1, device="cuda")
-    floor = {"cold": graph_us(lambda: _one_store[(1,)](y)), "hot": hot_graph_us(lambda: _one_store[(1,)](y))}
-    print(f"one-store kernel, graph replay: cold {floor['cold']:.2f} us, hot {floor['hot']:.2f} us", flush=True)
+    floor = one_store_floor()
     layers = digits_layers()
     out = {"one_store": floor, "rows": []}
     for M in (1, 8, 32, 256):
