@@ -44,7 +44,8 @@ def _reference(x, layers, dtype):
 def _check(widths, activations, dtype, M, device=DEVICE, bias=True, allow_tf32=False, seed=0):
     layers = _layers(widths, activations, dtype, device, bias, seed)
     mlp = FusedMLP(layers, allow_tf32=allow_tf32)
-    x = torch.randn(M, widths[0], device=device).to(dtype)
+    # x from its own generator: from the global one, it depended on which tests ran before in that worker.
+    x = torch.randn(M, widths[0], generator=torch.Generator().manual_seed(seed + M)).to(device=device, dtype=dtype)
     out = torch.full((M, widths[-1]), float("nan"), device=device, dtype=dtype)  # NaN left = not written
     got = mlp(x, out=out)
     assert got is out
@@ -53,6 +54,10 @@ def _check(widths, activations, dtype, M, device=DEVICE, bias=True, allow_tf32=F
     assert torch.isfinite(got).all(), f"{what}: NaN/Inf (an element not written?)"
     err = normwise_error(got, want64)
     bound = NORMWISE_TF32 * len(layers) if allow_tf32 else NORMWISE[dtype]
+    # A few outputs average little: torch's own per-layer forward of [3, 17, 130, 255, 2] at M=1 (2 outputs)
+    # is up to 1.4e-2 (fp16) and 0.19 (bf16) from float64 over 300 seeds (median 1e-3, 7e-3). So the fused
+    # result may be as far as twice that, where it exceeds the dtype's bound.
+    bound = max(bound, 2 * normwise_error(per_layer, want64))
     assert err <= bound, f"{what}: normwise error {err:.2e} > {bound:.1e}"
     # and the same function as the per-layer kernels (which round each layer's output the same way).
     # Not under TF32: the per-layer reference multiplies in full fp32 (torch's global TF32 switch is off),
@@ -134,13 +139,20 @@ def test_split_first_step_depths_and_activations(monkeypatch, widths, split, act
 def test_split_leaves_its_counters_at_zero_and_repeats_exactly(monkeypatch):
     # The last program of each row block resets its counter: a second call (or graph replay) must find 0s
     # and give bit-identical results, the shares being summed in a fixed order.
+    # On CUDA, a split config is set for the bucket (the tuner, off in the GPU suite, would take the first
+    # candidate, which does not split); there the repeats also look for a race between the programs.
     monkeypatch.setattr(mlp_mod, "interpreter_split", 4)
     mlp = FusedMLP(_layers([64, 256, 256, 10], ["relu", "relu", "none"], torch.float16, DEVICE), allow_tf32=False)
     x = torch.randn(40, 64, device=DEVICE).half()  # 3 row blocks of 16
+    if DEVICE == "cuda":
+        bucket = mlp_mod.m_bucket(40)
+        split4 = [c for c in mlp_mod.cuda_configs(bucket, 256, 2) if c["SPLIT"] == 4 and c["BLOCK_N"] == 64]
+        mlp._configs[(bucket, "ieee")] = split4[0]
     first = mlp(x)
     counters = mlp.workspace.counters
     assert counters.numel() >= 3 and int(counters.abs().sum()) == 0
-    assert torch.equal(mlp(x), first) and int(counters.abs().sum()) == 0
+    for _ in range(20 if DEVICE == "cuda" else 1):
+        assert torch.equal(mlp(x), first) and int(counters.abs().sum()) == 0
 
 
 def test_split_configs_divide_the_hidden_chunks():
