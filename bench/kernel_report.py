@@ -80,7 +80,8 @@ def _pct_floor(case: dict, res: dict | None) -> str:
     if not t or not case.get("floor_us"):
         return "—"
     pct = 100 * case["floor_us"] / t
-    return f"{pct:.0f}%" if pct >= 10 else f"{pct:.1g}%"
+    # One significant figure below 10%, where .1g would round 9.96 up to "1e+01"; whole percents above.
+    return f"{pct:.0f}%" if pct >= 9.5 else f"{pct:.1g}%"
 
 
 class _Notes:

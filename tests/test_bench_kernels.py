@@ -421,3 +421,13 @@ def test_method_line_says_how_the_wall_was_measured():
     md = markdown(results)
     assert "GC off, best of 5 runs; a case's providers take turns run by run" in md
     assert "the same rule for every provider" not in md
+
+
+@pytest.mark.parametrize(
+    ("floor_us", "ours_us", "want"), [(1.06, 10.6, "10%"), (0.99, 10.0, "10%"), (0.04, 9.47, "0.4%"), (3, 4, "75%")]
+)
+def test_percent_of_floor_reads_as_a_percent(floor_us, ours_us, want):
+    # 9.96% once printed as "1e+01%" (H200 run, digits MLP batch 4096).
+    from bench.kernel_report import _pct_floor
+
+    assert _pct_floor({"floor_us": floor_us}, {"graph": {"device_us": ours_us}}) == want
