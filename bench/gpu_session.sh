@@ -2,9 +2,11 @@
 # Everything one lent-GPU call should do, in order: GPU facts, the test suite on CUDA (gpu-marked
 # tests included), the kernel benchmark (fusedserve bench kernels), and a real service smoke test in
 # both modes. Choose steps with STEPS (default "tests bench smoke"). On a cold Triton cache the suite
-# (~1000 tests on CUDA) takes ~250-300 s with 16 workers and the benchmark ~365 s, so they go in
-# separate 600 s calls: STEPS=tests TEST_TIMEOUT=540, then STEPS=bench BENCH_LIMIT=365. STEPS=probe runs
-# bench.probe_hopper --only mlp-split (~1-2 min): every whole-MLP config cold and hot, and the tuner's picks.
+# (~1000 tests on CUDA) takes ~110 s with 16 workers (H200, 2026-11-23) and the whole benchmark ~520 s
+# (torch.compile max-autotune is most of it), so they go in separate 600 s calls: STEPS="tests probe",
+# then STEPS=bench (BENCH_LIMIT defaults to 525; at 390 the last case, wide-mlp batch 4096, was cut).
+# STEPS=probe runs bench.probe_hopper --only mlp-split (~20 s): every whole-MLP config cold and hot, and
+# the tuner's picks.
 # Usage on the device machine (after the wheel prologue of ../shared/gpu/README.md):
 #   OUT=$OUT bash bench/gpu_session.sh [pytest args...]
 set -uo pipefail
@@ -30,8 +32,8 @@ fi
 
 if [[ $steps == *" bench "* ]]; then
   # The tuning cache goes to $OUT: it comes back, and says which config each shape got.
-  FUSEDSERVE_TUNING_CACHE="$out/tuning.json" timeout $(( ${BENCH_LIMIT:-365} + 30 )) \
-    python3 -m bench.kernels --time-limit "${BENCH_LIMIT:-365}" --out "$out" > "$out/bench.log" 2>&1 || status=1
+  FUSEDSERVE_TUNING_CACHE="$out/tuning.json" timeout $(( ${BENCH_LIMIT:-525} + 30 )) \
+    python3 -m bench.kernels --time-limit "${BENCH_LIMIT:-525}" --out "$out" > "$out/bench.log" 2>&1 || status=1
   tail -n 45 "$out/bench.log"
 fi
 
