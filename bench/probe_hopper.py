@@ -79,6 +79,55 @@ def sweep_linear(M, K, N, dtype, act="relu", top=6):
             "configs": [(us, err, meta) for us, err, meta in rows]}  # fmt: skip
 
 
+def small_linear_grid(M: int, N: int, K: int, element_size: int) -> list:
+    """Wider than cuda_configs: every BLOCK_M/N/K of 16-256 the shape fills, 2 stages (4 too with 4+ K
+    steps), 4 warps (8 too for 128-wide N), no split. For the published small shapes, where cuBLASLt's
+    epilogue is 3-12% ahead."""
+    configs = []
+    for bm in (16, 32, 64):
+        for bn in (32, 64, 128):
+            for bk in (64, 128, 256):
+                if bm > max(16, M) or bn > N or bk > K:
+                    continue
+                for stages in (2, 4) if K // bk >= 4 else (2,):  # stages beyond the K steps buy nothing
+                    for warps in (4, 8) if bn == 128 else (4,):
+                        c = linear_mod.LaunchConfig.of(
+                            warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=1
+                        )
+                        if linear_mod.pipeline_shared_memory(c, element_size) <= linear_mod.HOPPER_SHARED_MEMORY:
+                            configs.append(c)
+    return configs
+
+
+def sweep_small_linear(M, K, N, dtype=torch.float16, top=8) -> dict:
+    """Graph-replay device time, L2 flushed (the benchmark's primary figure), of every config of
+    small_linear_grid, against cuBLASLt's epilogue timed the same way."""
+    x = torch.randn(M, K, device="cuda").to(dtype)
+    w = (torch.randn(N, K, device="cuda") / K**0.5).to(dtype)
+    b = torch.randn(N, device="cuda").to(dtype)
+    ref = torch.relu(F.linear(x.double(), w.double(), b.double()))
+    offered = {str(c.meta()) for c in linear_mod.cuda_configs(linear_mod.m_bucket(M), N, K, 132, x.element_size())}
+    rows = []
+    for cfg in small_linear_grid(M, N, K, x.element_size()):
+        try:
+            with forced(linear_mod, cfg):
+                layer = FusedLinear(w, b, "relu")
+                err = float((layer(x).double() - ref).norm() / ref.norm())
+                us = graph_us(lambda layer=layer: layer(x))
+            rows.append((us, err, cfg.meta(), str(cfg.meta()) in offered))
+        except Exception as e:  # noqa: BLE001
+            rows.append((float("inf"), float("nan"), {**cfg.meta(), "error": str(e)[:80]}, False))
+    rows.sort(key=lambda r: r[0])
+    lt = graph_us(lambda: torch._addmm_activation(b, x, w.t()))
+    print(f"small linear M={M} K={K} N={N} {dtype}, graph replay cold: cublaslt {lt:.2f} us; {len(rows)} configs")
+    for us, err, meta, is_offered in rows[:top]:
+        print(f"   {us:6.2f} us  err {err:.1e}  {'offered' if is_offered else '       '}  {meta}")
+    best_offered = next((r for r in rows if r[3]), None)
+    if best_offered:
+        print(f"   best offered today: {best_offered[0]:.2f} us  {best_offered[2]}")
+    return {"M": M, "K": K, "N": N, "dtype": str(dtype), "cublaslt": lt, "configs": rows}
+
+
 def sweep_mlp(widths, M, dtype):
     gen = torch.Generator().manual_seed(0)
     layers = [
@@ -196,14 +245,21 @@ def mlp_split_sweep() -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=Path("."))
-    p.add_argument("--only", choices=["mlp-prefetch", "mlp-split"], help="just this part (mlp-prefetch: with the "
-                   "1024^3 fp16 config sweep)")  # fmt: skip
+    p.add_argument("--only", choices=["mlp-prefetch", "mlp-split", "linear-small"], help="just this part "
+                   "(mlp-prefetch: with the 1024^3 fp16 config sweep)")  # fmt: skip
     args = p.parse_args()
     t0 = time.time()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     if args.only == "mlp-split":
         (args.out / "probe_mlp_split.json").write_text(json.dumps(mlp_split_sweep(), default=str, indent=1))
         print(f"[{time.time() - t0:.0f}s]", flush=True)
+        return
+    if args.only == "linear-small":
+        res = []
+        for M, K, N in ((64, 256, 128), (128, 256, 256)):
+            res.append(sweep_small_linear(M, K, N))
+            (args.out / "probe_linear_small.json").write_text(json.dumps(res, default=str, indent=1))
+            print(f"[{time.time() - t0:.0f}s]", flush=True)
         return
     if args.only == "mlp-prefetch":
         res = {"mlp_prefetch": mlp_prefetch_and_floor(), "linear": [sweep_linear(1024, 1024, 1024, torch.float16)]}
