@@ -181,6 +181,11 @@ def cuda_configs(
             cfg(64, 128, 64, 4, 4),
             cfg(64, 64, 64, 4, 4),  # small GEMMs (64x256x128: 4 tiles of 32x64) want more programs
         ]
+    if triton.cdiv(bucket, 64) * triton.cdiv(N, 64) < sms and bucket > 16:
+        # A GEMM of fewer 64x64 tiles than SMs: 16x32 tiles, one program per 512 outputs, so loads go out
+        # from many SMs at once. Cold graph replay on an H200 (bench/results/probe_linear_small_h200.txt):
+        # 64x256x128 fp16 6.69 us (cuBLASLt 6.69, best older candidate 7.14); 128x256x256 6.78 (6.88, 7.36).
+        configs += [cfg(16, 32, 64, 4, 4), cfg(16, 32, 256, 4, 2), cfg(16, 64, 256, 4, 2)]
         # Not offered: 128x128 / 128x256 tiles split along K to fill one wave at 1024^3. Timed cold on an
         # H200 (bench/results/probe_mlp_prefetch_h200.txt) they took 17.4 us against 11.6 us for 64x128x64,
         # and the tuner (which then timed hot) never picked them either.
