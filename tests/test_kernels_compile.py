@@ -76,3 +76,52 @@ def test_whole_mlp_kernel_compiles_for_sm90_with_its_l2_prefetch(dtype):
         # 4 warps = 128 threads; each thread issues lines / 128 prefetches (2048 lines, capped, for both dtypes)
         assert got["lines"] == 2048 and got["prefetches"] == got["lines"] // 128, got
         assert got["STACK"] == 0 and got["LOCAL"] == 0, f"registers spill to local memory: {got}"
+
+
+_COMPILE_PERSISTENT = r"""
+import json, re, subprocess, sys, tempfile, torch, triton
+from pathlib import Path
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kernels.linear_persistent as lp
+
+dtype = getattr(torch, sys.argv[1])
+ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+runtime = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, y_ptr=ptr, M="i32", N="i32", K="i32", stride_xm="i32",
+               stride_wn="i32", stride_ym="i32", negative_slope="fp32")
+names = lp._linear_persistent_kernel.arg_names
+signature = {n: runtime.get(n, "constexpr") for n in names}
+aligned = {(i,): [["tt.divisibility", 16]] for i in range(4)}
+tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+fixed = dict(HAS_BIAS=True, ACTIVATION="gelu_tanh", INPUT_PRECISION="tf32" if dtype == torch.float32 else "ieee",
+             UPCAST_DOT=False, ROUND_BF16=False, PROGRAMS=132)
+for config in lp.cuda_configs(dtype.itemsize):
+    meta = {**fixed, **config.meta()}
+    constexprs = {(names.index(n),): meta[n] for n in names if n not in runtime}
+    src = ASTSource(lp._linear_persistent_kernel, signature, constexprs=constexprs, attrs=aligned)
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    ptx = compiled.asm["ptx"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True)
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage.stdout))
+    print(json.dumps({"config": config.meta(), "tma_loads": ptx.count("cp.async.bulk.tensor"),
+                      "wgmma": ptx.count("wgmma.mma_async"), **{k: int(v) for k, v in fields.items()}}))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_persistent_tma_kernel_compiles_for_sm90_without_spills(dtype):
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_PERSISTENT, dtype], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == (5 if dtype == "float16" else 4), results
+    for got in results:
+        # TMA copies and warpgroup MMAs, or it is not the kernel this module is for
+        assert got["tma_loads"] > 0 and got["wgmma"] > 0, got
+        assert got["STACK"] == 0 and got["LOCAL"] == 0, f"registers spill to local memory: {got}"

@@ -1,0 +1,169 @@
+"""GEMM + bias + activation as a persistent kernel fed by TMA (Hopper's tensor memory accelerator).
+
+Staged for the big GEMMs of issue 3, where the pointer-based kernel of linear.py trails cuBLAS on an H200
+(cold graph replay, fp16): 4096^3 255 vs 198 us, the wide MLP at batch 4096 391 vs 322 us. Two things
+cuBLAS has that it lacks: TMA copies (one instruction per tile, no address math in the main loop, no
+registers held for in-flight loads) and a persistent grid (one program per SM walking the tiles, so the
+next tile's loads overlap this tile's epilogue). This module is that kernel; it is timed against
+linear.py and cuBLASLt by `python -m bench.probe_hopper --only linear-tma`, and becomes a tuner candidate
+only once that probe shows where it wins. Not used by the service yet.
+
+TMA needs 16-byte aligned row strides: K * element size and N * element size multiples of 16
+(`tma_eligible`). Edges need no masks: TMA loads fill rows and columns past the tensor with zeros and
+TMA stores drop them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
+from .runtime import bf16_on_interpreter, interpreting
+from .tuning import LaunchConfig
+
+HOPPER_SHARED_MEMORY = 232_448  # bytes per block (opt-in) on H100/H200, as Triton reports it
+DESCRIPTOR_BYTES = 128  # one TMA descriptor, built by each program in global scratch memory
+
+
+@triton.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    # Grouped order (Triton tutorial 03): GROUP_M row blocks take turns on each column of W tiles while
+    # it is in L2. The same order as linear.py.
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile // in_group) * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % in_group) % size_m, (tile % in_group) // size_m
+
+
+@triton.jit
+def _linear_persistent_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_ym,
+    negative_slope,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32"; only fp32 operands care
+    UPCAST_DOT: tl.constexpr,  # bf16 multiplied as fp32: the interpreter's numpy has no bf16
+    ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PROGRAMS: tl.constexpr,  # the grid: at most one program per SM, each walking tiles PROGRAMS apart
+):  # fmt: skip
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
+    y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1], block_shape=[BLOCK_M, BLOCK_N])
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    # The epilogue recomputes its tile from a counter of its own, as tutorial 09 does: with flatten=True
+    # the pipeliner may start the next tile's loads before this epilogue, and a shared counter would tie
+    # the two together.
+    tile_out = tl.program_id(0) - PROGRAMS
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+            b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
+            if UPCAST_DOT:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+
+        tile_out += PROGRAMS
+        pid_m, pid_n = _tile_coords(tile_out, num_pid_m, num_pid_n, GROUP_M)
+        if HAS_BIAS:
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        acc = apply_activation(acc, ACTIVATION, negative_slope)
+        if ROUND_BF16:
+            acc = round_to_bf16(acc)
+        y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_ptr.dtype.element_ty))
+
+
+def tma_eligible(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+    """Whether TMA can address these tensors: rows contiguous, every base and row stride 16-byte aligned."""
+    tensors = [x, weight] + ([out] if out is not None else [])
+    return (
+        all(
+            t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+            for t in tensors
+        )
+        and (weight.shape[0] * x.element_size()) % 16 == 0
+    )  # the output's row stride, when it is allocated here
+
+
+def cuda_configs(element_size: int = 2, shared_memory: int = HOPPER_SHARED_MEMORY) -> list[LaunchConfig]:
+    """Tutorial 09's space for Hopper: 128-row tiles, 128 or 256 wide, 64-deep K steps (32 for fp32, whose
+    64-deep stages do not fit), 3-4 stages, 4 or 8 warps (8 for 256-wide), each kept where its stages and
+    the epilogue's output tile fit in shared memory."""
+    configs = []
+    bk = 64 if element_size <= 2 else 32
+    for bn in (128, 256):
+        for stages in (3, 4):
+            # 128x256 over 4 warps spilled (sm_90 compile: 255 registers and 1,848 B of stack per thread)
+            for warps in (4, 8) if bn == 128 else (8,):
+                c = LaunchConfig.of(warps, stages, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+                if shared_memory_bytes(c, element_size) <= shared_memory:
+                    configs.append(c)
+    return configs
+
+
+def shared_memory_bytes(config: LaunchConfig, element_size: int) -> int:
+    """The A and B stages plus the output tile staged for the TMA store."""
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    return config.num_stages * (bm + bn) * bk * element_size + bm * bn * element_size
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    # Device-side descriptors live in global memory that Triton asks the caller for: PROGRAMS * 3 * 128 B.
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def linear_persistent(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    config: LaunchConfig,
+    *,
+    negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
+    allow_tf32: bool | None = None,
+    programs: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """act(x @ weight^T + bias) with the given config; `programs`: the persistent grid (default: the
+    device's SMs; 4 under the interpreter, so that programs walk several tiles there too)."""
+    check_activation(activation)
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != K or x.dtype != weight.dtype:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match weight {tuple(weight.shape)} {weight.dtype}")
+    if out is None:
+        out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if not tma_eligible(x, weight, out):
+        raise ValueError("TMA needs contiguous rows with 16-byte aligned bases and row strides")
+    if M == 0:
+        return out
+    if allow_tf32 is None:
+        allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    upcast = bf16_on_interpreter(x.dtype)
+    if programs is None:
+        programs = 4 if interpreting() else torch.cuda.get_device_properties(x.device).multi_processor_count
+    tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
+    grid = min(programs, tiles)
+    triton.set_allocator(_scratch)
+    _linear_persistent_kernel[(grid,)](
+        x, weight, bias if bias is not None else x, out,
+        M, N, K,
+        x.stride(0), weight.stride(0), out.stride(0),
+        negative_slope,
+        HAS_BIAS=bias is not None, ACTIVATION=activation,
+        INPUT_PRECISION="tf32" if (allow_tf32 and not upcast) else "ieee",
+        UPCAST_DOT=upcast, ROUND_BF16=upcast, PROGRAMS=grid,
+        **config.meta(),
+    )  # fmt: skip
+    return out
