@@ -18,11 +18,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 _COMPILE_MLP = r"""
-import json, re, subprocess, sys, tempfile, torch, triton
-from pathlib import Path
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, sys, torch
 import kernels.mlp as mlp
+from tests.sm90_compile import compile_sm90
 
 mlp.check_device = lambda *a: None  # the packed weights stay on the CPU: only their shapes matter here
 dtype = getattr(torch, sys.argv[1])
@@ -33,30 +31,14 @@ fixed = {**mlp.FusedMLP(layers)._meta_fixed, "PRECISION": "ieee"}
 ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
 runtime = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, y_ptr=ptr, ws_ptr="*fp32", cnt_ptr="*i32", M="i32",
                stride_xm="i32", stride_ym="i32")
-names = mlp._mlp_kernel.arg_names
-signature = {n: runtime.get(n, "constexpr") for n in names}
-aligned = {(i,): [["tt.divisibility", 16]] for i in range(6)}  # the six pointers, 16-byte aligned as in service
-tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 # The config the digits MLP ran before splits existed, and every split config offered to a batch of 1.
 configs = [mlp.LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=64, STAGES=2, SPLIT=1)]
 configs += [c for c in mlp.cuda_configs(1, 256, dtype.itemsize) if c["SPLIT"] > 1]
 for config in configs:
     meta = {**fixed, **config.meta()}
-    constexprs = {(names.index(n),): meta[n] for n in names if n not in runtime}
-    src = ASTSource(mlp._mlp_kernel, signature, constexprs=constexprs, attrs=aligned)
-    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    ptx = compiled.asm["ptx"]
-    # ptxas's resource use, from the cubin (cuobjdump ships beside ptxas): STACK > 0 means registers spilled.
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True)
-    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage.stdout))
+    ptx, usage = compile_sm90(mlp._mlp_kernel, runtime, meta, 6, config.num_warps, config.num_stages)
     print(json.dumps({"config": config.meta(), "prefetches": ptx.count("prefetch.global.L2"),
-                      "lines": meta["PREFETCH_LINES"], "w_bytes": meta["W_BYTES"],
-                      **{k: int(v) for k, v in fields.items()}}))
+                      "lines": meta["PREFETCH_LINES"], "w_bytes": meta["W_BYTES"], **usage}))
 """
 
 
@@ -79,37 +61,21 @@ def test_whole_mlp_kernel_compiles_for_sm90_with_its_l2_prefetch(dtype):
 
 
 _COMPILE_PERSISTENT = r"""
-import json, re, subprocess, sys, tempfile, torch, triton
-from pathlib import Path
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, sys, torch
 import kernels.linear_persistent as lp
+from tests.sm90_compile import compile_sm90
 
 dtype = getattr(torch, sys.argv[1])
 ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
 runtime = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, y_ptr=ptr, M="i32", N="i32", K="i32", stride_xm="i32",
                stride_wn="i32", stride_ym="i32", negative_slope="fp32")
-names = lp._linear_persistent_kernel.arg_names
-signature = {n: runtime.get(n, "constexpr") for n in names}
-aligned = {(i,): [["tt.divisibility", 16]] for i in range(4)}
-tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 fixed = dict(HAS_BIAS=True, ACTIVATION="gelu_tanh", INPUT_PRECISION="tf32" if dtype == torch.float32 else "ieee",
              UPCAST_DOT=False, ROUND_BF16=False, PROGRAMS=132)
 for config in lp.cuda_configs(dtype.itemsize):
     meta = {**fixed, **config.meta()}
-    constexprs = {(names.index(n),): meta[n] for n in names if n not in runtime}
-    src = ASTSource(lp._linear_persistent_kernel, signature, constexprs=constexprs, attrs=aligned)
-    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    ptx = compiled.asm["ptx"]
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True)
-    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage.stdout))
+    ptx, usage = compile_sm90(lp._linear_persistent_kernel, runtime, meta, 4, config.num_warps, config.num_stages)
     print(json.dumps({"config": config.meta(), "tma_loads": ptx.count("cp.async.bulk.tensor"),
-                      "wgmma": ptx.count("wgmma.mma_async"), **{k: int(v) for k, v in fields.items()}}))
+                      "wgmma": ptx.count("wgmma.mma_async"), **usage}))
 """
 
 

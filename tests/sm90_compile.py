@@ -1,0 +1,33 @@
+"""Compile a Triton kernel for Hopper (sm_90) without a GPU and read ptxas's resource use: the helper of
+test_kernels_compile.py's subprocess scripts (run with TRITON_INTERPRET=0; see that file for why)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def compile_sm90(kernel, runtime: dict[str, str], meta: dict, pointers: int, num_warps: int, num_stages: int):
+    """(PTX text, {REG, STACK, SHARED, LOCAL}) of `kernel` compiled with `runtime` argument types (the rest
+    are constexprs taken from `meta`), its first `pointers` arguments 16-byte aligned as the service's are.
+    STACK > 0 means registers spilled."""
+    names = kernel.arg_names
+    signature = {n: runtime.get(n, "constexpr") for n in names}
+    constexprs = {(names.index(n),): meta[n] for n in names if n not in runtime}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(pointers)}
+    src = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"  # ships beside ptxas
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage.stdout))
+    return compiled.asm["ptx"], {k: int(v) for k, v in fields.items()}
