@@ -17,6 +17,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+def _compiled(script: str, dtype: str) -> list[dict]:
+    """Run a compile script below in a subprocess (compiled mode); one JSON line per config it printed."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-c", script, dtype], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
 _COMPILE_MLP = r"""
 import json, sys, torch
 import kernels.mlp as mlp
@@ -44,11 +54,7 @@ for config in configs:
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_whole_mlp_kernel_compiles_for_sm90_with_its_l2_prefetch(dtype):
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-c", _COMPILE_MLP, dtype], env=env, cwd=REPO, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    results = _compiled(_COMPILE_MLP, dtype)
     splits = sorted(r["config"]["SPLIT"] for r in results)
     # fp32 keeps 2+ chunks per program, so its splits stop one short of fp16's
     assert splits == ([1, 2, 2, 4, 4, 8] if dtype == "float16" else [1, 2, 2, 4]), splits
@@ -81,11 +87,7 @@ for config in lp.cuda_configs(dtype.itemsize):
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_persistent_tma_kernel_compiles_for_sm90_without_spills(dtype):
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-c", _COMPILE_PERSISTENT, dtype], env=env, cwd=REPO, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    results = _compiled(_COMPILE_PERSISTENT, dtype)
     assert len(results) == (5 if dtype == "float16" else 4), results
     for got in results:
         # TMA copies and warpgroup MMAs, or it is not the kernel this module is for
