@@ -23,6 +23,17 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_FAST_BATCH_SIZES = 4096  # distinct batch sizes whose launch records a layer keeps
 
 
+@triton.jit
+def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(row block, column block) of output tile number `tile` in grouped order (Triton tutorial 03):
+    GROUP_M row blocks share each column of W tiles while they are in L2, instead of sweeping all of W
+    once per row block. Also the order of linear_persistent.py."""
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile // in_group) * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % in_group) % size_m, (tile % in_group) // size_m
+
+
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _linear_kernel(
     # pointers (ws_ptr, cnt_ptr: split-K workspace and per-tile arrival counters; unused when SPLIT_K == 1)
@@ -47,18 +58,9 @@ def _linear_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,  # programs per output tile, each summing 1/SPLIT_K of K (small batches, see below)
 ):  # fmt: skip
-    # Grouped tile order (Triton tutorial 03): GROUP_M row-blocks share each column of W tiles
-    # while they are in L2, instead of sweeping all of W once per row-block.
     pid = tl.program_id(0) // SPLIT_K
     pid_k = tl.program_id(0) % SPLIT_K
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     # Rows and columns past the edge wrap around (% M, % N) so loads need no mask; they compute
     # throw-away values that the masked store below never writes.
@@ -181,14 +183,14 @@ def cuda_configs(
             cfg(64, 128, 64, 4, 4),
             cfg(64, 64, 64, 4, 4),  # small GEMMs (64x256x128: 4 tiles of 32x64) want more programs
         ]
+        # Not offered: 128x128 / 128x256 tiles split along K to fill one wave at 1024^3. Timed cold on an
+        # H200 (bench/results/probe_mlp_prefetch_h200.txt) they took 17.4 us against 11.6 us for 64x128x64,
+        # and the tuner (which then timed hot) never picked them either.
     if triton.cdiv(bucket, 64) * triton.cdiv(N, 64) < sms and bucket > 16:
         # A GEMM of fewer 64x64 tiles than SMs: 16x32 tiles, one program per 512 outputs, so loads go out
         # from many SMs at once. Cold graph replay on an H200 (bench/results/probe_linear_small_h200.txt):
         # 64x256x128 fp16 6.69 us (cuBLASLt 6.69, best older candidate 7.14); 128x256x256 6.78 (6.88, 7.36).
         configs += [cfg(16, 32, 64, 4, 4), cfg(16, 32, 256, 4, 2), cfg(16, 64, 256, 4, 2)]
-        # Not offered: 128x128 / 128x256 tiles split along K to fill one wave at 1024^3. Timed cold on an
-        # H200 (bench/results/probe_mlp_prefetch_h200.txt) they took 17.4 us against 11.6 us for 64x128x64,
-        # and the tuner (which then timed hot) never picked them either.
     return [c for c in configs if pipeline_shared_memory(c, element_size) <= shared_memory]
 
 
@@ -456,7 +458,7 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
     config = configs.get((bucket, precision)) if configs is not None else None
     if config is None:
         key = f"N{N}|K{K}|{x.dtype}|{activation}|bias={bias is not None}|{precision}|m{bucket}"
-        scope = scope_for("linear", _linear_kernel, apply_activation)
+        scope = scope_for("linear", _linear_kernel, grouped_tile, apply_activation)
         sms, shared_memory = _device_limits(x.device)
         config = tune(scope, key, cuda_configs(bucket, N, K, sms, x.element_size(), shared_memory), run)
         if configs is not None:

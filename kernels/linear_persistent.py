@@ -20,19 +20,9 @@ import triton
 import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
-from .linear import HOPPER_SHARED_MEMORY
+from .linear import HOPPER_SHARED_MEMORY, grouped_tile
 from .runtime import bf16_on_interpreter, interpreting
 from .tuning import LaunchConfig
-
-
-@triton.jit
-def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    # Grouped order (Triton tutorial 03): GROUP_M row blocks take turns on each column of W tiles while
-    # it is in L2. The same order as linear.py.
-    in_group = GROUP_M * num_pid_n
-    first_m = (tile // in_group) * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    return first_m + (tile % in_group) % size_m, (tile % in_group) // size_m
 
 
 @triton.jit
@@ -61,7 +51,7 @@ def _linear_persistent_kernel(
     # the two together.
     tile_out = tl.program_id(0) - PROGRAMS
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
@@ -72,7 +62,7 @@ def _linear_persistent_kernel(
             acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
 
         tile_out += PROGRAMS
-        pid_m, pid_n = _tile_coords(tile_out, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile_out, num_pid_m, num_pid_n, GROUP_M)
         if HAS_BIAS:
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
