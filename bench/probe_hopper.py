@@ -49,11 +49,16 @@ def graph_us(fn) -> float:
     return dev_us(graph.replay)
 
 
-def sweep_linear(M, K, N, dtype, act="relu", top=6):
+def relu_layer(M, K, N, dtype):
+    """x, W, b of one layer (outputs O(1) whatever K) and relu(x W^T + b) in float64, all on the GPU."""
     x = torch.randn(M, K, device="cuda").to(dtype)
     w = (torch.randn(N, K, device="cuda") / K**0.5).to(dtype)
     b = torch.randn(N, device="cuda").to(dtype)
-    ref = torch.relu(F.linear(x.double(), w.double(), b.double()))
+    return x, w, b, torch.relu(F.linear(x.double(), w.double(), b.double()))
+
+
+def sweep_linear(M, K, N, dtype, act="relu", top=6):
+    x, w, b, ref = relu_layer(M, K, N, dtype)
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for cfg in linear_mod.cuda_configs(linear_mod.m_bucket(M), N, K, sms, x.element_size()):
@@ -102,10 +107,7 @@ def small_linear_grid(M: int, N: int, K: int, element_size: int) -> list:
 def sweep_small_linear(M, K, N, dtype=torch.float16, top=8) -> dict:
     """Graph-replay device time, L2 flushed (the benchmark's primary figure), of every config of
     small_linear_grid, against cuBLASLt's epilogue timed the same way."""
-    x = torch.randn(M, K, device="cuda").to(dtype)
-    w = (torch.randn(N, K, device="cuda") / K**0.5).to(dtype)
-    b = torch.randn(N, device="cuda").to(dtype)
-    ref = torch.relu(F.linear(x.double(), w.double(), b.double()))
+    x, w, b, ref = relu_layer(M, K, N, dtype)
     offered = {str(c.meta()) for c in linear_mod.cuda_configs(linear_mod.m_bucket(M), N, K, 132, x.element_size())}
     rows = []
     for cfg in small_linear_grid(M, N, K, x.element_size()):
@@ -134,10 +136,7 @@ def sweep_persistent(M, K, N, dtype=torch.float16, act="relu") -> dict:
     from kernels.linear_persistent import cuda_configs as persistent_configs
     from kernels.linear_persistent import linear_persistent
 
-    x = torch.randn(M, K, device="cuda").to(dtype)
-    w = (torch.randn(N, K, device="cuda") / K**0.5).to(dtype)
-    b = torch.randn(N, device="cuda").to(dtype)
-    ref = torch.relu(F.linear(x.double(), w.double(), b.double()))
+    x, w, b, ref = relu_layer(M, K, N, dtype)
     rows = []
     for cfg in persistent_configs(x.element_size()):
         try:
