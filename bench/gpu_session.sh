@@ -5,8 +5,9 @@
 # (~1000 tests on CUDA) takes ~110 s with 16 workers (H200, 2026-11-23) and the whole benchmark ~520 s
 # (torch.compile max-autotune is most of it), so they go in separate 600 s calls: STEPS="tests probe",
 # then STEPS=bench (BENCH_LIMIT defaults to 525; at 390 the last case, wide-mlp batch 4096, was cut).
-# STEPS=probe runs bench.probe_hopper --only $PROBE (default linear-tma: the staged persistent TMA kernel
-# against the tuned linear.py kernel and cuBLASLt at the big GEMMs; mlp-split, linear-small: earlier ones).
+# STEPS=probe runs bench.probe_hopper --only P for each P in $PROBE (default linear-tma: the persistent TMA
+# kernel against the tuned linear.py kernel and cuBLASLt at the big GEMMs; linear-gemv: the one-row GEMV
+# kernel; linear-tma-small: TMA tiles at 1024^3; mlp-split, linear-small: earlier ones).
 # Usage on the device machine (after the wheel prologue of ../shared/gpu/README.md):
 #   OUT=$OUT bash bench/gpu_session.sh [pytest args...]
 set -uo pipefail
@@ -38,9 +39,11 @@ if [[ $steps == *" bench "* ]]; then
 fi
 
 if [[ $steps == *" probe "* ]]; then
-  timeout "${PROBE_TIMEOUT:-240}" python3 -m bench.probe_hopper --only "${PROBE:-linear-tma}" --out "$out" > "$out/probe.txt" 2>&1 \
-    || status=1
-  grep -v -i "warning" "$out/probe.txt" | tail -n 40
+  for probe in ${PROBE:-linear-tma}; do  # one or more, space-separated; each its own log
+    timeout "${PROBE_TIMEOUT:-240}" python3 -m bench.probe_hopper --only "$probe" --out "$out" > "$out/probe_$probe.txt" 2>&1 \
+      || status=1
+    grep -v -i "warning" "$out/probe_$probe.txt" | tail -n 40
+  done
 fi
 
 if [[ $steps == *" smoke "* ]]; then

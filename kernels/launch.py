@@ -41,9 +41,10 @@ class DirectLaunch:
                   *args, *self._tail)  # fmt: skip
 
 
-def constexpr_tail(kernel, n_runtime: int, values: dict) -> tuple:
-    """The values of `kernel`'s parameters after its first n_runtime ones, in signature order."""
-    return tuple(values[name] for name in kernel.arg_names[n_runtime:])
+def constexpr_tail(kernel, values: dict) -> tuple:
+    """The values of a compiled (not interpreted) kernel's constexpr parameters, in signature order: what
+    the C launcher takes after the runtime arguments."""
+    return tuple(values[p.name] for p in kernel.params if p.is_constexpr)
 
 
 def aligned(*tensors) -> bool:

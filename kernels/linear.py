@@ -14,24 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
+from . import linear_gemv as gemv
+from . import linear_persistent as persistent
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
 from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail, plain_rows
 from .runtime import bf16_on_interpreter, check_device, interpreting
+from .tiles import HOPPER_SHARED_MEMORY, grouped_tile, split_k_sum
 from .tuning import LaunchConfig, scope_for, tune
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_FAST_BATCH_SIZES = 4096  # distinct batch sizes whose launch records a layer keeps
-
-
-@triton.jit
-def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """(row block, column block) of output tile number `tile` in grouped order (Triton tutorial 03):
-    GROUP_M row blocks share each column of W tiles while they are in L2, instead of sweeping all of W
-    once per row block. Also the order of linear_persistent.py."""
-    in_group = GROUP_M * num_pid_n
-    first_m = (tile // in_group) * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    return first_m + (tile % in_group) % size_m, (tile % in_group) // size_m
 
 
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
@@ -92,22 +84,8 @@ def _linear_kernel(
 
     if SPLIT_K > 1:
         # Split-K for small batches: at M = 1, N = 1024 a 32-wide tile gives 32 programs for 132 SMs;
-        # SPLIT_K of them per tile stream the weights 4x faster. Each writes its fp32 partial tile to the
-        # workspace; the last to arrive (per-tile counter) sums all SPLIT_K partials in a fixed order
-        # (deterministic, unlike atomic adds), runs the epilogue, and resets the counter to 0 so the next
-        # launch (or CUDA-graph replay) needs no memset. The barrier + acq_rel atomic is CUTLASS's
-        # semaphore: every thread's partial is stored before the arrival is published.
-        tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        tl.store(ws_ptr + (pid * SPLIT_K + pid_k) * (BLOCK_M * BLOCK_N) + tile_offs, acc)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-        # Only the last program loads (masked loads of the others issue no memory requests) and stores.
-        last = (tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32) + arrived) == SPLIT_K - 1  # as a tile: a mask
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in range(SPLIT_K):
-            part = ws_ptr + (pid * SPLIT_K + s) * (BLOCK_M * BLOCK_N) + tile_offs
-            acc += tl.load(part, mask=last, other=0.0, cache_modifier=".cg")  # .cg: from L2, never a stale L1 line
-        tl.atomic_add(cnt_ptr + pid, tl.where(arrived == SPLIT_K - 1, -SPLIT_K, 0))  # back to 0 for the next call
+        # SPLIT_K of them per tile stream the weights 4x faster.
+        acc, last = split_k_sum(acc, ws_ptr, cnt_ptr, pid, pid_k, SPLIT_K, BLOCK_M, BLOCK_N)
     else:
         last = True
 
@@ -125,9 +103,6 @@ def _linear_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N) & last)
 
 
-HOPPER_SHARED_MEMORY = 232_448  # bytes per block (opt-in) on H100/H200, as Triton reports it
-
-
 def pipeline_shared_memory(config: LaunchConfig, element_size: int) -> int:
     """Shared memory the software pipeline takes for the x and W tiles. Tiles of 64+ rows run Hopper's
     warpgroup MMA, whose pipeline keeps num_stages buffers of each; smaller ones keep num_stages - 1.
@@ -139,11 +114,18 @@ def pipeline_shared_memory(config: LaunchConfig, element_size: int) -> int:
 
 
 def cuda_configs(
-    bucket: int, N: int, K: int, sms: int, element_size: int = 2, shared_memory: int = HOPPER_SHARED_MEMORY
+    bucket: int,
+    N: int,
+    K: int,
+    sms: int,
+    element_size: int = 2,
+    shared_memory: int = HOPPER_SHARED_MEMORY,
+    tma: bool = False,
 ) -> list[LaunchConfig]:
     """Candidates the tuner times for one (batch bucket, N, K) on a GPU with `sms` multiprocessors, for
     elements of `element_size` bytes; a candidate whose pipeline would not fit `shared_memory` is left out
-    (the tuner would skip it anyway, after a failed compile).
+    (the tuner would skip it anyway, after a failed compile). `tma`: the operands suit TMA, so the
+    persistent kernel's configs (linear_persistent.py) join where it can win (`persistent.offered`).
 
     Batches of 1-16 rows are weight-streaming problems (M=1, 4096x4096 fp16: 32 MB read for 32 kFLOP):
     a 16-row MMA tile, narrow N tiles and split-K so that every SM streams weights, and deep pipelines
@@ -191,7 +173,12 @@ def cuda_configs(
         # from many SMs at once. Cold graph replay on an H200 (bench/results/probe_linear_small_h200.txt):
         # 64x256x128 fp16 6.69 us (cuBLASLt 6.69, best older candidate 7.14); 128x256x256 6.78 (6.88, 7.36).
         configs += [cfg(16, 32, 64, 4, 4), cfg(16, 32, 256, 4, 2), cfg(16, 64, 256, 4, 2)]
-    return [c for c in configs if pipeline_shared_memory(c, element_size) <= shared_memory]
+    if bucket == 1:
+        configs += gemv.cuda_configs(N, K, sms)  # CUDA cores, no 16-row padding: see linear_gemv.py
+    configs = [c for c in configs if pipeline_shared_memory(c, element_size) <= shared_memory]
+    if tma and persistent.offered(bucket, N, sms):
+        configs += persistent.cuda_configs(element_size, shared_memory)
+    return configs
 
 
 # Interpreter (CPU): no tuning: nothing can be timed there (the interpreter runs numpy, not the kernel).
@@ -202,6 +189,8 @@ def cuda_configs(
 SMALL_INTERPRETER_TILE = (16, 32, 32)
 interpreter_tile: tuple[int, int, int] | None = None  # (BLOCK_M, BLOCK_N, BLOCK_K) override, for tests
 interpreter_split_k = 1
+# Any candidate (a GEMV or persistent one too) to run instead, for tests; a persistent one only where TMA can.
+interpreter_override: LaunchConfig | None = None
 
 
 def _interpreter_config(M: int, N: int, K: int) -> LaunchConfig:
@@ -285,11 +274,13 @@ class FusedLinear:
         self.activation = activation
         self.negative_slope = float(negative_slope)
         self.allow_tf32 = allow_tf32
-        self.configs: dict[tuple[int, str], LaunchConfig] = {}  # (M bucket, input precision) -> tuned config
-        self.direct: dict[tuple[int, str], DirectLaunch] = {}  # the same key -> its compiled kernel
+        # (M bucket, input precision, TMA candidates offered) -> tuned config
+        self.configs: dict[tuple[int, str, bool], LaunchConfig] = {}
+        # (M bucket, input precision) -> the compiled kernel of aligned calls, and its config
+        self.direct: dict[tuple[int, str], tuple[DirectLaunch, LaunchConfig]] = {}
         self.workspace = SplitKWorkspace(weight.device)
-        # (rows, TF32 on) -> (launch, grid, split-K workspace, counters, bucket): everything a call of that
-        # size needs, filled on the first direct launch of each size (__call__'s fast path).
+        # (rows, TF32 on) -> (launch, grid, split-K workspace, counters, bucket, persistent): everything a call
+        # of that size needs, filled on the first direct launch of each size (__call__'s fast path).
         self._fast: dict[tuple[int, bool], tuple] = {}
         self._bias_arg = bias if bias is not None else weight  # any pointer when HAS_BIAS is off; never read
 
@@ -314,9 +305,13 @@ class FusedLinear:
                 else:
                     _check_out(out, x, N)
                 if out.data_ptr() % 16 == 0:
-                    launch, grid, ws, cnt, bucket = fast
-                    launch(grid, x, w, self._bias_arg, out, ws, cnt, M, N, K, K, 1, K, 1, N, 1,
-                           self.negative_slope, bucket)  # fmt: skip
+                    launch, grid, ws, cnt, bucket, is_persistent = fast
+                    if is_persistent:
+                        triton.set_allocator(persistent.scratch)  # per thread: TMA descriptors' scratch
+                        launch(grid, x, w, self._bias_arg, out, M, N, K, K, K, N, self.negative_slope)
+                    else:
+                        launch(grid, x, w, self._bias_arg, out, ws, cnt, M, N, K, K, 1, K, 1, N, 1,
+                               self.negative_slope, bucket)  # fmt: skip
                     return out
         _check_x(x, w)
         return _launch(
@@ -333,19 +328,21 @@ class FusedLinear:
         )
 
     def _record(self, M: int, tf32: bool) -> tuple | None:
-        """The launch record of M rows, (launch, grid, split-K workspace, counters, bucket), kept for the next
-        call of that size; None while the bucket has no compiled kernel. The workspace keeps outgrown
-        buffers (SplitKWorkspace), so older records stay valid."""
+        """The launch record of M rows, (launch, grid, split-K workspace, counters, bucket, persistent), kept
+        for the next call of that size; None while the bucket has no compiled kernel. The workspace keeps
+        outgrown buffers (SplitKWorkspace), so older records stay valid."""
         bucket = m_bucket(M)
-        key = (bucket, "tf32" if tf32 else "ieee")
-        launch = self.direct.get(key)
-        if launch is None:
+        entry = self.direct.get((bucket, "tf32" if tf32 else "ieee"))
+        if entry is None:
             return None
-        config = self.configs[key]
-        bm, bn, split = config["BLOCK_M"], config["BLOCK_N"], config["SPLIT_K"]
-        tiles = triton.cdiv(M, bm) * triton.cdiv(self.weight.shape[0], bn)
-        ws, cnt = self.workspace.get(tiles, bm * bn, split)
-        record = (launch, tiles * split, ws, cnt, bucket)
+        launch, config = entry
+        if persistent.is_persistent(config):
+            record = (launch, _persistent_programs(self.weight.device), None, None, bucket, True)
+        else:
+            bm, bn, split = config["BLOCK_M"], config["BLOCK_N"], config["SPLIT_K"]
+            tiles = triton.cdiv(M, bm) * triton.cdiv(self.weight.shape[0], bn)
+            ws, cnt = self.workspace.get(tiles, bm * bn, split)
+            record = (launch, tiles * split, ws, cnt, bucket, False)
         if len(self._fast) < MAX_FAST_BATCH_SIZES:
             self._fast[(M, tf32)] = record
         return record
@@ -439,11 +436,17 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
         ROUND_BF16=upcast,
     )
 
+    tma = persistent.tma_eligible(x, weight, out)
+    programs = _persistent_programs(x.device) if tma else 0
+
     def run(config: LaunchConfig):
-        meta = config.meta()
+        if persistent.is_persistent(config):
+            return persistent.launch(x, weight, bias, out, negative_slope, fixed, config, programs)
+        kernel = gemv._gemv_kernel if gemv.is_gemv(config) else _linear_kernel
+        meta = gemv.kernel_meta(config)
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
         ws, cnt = workspace.get(tiles, meta["BLOCK_M"] * meta["BLOCK_N"], meta["SPLIT_K"])
-        return _linear_kernel[(tiles * meta["SPLIT_K"],)](
+        return kernel[(tiles * meta["SPLIT_K"],)](
             x, weight, bias if bias is not None else x, out, ws, cnt,
             M, N, K,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
@@ -453,19 +456,33 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
         )  # fmt: skip
 
     if interpreting():
-        run(_interpreter_config(M, N, K))
+        config = interpreter_override or _interpreter_config(M, N, K)
+        run(_interpreter_config(M, N, K) if persistent.is_persistent(config) and not tma else config)
         return out
-    config = configs.get((bucket, precision)) if configs is not None else None
+    sms, shared_memory = _device_limits(x.device)
+    # Calls that cannot use TMA (an unaligned x or out) are tuned and kept apart from those that can.
+    tma = tma and persistent.offered(bucket, N, sms)
+    config = configs.get((bucket, precision, tma)) if configs is not None else None
     if config is None:
         key = f"N{N}|K{K}|{x.dtype}|{activation}|bias={bias is not None}|{precision}|m{bucket}"
-        scope = scope_for("linear", _linear_kernel, grouped_tile, apply_activation)
-        sms, shared_memory = _device_limits(x.device)
-        config = tune(scope, key, cuda_configs(bucket, N, K, sms, x.element_size(), shared_memory), run)
+        key += "|tma" if tma else ""
+        kernels = (_linear_kernel, gemv._gemv_kernel, persistent._linear_persistent_kernel)
+        scope = scope_for("linear", *kernels, grouped_tile, split_k_sum, apply_activation)
+        candidates = cuda_configs(bucket, N, K, sms, x.element_size(), shared_memory, tma)
+        config = tune(scope, key, candidates, run)
         if configs is not None:
-            configs[(bucket, precision)] = config
+            configs[(bucket, precision, tma)] = config
     compiled = run(config)
     if direct is not None and DIRECT_LAUNCH and aligned(x, out):
-        direct[(bucket, precision)] = DirectLaunch(
-            compiled, constexpr_tail(_linear_kernel, 17, {**fixed, **config.meta()})
-        )
+        if persistent.is_persistent(config):
+            kernel, constexprs = persistent._linear_persistent_kernel, persistent.constexprs(fixed, config, programs)
+        else:  # the pointer and GEMV kernels take the same arguments
+            kernel = gemv._gemv_kernel if gemv.is_gemv(config) else _linear_kernel
+            constexprs = {**fixed, **gemv.kernel_meta(config)}
+        direct[(bucket, precision)] = (DirectLaunch(compiled, constexpr_tail(kernel, constexprs)), config)
     return out
+
+
+def _persistent_programs(device: torch.device) -> int:
+    """The persistent kernel's grid: one program per SM; 4 under the interpreter, so programs walk tiles."""
+    return 4 if interpreting() else _device_limits(device)[0]

@@ -1,12 +1,13 @@
 """GEMM + bias + activation as a persistent kernel fed by TMA (Hopper's tensor memory accelerator).
 
-Staged for the big GEMMs of issue 3, where the pointer-based kernel of linear.py trails cuBLAS on an H200
-(cold graph replay, fp16): 4096^3 255 vs 198 us, the wide MLP at batch 4096 391 vs 322 us. Two things
-cuBLAS has that it lacks: TMA copies (one instruction per tile, no address math in the main loop, no
-registers held for in-flight loads) and a persistent grid (one program per SM walking the tiles, so the
-next tile's loads overlap this tile's epilogue). This module is that kernel; it is timed against
-linear.py and cuBLASLt by `python -m bench.probe_hopper --only linear-tma`, and becomes a tuner candidate
-only once that probe shows where it wins. Not used by the service yet.
+For the big GEMMs, where the pointer-based kernel of linear.py trails cuBLAS on an H200. It has what
+cuBLAS has and that kernel lacks: TMA copies (one instruction per tile, no address math in the main loop,
+no registers held for in-flight loads) and a persistent grid (one program per SM walking the tiles, so
+the next tile's loads overlap this tile's epilogue). Cold graph replay, fp16, H200
+(bench/results/probe_linear_tma_h200.txt): 4096^3 200.6 us against 267.9 for linear.py and 204.0 for
+cuBLASLt; 4096x1024x4096 59.0 (72.5, 56.1); 4096x4096x1024 55.0 (62.2, 51.1). With fewer tiles than SMs
+it loses (1024^3: 15.4 against 12.4; 256x4096x4096: 36.2 against 32.8), so FusedLinear offers its
+configs to the tuner only for GEMMs of at least one 128x128 tile per SM (`offered`).
 
 TMA needs 16-byte aligned row strides: K * element size and N * element size multiples of 16
 (`tma_eligible`). Edges need no masks: TMA loads fill rows and columns past the tensor with zeros and
@@ -20,12 +21,13 @@ import triton
 import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
-from .linear import HOPPER_SHARED_MEMORY, grouped_tile
 from .runtime import bf16_on_interpreter, interpreting
+from .tiles import HOPPER_SHARED_MEMORY, grouped_tile
 from .tuning import LaunchConfig
 
 
-@triton.jit
+# M is never specialized: a prepared layer launches one compiled kernel for every batch size of a bucket.
+@triton.jit(do_not_specialize=["M"])
 def _linear_persistent_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     M, N, K,
@@ -38,7 +40,7 @@ def _linear_persistent_kernel(
     ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    PROGRAMS: tl.constexpr,  # the grid: at most one program per SM, each walking tiles PROGRAMS apart
+    PROGRAMS: tl.constexpr,  # the grid: one program per SM, each walking tiles PROGRAMS apart
 ):  # fmt: skip
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
@@ -87,17 +89,28 @@ def tma_eligible(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
 def cuda_configs(element_size: int = 2, shared_memory: int = HOPPER_SHARED_MEMORY) -> list[LaunchConfig]:
     """Tutorial 09's space for Hopper: 128-row tiles, 128 or 256 wide, 64-deep K steps (32 for fp32, whose
     64-deep stages do not fit), 3-4 stages, 4 or 8 warps (8 for 256-wide), each kept where its stages and
-    the epilogue's output tile fit in shared memory."""
+    the epilogue's output tile fit in shared memory. PERSISTENT=1 marks them as this kernel's among the
+    tuner's candidates (and in its cache file)."""
     configs = []
     bk = 64 if element_size <= 2 else 32
     for bn in (128, 256):
         for stages in (3, 4):
             # 128x256 over 4 warps spilled (sm_90 compile: 255 registers and 1,848 B of stack per thread)
             for warps in (4, 8) if bn == 128 else (8,):
-                c = LaunchConfig.of(warps, stages, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+                c = LaunchConfig.of(warps, stages, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PERSISTENT=1)
                 if shared_memory_bytes(c, element_size) <= shared_memory:
                     configs.append(c)
     return configs
+
+
+def is_persistent(config: LaunchConfig) -> bool:
+    return ("PERSISTENT", 1) in config.kwargs
+
+
+def offered(bucket: int, N: int, sms: int) -> bool:
+    """Whether the tuner should time this kernel for a GEMM: at least one 128x128 output tile per SM. Below
+    that a persistent grid has nothing to overlap, and the probe had it lose (see the module's doc)."""
+    return triton.cdiv(bucket, 128) * triton.cdiv(N, 128) >= sms
 
 
 def shared_memory_bytes(config: LaunchConfig, element_size: int) -> int:
@@ -106,10 +119,31 @@ def shared_memory_bytes(config: LaunchConfig, element_size: int) -> int:
     return config.num_stages * (bm + bn) * bk * element_size + bm * bn * element_size
 
 
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+def scratch(size: int, alignment: int, stream) -> torch.Tensor:
     # Device-side descriptors live in global memory that Triton asks the caller for: 3 x 128 B per program
     # (the sm_90 compile reports a global scratch of 384 B).
     return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def constexprs(fixed: dict, config: LaunchConfig, programs: int) -> dict:
+    """The kernel's constexpr arguments and launch options for one config on `programs` programs."""
+    return {**fixed, "PROGRAMS": programs, **{name: v for name, v in config.meta().items() if name != "PERSISTENT"}}
+
+
+def launch(x, weight, bias, out, negative_slope: float, fixed: dict, config: LaunchConfig, programs: int):
+    """One launch on `programs` programs (any number: those past the last tile do nothing, so a prepared
+    layer launches one compiled kernel, PROGRAMS = the SMs, for every batch size); returns the compiled
+    kernel. `fixed`: HAS_BIAS, ACTIVATION, INPUT_PRECISION, UPCAST_DOT, ROUND_BF16, as linear.py passes them."""
+    M, K = x.shape
+    N = weight.shape[0]
+    triton.set_allocator(scratch)  # a context variable: set in the calling thread, every time
+    return _linear_persistent_kernel[(programs,)](
+        x, weight, bias if bias is not None else x, out,
+        M, N, K,
+        x.stride(0), weight.stride(0), out.stride(0),
+        negative_slope,
+        **constexprs(fixed, config, programs),
+    )  # fmt: skip
 
 
 def linear_persistent(
@@ -142,17 +176,12 @@ def linear_persistent(
     upcast = bf16_on_interpreter(x.dtype)
     if programs is None:
         programs = 4 if interpreting() else torch.cuda.get_device_properties(x.device).multi_processor_count
-    tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
-    grid = min(programs, tiles)
-    triton.set_allocator(_scratch)
-    _linear_persistent_kernel[(grid,)](
-        x, weight, bias if bias is not None else x, out,
-        M, N, K,
-        x.stride(0), weight.stride(0), out.stride(0),
-        negative_slope,
-        HAS_BIAS=bias is not None, ACTIVATION=activation,
+    fixed = dict(
+        HAS_BIAS=bias is not None,
+        ACTIVATION=activation,
         INPUT_PRECISION="tf32" if (allow_tf32 and not upcast) else "ieee",
-        UPCAST_DOT=upcast, ROUND_BF16=upcast, PROGRAMS=grid,
-        **config.meta(),
-    )  # fmt: skip
+        UPCAST_DOT=upcast,
+        ROUND_BF16=upcast,
+    )
+    launch(x, weight, bias, out, negative_slope, fixed, config, programs)
     return out

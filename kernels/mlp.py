@@ -419,7 +419,7 @@ class FusedMLP:
         compiled = self._launch(x, out, precision, config)
         if not interpreting() and DIRECT_LAUNCH and aligned(x, out):
             values = {**self._meta_fixed, "PRECISION": precision, **config.meta()}
-            self._direct[(m_bucket(M), precision)] = DirectLaunch(compiled, constexpr_tail(_mlp_kernel, 9, values))
+            self._direct[(m_bucket(M), precision)] = DirectLaunch(compiled, constexpr_tail(_mlp_kernel, values))
         return out
 
     def _check_out(self, out: torch.Tensor, M: int) -> None:

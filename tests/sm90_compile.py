@@ -13,14 +13,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
-def compile_sm90(kernel, runtime: dict[str, str], meta: dict, pointers: int, num_warps: int, num_stages: int):
+def compile_sm90(
+    kernel, runtime: dict[str, str], meta: dict, pointers: int, num_warps: int, num_stages: int, divisible=()
+):
     """(PTX text, {REG, STACK, SHARED, LOCAL}) of `kernel` compiled with `runtime` argument types (the rest
-    are constexprs taken from `meta`), its first `pointers` arguments 16-byte aligned as the service's are.
-    STACK > 0 means registers spilled."""
+    are constexprs taken from `meta`), its first `pointers` arguments 16-byte aligned as the service's are,
+    and the integers named in `divisible` multiples of 16, as Triton specializes them at a launch (a
+    stride of 1 it makes a constant: pass it in `meta`). STACK > 0 means registers spilled."""
     names = kernel.arg_names
     signature = {n: runtime.get(n, "constexpr") for n in names}
     constexprs = {(names.index(n),): meta[n] for n in names if n not in runtime}
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(pointers)}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in [*range(pointers), *(names.index(n) for n in divisible)]}
     src = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
     options = dict(num_warps=num_warps, num_stages=num_stages)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

@@ -76,9 +76,9 @@ ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[
 runtime = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, y_ptr=ptr, M="i32", N="i32", K="i32", stride_xm="i32",
                stride_wn="i32", stride_ym="i32", negative_slope="fp32")
 fixed = dict(HAS_BIAS=True, ACTIVATION="gelu_tanh", INPUT_PRECISION="tf32" if dtype == torch.float32 else "ieee",
-             UPCAST_DOT=False, ROUND_BF16=False, PROGRAMS=132)
+             UPCAST_DOT=False, ROUND_BF16=False)
 for config in lp.cuda_configs(dtype.itemsize):
-    meta = {**fixed, **config.meta()}
+    meta = lp.constexprs(fixed, config, 132)
     ptx, usage = compile_sm90(lp._linear_persistent_kernel, runtime, meta, 4, config.num_warps, config.num_stages)
     print(json.dumps({"config": config.meta(), "tma_loads": ptx.count("cp.async.bulk.tensor"),
                       "wgmma": ptx.count("wgmma.mma_async"), **usage}))
@@ -92,4 +92,36 @@ def test_persistent_tma_kernel_compiles_for_sm90_without_spills(dtype):
     for got in results:
         # TMA copies and warpgroup MMAs, or it is not the kernel this module is for
         assert got["tma_loads"] > 0 and got["wgmma"] > 0, got
+        assert got["STACK"] == 0 and got["LOCAL"] == 0, f"registers spill to local memory: {got}"
+
+
+_COMPILE_GEMV = r"""
+import json, sys, torch
+import kernels.linear_gemv as gemv
+from tests.sm90_compile import compile_sm90
+
+dtype = getattr(torch, sys.argv[1])
+ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+# As a launch at 1x4096x4096 specializes them: unit strides constant, sizes and row strides multiples of 16.
+runtime = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, y_ptr=ptr, ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32",
+               stride_xm="i32", stride_wn="i32", stride_ym="i32", negative_slope="fp32", M_BUCKET="i32")
+fixed = dict(HAS_BIAS=True, ACTIVATION="gelu_tanh", INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False,
+             stride_xk=1, stride_wk=1, stride_yn=1)
+for config in gemv.cuda_configs(4096, 4096, 132):
+    meta = {**fixed, **gemv.kernel_meta(config)}
+    ptx, usage = compile_sm90(gemv._gemv_kernel, runtime, meta, 6, config.num_warps, config.num_stages,
+                              divisible=("N", "K", "stride_xm", "stride_wn", "stride_ym"))
+    print(json.dumps({"config": config.meta(), "wide_loads": ptx.count("ld.global.v4") + ptx.count("cp.async.cg"),
+                      "narrow_loads": ptx.count("ld.global.b16"), "mma": ptx.count("mma."), **usage}))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gemv_kernel_compiles_for_sm90_with_wide_loads_and_without_spills(dtype):
+    results = _compiled(_COMPILE_GEMV, dtype)
+    assert len(results) == 4, results
+    for got in results:
+        # 16-byte loads of W (the one 2-byte load is the bias: an element per thread), no tensor-core MMA (the
+        # point of this kernel), and nothing spilled. Unspecialized strides gave 69 2-byte loads and spills.
+        assert got["wide_loads"] >= 8 and got["narrow_loads"] <= 1 and got["mma"] == 0, got
         assert got["STACK"] == 0 and got["LOCAL"] == 0, f"registers spill to local memory: {got}"

@@ -248,7 +248,10 @@ def test_small_batches_get_split_k_candidates():
         configs = linear_mod.cuda_configs(1, 1000, 4096, 132, dt.itemsize)
         splits = {c["SPLIT_K"] for c in configs}
         assert splits & {2, 4, 8}, f"no split-K candidate for M=1, N=1000, K=4096, {dt}: {splits}"
-        assert {c["BLOCK_M"] for c in configs} == {16}
+        # 16-row MMA tiles, and for the one-row bucket only, the CUDA-core GEMV kernel's 1-row ones
+        assert {c["BLOCK_M"] for c in configs if not linear_mod.gemv.is_gemv(c)} == {16}
+        assert {c["BLOCK_M"] for c in configs if linear_mod.gemv.is_gemv(c)} == {1}
+    assert not any(linear_mod.gemv.is_gemv(c) for c in linear_mod.cuda_configs(2, 1000, 4096, 132))
 
 
 def test_big_batches_are_never_split():
@@ -333,8 +336,7 @@ def test_direct_and_fast_paths_pass_the_right_arguments(dtype, bias):
     fixed = dict(HAS_BIAS=bias, ACTIVATION="leaky_relu", INPUT_PRECISION="ieee", UPCAST_DOT=upcast, ROUND_BF16=upcast)
     launch = _InterpretedLaunch(linear_mod._linear_kernel, {**fixed, **config.meta()})
     for bucket in (4, 8, 32):
-        layer.configs[(bucket, "ieee")] = config
-        layer.direct[(bucket, "ieee")] = launch
+        layer.direct[(bucket, "ieee")] = (launch, config)
     for M in (5, 3, 5, 17, 5, 3):  # first of a size: direct path, records it; then the fast path
         x = torch.randn(M, 70, device=DEVICE).to(dtype) if M != 5 else x0
         want = reference.linear(x.double(), w.double(), b.double() if bias else None, "leaky_relu", negative_slope=0.3)
@@ -352,3 +354,157 @@ def test_direct_and_fast_paths_pass_the_right_arguments(dtype, bias):
         layer(torch.randn(5, 70, device=DEVICE).to(torch.float64))
     with pytest.raises(ValueError, match="must be contiguous"):
         layer(torch.randn(70, 5, device=DEVICE).to(dtype).t())
+
+
+# ---- the persistent TMA kernel as a tuner candidate of FusedLinear (kernels/linear_persistent.py) ----
+
+PERSISTENT_SMALL = linear_mod.LaunchConfig.of(4, 2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, PERSISTENT=1)
+
+
+def test_persistent_configs_are_offered_for_a_full_wave_of_tma_eligible_tiles():
+    """On an H200 the persistent kernel beat linear.py at 4096x4096x{1024,4096} (55.0 vs 62.2, 200.6 vs 267.9
+    us) and lost where 128x128 tiles do not fill the 132 SMs (1024^3: 64 tiles, 15.4 vs 12.4 us)."""
+
+    def persistent(bucket, N, K, tma=True, element_size=2):
+        configs = linear_mod.cuda_configs(bucket, N, K, 132, element_size, tma=tma)
+        return [c for c in configs if linear_mod.persistent.is_persistent(c)]
+
+    for bucket, N, K in [(4096, 4096, 4096), (4096, 1024, 4096), (2048, 4096, 1024), (4096, 1024, 10)]:
+        assert len(persistent(bucket, N, K)) == 5 and len(persistent(bucket, N, K, element_size=4)) == 4
+    for bucket, N, K in [(1024, 1024, 1024), (256, 4096, 4096), (16, 4096, 4096), (2048, 1024, 4096)]:
+        assert not persistent(bucket, N, K), (bucket, N, K)
+    assert not persistent(4096, 4096, 4096, tma=False)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's override; on CUDA the tuner picks")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prepared_layer_runs_the_persistent_kernel_where_tma_can_and_the_pointer_kernel_where_not(monkeypatch, dtype):
+    monkeypatch.setattr(linear_mod, "interpreter_override", PERSISTENT_SMALL)
+    calls = []
+    real = linear_mod.persistent.launch
+    monkeypatch.setattr(linear_mod.persistent, "launch", lambda *a: calls.append(a[0].shape) or real(*a))
+    x, w, b = _inputs(37, 56, 72, dtype, DEVICE)
+    layer = FusedLinear(w, b, "gelu_tanh")
+    want = reference.linear(x.double(), w.double(), b.double(), "gelu_tanh")
+    out = torch.full((37, 56), float("nan"), device=DEVICE).to(dtype)
+    assert_close_to(layer(x, out=out), want, RTOL[dtype], f"persistent via FusedLinear {dtype}")
+    assert calls == [(37, 72)]
+    # x one element past an aligned base: TMA cannot address it, so the pointer kernel runs, just as right
+    shifted = torch.empty(37 * 72 + 1, device=DEVICE, dtype=dtype)[1:].view(37, 72)
+    shifted.copy_(x)
+    assert_close_to(layer(shifted), want, RTOL[dtype], f"unaligned x via FusedLinear {dtype}")
+    assert calls == [(37, 72)]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA the real direct launch runs in the gpu test below")
+@pytest.mark.parametrize("bias", [True, False])
+def test_persistent_fast_path_passes_the_right_arguments(bias):
+    """The persistent kernel's launch record: 4 programs (the interpreter's 'SMs') for 1-13 tiles."""
+    x0, w, b = _inputs(5, 40, 72, torch.float16, DEVICE, bias)
+    layer = FusedLinear(w, b, "leaky_relu", negative_slope=0.3, allow_tf32=False)
+    fixed = dict(HAS_BIAS=bias, ACTIVATION="leaky_relu", INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False)
+    constexprs = linear_mod.persistent.constexprs(fixed, PERSISTENT_SMALL, 4)
+    launch = _InterpretedLaunch(linear_mod.persistent._linear_persistent_kernel, constexprs)
+    for bucket in (8, 32, 128):
+        layer.direct[(bucket, "ieee")] = (launch, PERSISTENT_SMALL)
+    for M in (5, 100, 5, 17, 100):
+        x = torch.randn(M, 72, device=DEVICE).to(torch.float16) if M != 5 else x0
+        want = reference.linear(x.double(), w.double(), b.double() if bias else None, "leaky_relu", negative_slope=0.3)
+        out = torch.full((M, 40), float("nan"), device=DEVICE).to(torch.float16)
+        assert layer(x, out=out) is out
+        assert_close_to(out, want, RTOL[torch.float16], f"persistent direct M={M} bias={bias}")
+    assert launch.calls == 5 and set(layer._fast) == {(5, False), (100, False), (17, False)}
+    assert all(record[1] == 4 and record[5] for record in layer._fast.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_prepared_layer_with_each_persistent_config(monkeypatch, dtype):
+    """Each persistent config through FusedLinear on CUDA: the checked launch, then the direct launch
+    record (one compiled kernel on one program per SM) for batch sizes of the same bucket and of others,
+    down to 1 row (1 tile for 132 programs), and replayed from a CUDA graph with new inputs."""
+    from kernels.graph_capture import capture
+
+    N, K = 1000, 1032  # edges in N and K for 128x128x64 tiles; N * 2 bytes a multiple of 16
+    for config in linear_mod.persistent.cuda_configs(dtype.itemsize):
+        _force_config(monkeypatch, config)
+        _, w, b = _inputs(1, N, K, dtype, "cuda")
+        layer = FusedLinear(w, b, "gelu_tanh", allow_tf32=False)
+        for M in (4096, 2500, 4096, 1, 300):
+            x = torch.randn(M, K, device="cuda").to(dtype)
+            out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+            want = reference.linear(x.double(), w.double(), b.double(), "gelu_tanh")
+            assert_close_to(layer(x, out=out), want, RTOL[dtype], f"persistent M={M} {dtype} {config.meta()}")
+        assert all(record[5] for record in layer._fast.values()), "the direct path did not run the persistent kernel"
+        static_x = torch.randn(777, K, device="cuda").to(dtype)
+        graph, static_out = capture(lambda layer=layer, static_x=static_x: layer(static_x), warmups=1)
+        static_x.copy_(torch.randn(777, K, device="cuda").to(dtype))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        want = reference.linear(static_x.double(), w.double(), b.double(), "gelu_tanh")
+        assert_close_to(static_out, want, RTOL[dtype], f"persistent graph replay {dtype} {config.meta()}")
+
+
+# ---- the GEMV kernel for one-row batches (kernels/linear_gemv.py), a tuner candidate of FusedLinear ----
+
+
+def _gemv_small(split: int) -> linear_mod.LaunchConfig:
+    return linear_mod.LaunchConfig.of(4, 1, GEMV=1, BLOCK_M=1, BLOCK_N=16, BLOCK_K=32, GROUP_M=1, SPLIT_K=split)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's override; on CUDA the gpu test below")
+@pytest.mark.parametrize("split", [1, 2, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 1), (1, 37, 71), (1, 53, 130), (3, 17, 33)], ids=str)
+def test_gemv_kernel_on_awkward_shapes(monkeypatch, shape, dtype, split):
+    """One row (and, though only offered for one, several), N and K past the 16x32 tile's edges, splits
+    that get no K step at all (K=1 split 3): every element written and right, split-K counters back at 0."""
+    monkeypatch.setattr(linear_mod, "interpreter_override", _gemv_small(split))
+    x, w, b = _inputs(*shape, dtype, DEVICE)
+    layer = FusedLinear(w, b, "gelu_tanh")
+    want = reference.linear(x.double(), w.double(), b.double(), "gelu_tanh")
+    for _ in range(2):
+        out = torch.full(shape[:2], float("nan"), device=DEVICE).to(dtype)
+        assert_close_to(layer(x, out=out), want, RTOL[dtype], f"gemv {shape} {dtype} split {split}")
+        assert int(layer.workspace.counters.abs().sum()) == 0, "split-K counters not reset"
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's override; on CUDA the gpu test below")
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gemv_kernel_every_activation_and_no_bias(monkeypatch, activation):
+    monkeypatch.setattr(linear_mod, "interpreter_override", _gemv_small(2))
+    for bias in (True, False):
+        _check(1, 40, 100, torch.float32, activation, DEVICE, bias=bias, slope=0.3)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA the real direct launch runs in the gpu test below")
+def test_gemv_fast_path_passes_the_right_arguments():
+    x, w, b = _inputs(1, 45, 100, torch.float16, DEVICE)
+    layer = FusedLinear(w, b, "silu", allow_tf32=False)
+    config = _gemv_small(2)
+    fixed = dict(HAS_BIAS=True, ACTIVATION="silu", INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False)
+    launch = _InterpretedLaunch(linear_mod.gemv._gemv_kernel, {**fixed, **linear_mod.gemv.kernel_meta(config)})
+    layer.direct[(1, "ieee")] = (launch, config)
+    want = reference.linear(x.double(), w.double(), b.double(), "silu")
+    for _ in range(2):  # the direct path records the size, then the fast path
+        out = torch.full((1, 45), float("nan"), device=DEVICE).to(torch.float16)
+        assert layer(x, out=out) is out
+        assert_close_to(out, want, RTOL[torch.float16], "gemv direct")
+    assert launch.calls == 2 and layer._fast[(1, False)][1] == 3 * 2  # 3 column blocks of 16, split 2
+
+
+GEMV_CANDIDATES = [(dt, c) for dt in DTYPES for c in linear_mod.gemv.cuda_configs(4096, 4096, 132)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,config", GEMV_CANDIDATES, ids=_ids(GEMV_CANDIDATES))
+def test_gpu_every_gemv_config(monkeypatch, config, dtype):
+    """Each GEMV candidate compiled, one row, N and K off its tile edges; through the direct path twice."""
+    _force_config(monkeypatch, config)
+    x, w, b = _inputs(1, 1000, 4104, dtype, "cuda")
+    layer = FusedLinear(w, b, "gelu_tanh")
+    want = reference.linear(x.double(), w.double(), b.double(), "gelu_tanh")
+    for _ in range(3):
+        out = torch.full((1, 1000), float("nan"), device="cuda", dtype=dtype)
+        assert_close_to(layer(x, out=out), want, RTOL[dtype], f"gemv {dtype} {config.meta()}")
+        assert int(layer.workspace.counters.abs().sum()) == 0

@@ -1,0 +1,112 @@
+"""GEMV + bias + activation for one-row batches, on CUDA cores: y = act(x @ W^T + b) with M = 1.
+
+At M = 1 a layer is a weight stream (4096x4096 fp16: 32 MB read for 16 MFLOP), so what counts is bytes
+in flight, not FLOPs. linear.py's kernel pads the row to a 16-row MMA tile (tl.dot needs 16); on an H200
+its best 1x4096x4096 fp16 config ran 18.9 us cold, 1.7 TB/s of the 4.25 TB/s a copy reaches, about where
+cuBLASLt is (19.3 us). This one ran it in 17.3 us (1.9 TB/s; bench/results/probe_linear_gemv_h200.txt).
+It drops the MMA: each program multiplies a (BLOCK_N, BLOCK_K) tile of W
+by a BLOCK_K slice of x elementwise into an fp32 tile and reduces it once, at the end, so its registers
+hold loads in flight rather than an MMA tile that is 15/16 padding; split-K (shared with linear.py)
+spreads K over more programs so every SM streams.
+
+Its launch signature is linear.py's kernel's, argument for argument (BLOCK_M is always 1; GROUP_M,
+INPUT_PRECISION and UPCAST_DOT are accepted and unused: products are formed in fp32 whatever the dtype),
+so FusedLinear runs it through the same launch paths. It is correct for any M (one program per row and
+column block, W read once per row), but offered to the tuner only for the one-row bucket.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .activations import apply_activation, round_to_bf16
+from .tiles import split_k_sum
+from .tuning import LaunchConfig
+
+
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K,
+    stride_xm, stride_xk,
+    stride_wn, stride_wk,
+    stride_ym, stride_yn,
+    negative_slope,
+    M_BUCKET,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,  # unused: no MMA here
+    UPCAST_DOT: tl.constexpr,  # unused: every product is formed in fp32
+    ROUND_BF16: tl.constexpr,  # round to bf16 by hand before the store (interpreter workaround)
+    BLOCK_M: tl.constexpr,  # 1: one row per program
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,  # unused: programs of one row block share nothing to group for
+    SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0) // SPLIT_K
+    pid_k = tl.program_id(0) % SPLIT_K
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    row = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    # Columns past the edge wrap around (% N) so loads need no N mask; the store below masks them.
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = cols % N
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
+    k_first = pid_k * k_tiles_per_split
+    k_end = min(k_first + k_tiles_per_split, k_tiles)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + row * stride_xm + (k_first * BLOCK_K + offs_k) * stride_xk
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_first * BLOCK_K + offs_k)[None, :] * stride_wk
+
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(k_first, k_end):
+        # `arange < scalar` masks, as in linear.py: constant over 16-element runs, so 16-byte loads.
+        k_left = K - k * BLOCK_K
+        xv = tl.load(x_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0).to(tl.float32)
+        acc += wv * xv[None, :]
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    total = tl.sum(acc, axis=1)[None, :]  # (1, BLOCK_N): the layout split_k_sum and the store take
+
+    if SPLIT_K > 1:
+        total, last = split_k_sum(total, ws_ptr, cnt_ptr, pid, pid_k, SPLIT_K, 1, BLOCK_N)
+    else:
+        last = True
+
+    if HAS_BIAS:
+        total += tl.load(b_ptr + offs_n).to(tl.float32)[None, :]
+    total = apply_activation(total, ACTIVATION, negative_slope)
+    if ROUND_BF16:
+        total = round_to_bf16(total)
+    y_ptrs = y_ptr + row * stride_ym + cols[None, :] * stride_yn
+    tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=(cols[None, :] < N) & last)
+
+
+def is_gemv(config: LaunchConfig) -> bool:
+    return ("GEMV", 1) in config.kwargs
+
+
+def cuda_configs(N: int, K: int, sms: int) -> list[LaunchConfig]:
+    """Candidates for one-row batches: W tiles of 16 KB (fp16) per K step in three shapes over 4 warps and
+    one of 32 KB over 8, each split along K until about two programs per SM. The four fastest of a 38-config
+    sweep on an H200 (bench/results/probe_linear_gemv_h200.txt; cold graph replay, fp16): 8x1024 won at
+    1x4096x4096 (17.3 us; 16x512 19.5, cuBLASLt 19.7), at 1x1024x4096 (9.2; cuBLASLt 9.7) and, split 4, at
+    1x4096x1024 (10.3; 8x2048 over 8 warps 10.1, cuBLASLt 11.7). Splitting for four programs per SM lost
+    everywhere (21.8 against 19.5 us for 16x512). One stage: Triton pipelines only loads that feed an MMA,
+    so stages change nothing here (sm_90 compile: the same code). GEMV=1 marks these among the tuner's
+    candidates (and in its cache file)."""
+    configs = []
+    for bn, bk, warps in ((8, 1024, 4), (16, 512, 4), (32, 256, 4), (8, 2048, 8)):
+        tiles, split = triton.cdiv(N, bn), 1
+        while tiles * split < 2 * sms and split < 32 and triton.cdiv(K, bk) >= 2 * split:  # >= 1 K step each
+            split *= 2
+        configs.append(LaunchConfig.of(warps, 1, GEMV=1, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, SPLIT_K=split))
+    return configs
+
+
+def kernel_meta(config: LaunchConfig) -> dict:
+    """The kernel's meta-parameters and launch options: the config without its GEMV marker."""
+    return {name: v for name, v in config.meta().items() if name != "GEMV"}

@@ -1,0 +1,42 @@
+"""What the GEMM kernels share: the order in which output tiles are computed (linear.py, linear_persistent.py),
+the split-K reduction (linear.py, linear_gemv.py), and Hopper's shared-memory limit for their pipelines."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+HOPPER_SHARED_MEMORY = 232_448  # bytes per block (opt-in) on H100/H200, as Triton reports it
+
+
+@triton.jit
+def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(row block, column block) of output tile number `tile` in grouped order (Triton tutorial 03):
+    GROUP_M row blocks share each column of W tiles while they are in L2, instead of sweeping all of W
+    once per row block."""
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile // in_group) * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % in_group) % size_m, (tile % in_group) // size_m
+
+
+@triton.jit
+def split_k_sum(acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split-K: SPLIT_K programs each hold a (BLOCK_M, BLOCK_N) fp32 partial of output tile `tile`; returns
+    (the full sum, a mask that is true only in the last program to arrive). Each program writes its partial
+    to the workspace; the last to arrive (per-tile counter) sums all SPLIT_K partials in a fixed order
+    (deterministic, unlike atomic adds) and resets the counter to 0, so the next launch (or CUDA-graph
+    replay) needs no memset. The barrier + acq_rel atomic is CUTLASS's semaphore: every thread's partial
+    is stored before the arrival is published."""
+    tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(ws_ptr + (tile * SPLIT_K + pid_k) * (BLOCK_M * BLOCK_N) + tile_offs, acc)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+    # Only the last program loads (masked loads of the others issue no memory requests) and stores.
+    last = (tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32) + arrived) == SPLIT_K - 1  # as a tile: a mask
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        part = ws_ptr + (tile * SPLIT_K + s) * (BLOCK_M * BLOCK_N) + tile_offs
+        total += tl.load(part, mask=last, other=0.0, cache_modifier=".cg")  # .cg: from L2, never a stale L1 line
+    tl.atomic_add(cnt_ptr + tile, tl.where(arrived == SPLIT_K - 1, -SPLIT_K, 0))  # back to 0 for the next call
+    return total, last
