@@ -353,7 +353,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--only", choices=["mlp-prefetch", "mlp-split", "linear-small", "linear-tma", "linear-gemv",
-                                      "linear-tma-small"], help="just this part "
+                                      "linear-tma-small", "linear-mid"], help="just this part "
                    "(mlp-prefetch: with the 1024^3 fp16 config sweep)")  # fmt: skip
     args = p.parse_args()
     t0 = time.time()
@@ -381,6 +381,13 @@ def main() -> None:
         res = [sweep_tma_small_tiles(), sweep_tma_small_tiles(dtype=torch.bfloat16)]
         (args.out / "probe_linear_tma_small.json").write_text(json.dumps(res, default=str, indent=1))
         print(f"[{time.time() - t0:.0f}s]", flush=True)
+        return
+    if args.only == "linear-mid":  # the wide MLP's layers at batch 128-256, where 128x128 tiles split along K
+        res = []
+        for M, K, N in ((256, 4096, 4096), (256, 1024, 4096), (256, 4096, 1024), (128, 4096, 4096)):
+            res.append(sweep_linear(M, K, N, torch.float16, top=8))
+            (args.out / "probe_linear_mid.json").write_text(json.dumps(res, default=str, indent=1))
+            print(f"[{time.time() - t0:.0f}s]", flush=True)
         return
     if args.only == "linear-small":
         res = []

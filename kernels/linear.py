@@ -165,9 +165,16 @@ def cuda_configs(
             cfg(64, 128, 64, 4, 4),
             cfg(64, 64, 64, 4, 4),  # small GEMMs (64x256x128: 4 tiles of 32x64) want more programs
         ]
-        # Not offered: 128x128 / 128x256 tiles split along K to fill one wave at 1024^3. Timed cold on an
-        # H200 (bench/results/probe_mlp_prefetch_h200.txt) they took 17.4 us against 11.6 us for 64x128x64,
-        # and the tuner (which then timed hot) never picked them either.
+        # 128x128 tiles split along K to fill one wave lost at 1024^3 (cold, H200: 17.4 us against 11.6 for
+        # 64x128x64; bench/results/probe_mlp_prefetch_h200.txt), where each split gets 8 K steps. With 16+
+        # K steps per split (256x4096x4096: 64 tiles for 132 SMs, 32.8 us against cuBLASLt's 24.6) they are
+        # offered: each program then streams long enough to pay for the partials' round trip.
+        big = triton.cdiv(bucket, 128) * triton.cdiv(N, 128)
+        split = 1
+        while big * split * 2 <= sms and triton.cdiv(K, 64) >= 16 * split * 2:
+            split *= 2
+        if split > 1:
+            configs += [cfg(128, 128, 64, 8, 3, split), cfg(128, 128, 64, 4, 4, split)]
     if triton.cdiv(bucket, 64) * triton.cdiv(N, 64) < sms and bucket > 16:
         # A GEMM of fewer 64x64 tiles than SMs: 16x32 tiles, one program per 512 outputs, so loads go out
         # from many SMs at once. Cold graph replay on an H200 (bench/results/probe_linear_small_h200.txt):

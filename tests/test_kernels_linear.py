@@ -254,11 +254,28 @@ def test_small_batches_get_split_k_candidates():
     assert not any(linear_mod.gemv.is_gemv(c) for c in linear_mod.cuda_configs(2, 1000, 4096, 132))
 
 
-def test_big_batches_are_never_split():
-    """Split-K is for weight streaming (batches of 1-16): at 1024^3 the split 128x128 tiles lost to 64x128
-    unsplit on an H200, 17.4 vs 11.6 us."""
-    for bucket, N, K in [(1024, 1024, 1024), (4096, 4096, 4096), (128, 256, 64), (256, 257, 129)]:
+def test_big_batches_are_split_only_for_long_k_and_less_than_a_wave():
+    """At 1024^3 the split 128x128 tiles lost to 64x128 unsplit on an H200, 17.4 vs 11.6 us (8 K steps per
+    split); with 16+ K steps per split and fewer 128x128 tiles than half the SMs they are offered."""
+    for bucket, N, K in [(1024, 1024, 1024), (4096, 4096, 4096), (128, 256, 64), (256, 257, 129), (512, 4096, 4096)]:
         assert {c["SPLIT_K"] for c in linear_mod.cuda_configs(bucket, N, K, 132)} == {1}, (bucket, N, K)
+    for bucket, N, K, split in [(256, 4096, 4096, 2), (256, 1024, 4096, 4), (128, 1000, 4104, 4)]:
+        splits = {c["SPLIT_K"] for c in linear_mod.cuda_configs(bucket, N, K, 132) if c["BLOCK_M"] == 128}
+        assert splits == {1, split}, (bucket, N, K, splits)
+
+
+MID_M_SPLIT_CANDIDATES = [
+    (dt, c) for dt in DTYPES for c in linear_mod.cuda_configs(128, 1000, 4104, 132, dt.itemsize) if c["SPLIT_K"] > 1
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,config", MID_M_SPLIT_CANDIDATES, ids=_ids(MID_M_SPLIT_CANDIDATES))
+def test_gpu_every_mid_batch_split_config(monkeypatch, config, dtype):
+    """128-row tiles split along K (batches of 65-256 with long K): exact, counters back at 0, twice."""
+    _force_config(monkeypatch, config)
+    for _ in range(2):
+        _check(100, 1000, 4104, dtype, "gelu_tanh", "cuda")
 
 
 def test_small_gemms_get_narrow_tiles_and_big_ones_do_not():
