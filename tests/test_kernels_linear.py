@@ -264,20 +264,6 @@ def test_big_batches_are_split_only_for_long_k_and_less_than_a_wave():
         assert splits == {1, split}, (bucket, N, K, splits)
 
 
-MID_M_SPLIT_CANDIDATES = [
-    (dt, c) for dt in DTYPES for c in linear_mod.cuda_configs(128, 1000, 4104, 132, dt.itemsize) if c["SPLIT_K"] > 1
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype,config", MID_M_SPLIT_CANDIDATES, ids=_ids(MID_M_SPLIT_CANDIDATES))
-def test_gpu_every_mid_batch_split_config(monkeypatch, config, dtype):
-    """128-row tiles split along K (batches of 65-256 with long K): exact, counters back at 0, twice."""
-    _force_config(monkeypatch, config)
-    for _ in range(2):
-        _check(100, 1000, 4104, dtype, "gelu_tanh", "cuda")
-
-
 def test_small_gemms_get_narrow_tiles_and_big_ones_do_not():
     """16x32 tiles won every published small shape cold on an H200 (64x256x128 fp16: 6.69 us against
     7.14 for the best older candidate); at 1024^3 (256 tiles of 64x64 for 132 SMs) they are not offered."""
@@ -310,13 +296,24 @@ def test_candidates_fit_shared_memory():
     assert big not in fp32 and big in linear_mod.cuda_configs(1, 1000, 4096, 132, 2)
 
 
+# 128-row tiles split along K, offered to batches of 65-256 with long K
+MID_M_SPLIT_CANDIDATES = [
+    (dt, c) for dt in DTYPES for c in linear_mod.cuda_configs(128, 1000, 4104, 132, dt.itemsize) if c["SPLIT_K"] > 1
+]
+SPLIT_CASES = [(3, 4096, dt, c) for dt, c in SMALL_M_CANDIDATES]
+SPLIT_CASES += [(100, 4104, dt, c) for dt, c in MID_M_SPLIT_CANDIDATES]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,config", SMALL_M_CANDIDATES, ids=_ids(SMALL_M_CANDIDATES))
-def test_gpu_every_small_batch_config(monkeypatch, config, dtype):
-    """Whatever the tuner picks must be exact: every small-M candidate, split-K included, twice."""
+@pytest.mark.parametrize(
+    "rows,K,dtype,config", SPLIT_CASES, ids=_ids(SMALL_M_CANDIDATES) + _ids(MID_M_SPLIT_CANDIDATES)
+)
+def test_gpu_every_small_batch_and_split_config(monkeypatch, rows, K, dtype, config):
+    """Whatever the tuner picks must be exact: every small-M candidate and every split 128-row one, twice
+    (the second call finds the split-K counters back at 0)."""
     _force_config(monkeypatch, config)
     for _ in range(2):
-        _check(3, 1000, 4096, dtype, "gelu_tanh", "cuda")
+        _check(rows, 1000, K, dtype, "gelu_tanh", "cuda")
 
 
 @pytest.mark.gpu
