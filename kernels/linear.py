@@ -18,8 +18,8 @@ from . import linear_gemv as gemv
 from . import linear_persistent as persistent
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
 from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail, plain_rows
-from .runtime import bf16_on_interpreter, check_device, interpreting
-from .tiles import HOPPER_SHARED_MEMORY, grouped_tile, split_k_sum
+from .runtime import check_device, interpreting
+from .tiles import HOPPER_SHARED_MEMORY, gemm_flags, grouped_tile, split_k_sum
 from .tuning import LaunchConfig, scope_for, tune
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -429,19 +429,10 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
         return out
     if allow_tf32 is None:
         allow_tf32 = torch.backends.cuda.matmul.allow_tf32
-    # Under the interpreter bf16 tiles are multiplied as fp32 (exact: bf16 * bf16 fits fp32) and the
-    # result is rounded to bf16 by hand; see runtime.bf16_on_interpreter. Compiled kernels use native bf16.
-    upcast = bf16_on_interpreter(x.dtype)
-    precision = "tf32" if (allow_tf32 and not upcast) else "ieee"
+    fixed = gemm_flags(bias is not None, activation, x.dtype, allow_tf32)
+    precision = fixed["INPUT_PRECISION"]
     bucket = m_bucket(M)
     workspace = workspace or SplitKWorkspace(x.device)
-    fixed = dict(
-        HAS_BIAS=bias is not None,
-        ACTIVATION=activation,
-        INPUT_PRECISION=precision,
-        UPCAST_DOT=upcast,
-        ROUND_BF16=upcast,
-    )
 
     tma = persistent.tma_eligible(x, weight, out)
     programs = _persistent_programs(x.device) if tma else 0
@@ -449,7 +440,7 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
     def run(config: LaunchConfig):
         if persistent.is_persistent(config):
             return persistent.launch(x, weight, bias, out, negative_slope, fixed, config, programs)
-        kernel = gemv._gemv_kernel if gemv.is_gemv(config) else _linear_kernel
+        kernel = _pointer_kernel(config)
         meta = gemv.kernel_meta(config)
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
         ws, cnt = workspace.get(tiles, meta["BLOCK_M"] * meta["BLOCK_N"], meta["SPLIT_K"])
@@ -483,11 +474,15 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
     if direct is not None and DIRECT_LAUNCH and aligned(x, out):
         if persistent.is_persistent(config):
             kernel, constexprs = persistent._linear_persistent_kernel, persistent.constexprs(fixed, config, programs)
-        else:  # the pointer and GEMV kernels take the same arguments
-            kernel = gemv._gemv_kernel if gemv.is_gemv(config) else _linear_kernel
-            constexprs = {**fixed, **gemv.kernel_meta(config)}
+        else:
+            kernel, constexprs = _pointer_kernel(config), {**fixed, **gemv.kernel_meta(config)}
         direct[(bucket, precision)] = (DirectLaunch(compiled, constexpr_tail(kernel, constexprs)), config)
     return out
+
+
+def _pointer_kernel(config: LaunchConfig):
+    """The kernel of a non-persistent config: the GEMV one or the MMA one (they take the same arguments)."""
+    return gemv._gemv_kernel if gemv.is_gemv(config) else _linear_kernel
 
 
 def _persistent_programs(device: torch.device) -> int:

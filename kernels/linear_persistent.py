@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
-from .runtime import bf16_on_interpreter, interpreting
-from .tiles import HOPPER_SHARED_MEMORY, grouped_tile
+from .runtime import interpreting
+from .tiles import HOPPER_SHARED_MEMORY, gemm_flags, grouped_tile
 from .tuning import LaunchConfig
 
 
@@ -173,15 +173,8 @@ def linear_persistent(
         return out
     if allow_tf32 is None:
         allow_tf32 = torch.backends.cuda.matmul.allow_tf32
-    upcast = bf16_on_interpreter(x.dtype)
     if programs is None:
         programs = 4 if interpreting() else torch.cuda.get_device_properties(x.device).multi_processor_count
-    fixed = dict(
-        HAS_BIAS=bias is not None,
-        ACTIVATION=activation,
-        INPUT_PRECISION="tf32" if (allow_tf32 and not upcast) else "ieee",
-        UPCAST_DOT=upcast,
-        ROUND_BF16=upcast,
-    )
+    fixed = gemm_flags(bias is not None, activation, x.dtype, allow_tf32)
     launch(x, weight, bias, out, negative_slope, fixed, config, programs)
     return out

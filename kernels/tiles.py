@@ -1,12 +1,30 @@
 """What the GEMM kernels share: the order in which output tiles are computed (linear.py, linear_persistent.py),
-the split-K reduction (linear.py, linear_gemv.py), and Hopper's shared-memory limit for their pipelines."""
+the split-K reduction (linear.py, linear_gemv.py), their common constexpr flags, and Hopper's shared-memory
+limit for their pipelines."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from .runtime import bf16_on_interpreter
+
 HOPPER_SHARED_MEMORY = 232_448  # bytes per block (opt-in) on H100/H200, as Triton reports it
+
+
+def gemm_flags(has_bias: bool, activation: str, dtype: torch.dtype, allow_tf32: bool) -> dict:
+    """HAS_BIAS, ACTIVATION, INPUT_PRECISION, UPCAST_DOT and ROUND_BF16, as every GEMM kernel here takes them.
+    Under the interpreter bf16 tiles are multiplied as fp32 (exact: bf16 * bf16 fits fp32) and the result
+    is rounded to bf16 by hand (runtime.bf16_on_interpreter); compiled kernels use native bf16."""
+    upcast = bf16_on_interpreter(dtype)
+    return dict(
+        HAS_BIAS=has_bias,
+        ACTIVATION=activation,
+        INPUT_PRECISION="tf32" if (allow_tf32 and not upcast) else "ieee",
+        UPCAST_DOT=upcast,
+        ROUND_BF16=upcast,
+    )
 
 
 @triton.jit

@@ -13,6 +13,7 @@ import torch
 
 import kernels.linear as linear_mod
 from kernels import ACTIVATIONS, FusedLinear, fused_activation, fused_linear, reference
+from kernels.runtime import bf16_on_interpreter
 from tests.tolerances import NORMWISE_TF32, RTOL, RTOL_TF32, assert_close_to, normwise_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -346,7 +347,7 @@ def test_direct_and_fast_paths_pass_the_right_arguments(dtype, bias):
     x0, w, b = _inputs(5, 37, 70, dtype, DEVICE, bias)
     layer = FusedLinear(w, b, "leaky_relu", negative_slope=0.3, allow_tf32=False)
     config = linear_mod.LaunchConfig.of(4, 1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, SPLIT_K=2)
-    upcast = linear_mod.bf16_on_interpreter(dtype)
+    upcast = bf16_on_interpreter(dtype)
     fixed = dict(HAS_BIAS=bias, ACTIVATION="leaky_relu", INPUT_PRECISION="ieee", UPCAST_DOT=upcast, ROUND_BF16=upcast)
     launch = _InterpretedLaunch(linear_mod._linear_kernel, {**fixed, **config.meta()})
     for bucket in (4, 8, 32):
