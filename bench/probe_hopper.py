@@ -353,11 +353,18 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--only", choices=["mlp-prefetch", "mlp-split", "linear-small", "linear-tma", "linear-gemv",
-                                      "linear-tma-small", "linear-mid"], help="just this part "
+                                      "linear-tma-small", "linear-mid", "mlp-flat"], help="just this part "
                    "(mlp-prefetch: with the 1024^3 fp16 config sweep)")  # fmt: skip
     args = p.parse_args()
     t0 = time.time()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    if args.only == "mlp-flat":  # bench/probe_mlp_flat.py: other whole-MLP kernel shapes, and cuBLAS's kernels
+        from .probe_mlp_flat import mlp_flat_sweep
+
+        res = mlp_flat_sweep(digits_layers, graph_us, hot_graph_us, one_store_floor)
+        (args.out / "probe_mlp_flat.json").write_text(json.dumps(res, default=str, indent=1))
+        print(f"[{time.time() - t0:.0f}s]", flush=True)
+        return
     if args.only == "mlp-split":
         (args.out / "probe_mlp_split.json").write_text(json.dumps(mlp_split_sweep(), default=str, indent=1))
         print(f"[{time.time() - t0:.0f}s]", flush=True)
