@@ -44,7 +44,7 @@ def main() -> None:
     layer.direct[key] = _noop
     mlp = FusedMLP([MLPLayer(torch.randn(256, 64), torch.randn(256), "relu"), MLPLayer(torch.randn(10, 256), None)])
     xm = torch.randn(32, 64)
-    mlp._configs[(32, "ieee")] = LaunchConfig.of(4, 1, BLOCK_M=16, BLOCK_N=64, STAGES=2, SPLIT=1)
+    mlp._configs[(32, "ieee")] = LaunchConfig.of(4, 1, BLOCK_M=16, BLOCK_N=64, STAGES=2, SPLIT=1, LEAD=0)
     mlp._direct[(32, "ieee")] = _noop
     mlp.allow_tf32 = False
     rows = [

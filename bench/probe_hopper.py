@@ -300,7 +300,7 @@ def mlp_prefetch_and_floor() -> dict:
     rows = []
     for M, bn in ((1, 64), (32, 128), (256, 128)):
         x = torch.randn(M, layers[0].weight.shape[1], device="cuda").to(torch.float16)
-        cfg = mlp_mod.LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=bn, STAGES=2, SPLIT=1)
+        cfg = mlp_mod.LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=bn, STAGES=2, SPLIT=1, LEAD=0)
         for prefetch in (True, False):
             with forced(mlp_mod, cfg):
                 m = FusedMLP(layers)
@@ -332,7 +332,7 @@ def mlp_split_sweep() -> dict:
     for M in (1, 8, 32, 256):
         x = torch.randn(M, layers[0].weight.shape[1], device="cuda").to(torch.float16)
         rows = []
-        for cfg in mlp_mod.cuda_configs(linear_mod.m_bucket(M), 256, 2):
+        for cfg in mlp_mod.cuda_configs(linear_mod.m_bucket(M), 256, 2, 256):  # LEAD ones too
             with forced(mlp_mod, cfg):
                 m = FusedMLP(layers)
                 rows.append((graph_us(lambda m=m, x=x: m(x)), hot_graph_us(lambda m=m, x=x: m(x)), cfg.meta()))
@@ -345,6 +345,8 @@ def mlp_split_sweep() -> dict:
             print(f"   cold {cold:6.2f} us  hot {hot:6.2f} us  {meta}")
         best_unsplit = min((r for r in rows if r[2]["SPLIT"] == 1), key=lambda r: r[0])
         print(f"   best SPLIT=1: cold {best_unsplit[0]:6.2f} us  hot {best_unsplit[1]:6.2f} us  {best_unsplit[2]}")
+        best_plain = min((r for r in rows if not r[2]["LEAD"]), key=lambda r: r[0])
+        print(f"   best LEAD=0:  cold {best_plain[0]:6.2f} us  hot {best_plain[1]:6.2f} us  {best_plain[2]}")
         out["rows"].append({"M": M, "pick": pick, "configs": rows})
     return out
 

@@ -54,6 +54,7 @@ from .tuning import LaunchConfig, scope_for, tune
 
 MAX_LAYERS = 8
 MAX_WIDTH = 256  # padded; the (BLOCK_M, P) fp32 accumulator is 32 registers per thread at 16 x 256
+LEAD_MAX_BYTES = 32 * 1024  # a first layer multiplied whole (_dense): 64 registers per thread at 4 warps
 
 SKIP, PAIR, SINGLE = 0, 1, 2  # per-layer schedule: second of a pair, first of a pair, unpaired last layer
 
@@ -72,6 +73,18 @@ def _bias_act(acc, b_ptr, cols, ACT: tl.constexpr, SLOPE: tl.constexpr, ROUND_BF
     if ROUND_BF16:
         acc = round_to_bf16(acc)
     return acc.to(dtype)
+
+
+@triton.jit
+def _dense(h, w_ptr, b_ptr, P_IN: tl.constexpr, P_OUT: tl.constexpr, ACT: tl.constexpr, SLOPE: tl.constexpr,
+           BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
+    """h (BLOCK_M, P_IN) -> act(h @ W^T + b) (BLOCK_M, P_OUT) in one MMA: the whole (P_IN, P_OUT) weight tile
+    at once (LEAD_MAX_BYTES keeps it small enough for registers), no chunk loop and no identity product."""
+    k = tl.arange(0, P_IN)
+    n = tl.arange(0, P_OUT)
+    w = tl.load(w_ptr + n[None, :] * P_IN + k[:, None])
+    acc = _dot(h, w, tl.zeros((BLOCK_M, P_OUT), dtype=tl.float32), PRECISION, UPCAST)
+    return _bias_act(acc, b_ptr, n, ACT, SLOPE, ROUND_BF16, w_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -153,7 +166,7 @@ def _mlp_kernel(
     S4: tl.constexpr, S5: tl.constexpr, S6: tl.constexpr, S7: tl.constexpr, S8: tl.constexpr,
     P_LAST: tl.constexpr, W_BYTES: tl.constexpr, PREFETCH_LINES: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr, LEAD: tl.constexpr,
 ):  # fmt: skip
     # Layer l maps P_l -> P_l+1 with activation A_l (slope S_l) and schedule M_l; its packed weights
     # start at sum_{i<l} P_i * P_i+1. Every `if NUM_LAYERS > l` is decided at compile time, so h changes
@@ -168,10 +181,21 @@ def _mlp_kernel(
         mask=(rows[:, None] < M) & (cols[None, :] < IN_FEATURES),
         other=0.0,
     )
+    tl.static_assert(LEAD == 0 or SPLIT > 1, "LEAD is a split schedule")
     if SPLIT == 1:
         h = _step(x, w_ptr, b_ptr, M0, P0, P1, P2, A0, S0, A1, S1, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST,
                   ROUND_BF16)  # fmt: skip
         go: tl.constexpr = True  # constexpr: decided at compile time, so h keeps changing width below
+    elif LEAD:
+        # A narrow first layer (digits MLP: 64 -> 256, 32 KB in fp16) whole in every program, then the split
+        # of the pair after it: each program takes 1/SPLIT of layer 1's outputs and that slice's share of
+        # layer 2's pre-activation, so what is left after the programs meet is a P3-wide sum (16 for the
+        # digits MLP, against 256 without LEAD) and no more weights. H200, cold graph replay, batch 32:
+        # 9.1 us against 9.8 (bench/results/probe_mlp_flat_h200.txt).
+        P_OUT0: tl.constexpr = P3 if M1 == 1 else P2
+        x = _dense(x, w_ptr, b_ptr, P0, P1, A0, S0, BLOCK_M, PRECISION, UPCAST, ROUND_BF16)
+        share = _step(x, w_ptr + P0 * P1, b_ptr + P1, M1, P1, P2, P3, A1, S1, A2, S2, BLOCK_M, BLOCK_N, STAGES,
+                      PRECISION, UPCAST, ROUND_BF16, SPLIT, tl.program_id(0) % SPLIT)  # fmt: skip
     else:
         # Small batches: one program alone streams every weight through one SM (digits MLP: 172 KB, ~5 us
         # even from L2, H200). Here SPLIT programs per row block share the first step (a pair's hidden
@@ -182,6 +206,7 @@ def _mlp_kernel(
         P_OUT0: tl.constexpr = P2 if M0 == 1 else P1
         share = _step(x, w_ptr, b_ptr, M0, P0, P1, P2, A0, S0, A1, S1, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST,
                       ROUND_BF16, SPLIT, tl.program_id(0) % SPLIT)  # fmt: skip
+    if SPLIT > 1:
         o = tl.arange(0, P_OUT0)
         tile = tl.arange(0, BLOCK_M)[:, None] * P_OUT0 + o[None, :]
         valid = (rows[:, None] < M) & (o[None, :] < P_OUT0)  # padding rows are neither stored nor read
@@ -196,7 +221,12 @@ def _mlp_kernel(
                 part = ws_ptr + (pid_m * SPLIT + s) * (BLOCK_M * P_OUT0) + tile
                 acc += tl.load(part, mask=valid, other=0.0, cache_modifier=".cg")  # .cg: never a stale L1 line
             tl.atomic_xchg(cnt_ptr + pid_m, 0)
-            if M0 == 1:
+            if LEAD:  # the split step was layer 1's
+                if M1 == 1:
+                    h = _bias_act(acc, b_ptr + P1 + P2, o, A2, S2, ROUND_BF16, w_ptr.dtype.element_ty)
+                else:
+                    h = acc.to(w_ptr.dtype.element_ty)
+            elif M0 == 1:
                 h = _bias_act(acc, b_ptr + P1, o, A1, S1, ROUND_BF16, w_ptr.dtype.element_ty)
             else:
                 h = acc.to(w_ptr.dtype.element_ty)  # shares of disjoint columns: the sum is exact
@@ -205,7 +235,8 @@ def _mlp_kernel(
         if NUM_LAYERS > 1:
             w += P0 * P1
             b += P1
-            h = _step(h, w, b, M1, P1, P2, P3, A1, S1, A2, S2, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST,
+            G1: tl.constexpr = 0 if LEAD else M1  # 0 (SKIP): under LEAD, layer 1's step ran before the programs met
+            h = _step(h, w, b, G1, P1, P2, P3, A1, S1, A2, S2, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST,
                       ROUND_BF16)  # fmt: skip
         if NUM_LAYERS > 2:
             w += P1 * P2
@@ -249,9 +280,10 @@ def padded_width(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def schedule(num_layers: int) -> list[int]:
-    """Layers in pairs; an odd last layer runs alone. 3 layers -> [PAIR, SKIP, SINGLE]."""
-    modes = []
+def schedule(num_layers: int, lead: int = 0) -> list[int]:
+    """Layers in pairs; an odd last layer runs alone. 3 layers -> [PAIR, SKIP, SINGLE].
+    lead=1: the first layer alone (LEAD configs), then pairs: 3 layers -> [SINGLE, PAIR, SKIP]."""
+    modes = [SINGLE] * lead
     while len(modes) + 2 <= num_layers:
         modes += [PAIR, SKIP]
     if len(modes) < num_layers:
@@ -272,7 +304,9 @@ def mlp_fits(widths: Sequence[int]) -> bool:
     return 2 <= len(widths) <= MAX_LAYERS + 1 and all(padded_width(w) <= MAX_WIDTH for w in widths)
 
 
-def cuda_configs(bucket: int, hidden: int = MAX_WIDTH, element_size: int = 2) -> list[LaunchConfig]:
+def cuda_configs(
+    bucket: int, hidden: int = MAX_WIDTH, element_size: int = 2, lead_hidden: int = 0
+) -> list[LaunchConfig]:
     """BLOCK_M from 16 (batch 1-16 fills one MMA tile) to 64. BLOCK_N sets the hidden chunk: each chunk
     is a dependent step (wait for its weights, two MMAs, an epilogue), so wide chunks mean fewer steps
     (digits MLP at BLOCK_N 32: 8 + 1 steps, ~10 us on an H200; see bench/results). 8 warps split the
@@ -282,7 +316,11 @@ def cuda_configs(bucket: int, hidden: int = MAX_WIDTH, element_size: int = 2) ->
     16) also get SPLIT = 2, 4, 8 programs per row block sharing the first step's hidden chunks, where the
     split divides them; the first step holds most of the weights (digits MLP: 80 of 84 k). fp32 programs
     keep 2+ chunks each: with one, ptxas for sm_90 spilled (255 registers and 40-64 B of stack per thread
-    at 32 and 64 wide; 16-bit ones use 112-180 registers and no stack)."""
+    at 32 and 64 wide; 16-bit ones use 112-180 registers and no stack).
+
+    `lead_hidden` (0: none): the padded output width of the second layer, given when the first layer may
+    run whole in every program (LEAD, see _mlp_kernel); LEAD configs split the pair after it, 1-2 hidden
+    chunks per program (fewer, more weight per program: 2 programs were 1.4 us slower than 8, H200)."""
     configs = []
     for bm in (16, 32, 64):
         if bm > max(16, 2 * bucket):  # a tile more than half padding is never the fastest
@@ -291,7 +329,9 @@ def cuda_configs(bucket: int, hidden: int = MAX_WIDTH, element_size: int = 2) ->
             for warps in (4, 8):
                 stages = 3 if bn == 32 else 2
                 configs.append(
-                    LaunchConfig.of(num_warps=warps, num_stages=1, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, SPLIT=1)
+                    LaunchConfig.of(
+                        num_warps=warps, num_stages=1, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, SPLIT=1, LEAD=0
+                    )
                 )
     if bucket <= 1024:
         for bn in (32, 64):
@@ -299,7 +339,20 @@ def cuda_configs(bucket: int, hidden: int = MAX_WIDTH, element_size: int = 2) ->
             for split in (2, 4, 8):
                 if chunks % split == 0 and (element_size < 4 or chunks // split >= 2):
                     configs.append(
-                        LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=bn, STAGES=2, SPLIT=split)
+                        LaunchConfig.of(
+                            num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=bn, STAGES=2, SPLIT=split, LEAD=0
+                        )
+                    )
+        for bm in (16, 32, 64):
+            if lead_hidden == 0 or bm > max(16, 2 * bucket):
+                continue
+            for bn, split in ((32, 8), (32, 4), (64, 4)):
+                chunks = lead_hidden // min(bn, lead_hidden)
+                if chunks % split == 0:
+                    configs.append(
+                        LaunchConfig.of(
+                            num_warps=4, num_stages=1, BLOCK_M=bm, BLOCK_N=bn, STAGES=2, SPLIT=split, LEAD=1
+                        )
                     )
     return configs
 
@@ -350,8 +403,9 @@ class FusedMLP:
         self._fast: dict[tuple[int, bool], tuple] = {}
         self._meta_fixed = self._fixed_meta()
         self.workspace = SplitKWorkspace(self.device)
-        # the first step's output width: a pair's second layer, or an unpaired single layer's own
-        self._first_out = self.padded[2] if schedule(len(layers))[0] == PAIR else self.padded[1]
+        # LEAD configs need a first layer small enough to multiply whole (_dense) and a layer after it
+        lead_bytes = self.padded[0] * self.padded[1] * first.element_size()
+        self._lead_hidden = self.padded[2] if len(layers) >= 2 and lead_bytes <= LEAD_MAX_BYTES else 0
 
     def _pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         P = self.padded
@@ -367,10 +421,21 @@ class FusedMLP:
             b_off += P[i + 1]
         return w_all, b_all
 
+    def meta_for(self, config: LaunchConfig, precision: str) -> dict:
+        """Every constexpr of _mlp_kernel for this config: the layer schedule depends on its LEAD."""
+        L = len(self.layers)
+        modes = schedule(L, config["LEAD"]) + [SKIP] * (MAX_LAYERS - L)
+        return {**self._meta_fixed, **{f"M{i}": modes[i] for i in range(MAX_LAYERS)}, "PRECISION": precision,
+                **config.meta()}  # fmt: skip
+
+    def _share_width(self, lead: int) -> int:
+        """The split step's output width: a pair's second layer's, or an unpaired layer's own."""
+        step = lead  # LEAD: the split starts at layer 1
+        return self.padded[step + 2] if schedule(len(self.layers), lead)[step] == PAIR else self.padded[step + 1]
+
     def _fixed_meta(self) -> dict:
         L = len(self.layers)
         P = self.padded + [16] * (10 - len(self.padded))
-        modes = schedule(L) + [SKIP] * (MAX_LAYERS - L)
         acts = [layer.activation for layer in self.layers] + ["none"] * (MAX_LAYERS + 1 - L)
         slopes = [float(layer.negative_slope) for layer in self.layers] + [0.0] * (MAX_LAYERS + 1 - L)
         meta = dict(IN_FEATURES=self.widths[0], OUT_FEATURES=self.widths[-1], NUM_LAYERS=L, P_LAST=self.padded[-1])
@@ -378,7 +443,6 @@ class FusedMLP:
         no_ptx = interpreting() or torch.version.hip is not None  # the prefetch is inline PTX
         meta.update(W_BYTES=w_bytes, PREFETCH_LINES=0 if no_ptx else prefetch_lines(w_bytes))
         meta.update({f"P{i}": P[i] for i in range(10)})
-        meta.update({f"M{i}": modes[i] for i in range(MAX_LAYERS)})
         meta.update({f"A{i}": acts[i] for i in range(MAX_LAYERS + 1)})
         meta.update({f"S{i}": slopes[i] for i in range(MAX_LAYERS + 1)})
         upcast = bf16_on_interpreter(self.dtype)
@@ -418,7 +482,7 @@ class FusedMLP:
         config = self._config(x, out, precision)
         compiled = self._launch(x, out, precision, config)
         if not interpreting() and DIRECT_LAUNCH and aligned(x, out):
-            values = {**self._meta_fixed, "PRECISION": precision, **config.meta()}
+            values = self.meta_for(config, precision)
             self._direct[(m_bucket(M), precision)] = DirectLaunch(compiled, constexpr_tail(_mlp_kernel, values))
         return out
 
@@ -442,28 +506,28 @@ class FusedMLP:
         """Programs to launch, and the shares/counters buffers (SplitKWorkspace: 1 element each when SPLIT
         is 1; outgrown buffers are kept, so older records stay valid)."""
         row_blocks, split = triton.cdiv(M, config["BLOCK_M"]), config["SPLIT"]
-        ws, cnt = self.workspace.get(row_blocks, config["BLOCK_M"] * self._first_out, split)
+        ws, cnt = self.workspace.get(row_blocks, config["BLOCK_M"] * self._share_width(config["LEAD"]), split)
         return row_blocks * split, ws, cnt
 
     def _launch(self, x, out, precision, config: LaunchConfig):
         grid, ws, cnt = self._grid_and_workspace(x.shape[0], config)
         return _mlp_kernel[(grid,)](
             x, self.weights, self.biases, out, ws, cnt, x.shape[0], x.stride(0), out.stride(0),
-            **self._meta_fixed, PRECISION=precision, **config.meta(),
+            **self.meta_for(config, precision),
         )  # fmt: skip
 
     def _config(self, x, out, precision) -> LaunchConfig:
         if interpreting():
             # One tile size: the interpreter's cost is per program and per chunk, and no timing is possible.
-            return LaunchConfig.of(
-                num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=interpreter_block_n, STAGES=1, SPLIT=interpreter_split
-            )
+            lead = interpreter_lead if self._lead_hidden else 0
+            return LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=interpreter_block_n, STAGES=1,
+                                   SPLIT=interpreter_split, LEAD=lead)  # fmt: skip
         bucket = m_bucket(x.shape[0])
         hit = self._configs.get((bucket, precision))
         if hit is None:
             key = f"{self.widths}|{[layer.activation for layer in self.layers]}|{self.dtype}|{precision}|m{bucket}"
             scope = scope_for("mlp", _mlp_kernel, _step, _pair, _bias_act, _dot, apply_activation, prefetch_l2)
-            candidates = cuda_configs(bucket, self.padded[1], x.element_size())
+            candidates = cuda_configs(bucket, self.padded[1], x.element_size(), self._lead_hidden)
             hit = tune(scope, key, candidates, lambda c: self._launch(x, out, precision, c))
             self._configs[(bucket, precision)] = hit
         return hit
@@ -471,3 +535,4 @@ class FusedMLP:
 
 interpreter_block_n = 32  # tests set 16 so that every width > 16 takes several chunks
 interpreter_split = 1  # tests set 2 or 4 (dividing the first step's chunks) to check the shared first step
+interpreter_lead = 0  # tests set 1 (with a split) to check LEAD, where the MLP allows it

@@ -37,15 +37,17 @@ dtype = getattr(torch, sys.argv[1])
 dims = [64, 256, 256, 10]
 layers = [mlp.MLPLayer(torch.randn(n, k, dtype=dtype), torch.randn(n, dtype=dtype), act)
           for k, n, act in zip(dims[:-1], dims[1:], ["relu", "gelu_tanh", "none"])]
-fixed = {**mlp.FusedMLP(layers)._meta_fixed, "PRECISION": "ieee"}
+model = mlp.FusedMLP(layers)
 ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
 runtime = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, y_ptr=ptr, ws_ptr="*fp32", cnt_ptr="*i32", M="i32",
                stride_xm="i32", stride_ym="i32")
-# The config the digits MLP ran before splits existed, and every split config offered to a batch of 1.
-configs = [mlp.LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=64, STAGES=2, SPLIT=1)]
-configs += [c for c in mlp.cuda_configs(1, 256, dtype.itemsize) if c["SPLIT"] > 1]
+# The config the digits MLP ran before splits existed, and every split config offered to batches of 1 and 256
+# (LEAD ones too: the first layer's whole weight tile in registers must not spill).
+configs = [mlp.LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=64, STAGES=2, SPLIT=1, LEAD=0)]
+configs += [c for c in mlp.cuda_configs(1, 256, dtype.itemsize, model._lead_hidden) if c["SPLIT"] > 1]
+configs += [c for c in mlp.cuda_configs(256, 256, dtype.itemsize, model._lead_hidden) if c["LEAD"]]
 for config in configs:
-    meta = {**fixed, **config.meta()}
+    meta = model.meta_for(config, "ieee")
     ptx, usage = compile_sm90(mlp._mlp_kernel, runtime, meta, 6, config.num_warps, config.num_stages)
     print(json.dumps({"config": config.meta(), "prefetches": ptx.count("prefetch.global.L2"),
                       "lines": meta["PREFETCH_LINES"], "w_bytes": meta["W_BYTES"], **usage}))
@@ -55,9 +57,13 @@ for config in configs:
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_whole_mlp_kernel_compiles_for_sm90_with_its_l2_prefetch(dtype):
     results = _compiled(_COMPILE_MLP, dtype)
-    splits = sorted(r["config"]["SPLIT"] for r in results)
+    splits = sorted(r["config"]["SPLIT"] for r in results if not r["config"]["LEAD"])
     # fp32 keeps 2+ chunks per program, so its splits stop one short of fp16's
     assert splits == ([1, 2, 2, 4, 4, 8] if dtype == "float16" else [1, 2, 2, 4]), splits
+    leads = sorted((r["config"]["BLOCK_M"], r["config"]["SPLIT"]) for r in results if r["config"]["LEAD"])
+    # LEAD for fp16 only (fp32's first layer is 64 KB): batch 1 at BLOCK_M 16, batch 256 at 16, 32 and 64
+    want = sorted([(16, 8), (16, 4), (16, 4)] * 2 + [(bm, s) for bm in (32, 64) for s in (8, 4, 4)])
+    assert leads == (want if dtype == "float16" else []), leads
     elem = 2 if dtype == "float16" else 4
     for got in results:
         assert got["w_bytes"] == (64 * 256 + 256 * 256 + 256 * 16) * elem  # padded layers, end to end

@@ -136,6 +136,51 @@ def test_split_first_step_depths_and_activations(monkeypatch, widths, split, act
     _check(widths, [activation] * (len(widths) - 1), torch.float32, 19, bias=len(widths) - 2)
 
 
+# ---- LEAD: the first layer whole in every program, the pair after it shared by SPLIT programs ----
+
+
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M", [1, 17, 45])
+def test_lead_split_every_dtype_and_batch(monkeypatch, dtype, M, split):
+    monkeypatch.setattr(mlp_mod, "interpreter_split", split)
+    monkeypatch.setattr(mlp_mod, "interpreter_lead", 1)
+    layers = _layers([64, 256, 256, 10], ["relu", "relu", "none"], dtype, DEVICE)
+    assert FusedMLP(layers)._lead_hidden == (256 if dtype.itemsize == 2 else 0)  # fp32's 64 KB is too big
+    _check([64, 256, 256, 10], ["relu", "relu", "none"], dtype, M)
+
+
+@pytest.mark.parametrize(
+    "widths, split",
+    [
+        ([13, 37, 50], 2),  # two layers: the split step is the last layer alone (disjoint output columns)
+        ([20, 50, 40, 6], 4),  # the digits shape, awkward: hidden 40 -> 64, 4 chunks of 16
+        ([3, 17, 130, 255, 2], 2),  # a pair after the lead, then a last layer alone after the sum
+        ([7, 30, 200, 33, 9, 5], 4),  # lead, a pair, another pair after the sum
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("activation", ["gelu_tanh", "sigmoid", "leaky_relu"])
+def test_lead_split_depths_and_activations(monkeypatch, widths, split, activation):
+    monkeypatch.setattr(mlp_mod, "interpreter_split", split)
+    monkeypatch.setattr(mlp_mod, "interpreter_lead", 1)
+    layers = _layers(widths, [activation] * (len(widths) - 1), torch.float16, DEVICE)
+    assert FusedMLP(layers)._lead_hidden > 0
+    _check(widths, [activation] * (len(widths) - 1), torch.float16, 19, bias=len(widths) - 2)
+
+
+def test_lead_configs_only_where_offered():
+    lead = [c for c in mlp_mod.cuda_configs(1, 256, 2, 256) if c["LEAD"]]
+    assert {(c["BLOCK_N"], c["SPLIT"]) for c in lead} == {(32, 8), (32, 4), (64, 4)}
+    assert all(c["BLOCK_M"] == 16 for c in lead)  # a one-row batch: no wider row block
+    assert {c["BLOCK_M"] for c in mlp_mod.cuda_configs(256, 256, 2, 256) if c["LEAD"]} == {16, 32, 64}
+    assert not [c for c in mlp_mod.cuda_configs(1, 256, 2) if c["LEAD"]]  # lead_hidden 0: none
+    assert not [c for c in mlp_mod.cuda_configs(4096, 256, 2, 256) if c["LEAD"]]  # enough row blocks
+    # hidden 64 after the lead: 2 chunks of 32 or 1 of 64, so no split of 4 or 8 divides them
+    assert not [c for c in mlp_mod.cuda_configs(1, 256, 2, 64) if c["LEAD"]]
+    assert FusedMLP(_layers([300 // 2, 256, 10], ["relu", "none"], torch.float16, DEVICE))._lead_hidden == 0
+
+
 def test_split_leaves_its_counters_at_zero_and_repeats_exactly(monkeypatch):
     # The last program of each row block resets its counter: a second call (or graph replay) must find 0s
     # and give bit-identical results, the shares being summed in a fixed order.
@@ -147,6 +192,7 @@ def test_split_leaves_its_counters_at_zero_and_repeats_exactly(monkeypatch):
     if DEVICE == "cuda":
         bucket = mlp_mod.m_bucket(40)
         split4 = [c for c in mlp_mod.cuda_configs(bucket, 256, 2) if c["SPLIT"] == 4 and c["BLOCK_N"] == 64]
+        assert not split4[0]["LEAD"]
         mlp._configs[(bucket, "ieee")] = split4[0]
     first = mlp(x)
     counters = mlp.workspace.counters
@@ -175,6 +221,9 @@ def test_schedule_pairs_layers_and_runs_an_odd_last_one_alone():
     assert schedule(2) == [mlp_mod.PAIR, mlp_mod.SKIP]
     assert schedule(3) == [mlp_mod.PAIR, mlp_mod.SKIP, mlp_mod.SINGLE]
     assert schedule(8) == [mlp_mod.PAIR, mlp_mod.SKIP] * 4
+    assert schedule(3, lead=1) == [mlp_mod.SINGLE, mlp_mod.PAIR, mlp_mod.SKIP]
+    assert schedule(2, lead=1) == [mlp_mod.SINGLE, mlp_mod.SINGLE]
+    assert schedule(4, lead=1) == [mlp_mod.SINGLE, mlp_mod.PAIR, mlp_mod.SKIP, mlp_mod.SINGLE]
 
 
 def test_fits():
@@ -230,17 +279,24 @@ def test_gpu_depths_and_every_batch_bucket(widths, M):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "config", sorted(set(mlp_mod.cuda_configs(1) + mlp_mod.cuda_configs(4096)), key=str), ids=lambda c: str(c.meta())
-)
+    "config",
+    sorted(set(mlp_mod.cuda_configs(1, 256, 2, 256) + mlp_mod.cuda_configs(256, 256, 2, 256)
+               + mlp_mod.cuda_configs(4096)), key=str),
+    ids=lambda c: str(c.meta()),
+)  # fmt: skip
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gpu_every_config_the_tuner_may_pick(monkeypatch, config, dtype):
-    if config not in mlp_mod.cuda_configs(1, 256, dtype.itemsize) + mlp_mod.cuda_configs(4096, 256, dtype.itemsize):
+    lead = 256 if dtype.itemsize == 2 else 0  # the digits MLP's first layer is 64 KB in fp32: no LEAD
+    offered = [c for b in (1, 256, 4096) for c in mlp_mod.cuda_configs(b, 256, dtype.itemsize, lead)]
+    if config not in offered:
         pytest.skip("not offered for this dtype")
     monkeypatch.setattr(mlp_mod, "tune", lambda scope, key, candidates, run, bench=None: config)
     for M in (1, 100):
         _check([64, 256, 256, 10], ["relu", "sigmoid", "none"], dtype, M, "cuda")
     if config in mlp_mod.cuda_configs(1, 64, dtype.itemsize) + mlp_mod.cuda_configs(4096, 64, dtype.itemsize):
         _check([13, 37, 5], ["gelu_tanh", "none"], dtype, 33, "cuda")  # hidden 64: fewer chunks to share
+    if config["LEAD"]:  # a lead, a pair, then two more layers after the programs meet
+        _check([7, 30, 200, 33, 9, 5], ["gelu_tanh", "relu", "sigmoid", "silu", "none"], dtype, 33, "cuda")
 
 
 @pytest.mark.gpu
@@ -262,13 +318,15 @@ class _InterpretedLaunch:
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA the real direct launch runs in every GPU test")
-@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("split, lead", [(1, 0), (2, 0), (2, 1)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_direct_and_fast_paths_pass_the_right_arguments(dtype, split):
-    layers = _layers([13, 37, 5], ["gelu_tanh", "leaky_relu"], dtype, DEVICE)
+def test_direct_and_fast_paths_pass_the_right_arguments(dtype, split, lead):
+    # 37 -> 64 and 40 -> 64: 4 chunks of 16 in each split step, with or without LEAD
+    layers = _layers([13, 37, 40], ["gelu_tanh", "leaky_relu"], dtype, DEVICE)
     mlp = FusedMLP(layers, allow_tf32=False)
-    config = mlp_mod.LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=16, STAGES=1, SPLIT=split)
-    launch = _InterpretedLaunch({**mlp._meta_fixed, "PRECISION": "ieee", **config.meta()})
+    config = mlp_mod.LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=16, STAGES=1, SPLIT=split,
+                                     LEAD=lead)  # fmt: skip
+    launch = _InterpretedLaunch(mlp.meta_for(config, "ieee"))
     for bucket in (4, 32):
         mlp._configs[(bucket, "ieee")] = config
         mlp._direct[(bucket, "ieee")] = launch
@@ -278,7 +336,7 @@ def test_direct_and_fast_paths_pass_the_right_arguments(dtype, split):
         err = normwise_error(mlp(x), want64)
         assert err <= NORMWISE[dtype], f"direct M={M} {dtype}: normwise error {err:.2e}"
     assert launch.calls == 4 and set(mlp._fast) == {(3, False), (20, False)}
-    out = torch.full((3, 5), float("nan"), device=DEVICE).to(dtype)  # a given output takes the same path
+    out = torch.full((3, 40), float("nan"), device=DEVICE).to(dtype)  # a given output takes the same path
     assert mlp(x[:3].contiguous(), out=out) is out and launch.calls == 5
     err = normwise_error(out, _reference(x[:3], layers, dtype)[0])
     assert err <= NORMWISE[dtype], f"direct with out= {dtype}: normwise error {err:.2e}"
