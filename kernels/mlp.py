@@ -22,6 +22,9 @@ Small batches (few row blocks) leave most SMs idle while one program streams eve
 SM. There a config may set SPLIT: SPLIT programs per row block share the first step's hidden chunks (for
 a pair, a split of the second layer's K), each streaming 1/SPLIT of those weights and storing its fp32
 share; the last to arrive sums the shares in a fixed order and runs the rest of the network alone.
+With LEAD as well, every program first multiplies a narrow first layer whole (`_dense`, at most
+LEAD_MAX_BYTES of weights) and the split moves to the pair after it, so what is left after the programs
+meet is that pair's output width: 16 columns for the digits MLP instead of 256 and its last layer.
 
 At entry, program 0 asks L2 for every weight line (`prefetch.py`), so that a layer's first weight loads,
 otherwise HBM misses taken one layer after another, find them in L2.
