@@ -8,7 +8,8 @@
 # STEPS=probe runs bench.probe_hopper --only P for each P in $PROBE (default linear-tma: the persistent TMA
 # kernel against the tuned linear.py kernel and cuBLASLt at the big GEMMs; linear-gemv: the one-row GEMV
 # kernel; linear-tma-small: TMA tiles at 1024^3; linear-mid: batch 128-256 split-K; mlp-flat:
-# other whole-MLP kernel shapes for the digits MLP, and cuBLAS's kernel names; mlp-split, linear-small: earlier).
+# other whole-MLP kernel shapes for the digits MLP, and cuBLAS's kernel names; linear-ws: the persistent
+# TMA kernel warp-specialized; mlp-split, linear-small: earlier).
 # Usage on the device machine (after the wheel prologue of ../shared/gpu/README.md):
 #   OUT=$OUT bash bench/gpu_session.sh [pytest args...]
 set -uo pipefail

@@ -355,7 +355,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--only", choices=["mlp-prefetch", "mlp-split", "linear-small", "linear-tma", "linear-gemv",
-                                      "linear-tma-small", "linear-mid", "mlp-flat"], help="just this part "
+                                      "linear-tma-small", "linear-mid", "mlp-flat", "linear-ws"], help="just this part "
                    "(mlp-prefetch: with the 1024^3 fp16 config sweep)")  # fmt: skip
     args = p.parse_args()
     t0 = time.time()
@@ -365,6 +365,12 @@ def main() -> None:
 
         res = mlp_flat_sweep(digits_layers, graph_us, hot_graph_us, one_store_floor)
         (args.out / "probe_mlp_flat.json").write_text(json.dumps(res, default=str, indent=1))
+        print(f"[{time.time() - t0:.0f}s]", flush=True)
+        return
+    if args.only == "linear-ws":  # bench/probe_linear_ws.py: the persistent TMA kernel warp-specialized
+        from .probe_linear_ws import sweep
+
+        (args.out / "probe_linear_ws.json").write_text(json.dumps(sweep(graph_us), default=str, indent=1))
         print(f"[{time.time() - t0:.0f}s]", flush=True)
         return
     if args.only == "mlp-split":
