@@ -195,7 +195,11 @@ def _mlp_kernel(
         # layer 2's pre-activation, so what is left after the programs meet is a P3-wide sum (16 for the
         # digits MLP, against 256 without LEAD) and no more weights. H200, cold graph replay, batch 32:
         # 9.1 us against 9.8 (bench/results/probe_mlp_flat_h200.txt).
+        MODE_S: tl.constexpr = M1  # the split step: layer 1's; if a pair, layer 2's bias and act follow the sum
         P_OUT0: tl.constexpr = P3 if M1 == 1 else P2
+        B_AT: tl.constexpr = P1 + P2
+        ACT_S: tl.constexpr = A2
+        SLOPE_S: tl.constexpr = S2
         x = _dense(x, w_ptr, b_ptr, P0, P1, A0, S0, BLOCK_M, PRECISION, UPCAST, ROUND_BF16)
         share = _step(x, w_ptr + P0 * P1, b_ptr + P1, M1, P1, P2, P3, A1, S1, A2, S2, BLOCK_M, BLOCK_N, STAGES,
                       PRECISION, UPCAST, ROUND_BF16, SPLIT, tl.program_id(0) % SPLIT)  # fmt: skip
@@ -206,7 +210,11 @@ def _mlp_kernel(
         # share, and the last to arrive sums the shares in a fixed order (deterministic) and runs the rest
         # of the network alone, as linear.py's split-K: barrier, then an acq_rel arrival on a counter that
         # the last program resets, so the next launch or graph replay needs no memset.
+        MODE_S: tl.constexpr = M0  # the split step: layer 0's; if a pair, layer 1's bias and act follow the sum
         P_OUT0: tl.constexpr = P2 if M0 == 1 else P1
+        B_AT: tl.constexpr = P1
+        ACT_S: tl.constexpr = A1
+        SLOPE_S: tl.constexpr = S1
         share = _step(x, w_ptr, b_ptr, M0, P0, P1, P2, A0, S0, A1, S1, BLOCK_M, BLOCK_N, STAGES, PRECISION, UPCAST,
                       ROUND_BF16, SPLIT, tl.program_id(0) % SPLIT)  # fmt: skip
     if SPLIT > 1:
@@ -224,13 +232,8 @@ def _mlp_kernel(
                 part = ws_ptr + (pid_m * SPLIT + s) * (BLOCK_M * P_OUT0) + tile
                 acc += tl.load(part, mask=valid, other=0.0, cache_modifier=".cg")  # .cg: never a stale L1 line
             tl.atomic_xchg(cnt_ptr + pid_m, 0)
-            if LEAD:  # the split step was layer 1's
-                if M1 == 1:
-                    h = _bias_act(acc, b_ptr + P1 + P2, o, A2, S2, ROUND_BF16, w_ptr.dtype.element_ty)
-                else:
-                    h = acc.to(w_ptr.dtype.element_ty)
-            elif M0 == 1:
-                h = _bias_act(acc, b_ptr + P1, o, A1, S1, ROUND_BF16, w_ptr.dtype.element_ty)
+            if MODE_S == 1:  # a pair's shares: its second layer's bias and activation run on the sum
+                h = _bias_act(acc, b_ptr + B_AT, o, ACT_S, SLOPE_S, ROUND_BF16, w_ptr.dtype.element_ty)
             else:
                 h = acc.to(w_ptr.dtype.element_ty)  # shares of disjoint columns: the sum is exact
         w = w_ptr
@@ -346,8 +349,8 @@ def cuda_configs(
                             num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=bn, STAGES=2, SPLIT=split, LEAD=0
                         )
                     )
-        for bm in (16, 32, 64):
-            if lead_hidden == 0 or bm > max(16, 2 * bucket):
+        for bm in (16, 32, 64) if lead_hidden else ():
+            if bm > max(16, 2 * bucket):
                 continue
             for bn, split in ((32, 8), (32, 4), (64, 4)):
                 chunks = lead_hidden // min(bn, lead_hidden)

@@ -178,7 +178,8 @@ def test_lead_configs_only_where_offered():
     assert not [c for c in mlp_mod.cuda_configs(4096, 256, 2, 256) if c["LEAD"]]  # enough row blocks
     # hidden 64 after the lead: 2 chunks of 32 or 1 of 64, so no split of 4 or 8 divides them
     assert not [c for c in mlp_mod.cuda_configs(1, 256, 2, 64) if c["LEAD"]]
-    assert FusedMLP(_layers([300 // 2, 256, 10], ["relu", "none"], torch.float16, DEVICE))._lead_hidden == 0
+    # a first layer of 256 x 256 (150 inputs, padded): 128 KB in fp16, over LEAD_MAX_BYTES
+    assert FusedMLP(_layers([150, 256, 10], ["relu", "none"], torch.float16, DEVICE))._lead_hidden == 0
 
 
 def test_split_leaves_its_counters_at_zero_and_repeats_exactly(monkeypatch):
