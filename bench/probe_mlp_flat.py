@@ -32,36 +32,42 @@ import triton.language as tl
 from kernels.linear_persistent import scratch
 from kernels.mlp import FusedMLP
 
-K0, H, NO, OUT = 64, 256, 16, 10  # padded digits widths: 64 -> 256 -> 256 -> 10 (padded to 16)
-W2_AT, W3_AT = K0 * H, K0 * H + H * H  # element offsets in the packed weights (FusedMLP._pack)
+# The digits MLP's input and output widths. The kernels name its padded widths (64 -> 256 -> 256 -> 16) and the
+# packed layout (FusedMLP._pack: W1, W2, W3 end to end; biases likewise) as literals.
+K0, OUT = 64, 10
 
 
-@triton.jit(do_not_specialize=["M"])
-def _loads(x_ptr, w_ptr, b_ptr, y_ptr, M, BLOCK_M: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+@triton.jit
+def _weight_views(w_ptr):
+    """The packed digits weights as (K, N) views of W1, W2, W3: (64, 256), (256, 256), (256, 16), loaded whole."""
     k0 = tl.arange(0, 64)
     h = tl.arange(0, 256)
     o = tl.arange(0, 16)
     w1 = tl.load(w_ptr + h[None, :] * 64 + k0[:, None])
     w2 = tl.load(w_ptr + 64 * 256 + h[None, :] * 256 + h[:, None])
     w3 = tl.load(w_ptr + 64 * 256 + 256 * 256 + o[None, :] * 256 + h[:, None])
-    x = tl.load(x_ptr + rows[:, None] * 64 + k0[None, :], mask=rows[:, None] < M, other=0.0)
+    return w1, w2, w3
+
+
+@triton.jit(do_not_specialize=["M"])
+def _loads(x_ptr, w_ptr, b_ptr, y_ptr, M, BLOCK_M: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    w1, w2, w3 = _weight_views(w_ptr)
+    x = tl.load(x_ptr + rows[:, None] * 64 + tl.arange(0, 64)[None, :], mask=rows[:, None] < M, other=0.0)
     s = tl.sum(tl.sum(w1.to(tl.float32), 1), 0) + tl.sum(tl.sum(w2.to(tl.float32), 1), 0)
     s += tl.sum(tl.sum(w3.to(tl.float32), 1), 0) + tl.sum(tl.sum(x.to(tl.float32), 1), 0)
     s += tl.sum(tl.load(b_ptr + tl.arange(0, 512)).to(tl.float32), 0)
     tl.store(y_ptr + tl.program_id(0), s.to(y_ptr.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=["M"])
-def _flat(x_ptr, w_ptr, b_ptr, y_ptr, M, BLOCK_M: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+@triton.jit
+def _three_layers(x_ptr, b_ptr, y_ptr, M, rows, w1, w2, w3):
+    """What _flat and _flat_tma share once their weights are requested: the biases and x, then
+    relu(relu(x W1^T + b1) W2^T + b2) W3^T + b3 straight through, stored. w1, w2, w3: (K, N) views."""
     k0 = tl.arange(0, 64)
     h = tl.arange(0, 256)
     o = tl.arange(0, 16)
-    dtype = w_ptr.dtype.element_ty
-    w1 = tl.load(w_ptr + h[None, :] * 64 + k0[:, None])  # (64, 256) view of W1
-    w2 = tl.load(w_ptr + 64 * 256 + h[None, :] * 256 + h[:, None])
-    w3 = tl.load(w_ptr + 64 * 256 + 256 * 256 + o[None, :] * 256 + h[:, None])
+    dtype = y_ptr.dtype.element_ty
     b1 = tl.load(b_ptr + h).to(tl.float32)
     b2 = tl.load(b_ptr + 256 + h).to(tl.float32)
     b3 = tl.load(b_ptr + 512 + o).to(tl.float32)
@@ -73,27 +79,20 @@ def _flat(x_ptr, w_ptr, b_ptr, y_ptr, M, BLOCK_M: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
+def _flat(x_ptr, w_ptr, b_ptr, y_ptr, M, BLOCK_M: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    w1, w2, w3 = _weight_views(w_ptr)
+    _three_layers(x_ptr, b_ptr, y_ptr, M, rows, w1, w2, w3)
+
+
+@triton.jit(do_not_specialize=["M"])
 def _flat_tma(x_ptr, w_ptr, b_ptr, y_ptr, M, BLOCK_M: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    k0 = tl.arange(0, 64)
-    h = tl.arange(0, 256)
-    o = tl.arange(0, 16)
-    dtype = w_ptr.dtype.element_ty
     d1 = tl.make_tensor_descriptor(w_ptr, shape=[256, 64], strides=[64, 1], block_shape=[256, 64])
     d2 = tl.make_tensor_descriptor(w_ptr + 64 * 256, shape=[256, 256], strides=[256, 1], block_shape=[256, 256])
     d3 = tl.make_tensor_descriptor(w_ptr + 64 * 256 + 256 * 256, shape=[16, 256], strides=[256, 1],
                                    block_shape=[16, 256])  # fmt: skip
-    w1 = d1.load([0, 0])
-    w2 = d2.load([0, 0])
-    w3 = d3.load([0, 0])
-    b1 = tl.load(b_ptr + h).to(tl.float32)
-    b2 = tl.load(b_ptr + 256 + h).to(tl.float32)
-    b3 = tl.load(b_ptr + 512 + o).to(tl.float32)
-    x = tl.load(x_ptr + rows[:, None] * 64 + k0[None, :], mask=rows[:, None] < M, other=0.0)
-    a = tl.maximum(tl.dot(x, w1.T) + b1[None, :], 0.0).to(dtype)
-    a = tl.maximum(tl.dot(a, w2.T) + b2[None, :], 0.0).to(dtype)
-    a = tl.dot(a, w3.T) + b3[None, :]
-    tl.store(y_ptr + rows[:, None] * 10 + o[None, :], a.to(dtype), mask=(rows[:, None] < M) & (o[None, :] < 10))
+    _three_layers(x_ptr, b_ptr, y_ptr, M, rows, d1.load([0, 0]).T, d2.load([0, 0]).T, d3.load([0, 0]).T)
 
 
 @triton.jit(do_not_specialize=["M"])
