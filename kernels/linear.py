@@ -18,8 +18,9 @@ from . import linear_gemv as gemv
 from . import linear_persistent as persistent
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
 from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail, plain_rows
+from .pdl import gdc_launch_dependents, gdc_wait
 from .runtime import check_device, interpreting
-from .tiles import HOPPER_SHARED_MEMORY, gemm_flags, grouped_tile, split_k_sum
+from .tiles import HOPPER_SHARED_MEMORY, gemm_flags, grouped_tile, launch_options, split_k_sum
 from .tuning import LaunchConfig, scope_for, tune
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -46,10 +47,14 @@ def _linear_kernel(
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32"; only fp32 operands care
     UPCAST_DOT: tl.constexpr,  # bf16 operands multiplied as fp32 (interpreter workaround, see launcher)
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand before the store (interpreter workaround)
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (pdl.py)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,  # programs per output tile, each summing 1/SPLIT_K of K (small batches, see below)
 ):  # fmt: skip
+    if PDL:  # the next layer may start; this one waits for the previous layer before reading x
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0) // SPLIT_K
     pid_k = tl.program_id(0) % SPLIT_K
     pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -429,7 +434,7 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
         return out
     if allow_tf32 is None:
         allow_tf32 = torch.backends.cuda.matmul.allow_tf32
-    fixed = gemm_flags(bias is not None, activation, x.dtype, allow_tf32)
+    fixed = gemm_flags(bias is not None, activation, x.dtype, allow_tf32, x.device)
     precision = fixed["INPUT_PRECISION"]
     bucket = m_bucket(M)
     workspace = workspace or SplitKWorkspace(x.device)
@@ -450,7 +455,7 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
             negative_slope,
             bucket,
-            **fixed, **meta,
+            **fixed, **meta, **launch_options(fixed),
         )  # fmt: skip
 
     if interpreting():

@@ -7,7 +7,9 @@ cuBLASLt is (19.3 us). This one ran it in 17.3 us (1.9 TB/s; bench/results/probe
 It drops the MMA: each program multiplies a (BLOCK_N, BLOCK_K) tile of W
 by a BLOCK_K slice of x elementwise into an fp32 tile and reduces it once, at the end, so its registers
 hold loads in flight rather than an MMA tile that is 15/16 padding; split-K (shared with linear.py)
-spreads K over more programs so every SM streams.
+spreads K over more programs so every SM streams. Each program loads its first W tile before it reads x:
+launched with PDL (pdl.py) that load is in flight while the previous layer finishes (the wide MLP's three
+GEMV layers: 30.1 -> 26.0 us cold, bench/results/probe_gemv_pdl_h200.txt).
 
 Its launch signature is linear.py's kernel's, argument for argument (BLOCK_M is always 1; GROUP_M,
 INPUT_PRECISION and UPCAST_DOT are accepted and unused: products are formed in fp32 whatever the dtype),
@@ -21,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .activations import apply_activation, round_to_bf16
+from .pdl import gdc_launch_dependents, gdc_wait
 from .tiles import split_k_sum
 from .tuning import LaunchConfig
 
@@ -39,11 +42,14 @@ def _gemv_kernel(
     INPUT_PRECISION: tl.constexpr,  # unused: no MMA here
     UPCAST_DOT: tl.constexpr,  # unused: every product is formed in fp32
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand before the store (interpreter workaround)
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (pdl.py)
     BLOCK_M: tl.constexpr,  # 1: one row per program
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,  # unused: programs of one row block share nothing to group for
     SPLIT_K: tl.constexpr,
 ):  # fmt: skip
+    if PDL:
+        gdc_launch_dependents()  # the next layer may start (it waits for this one before reading y)
     pid = tl.program_id(0) // SPLIT_K
     pid_k = tl.program_id(0) % SPLIT_K
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -60,15 +66,23 @@ def _gemv_kernel(
     x_ptrs = x_ptr + row * stride_xm + (k_first * BLOCK_K + offs_k) * stride_xk
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_first * BLOCK_K + offs_k)[None, :] * stride_wk
 
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(k_first, k_end):
-        # `arange < scalar` masks, as in linear.py: constant over 16-element runs, so 16-byte loads.
+    # The first W tile is loaded before x: weights never depend on the previous layer, so under PDL it is in
+    # flight while that layer finishes. (A program whose K range is empty, the last of an uneven split,
+    # has k_left <= 0 here: every load masked, a zero partial.) `arange < scalar` masks, as in linear.py:
+    # constant over 16-element runs, so 16-byte loads.
+    k_left = K - k_first * BLOCK_K
+    w_first = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+    if PDL:
+        gdc_wait()  # the previous kernel has completed and its writes (x) are visible
+    xv = tl.load(x_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)
+    acc = w_first.to(tl.float32) * xv[None, :]
+    for k in range(k_first + 1, k_end):
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
         k_left = K - k * BLOCK_K
         xv = tl.load(x_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)
         wv = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0).to(tl.float32)
         acc += wv * xv[None, :]
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
     total = tl.sum(acc, axis=1)[None, :]  # (1, BLOCK_N): the layout split_k_sum and the store take
 
     if SPLIT_K > 1:

@@ -21,8 +21,9 @@ import triton
 import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
+from .pdl import gdc_launch_dependents, gdc_wait
 from .runtime import interpreting
-from .tiles import HOPPER_SHARED_MEMORY, gemm_flags, grouped_tile
+from .tiles import HOPPER_SHARED_MEMORY, gemm_flags, grouped_tile, launch_options
 from .tuning import LaunchConfig
 
 
@@ -38,10 +39,16 @@ def _linear_persistent_kernel(
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32"; only fp32 operands care
     UPCAST_DOT: tl.constexpr,  # bf16 multiplied as fp32: the interpreter's numpy has no bf16
     ROUND_BF16: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (pdl.py)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     PROGRAMS: tl.constexpr,  # the grid: one program per SM, each walking tiles PROGRAMS apart
 ):  # fmt: skip
+    if PDL:
+        gdc_launch_dependents()
+        # Before the descriptors too: they are written to scratch memory that the allocator may have taken
+        # back from the previous kernel, which may still be running.
+        gdc_wait()
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
     y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1], block_shape=[BLOCK_M, BLOCK_N])
@@ -133,7 +140,7 @@ def constexprs(fixed: dict, config: LaunchConfig, programs: int) -> dict:
 def launch(x, weight, bias, out, negative_slope: float, fixed: dict, config: LaunchConfig, programs: int):
     """One launch on `programs` programs (any number: those past the last tile do nothing, so a prepared
     layer launches one compiled kernel, PROGRAMS = the SMs, for every batch size); returns the compiled
-    kernel. `fixed`: HAS_BIAS, ACTIVATION, INPUT_PRECISION, UPCAST_DOT, ROUND_BF16, as linear.py passes them."""
+    kernel. `fixed`: gemm_flags' HAS_BIAS .. PDL, as linear.py passes them."""
     M, K = x.shape
     N = weight.shape[0]
     triton.set_allocator(scratch)  # a context variable: set in the calling thread, every time
@@ -142,7 +149,7 @@ def launch(x, weight, bias, out, negative_slope: float, fixed: dict, config: Lau
         M, N, K,
         x.stride(0), weight.stride(0), out.stride(0),
         negative_slope,
-        **constexprs(fixed, config, programs),
+        **constexprs(fixed, config, programs), **launch_options(fixed),
     )  # fmt: skip
 
 
@@ -175,6 +182,6 @@ def linear_persistent(
         allow_tf32 = torch.backends.cuda.matmul.allow_tf32
     if programs is None:
         programs = 4 if interpreting() else torch.cuda.get_device_properties(x.device).multi_processor_count
-    fixed = gemm_flags(bias is not None, activation, x.dtype, allow_tf32)
+    fixed = gemm_flags(bias is not None, activation, x.dtype, allow_tf32, x.device)
     launch(x, weight, bias, out, negative_slope, fixed, config, programs)
     return out

@@ -8,15 +8,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import use_pdl
 from .runtime import bf16_on_interpreter
 
 HOPPER_SHARED_MEMORY = 232_448  # bytes per block (opt-in) on H100/H200, as Triton reports it
 
 
-def gemm_flags(has_bias: bool, activation: str, dtype: torch.dtype, allow_tf32: bool) -> dict:
-    """HAS_BIAS, ACTIVATION, INPUT_PRECISION, UPCAST_DOT and ROUND_BF16, as every GEMM kernel here takes them.
-    Under the interpreter bf16 tiles are multiplied as fp32 (exact: bf16 * bf16 fits fp32) and the result
-    is rounded to bf16 by hand (runtime.bf16_on_interpreter); compiled kernels use native bf16."""
+def gemm_flags(has_bias: bool, activation: str, dtype: torch.dtype, allow_tf32: bool, device: torch.device) -> dict:
+    """HAS_BIAS, ACTIVATION, INPUT_PRECISION, UPCAST_DOT, ROUND_BF16 and PDL, as every GEMM kernel here takes
+    them. Under the interpreter bf16 tiles are multiplied as fp32 (exact: bf16 * bf16 fits fp32) and the
+    result is rounded to bf16 by hand (runtime.bf16_on_interpreter); compiled kernels use native bf16. PDL:
+    launched as a programmatic dependent launch on sm_90+ (pdl.py; pass launch_options(flags) too)."""
     upcast = bf16_on_interpreter(dtype)
     return dict(
         HAS_BIAS=has_bias,
@@ -24,7 +26,15 @@ def gemm_flags(has_bias: bool, activation: str, dtype: torch.dtype, allow_tf32: 
         INPUT_PRECISION="tf32" if (allow_tf32 and not upcast) else "ieee",
         UPCAST_DOT=upcast,
         ROUND_BF16=upcast,
+        PDL=use_pdl(device),
     )
+
+
+def launch_options(flags: dict) -> dict:
+    """The launch option that goes with gemm_flags' PDL: a kernel that waits (gdc_wait) must be launched
+    with launch_pdl for the early start, and one launched so must wait. Empty without PDL (older Triton
+    has no such option)."""
+    return {"launch_pdl": True} if flags["PDL"] else {}
 
 
 @triton.jit

@@ -61,6 +61,11 @@ class Settings(BaseSettings):
         description="JSON file of tuned kernel configs kept across restarts "
         "(default $XDG_CACHE_HOME/fusedserve/tuning.json)",
     )
+    pdl: bool = Field(
+        True,
+        description="on sm_90+ GPUs, launch each layer's GEMM kernel as a programmatic dependent launch, so it "
+        "starts loading weights while the previous layer finishes",
+    )
     warmup: bool = Field(True, description="compile and autotune kernels for every batch-size bucket before ready")
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 in containers)")
     port: int = Field(8000, ge=1, le=65535, description="port to listen on")

@@ -36,10 +36,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     from .state import AppState
 
     torch.backends.cuda.matmul.allow_tf32 = settings.allow_tf32  # one setting for both modes
-    from kernels import tuning
+    from kernels import pdl, tuning
 
     tuning.use_cache(settings.tuning_cache or tuning.default_cache_path())
     tuning.set_enabled(settings.tuning)
+    pdl.set_enabled(settings.pdl)
     model = load_model(settings.model_path())
     metrics = Metrics(model.name, settings.mode, str(device), settings.dtype)
     runner = ModelRunner(

@@ -34,3 +34,21 @@ def compile_sm90(
         usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage.stdout))
     return compiled.asm["ptx"], {k: int(v) for k, v in fields.items()}
+
+
+def pdl_order(ptx: str) -> dict:
+    """Where a PDL kernel's grid-dependency instructions sit in its PTX (line numbers; program order for the
+    straight-line code before the main loop): waits and launch_dependents counted, the first wait, the first
+    global load and the first write to global memory (store, atomic, or tensor-map write)."""
+    lines = ptx.splitlines()
+
+    def first(pattern: str) -> int:
+        return next((i for i, line in enumerate(lines) if re.search(pattern, line)), len(lines))
+
+    return {
+        "waits": ptx.count("griddepcontrol.wait"),
+        "launches": ptx.count("griddepcontrol.launch_dependents"),
+        "wait_at": first(r"griddepcontrol\.wait"),
+        "first_load": first(r"\bld\.global"),
+        "first_store": first(r"\b(st\.global|atom\.global|red\.global|tensormap\.replace)"),
+    }

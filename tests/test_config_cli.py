@@ -63,6 +63,7 @@ def test_defaults():
     assert s.cuda_graphs is True
     assert s.tuning_cache is None
     assert s.tuning is True
+    assert s.pdl is True
     assert s.warmup is True
     assert s.host == "127.0.0.1"
     assert s.port == 8000
@@ -70,7 +71,7 @@ def test_defaults():
     assert set(FIELDS) == {
         "mode", "device", "model", "model_dir", "dtype", "allow_tf32", "max_batch_size", "max_delay_ms",
         "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "kernel_timing_every", "cuda_graphs",
-        "tuning", "tuning_cache", "warmup",
+        "tuning", "tuning_cache", "pdl", "warmup",
         "host", "port", "log_level",
     }  # fmt: skip
 
@@ -80,6 +81,7 @@ ENV_VALUES = [
     ("DEVICE", "cpu", "device", "cpu"),
     ("DTYPE", "bfloat16", "dtype", "bfloat16"),
     ("ALLOW_TF32", "true", "allow_tf32", True),
+    ("PDL", "false", "pdl", False),
     ("WARMUP", "0", "warmup", False),
     ("MAX_BATCH_SIZE", "37", "max_batch_size", 37),
     ("MAX_DELAY_MS", "0.5", "max_delay_ms", 0.5),

@@ -30,7 +30,7 @@ def _compiled(script: str, dtype: str) -> list[dict]:
 _COMPILE_MLP = r"""
 import json, sys, torch
 import kernels.mlp as mlp
-from tests.sm90_compile import compile_sm90
+from tests.sm90_compile import compile_sm90, pdl_order
 
 mlp.check_device = lambda *a: None  # the packed weights stay on the CPU: only their shapes matter here
 dtype = getattr(torch, sys.argv[1])
@@ -75,19 +75,19 @@ def test_whole_mlp_kernel_compiles_for_sm90_with_its_l2_prefetch(dtype):
 _COMPILE_PERSISTENT = r"""
 import json, sys, torch
 import kernels.linear_persistent as lp
-from tests.sm90_compile import compile_sm90
+from tests.sm90_compile import compile_sm90, pdl_order
 
 dtype = getattr(torch, sys.argv[1])
 ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
 runtime = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, y_ptr=ptr, M="i32", N="i32", K="i32", stride_xm="i32",
                stride_wn="i32", stride_ym="i32", negative_slope="fp32")
 fixed = dict(HAS_BIAS=True, ACTIVATION="gelu_tanh", INPUT_PRECISION="tf32" if dtype == torch.float32 else "ieee",
-             UPCAST_DOT=False, ROUND_BF16=False)
+             UPCAST_DOT=False, ROUND_BF16=False, PDL=True)  # as launched on sm_90
 for config in lp.cuda_configs(dtype.itemsize):
     meta = lp.constexprs(fixed, config, 132)
     ptx, usage = compile_sm90(lp._linear_persistent_kernel, runtime, meta, 4, config.num_warps, config.num_stages)
     print(json.dumps({"config": config.meta(), "tma_loads": ptx.count("cp.async.bulk.tensor"),
-                      "wgmma": ptx.count("wgmma.mma_async"), **usage}))
+                      "wgmma": ptx.count("wgmma.mma_async"), **pdl_order(ptx), **usage}))
 """
 
 
@@ -99,12 +99,14 @@ def test_persistent_tma_kernel_compiles_for_sm90_without_spills(dtype):
         # TMA copies and warpgroup MMAs, or it is not the kernel this module is for
         assert got["tma_loads"] > 0 and got["wgmma"] > 0, got
         assert got["STACK"] == 0 and got["LOCAL"] == 0, f"registers spill to local memory: {got}"
+        # one wait, before anything is written (the descriptors go to scratch memory first thing)
+        assert got["waits"] == 1 and got["launches"] == 1 and got["wait_at"] < got["first_store"], got
 
 
 _COMPILE_GEMV = r"""
 import json, sys, torch
 import kernels.linear_gemv as gemv
-from tests.sm90_compile import compile_sm90
+from tests.sm90_compile import compile_sm90, pdl_order
 
 dtype = getattr(torch, sys.argv[1])
 ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
@@ -112,13 +114,14 @@ ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[
 runtime = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, y_ptr=ptr, ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32",
                stride_xm="i32", stride_wn="i32", stride_ym="i32", negative_slope="fp32", M_BUCKET="i32")
 fixed = dict(HAS_BIAS=True, ACTIVATION="gelu_tanh", INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False,
-             stride_xk=1, stride_wk=1, stride_yn=1)
+             PDL=True, stride_xk=1, stride_wk=1, stride_yn=1)  # PDL: as launched on sm_90
 for config in gemv.cuda_configs(4096, 4096, 132):
     meta = {**fixed, **gemv.kernel_meta(config)}
     ptx, usage = compile_sm90(gemv._gemv_kernel, runtime, meta, 6, config.num_warps, config.num_stages,
                               divisible=("N", "K", "stride_xm", "stride_wn", "stride_ym"))
     print(json.dumps({"config": config.meta(), "wide_loads": ptx.count("ld.global.v4") + ptx.count("cp.async.cg"),
-                      "narrow_loads": ptx.count("ld.global.b16"), "mma": ptx.count("mma."), **usage}))
+                      "narrow_loads": ptx.count("ld.global.b16"), "mma": ptx.count("mma."), **pdl_order(ptx),
+                      **usage}))
 """
 
 
@@ -131,3 +134,6 @@ def test_gemv_kernel_compiles_for_sm90_with_wide_loads_and_without_spills(dtype)
         # point of this kernel), and nothing spilled. Unspecialized strides gave 69 2-byte loads and spills.
         assert got["wide_loads"] >= 8 and got["narrow_loads"] <= 1 and got["mma"] == 0, got
         assert got["STACK"] == 0 and got["LOCAL"] == 0, f"registers spill to local memory: {got}"
+        # PDL: the first W tile is requested before the wait for the previous layer, nothing written before it
+        assert got["waits"] == 1 and got["launches"] == 1, got
+        assert got["first_load"] < got["wait_at"] < got["first_store"], got

@@ -348,7 +348,9 @@ def test_direct_and_fast_paths_pass_the_right_arguments(dtype, bias):
     layer = FusedLinear(w, b, "leaky_relu", negative_slope=0.3, allow_tf32=False)
     config = linear_mod.LaunchConfig.of(4, 1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, SPLIT_K=2)
     upcast = bf16_on_interpreter(dtype)
-    fixed = dict(HAS_BIAS=bias, ACTIVATION="leaky_relu", INPUT_PRECISION="ieee", UPCAST_DOT=upcast, ROUND_BF16=upcast)
+    fixed = dict(
+        HAS_BIAS=bias, ACTIVATION="leaky_relu", INPUT_PRECISION="ieee", UPCAST_DOT=upcast, ROUND_BF16=upcast, PDL=False
+    )
     launch = _InterpretedLaunch(linear_mod._linear_kernel, {**fixed, **config.meta()})
     for bucket in (4, 8, 32):
         layer.direct[(bucket, "ieee")] = (launch, config)
@@ -417,7 +419,9 @@ def test_persistent_fast_path_passes_the_right_arguments(bias):
     """The persistent kernel's launch record: 4 programs (the interpreter's 'SMs') for 1-13 tiles."""
     x0, w, b = _inputs(5, 40, 72, torch.float16, DEVICE, bias)
     layer = FusedLinear(w, b, "leaky_relu", negative_slope=0.3, allow_tf32=False)
-    fixed = dict(HAS_BIAS=bias, ACTIVATION="leaky_relu", INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False)
+    fixed = dict(
+        HAS_BIAS=bias, ACTIVATION="leaky_relu", INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False, PDL=False
+    )
     constexprs = linear_mod.persistent.constexprs(fixed, PERSISTENT_SMALL, 4)
     launch = _InterpretedLaunch(linear_mod.persistent._linear_persistent_kernel, constexprs)
     for bucket in (8, 32, 128):
@@ -497,7 +501,9 @@ def test_gemv_fast_path_passes_the_right_arguments():
     x, w, b = _inputs(1, 45, 100, torch.float16, DEVICE)
     layer = FusedLinear(w, b, "silu", allow_tf32=False)
     config = _gemv_small(2)
-    fixed = dict(HAS_BIAS=True, ACTIVATION="silu", INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False)
+    fixed = dict(
+        HAS_BIAS=True, ACTIVATION="silu", INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False, PDL=False
+    )
     launch = _InterpretedLaunch(linear_mod.gemv._gemv_kernel, {**fixed, **linear_mod.gemv.kernel_meta(config)})
     layer.direct[(1, "ieee")] = (launch, config)
     want = reference.linear(x.double(), w.double(), b.double(), "silu")
