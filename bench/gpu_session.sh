@@ -9,7 +9,9 @@
 # kernel against the tuned linear.py kernel and cuBLASLt at the big GEMMs; linear-gemv: the one-row GEMV
 # kernel; linear-tma-small: TMA tiles at 1024^3; linear-mid: batch 128-256 split-K; mlp-flat:
 # other whole-MLP kernel shapes for the digits MLP, and cuBLAS's kernel names; linear-ws: the persistent
-# TMA kernel warp-specialized; mlp-split, linear-small: earlier).
+# TMA kernel warp-specialized; gemv-pdl: the wide MLP's GEMV chain with PDL and double buffering, and
+# what a pure weight stream reaches; linear-share: 1024^3 with one operand's loads skipped (timing
+# emulation of multicast); mlp-split, linear-small: earlier).
 # Usage on the device machine (after the wheel prologue of ../shared/gpu/README.md):
 #   OUT=$OUT bash bench/gpu_session.sh [pytest args...]
 set -uo pipefail

@@ -355,8 +355,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--only", choices=["mlp-prefetch", "mlp-split", "linear-small", "linear-tma", "linear-gemv",
-                                      "linear-tma-small", "linear-mid", "mlp-flat", "linear-ws"], help="just this part "
-                   "(mlp-prefetch: with the 1024^3 fp16 config sweep)")  # fmt: skip
+                                      "linear-tma-small", "linear-mid", "mlp-flat", "linear-ws", "gemv-pdl",
+                                      "linear-share"],
+                   help="just this part (mlp-prefetch: with the 1024^3 fp16 config sweep)")  # fmt: skip
     args = p.parse_args()
     t0 = time.time()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
@@ -371,6 +372,19 @@ def main() -> None:
         from .probe_linear_ws import sweep
 
         (args.out / "probe_linear_ws.json").write_text(json.dumps(sweep(graph_us), default=str, indent=1))
+        print(f"[{time.time() - t0:.0f}s]", flush=True)
+        return
+    if args.only == "gemv-pdl":  # bench/probe_gemv_pdl.py: the wide MLP's GEMV chain, double-buffered and PDL
+        from .probe_gemv_pdl import sweep as gemv_pdl_sweep
+
+        res = gemv_pdl_sweep(graph_us, one_store_floor)
+        (args.out / "probe_gemv_pdl.json").write_text(json.dumps(res, default=str, indent=1))
+        print(f"[{time.time() - t0:.0f}s]", flush=True)
+        return
+    if args.only == "linear-share":  # bench/probe_linear_share.py: 1024^3 with one operand's traffic halved
+        from .probe_linear_share import sweep as share_sweep
+
+        (args.out / "probe_linear_share.json").write_text(json.dumps(share_sweep(graph_us), default=str, indent=1))
         print(f"[{time.time() - t0:.0f}s]", flush=True)
         return
     if args.only == "mlp-split":
