@@ -356,7 +356,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--only", choices=["mlp-prefetch", "mlp-split", "linear-small", "linear-tma", "linear-gemv",
                                       "linear-tma-small", "linear-mid", "mlp-flat", "linear-ws", "gemv-pdl",
-                                      "linear-share"],
+                                      "linear-share", "mlp-meet"],
                    help="just this part (mlp-prefetch: with the 1024^3 fp16 config sweep)")  # fmt: skip
     args = p.parse_args()
     t0 = time.time()
@@ -385,6 +385,13 @@ def main() -> None:
         from .probe_linear_share import sweep as share_sweep
 
         (args.out / "probe_linear_share.json").write_text(json.dumps(share_sweep(graph_us), default=str, indent=1))
+        print(f"[{time.time() - t0:.0f}s]", flush=True)
+        return
+    if args.only == "mlp-meet":  # bench/probe_mlp_meet.py: the digits MLP's data movement alone
+        from .probe_mlp_meet import sweep as meet_sweep
+
+        res = meet_sweep(graph_us, hot_graph_us, one_store_floor)
+        (args.out / "probe_mlp_meet.json").write_text(json.dumps(res, default=str, indent=1))
         print(f"[{time.time() - t0:.0f}s]", flush=True)
         return
     if args.only == "mlp-split":

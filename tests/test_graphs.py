@@ -81,4 +81,7 @@ def test_gpu_runner_replays_and_times_every_nth_batch():
         want = eager.forward(torch.from_numpy(x).cuda().half()).float().cpu().numpy()
         np.testing.assert_array_equal(runner.run(x), want)
     assert [n for n, _ in kernels] == ["mlp_0_2", "mlp_0_2"]  # batches 3 and 6
-    assert all(0 < s < 1e-3 for _, s in kernels), kernels
+    # Seconds: one kernel runs ~10 us alone, but the GPU session runs 16 test workers on one GPU, and a timed
+    # launch can wait for another process's time slice (8.1 ms seen on the H200). 50 ms still rejects
+    # microseconds passed as seconds.
+    assert all(0 < s < 0.05 for _, s in kernels), kernels
