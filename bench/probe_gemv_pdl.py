@@ -38,22 +38,9 @@ import triton
 import triton.language as tl
 
 from kernels import FusedLinear
+from kernels.pdl import AVAILABLE as HAS_GDC
+from kernels.pdl import gdc_launch_dependents, gdc_wait
 from kernels.tiles import split_k_sum
-
-try:  # triton >= 3.4 on sm_90
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    HAS_GDC = True
-except ImportError:  # pragma: no cover - older triton
-    HAS_GDC = False
-
-    @triton.jit
-    def gdc_wait():
-        pass
-
-    @triton.jit
-    def gdc_launch_dependents():
-        pass
 
 
 @triton.jit
