@@ -18,12 +18,10 @@ kernel launched without PDL, or a predecessor that never calls gdc_launch_depend
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
-from .runtime import interpreting
+from .runtime import EnvSwitch, interpreting
 
 try:  # triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -41,21 +39,13 @@ except ImportError:  # pragma: no cover - older triton: PDL stays off, and these
         pass
 
 
-__all__ = ["AVAILABLE", "enabled", "gdc_launch_dependents", "gdc_wait", "set_enabled", "use_pdl"]
+__all__ = ["AVAILABLE", "enabled", "gdc_launch_dependents", "gdc_wait", "set_enabled", "switch", "use_pdl"]
 
-_enabled: list[bool] = []
+# Whether PDL is wanted at all: FUSEDSERVE_PDL (default true), or set_enabled (the service's setting).
+switch = EnvSwitch("FUSEDSERVE_PDL")
+enabled = switch
+set_enabled = switch.set
 _capable: dict[int, bool] = {}
-
-
-def enabled() -> bool:
-    """Whether PDL is wanted at all: FUSEDSERVE_PDL (default true), or set_enabled (the service's setting)."""
-    if not _enabled:
-        _enabled.append(os.environ.get("FUSEDSERVE_PDL", "true").strip().lower() not in ("0", "false", "no", "off"))
-    return _enabled[0]
-
-
-def set_enabled(on: bool) -> None:
-    _enabled[:] = [on]
 
 
 def use_pdl(device: torch.device) -> bool:

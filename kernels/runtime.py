@@ -42,6 +42,24 @@ def choose_backend() -> None:
     _chosen[:] = [_env_interpret()]
 
 
+class EnvSwitch:
+    """A process-wide on/off setting of this package: the environment variable `name` (on unless it says
+    0, false, no or off), read at first use, unless set() said otherwise (the service passes its settings)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._on: bool | None = None
+
+    def __call__(self) -> bool:
+        if self._on is None:
+            self._on = os.environ.get(self.name, "true").strip().lower() not in ("0", "false", "no", "off")
+        return self._on
+
+    def set(self, on: bool | None) -> None:
+        """on/off; None: read the environment again at the next call."""
+        self._on = on
+
+
 def bf16_on_interpreter(dtype: torch.dtype) -> bool:
     """bf16 under Triton's interpreter, which needs two workarounds in every kernel (triton 3.9): its
     tl.dot on bf16 operands returns garbage (relative error ~1e10), and its fp32 -> bf16 cast truncates

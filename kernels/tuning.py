@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .runtime import EnvSwitch
+
 log = logging.getLogger("fusedserve.tuning")
 
 
@@ -199,16 +201,8 @@ def _do_bench_us(fn: Callable[[], None]) -> float:
     return float(triton.testing.do_bench(graph.replay, warmup=5, rep=20, return_mode="median")) * 1e3
 
 
-_enabled: list[bool] = []
-
-
-def enabled() -> bool:
-    """Whether to time candidates. FUSEDSERVE_TUNING=false takes each kernel's first candidate untimed:
-    quick starts, and test runs that check every candidate explicitly instead."""
-    if not _enabled:
-        _enabled.append(os.environ.get("FUSEDSERVE_TUNING", "true").strip().lower() not in ("0", "false", "no", "off"))
-    return _enabled[0]
-
-
-def set_enabled(on: bool) -> None:
-    _enabled[:] = [on]
+# Whether to time candidates. FUSEDSERVE_TUNING=false takes each kernel's first candidate untimed: quick
+# starts, and test runs that check every candidate explicitly instead.
+switch = EnvSwitch("FUSEDSERVE_TUNING")
+enabled = switch
+set_enabled = switch.set

@@ -20,15 +20,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture
 def pdl_setting():
     """Restores the process-wide switch after a test changes it."""
-    saved = list(pdl._enabled)
+    saved = pdl.switch._on
     yield
-    pdl._enabled[:] = saved
+    pdl.switch.set(saved)
 
 
 @pytest.mark.parametrize("value, want", [("false", False), ("0", False), ("off", False), ("true", True), ("1", True)])
 def test_environment_switch(monkeypatch, pdl_setting, value, want):
     monkeypatch.setenv("FUSEDSERVE_PDL", value)
-    pdl._enabled.clear()
+    pdl.set_enabled(None)  # read the environment again
     assert pdl.enabled() is want
 
 

@@ -18,7 +18,7 @@ C = LaunchConfig.of(4, 5, BLOCK_M=32, BLOCK_N=16)
 def _tuning_on(monkeypatch):
     """These tests are about timing candidates: on even where the run switched tuning off (the GPU session
     runs the suite with FUSEDSERVE_TUNING=false)."""
-    monkeypatch.setattr(tuning, "_enabled", [True])
+    monkeypatch.setattr(tuning.switch, "_on", True)
 
 
 @pytest.fixture
@@ -110,7 +110,7 @@ def test_memory_only_cache(monkeypatch):
 
 
 def test_tuning_off_takes_the_first_candidate_untimed(cache_file, monkeypatch):
-    monkeypatch.setattr(tuning, "_enabled", [False])
+    monkeypatch.setattr(tuning.switch, "_on", False)
     calls: list[LaunchConfig] = []
     assert tune("s", "k", [C, A, B], calls.append, _bench_by({A: 1.0, B: 2.0, C: 3.0}, calls)) == C
     assert calls == []
@@ -118,10 +118,10 @@ def test_tuning_off_takes_the_first_candidate_untimed(cache_file, monkeypatch):
 
 
 def test_tuning_switch_reads_the_environment(monkeypatch):
-    monkeypatch.setattr(tuning, "_enabled", [])
+    monkeypatch.setattr(tuning.switch, "_on", None)
     monkeypatch.setenv("FUSEDSERVE_TUNING", "false")
     assert tuning.enabled() is False
-    monkeypatch.setattr(tuning, "_enabled", [])
+    monkeypatch.setattr(tuning.switch, "_on", None)
     monkeypatch.setenv("FUSEDSERVE_TUNING", "true")
     assert tuning.enabled() is True
 
