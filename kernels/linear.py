@@ -20,7 +20,7 @@ from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activat
 from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail, plain_rows
 from .pdl import gdc_launch_dependents, gdc_wait
 from .runtime import check_device, interpreting
-from .tiles import HOPPER_SHARED_MEMORY, gemm_flags, grouped_tile, launch_options, split_k_sum
+from .tiles import HOPPER_SHARED_MEMORY, device_limits, gemm_flags, grouped_tile, launch_options, split_k_sum
 from .tuning import LaunchConfig, scope_for, tune
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -349,7 +349,7 @@ class FusedLinear:
             return None
         launch, config = entry
         if persistent.is_persistent(config):
-            record = (launch, _persistent_programs(self.weight.device), None, None, bucket, True)
+            record = (launch, persistent.default_programs(self.weight.device), None, None, bucket, True)
         else:
             bm, bn, split = config["BLOCK_M"], config["BLOCK_N"], config["SPLIT_K"]
             tiles = triton.cdiv(M, bm) * triton.cdiv(self.weight.shape[0], bn)
@@ -409,20 +409,6 @@ class SplitKWorkspace:
         return self.partials, self.counters
 
 
-_limits: dict[torch.device, tuple[int, int]] = {}
-
-
-def _device_limits(device: torch.device) -> tuple[int, int]:
-    """(multiprocessors, shared memory per block in bytes) of a CUDA device, looked up once."""
-    if device not in _limits:
-        props = torch.cuda.get_device_properties(device)
-        _limits[device] = (
-            props.multi_processor_count,
-            getattr(props, "shared_memory_per_block_optin", HOPPER_SHARED_MEMORY),
-        )
-    return _limits[device]
-
-
 def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, configs, workspace, direct):
     M, K = x.shape
     N = weight.shape[0]
@@ -440,7 +426,7 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
     workspace = workspace or SplitKWorkspace(x.device)
 
     tma = persistent.tma_eligible(x, weight, out)
-    programs = _persistent_programs(x.device) if tma else 0
+    programs = persistent.default_programs(x.device) if tma else 0
 
     def run(config: LaunchConfig):
         if persistent.is_persistent(config):
@@ -462,7 +448,7 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
         config = interpreter_override or _interpreter_config(M, N, K)
         run(_interpreter_config(M, N, K) if persistent.is_persistent(config) and not tma else config)
         return out
-    sms, shared_memory = _device_limits(x.device)
+    sms, shared_memory = device_limits(x.device)
     # Calls that cannot use TMA (an unaligned x or out) are tuned and kept apart from those that can.
     tma = tma and persistent.offered(bucket, N, sms)
     config = configs.get((bucket, precision, tma)) if configs is not None else None
@@ -488,8 +474,3 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
 def _pointer_kernel(config: LaunchConfig):
     """The kernel of a non-persistent config: the GEMV one or the MMA one (they take the same arguments)."""
     return gemv._gemv_kernel if gemv.is_gemv(config) else _linear_kernel
-
-
-def _persistent_programs(device: torch.device) -> int:
-    """The persistent kernel's grid: one program per SM; 4 under the interpreter, so programs walk tiles."""
-    return 4 if interpreting() else _device_limits(device)[0]

@@ -23,7 +23,7 @@ import triton.language as tl
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
 from .pdl import gdc_launch_dependents, gdc_wait
 from .runtime import interpreting
-from .tiles import HOPPER_SHARED_MEMORY, gemm_flags, grouped_tile, launch_options
+from .tiles import HOPPER_SHARED_MEMORY, device_limits, gemm_flags, grouped_tile, launch_options
 from .tuning import LaunchConfig
 
 
@@ -132,6 +132,11 @@ def scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
+def default_programs(device: torch.device) -> int:
+    """The grid: one program per SM; 4 under the interpreter, so that programs walk several tiles there too."""
+    return 4 if interpreting() else device_limits(device)[0]
+
+
 def constexprs(fixed: dict, config: LaunchConfig, programs: int) -> dict:
     """The kernel's constexpr arguments and launch options for one config on `programs` programs."""
     return {**fixed, "PROGRAMS": programs, **{name: v for name, v in config.meta().items() if name != "PERSISTENT"}}
@@ -181,7 +186,7 @@ def linear_persistent(
     if allow_tf32 is None:
         allow_tf32 = torch.backends.cuda.matmul.allow_tf32
     if programs is None:
-        programs = 4 if interpreting() else torch.cuda.get_device_properties(x.device).multi_processor_count
+        programs = default_programs(x.device)
     fixed = gemm_flags(bias is not None, activation, x.dtype, allow_tf32, x.device)
     launch(x, weight, bias, out, negative_slope, fixed, config, programs)
     return out

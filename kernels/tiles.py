@@ -1,6 +1,6 @@
 """What the GEMM kernels share: the order in which output tiles are computed (linear.py, linear_persistent.py),
-the split-K reduction (linear.py, linear_gemv.py), their common constexpr flags, and Hopper's shared-memory
-limit for their pipelines."""
+the split-K reduction (linear.py, linear_gemv.py), their common constexpr flags, Hopper's shared-memory
+limit for their pipelines, and the device limits they are sized by."""
 
 from __future__ import annotations
 
@@ -12,6 +12,20 @@ from .pdl import use_pdl
 from .runtime import bf16_on_interpreter
 
 HOPPER_SHARED_MEMORY = 232_448  # bytes per block (opt-in) on H100/H200, as Triton reports it
+
+
+_limits: dict[torch.device, tuple[int, int]] = {}
+
+
+def device_limits(device: torch.device) -> tuple[int, int]:
+    """(multiprocessors, shared memory per block in bytes) of a CUDA device, looked up once."""
+    if device not in _limits:
+        props = torch.cuda.get_device_properties(device)
+        _limits[device] = (
+            props.multi_processor_count,
+            getattr(props, "shared_memory_per_block_optin", HOPPER_SHARED_MEMORY),
+        )
+    return _limits[device]
 
 
 def gemm_flags(has_bias: bool, activation: str, dtype: torch.dtype, allow_tf32: bool, device: torch.device) -> dict:
