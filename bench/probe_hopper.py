@@ -356,7 +356,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--only", choices=["mlp-prefetch", "mlp-split", "linear-small", "linear-tma", "linear-gemv",
                                       "linear-tma-small", "linear-mid", "mlp-flat", "linear-ws", "gemv-pdl",
-                                      "linear-share", "mlp-meet"],
+                                      "linear-share", "mlp-meet", "linear-1024", "launch-cold"],
                    help="just this part (mlp-prefetch: with the 1024^3 fp16 config sweep)")  # fmt: skip
     args = p.parse_args()
     t0 = time.time()
@@ -392,6 +392,18 @@ def main() -> None:
 
         res = meet_sweep(graph_us, hot_graph_us, one_store_floor)
         (args.out / "probe_mlp_meet.json").write_text(json.dumps(res, default=str, indent=1))
+        print(f"[{time.time() - t0:.0f}s]", flush=True)
+        return
+    if args.only == "linear-1024":  # bench/probe_linear_1024.py: wide config sweep at 1024^3, every dtype
+        from .probe_linear_1024 import sweep as sweep_1024
+
+        (args.out / "probe_linear_1024.json").write_text(json.dumps(sweep_1024(graph_us), default=str, indent=1))
+        print(f"[{time.time() - t0:.0f}s]", flush=True)
+        return
+    if args.only == "launch-cold":  # bench/probe_launch_cold.py: plain launch against graph replay, cold
+        from .probe_launch_cold import sweep as launch_sweep
+
+        (args.out / "probe_launch_cold.json").write_text(json.dumps(launch_sweep(), default=str, indent=1))
         print(f"[{time.time() - t0:.0f}s]", flush=True)
         return
     if args.only == "mlp-split":
