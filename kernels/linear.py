@@ -52,17 +52,24 @@ def _linear_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,  # programs per output tile, each summing 1/SPLIT_K of K (small batches, see below)
 ):  # fmt: skip
-    if PDL:  # the next layer may start; this one waits for the previous layer before reading x
+    if PDL:  # the next layer may start; this one waits for the previous layer (below) before reading x
         gdc_launch_dependents()
-        gdc_wait()
     pid = tl.program_id(0) // SPLIT_K
     pid_k = tl.program_id(0) % SPLIT_K
     pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-
-    # Rows and columns past the edge wrap around (% M, % N) so loads need no mask; they compute
-    # throw-away values that the masked store below never writes.
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows and columns past the edge read the last one (clamped) so loads need no mask; they compute
+    # throw-away values that the masked store below never writes. (A clamp is one instruction; the
+    # wrap-around `% M` it replaces was an integer division per element.)
+    offs_m = tl.minimum(rows, M - 1)
+    offs_n = tl.minimum(cols, N - 1)
+    if HAS_BIAS:
+        # Requested now, used after the K loop: cold, a load issued there was one more trip to memory at the
+        # very end. The bias is a weight, which no earlier kernel writes, so under PDL it goes before the wait.
+        bias = tl.load(b_ptr + offs_n)
+    if PDL:
+        gdc_wait()
     k_tiles = tl.cdiv(K, BLOCK_K)
     k_tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
     k_first = pid_k * k_tiles_per_split
@@ -100,12 +107,9 @@ def _linear_kernel(
 
     # Epilogue on the fp32 accumulator: bias, activation, one rounding to the output dtype.
     if HAS_BIAS:
-        bias = tl.load(b_ptr + offs_n).to(tl.float32)
-        acc = acc + bias[None, :]
+        acc = acc + bias.to(tl.float32)[None, :]
     acc = apply_activation(acc, ACTIVATION, negative_slope)
 
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
     if ROUND_BF16:
         acc = round_to_bf16(acc)
@@ -173,7 +177,15 @@ def cuda_configs(
             cfg(128, 128, 64, 4, 4),
             cfg(64, 128, 64, 4, 4),
             cfg(64, 64, 64, 4, 4),  # small GEMMs (64x256x128: 4 tiles of 32x64) want more programs
+            # Deeper pipelines for 64x128, the 1024^3 tile (128 programs): cold graph replay on an H200, fp16,
+            # 64x128x128 at 4 stages 11.5 us, 64x128x64 at 6 stages 11.7, at 4 stages 12.4; fp32 (TF32)
+            # 64x128x32 at 6 stages 15.7, 64x128x64 at 4 15.4 (bench/results/probe_linear_1024_h200.txt).
+            # Each is left out below where its stages do not fit in shared memory (fp32 for the first two).
+            cfg(64, 128, 128, 4, 4),
+            cfg(64, 128, 64, 4, 6),
         ]
+        if element_size == 4:
+            configs.append(cfg(64, 128, 32, 4, 6))
         # 128x128 tiles split along K to fill one wave lost at 1024^3 (cold, H200: 17.4 us against 11.6 for
         # 64x128x64; bench/results/probe_mlp_prefetch_h200.txt), where each split gets 8 K steps. With 16+
         # K steps per split (256x4096x4096: 64 tiles for 132 SMs, 32.8 us against cuBLASLt's 24.6) they are

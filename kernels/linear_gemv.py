@@ -55,9 +55,9 @@ def _gemv_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     row = pid // num_pid_n
     pid_n = pid % num_pid_n
-    # Columns past the edge wrap around (% N) so loads need no N mask; the store below masks them.
+    # Columns past the edge read the last one (clamped) so loads need no N mask; the store below masks them.
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n = cols % N
+    offs_n = tl.minimum(cols, N - 1)
     k_tiles = tl.cdiv(K, BLOCK_K)
     k_tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
     k_first = pid_k * k_tiles_per_split
@@ -72,6 +72,8 @@ def _gemv_kernel(
     # constant over 16-element runs, so 16-byte loads.
     k_left = K - k_first * BLOCK_K
     w_first = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+    if HAS_BIAS:  # a weight too, requested now rather than as one more trip to memory after the loop
+        bias = tl.load(b_ptr + offs_n)
     if PDL:
         gdc_wait()  # the previous kernel has completed and its writes (x) are visible
     xv = tl.load(x_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)
@@ -92,7 +94,7 @@ def _gemv_kernel(
         last = True
 
     if HAS_BIAS:
-        total += tl.load(b_ptr + offs_n).to(tl.float32)[None, :]
+        total += bias.to(tl.float32)[None, :]
     total = apply_activation(total, ACTIVATION, negative_slope)
     if ROUND_BF16:
         total = round_to_bf16(total)

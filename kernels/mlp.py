@@ -26,8 +26,8 @@ With LEAD as well, every program first multiplies a narrow first layer whole (`_
 LEAD_MAX_BYTES of weights) and the split moves to the pair after it, so what is left after the programs
 meet is that pair's output width: 16 columns for the digits MLP instead of 256 and its last layer.
 
-At entry, program 0 asks L2 for every weight line (`prefetch.py`), so that a layer's first weight loads,
-otherwise HBM misses taken one layer after another, find them in L2.
+At entry, program 0 asks L2 for every weight and bias line (`prefetch.py`), so that a layer's first weight
+loads and its bias load after the MMA, otherwise HBM misses taken one layer after another, find them in L2.
 
 mid_j is rounded to the model dtype before the second product, exactly as a per-layer kernel rounds its
 stored output, so the whole-MLP kernel and the per-layer kernels compute the same function.
@@ -168,6 +168,7 @@ def _mlp_kernel(
     S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
     S4: tl.constexpr, S5: tl.constexpr, S6: tl.constexpr, S7: tl.constexpr, S8: tl.constexpr,
     P_LAST: tl.constexpr, W_BYTES: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+    B_BYTES: tl.constexpr, B_PREFETCH_LINES: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr, LEAD: tl.constexpr,
 ):  # fmt: skip
@@ -176,6 +177,8 @@ def _mlp_kernel(
     # width from step to step. P9, A8, S8 are padding so that layer 7 can name "the next layer".
     if PREFETCH_LINES > 0:  # every layer's weights start their trip to L2 now, not when the layer starts
         prefetch_l2(w_ptr, W_BYTES, PREFETCH_LINES)
+    if B_PREFETCH_LINES > 0:  # and the biases, each read only after its layer's MMA: one more trip each, cold
+        prefetch_l2(b_ptr, B_BYTES, B_PREFETCH_LINES)
     pid_m = tl.program_id(0) // SPLIT
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, P0)
@@ -448,6 +451,8 @@ class FusedMLP:
         w_bytes = self.weights.numel() * self.weights.element_size()
         no_ptx = interpreting() or torch.version.hip is not None  # the prefetch is inline PTX
         meta.update(W_BYTES=w_bytes, PREFETCH_LINES=0 if no_ptx else prefetch_lines(w_bytes))
+        b_bytes = self.biases.numel() * self.biases.element_size()
+        meta.update(B_BYTES=b_bytes, B_PREFETCH_LINES=0 if no_ptx else prefetch_lines(b_bytes))
         meta.update({f"P{i}": P[i] for i in range(10)})
         meta.update({f"A{i}": acts[i] for i in range(MAX_LAYERS + 1)})
         meta.update({f"S{i}": slopes[i] for i in range(MAX_LAYERS + 1)})

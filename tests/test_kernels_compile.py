@@ -50,7 +50,8 @@ for config in configs:
     meta = model.meta_for(config, "ieee")
     ptx, usage = compile_sm90(mlp._mlp_kernel, runtime, meta, 6, config.num_warps, config.num_stages)
     print(json.dumps({"config": config.meta(), "prefetches": ptx.count("prefetch.global.L2"),
-                      "lines": meta["PREFETCH_LINES"], "w_bytes": meta["W_BYTES"], **usage}))
+                      "lines": meta["PREFETCH_LINES"], "w_bytes": meta["W_BYTES"], "b_lines": meta["B_PREFETCH_LINES"],
+                      "b_bytes": meta["B_BYTES"], **usage}))
 """
 
 
@@ -67,8 +68,12 @@ def test_whole_mlp_kernel_compiles_for_sm90_with_its_l2_prefetch(dtype):
     elem = 2 if dtype == "float16" else 4
     for got in results:
         assert got["w_bytes"] == (64 * 256 + 256 * 256 + 256 * 16) * elem  # padded layers, end to end
-        # 4 warps = 128 threads; each thread issues lines / 128 prefetches (2048 lines, capped, for both dtypes)
-        assert got["lines"] == 2048 and got["prefetches"] == got["lines"] // 128, got
+        assert got["b_bytes"] == (256 + 256 + 16) * elem  # the biases, packed likewise
+        # 4 warps = 128 threads; each thread issues lines / 128 weight prefetches (2048 lines, capped, for both
+        # dtypes) and one for the biases (1056 or 2112 bytes: 16 or 32 lines, fewer than threads, so each
+        # thread asks for one)
+        assert got["lines"] == 2048 and got["b_lines"] == 8 * elem, got
+        assert got["prefetches"] == got["lines"] // 128 + 1, got
         assert got["STACK"] == 0 and got["LOCAL"] == 0, f"registers spill to local memory: {got}"
 
 
@@ -137,11 +142,14 @@ def test_linear_kernel_compiles_for_sm90_with_a_k_loop_as_lean_as_a_bare_one(dty
     for got in results:
         assert got["copies"] > 0 and got["wgmma"] > 0, got  # cp.async pipeline into Hopper's warpgroup MMA
         assert got["STACK"] == 0 and got["LOCAL"] == 0, f"registers spill to local memory: {got}"
-        assert got["waits"] == 1 and got["launches"] == 1 and got["wait_at"] < got["first_store"], got
+        # PDL: the bias (a weight) is requested before the wait for the previous layer, nothing written before it
+        assert got["waits"] == 1 and got["launches"] == 1, got
+        assert got["first_load"] < got["wait_at"] < got["first_store"], got
         # The K loop costs what a bare tile loop (no masks, split or epilogue) costs at the same tile, within
-        # 10%: pointer tiles incremented every step made it 204 instructions against 117 (64x128x128 fp16).
+        # 20% (the K mask: 93 instructions against 80 at 128x256x64, Triton 3.6). Pointer tiles incremented
+        # every step made it 204 against 117 (64x128x128 fp16).
         assert len(got["LOOPS"]) == len(got["bare_loops"]) == 1, got
-        assert got["LOOPS"][0] <= 1.1 * got["bare_loops"][0], got
+        assert got["LOOPS"][0] <= 1.2 * got["bare_loops"][0], got
 
 
 _COMPILE_GEMV = r"""
