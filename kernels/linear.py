@@ -61,7 +61,9 @@ def _linear_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows and columns past the edge read the last one (clamped) so loads need no mask; they compute
     # throw-away values that the masked store below never writes. (A clamp is one instruction; the
-    # wrap-around `% M` it replaces was an integer division per element.)
+    # wrap-around `% M` it replaces was an integer division per element.) With the bias load below, this
+    # took 1024^3 fp16 at 64x128x128 from 11.52 to 10.82 us, what a bare tile loop takes (H200, cold;
+    # bench/results/probe_linear_1024_h200.txt).
     offs_m = tl.minimum(rows, M - 1)
     offs_n = tl.minimum(cols, N - 1)
     if HAS_BIAS:
@@ -77,8 +79,8 @@ def _linear_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     # Tile pointers stay fixed and each K step adds one scalar offset. Incrementing the pointer tiles instead
     # (x_ptrs += ...) put a 64-bit add per 16-byte copy in the loop: 204 SASS instructions per K step against
-    # 117 (64x128x128 fp16, Triton 3.6, sm_90), and 11.6 us against 10.6 at 1024^3 (H200, cold;
-    # bench/results/probe_linear_1024_h200.txt).
+    # 117 (64x128x128 fp16, Triton 3.6, sm_90), though it moved 1024^3 only from 11.62 to 11.52 us (H200, cold;
+    # bench/results/probe_linear_1024_pointers_h200.txt).
     x_tile = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_tile = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn  # a (BLOCK_K, BLOCK_N) view of W^T
 
