@@ -28,12 +28,13 @@ import concurrent.futures as cf
 import multiprocessing as mp
 
 import torch
-import torch.nn.functional as F
 
 import kernels.linear as linear_mod
 from kernels import FusedLinear, pdl
 from kernels.tiles import device_limits
 from kernels.tuning import LaunchConfig
+
+from .probe_hopper import forced, relu_layer
 
 M = K = N = 1024
 TILES = ((64, 128), (128, 64), (64, 64), (128, 128), (64, 256), (128, 256))
@@ -52,29 +53,17 @@ def grid(element_size: int, shared_memory: int) -> list[LaunchConfig]:
     return out
 
 
-def layer_inputs(dtype: torch.dtype, seed: int = 0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
-    w = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).to(dtype)
-    b = torch.randn(N, device="cuda", generator=g).to(dtype)
-    return x, w, b
-
-
-def _run_config(cfg: LaunchConfig, x, w, b, act="relu"):
-    orig = linear_mod.tune
-    linear_mod.tune = lambda *a, **k: cfg
-    try:
-        layer = FusedLinear(w, b, act)
+def _run_config(cfg: LaunchConfig, x, w, b):
+    with forced(linear_mod, cfg):
+        layer = FusedLinear(w, b, "relu")
         layer(x)
-    finally:
-        linear_mod.tune = orig
     return layer
 
 
 def _compile_worker(dtype_name: str, configs: list[dict]) -> int:
     """Compile (by running once) each config in a fresh process; failures are the sweep's to report."""
     torch.backends.cuda.matmul.allow_tf32 = True
-    x, w, b = layer_inputs(DTYPES[dtype_name])
+    x, w, b, _ = relu_layer(M, K, N, DTYPES[dtype_name])
     done = 0
     for c in configs:
         try:
@@ -120,8 +109,7 @@ def sweep(graph_us) -> dict:
     fp16_best: list[LaunchConfig] = []
     for name in ("float16", "bfloat16", "float32"):
         dtype = DTYPES[name]
-        x, w, b = layer_inputs(dtype)
-        ref = torch.relu(F.linear(x.double(), w.double(), b.double()))
+        x, w, b, ref = relu_layer(M, K, N, dtype)
         configs = fp16_best[:10] if name == "bfloat16" else grid(x.element_size(), smem)
         precompile(name, configs)
         lt = graph_us(lambda b=b, x=x, w=w: torch._addmm_activation(b, x, w.t()))
