@@ -111,21 +111,18 @@ def test_persistent_tma_kernel_compiles_for_sm90_without_spills(dtype):
 _COMPILE_LINEAR = r"""
 import json, sys, torch
 import kernels.linear as linear
-from tests.sm90_compile import bare_tile_loop, compile_sm90, pdl_order
+from tests.sm90_compile import bare_tile_loop, compile_gemm, compile_sm90, pdl_order
 
 dtype = getattr(torch, sys.argv[1])
 ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
 precision = "tf32" if dtype == torch.float32 else "ieee"
-# As a launch at 1024^3 specializes them: unit strides constant, sizes and row strides multiples of 16.
-runtime = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, y_ptr=ptr, ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32",
-               stride_xm="i32", stride_wn="i32", stride_ym="i32", negative_slope="fp32", M_BUCKET="i32")
 fixed = dict(HAS_BIAS=True, ACTIVATION="relu", INPUT_PRECISION=precision, UPCAST_DOT=False, ROUND_BF16=False,
-             PDL=True, stride_xk=1, stride_wk=1, stride_yn=1)  # PDL: as launched on sm_90
+             PDL=True)  # PDL: as launched on sm_90
 for config in linear.cuda_configs(1024, 1024, 1024, 132, dtype.itemsize):
     if config["SPLIT_K"] > 1:
         continue
-    ptx, usage = compile_sm90(linear._linear_kernel, runtime, {**fixed, **config.meta()}, 6, config.num_warps,
-                              config.num_stages, divisible=("N", "K", "stride_xm", "stride_wn", "stride_ym"))
+    ptx, usage = compile_gemm(linear._linear_kernel, ptr, {**fixed, **config.meta()}, config.num_warps,
+                              config.num_stages)
     tile = {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
     bare_meta = {**tile, "INPUT_PRECISION": precision}
     _, bare = compile_sm90(bare_tile_loop, dict(x_ptr=ptr, w_ptr=ptr, y_ptr="*fp32", K="i32"), bare_meta, 3,
@@ -155,19 +152,15 @@ def test_linear_kernel_compiles_for_sm90_with_a_k_loop_as_lean_as_a_bare_one(dty
 _COMPILE_GEMV = r"""
 import json, sys, torch
 import kernels.linear_gemv as gemv
-from tests.sm90_compile import compile_sm90, pdl_order
+from tests.sm90_compile import compile_gemm, pdl_order
 
 dtype = getattr(torch, sys.argv[1])
 ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
-# As a launch at 1x4096x4096 specializes them: unit strides constant, sizes and row strides multiples of 16.
-runtime = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, y_ptr=ptr, ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32",
-               stride_xm="i32", stride_wn="i32", stride_ym="i32", negative_slope="fp32", M_BUCKET="i32")
 fixed = dict(HAS_BIAS=True, ACTIVATION="gelu_tanh", INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False,
-             PDL=True, stride_xk=1, stride_wk=1, stride_yn=1)  # PDL: as launched on sm_90
+             PDL=True)  # PDL: as launched on sm_90
 for config in gemv.cuda_configs(4096, 4096, 132):
     meta = {**fixed, **gemv.kernel_meta(config)}
-    ptx, usage = compile_sm90(gemv._gemv_kernel, runtime, meta, 6, config.num_warps, config.num_stages,
-                              divisible=("N", "K", "stride_xm", "stride_wn", "stride_ym"))
+    ptx, usage = compile_gemm(gemv._gemv_kernel, ptr, meta, config.num_warps, config.num_stages)
     print(json.dumps({"config": config.meta(), "wide_loads": ptx.count("ld.global.v4") + ptx.count("cp.async.cg"),
                       "narrow_loads": ptx.count("ld.global.b16"), "mma": ptx.count("mma."), **pdl_order(ptx),
                       **usage}))
