@@ -5,7 +5,8 @@ is launched only when the previous one has fully drained, and its programs then 
 first weight tile of every program comes from HBM after the gap. Launched with `launch_pdl=True`, a GEMM
 kernel's programs may start as soon as every program of the previous kernel has called
 `gdc_launch_dependents()` (ours do so first thing). Each then does the work that does not depend on the
-previous layer (the GEMV kernel loads its first weight tile) and calls `gdc_wait()`, which returns once
+previous layer (the GEMV kernel loads its first weight tile; the GEMV and MMA kernels request their bias)
+and calls `gdc_wait()`, which returns once
 the previous kernel has completed and its writes are visible, before it reads x or writes anything.
 
 Measured on an H200, the wide MLP at batch 1 (three GEMV launches in one CUDA graph, cold): 30.1 us
