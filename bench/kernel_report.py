@@ -164,8 +164,13 @@ def markdown(results: dict) -> str:
             )
         else:
             wall = "best of 5 runs (the same rule for every provider)"
+        # Results written before cold_timing (no "l2_clear") were timed by do_bench, which zeroes 256 MB.
+        if meta.get("timing", {}).get("l2_clear") == "read":
+            device = "median, L2 cleared by reading 256 MB before every rep (kernels/cold_timing.py)"
+        else:
+            device = "median of `triton.testing.do_bench` (L2 flushed by zeroing 256 MB before every rep)"
         lines.append(
-            "Device time: median of `triton.testing.do_bench` (L2 flushed before every rep); graph: the call "
+            f"Device time: {device}; graph: the call "
             "captured once into a CUDA graph and replayed. Wall: host time per call, calls back-to-back from "
             f"Python, one synchronize at the end, {wall}. "
             "Floor: max(bytes / copy bandwidth, flops / matmul rate), bytes = inputs and weights read once, "

@@ -105,7 +105,7 @@ def _execute(plan, command: str, device: torch.device, tf32: bool, settings: dic
             "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "timing": {
                 "warmup_ms": timing.warmup_ms, "rep_ms": timing.rep_ms, "wall_target_s": timing.wall_target_s,
-                "wall_rounds": WALL_ROUNDS, "wall_interleaved": True,
+                "wall_rounds": WALL_ROUNDS, "wall_interleaved": True, "l2_clear": "read",
             },
             "inductor_settings": settings, "ceilings": ceilings, "model_dtype": plan.model_dtype,
             "tuning_cache": _tuning_cache(),

@@ -1,9 +1,11 @@
 """How `fusedserve bench kernels` measures: device time, wall time, graph capture, ceilings, error.
 
-- device time: `triton.testing.do_bench(fn, return_mode="median")`. It zeroes a 256 MB buffer before
-  every rep, which flushes L2 (so no input is timed from cache: it also answers "rotate the inputs")
-  and keeps the GPU busy ~75 us at 3.5 TB/s, so host launch gaps shorter than that stay hidden: for a
-  plain call this is the time the kernels take on the device, not the time Python takes to launch them.
+- device time: `kernels.cold_timing.cold_us`, triton.testing.do_bench's loop (median) with L2 cleared
+  by reading a 256 MB buffer before every rep, where do_bench zeroes it (the dirty lines that zeroing
+  leaves cost a 48 MB read 5 us of write-back: see cold_timing). No input is timed from cache (this also
+  answers "rotate the inputs"), and the ~60 us read keeps the GPU busy, so host launch gaps shorter
+  than that stay hidden: for a plain call this is the time the kernels take on the device, not the
+  time Python takes to launch them.
 - wall time: host time per call. One run: one untimed call and a synchronize (the device idle, this
   provider's code and data back in the caches), then N calls back-to-back from Python and one
   synchronize, divided by N; the garbage collector is off during the run (as in `timeit`). N is chosen
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import graph_capture
+from kernels.cold_timing import cold_us
 
 # Normwise error above which a result is flagged (loose: they catch wrong results, not rounding).
 # Rounding of the stored output alone is 2^-11 = 4.9e-4 in fp16, 2^-8 = 3.9e-3 in bf16; TF32 operands
@@ -54,7 +57,7 @@ def error_bound(dtype: str, tf32: bool) -> float:
 
 @dataclass(frozen=True)
 class Timing:
-    """How long and how often to time; `--quick` shortens both (do_bench's arguments are milliseconds)."""
+    """How long and how often to time; `--quick` shortens both (cold_us's arguments are milliseconds)."""
 
     warmup_ms: int = 10
     rep_ms: int = 50
@@ -67,10 +70,8 @@ def synchronize(device: torch.device) -> None:
 
 
 def device_us(fn: Callable[[], object], timing: Timing) -> float:
-    """Median device time of one call, in microseconds (CUDA only)."""
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=timing.warmup_ms, rep=timing.rep_ms, return_mode="median")) * 1e3
+    """Median device time of one call, in microseconds (CUDA only), L2 cleared before each."""
+    return cold_us(fn, warmup_ms=timing.warmup_ms, rep_ms=timing.rep_ms)
 
 
 def calls_per_run(fn: Callable[[], object], device: torch.device, timing: Timing) -> int:

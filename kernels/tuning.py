@@ -165,7 +165,7 @@ def tune(
         return hit
     if not enabled():
         return next(iter(candidates))
-    bench = bench or _do_bench_us
+    bench = bench or _cold_graph_us
     best, best_us, last_error = None, float("inf"), None
     for config in candidates:
         try:
@@ -183,22 +183,21 @@ def tune(
     return best
 
 
-def _do_bench_us(fn: Callable[[], None]) -> float:
-    """Device time of one call with L2 flushed before it (median, us): the way bench.kernels measures.
+def _cold_graph_us(fn: Callable[[], None]) -> float:
+    """Device time of one call with L2 cleared before it (median, us): the way bench.kernels measures.
 
-    The call is captured once into a CUDA graph and the replay timed by triton's do_bench, which zeroes
+    The call is captured once into a CUDA graph and the replay timed by cold_timing.cold_us, which reads
     a 256 MB buffer before every rep. Timing launches from Python instead measured the launcher: a 10 us
     kernel read 10-40 us depending on how long Triton's Python took that time (H200), and the tuner
     picked noise. Timing back to back (do_bench_cudagraph, as before) kept every weight in L2 and picked
     for that case only: the 4096x4096 M=1 fp16 pick ran 12.3 us hot but 18.9 us cold, and the weights
     of a layer that streams MBs of them are not in L2 when a request arrives (H200, bench/results).
     """
-    import triton.testing
-
+    from .cold_timing import cold_us
     from .graph_capture import capture
 
     graph, _ = capture(fn, warmups=2)  # the first compiles the candidate
-    return float(triton.testing.do_bench(graph.replay, warmup=5, rep=20, return_mode="median")) * 1e3
+    return cold_us(graph.replay, warmup_ms=5, rep_ms=20)
 
 
 # Whether to time candidates. FUSEDSERVE_TUNING=false takes each kernel's first candidate untimed: quick

@@ -423,6 +423,15 @@ def test_method_line_says_how_the_wall_was_measured():
     assert "the same rule for every provider" not in md
 
 
+def test_method_line_says_how_l2_was_cleared():
+    results = _fake_results(1e-3)
+    results["meta"]["device"] = "cuda"
+    assert "zeroing 256 MB" in markdown(results)  # written before cold_timing
+    results["meta"]["timing"] = {"l2_clear": "read"}
+    md = markdown(results)
+    assert "L2 cleared by reading 256 MB" in md and "zeroing" not in md
+
+
 @pytest.mark.parametrize(
     ("floor_us", "ours_us", "want"), [(1.06, 10.6, "10%"), (0.99, 10.0, "10%"), (0.04, 9.47, "0.4%"), (3, 4, "75%")]
 )

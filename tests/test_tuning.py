@@ -140,6 +140,43 @@ def test_candidates_are_timed_with_l2_flushed():
         calls.append(1)
         torch.sum(src, dim=0, out=out)  # torch 2.11 has no out= form without dim
 
-    us = tuning._do_bench_us(read_all)
+    us = tuning._cold_graph_us(read_all)
     assert us >= src.numel() * 4 / 6e12 * 1e6, f"{us:.2f} us: faster than HBM, so not timed cold"
     assert len(calls) == 3  # the first call, a warm-up on a side stream, the capture; replays call nothing
+
+
+def test_the_l2_flush_reads_every_byte_and_writes_none():
+    # Clearing L2 by writes leaves dirty lines for the timed call to write back (kernels/cold_timing.py):
+    # the flush must read its whole buffer (the sum sees every element) and leave it unchanged.
+    import torch
+
+    from kernels.cold_timing import L2Flush
+
+    flush = L2Flush(torch.device("cpu"), nbytes=4 * 1001)
+    flush.buffer.copy_(torch.randint(-1000, 1000, (1001,), dtype=torch.int32))
+    before = flush.buffer.clone()
+    flush.sink.fill_(-1)
+    flush()
+    assert torch.equal(flush.buffer, before)
+    assert int(flush.sink) == int(before.long().sum())
+
+
+@pytest.mark.gpu
+def test_cold_timing_reads_from_memory_where_a_busy_wait_instead_of_the_flush_reads_from_l2():
+    # The same 24 MB sum (half an H200's L2), timed after the flush and after a busy wait of about the same
+    # length that touches no memory: the first reads HBM (at most 4.8 TB/s on an H200, 6e12 bounds it), the
+    # second finds the tensor in L2, so the flush must cost it time.
+    import torch
+
+    from kernels.cold_timing import cold_us
+
+    src = torch.randn(6 * 2**20, device="cuda")
+    out = torch.empty((), device="cuda")
+
+    def read_all():
+        torch.sum(src, dim=0, out=out)
+
+    cold = cold_us(read_all, warmup_ms=2, rep_ms=10)
+    warm = cold_us(read_all, warmup_ms=2, rep_ms=10, flush=lambda: torch.cuda._sleep(100_000))
+    assert cold >= src.numel() * 4 / 6e12 * 1e6, f"{cold:.2f} us: faster than HBM, so not timed cold"
+    assert cold > 1.2 * warm, f"cold {cold:.2f} us, L2-warm {warm:.2f} us: the flush did not evict the tensor"

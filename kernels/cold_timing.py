@@ -1,0 +1,74 @@
+"""Device time of one call with nothing it reads in L2: how the tuner and `fusedserve bench kernels` time.
+
+The loop is `triton.testing.do_bench`'s (estimate from 5 calls, warm up, then per rep: clear L2, event,
+call, event; the median), with one change: L2 is cleared by *reading* a 256 MB buffer, not by zeroing it.
+Zeroing leaves L2 (50 MB on an H200) full of dirty lines, so a timed call that reads from memory first
+writes them back, a cost no serving loop has (between two forwards L2 holds the last one's weights and a
+few KB of activations). Measured on an H200 in one run (bench/results/probe_l2_flush_h200.txt, cold
+graph replays, zeroing against reading): reading 48 MB 24.6 against 19.2 us, the wide MLP at batch 1
+26.1 against 21.3 (torch.compile 37.9 against 33.2), a kernel that stores one float 3.9 against 3.0,
+1024^3 fp16 10.8 against 10.3 (cuBLASLt 10.2 against 9.8). Under zeroing, a hint that evicts a kernel's
+own clean lines first won 2.3 us on a 48 MB read by leaving the dirty ones alone; under reading it
+changed nothing (bench/results/probe_stream_h200.txt): zeroing rewards what serving would not.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+FLUSH_BYTES = 256 << 20  # 5x the L2 of an H100/H200: no line of the timed call's inputs survives it
+
+
+class L2Flush:
+    """Reads a FLUSH_BYTES buffer (one sum, 8 bytes written): L2 ends up holding it, clean."""
+
+    def __init__(self, device: torch.device, nbytes: int = FLUSH_BYTES):
+        self.buffer = torch.ones(nbytes // 4, dtype=torch.int32, device=device)
+        self.sink = torch.empty((), dtype=torch.int64, device=device)
+
+    def __call__(self) -> None:
+        torch.sum(self.buffer, dim=0, dtype=torch.int64, out=self.sink)  # torch 2.11: out= needs dim
+
+
+_flushes: dict[torch.device, L2Flush] = {}
+
+
+def l2_flush(device: torch.device) -> L2Flush:
+    """The process's flush for this device, allocated on first use (256 MB kept for the process)."""
+    if device not in _flushes:
+        _flushes[device] = L2Flush(device)
+    return _flushes[device]
+
+
+def cold_us(
+    fn: Callable[[], object], warmup_ms: float = 10, rep_ms: float = 50, flush: Callable[[], object] | None = None
+) -> float:
+    """Median device time of one call of fn (us), L2 cleared by reads before each (CUDA only).
+    `flush`: another way to clear L2 (bench/probe_l2_flush.py compares zeroing)."""
+    flush = flush or l2_flush(torch.device("cuda", torch.cuda.current_device()))
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = start.elapsed_time(end) / 5  # flush included, as do_bench's estimate
+    n_warmup = max(1, int(warmup_ms / estimate_ms))
+    n_rep = max(1, int(rep_ms / estimate_ms))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+    for _ in range(n_warmup):
+        fn()
+    for i in range(n_rep):
+        flush()  # the ~60 us read keeps the device busy, so the host's launch gaps stay hidden
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)) * 1e3
