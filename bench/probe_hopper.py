@@ -356,7 +356,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--only", choices=["mlp-prefetch", "mlp-split", "linear-small", "linear-tma", "linear-gemv",
                                       "linear-tma-small", "linear-mid", "mlp-flat", "linear-ws", "gemv-pdl",
-                                      "linear-share", "mlp-meet", "linear-1024", "launch-cold"],
+                                      "linear-share", "mlp-meet", "linear-1024", "launch-cold", "l2-flush", "stream"],
                    help="just this part (mlp-prefetch: with the 1024^3 fp16 config sweep)")  # fmt: skip
     args = p.parse_args()
     t0 = time.time()
@@ -404,6 +404,18 @@ def main() -> None:
         from .probe_launch_cold import sweep as launch_sweep
 
         (args.out / "probe_launch_cold.json").write_text(json.dumps(launch_sweep(), default=str, indent=1))
+        print(f"[{time.time() - t0:.0f}s]", flush=True)
+        return
+    if args.only == "l2-flush":  # bench/probe_l2_flush.py: cold timing with L2 cleared by zeroing and by reading
+        from .probe_l2_flush import sweep as flush_sweep
+
+        (args.out / "probe_l2_flush.json").write_text(json.dumps(flush_sweep(), default=str, indent=1))
+        print(f"[{time.time() - t0:.0f}s]", flush=True)
+        return
+    if args.only == "stream":  # bench/probe_stream.py: the fastest cold read of 48 MB, by kernel shape
+        from .probe_stream import sweep as stream_sweep
+
+        (args.out / "probe_stream.json").write_text(json.dumps(stream_sweep(), default=str, indent=1))
         print(f"[{time.time() - t0:.0f}s]", flush=True)
         return
     if args.only == "mlp-split":
