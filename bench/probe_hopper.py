@@ -172,7 +172,7 @@ def sweep_gemv(K, N, dtype=torch.float16, act="relu") -> dict:
         for split in (1, 2, 4, 8, 16):
             if triton.cdiv(K, bk) >= split:
                 grid.append(linear_mod.LaunchConfig.of(warps, 1, GEMV=1, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk,
-                                                       GROUP_M=1, SPLIT_K=split, UNROLL=1))  # fmt: skip
+                                                       GROUP_M=1, SPLIT_K=split))  # fmt: skip
     offered = set(gemv.cuda_configs(N, K, sms))
     rows = []
     for cfg in grid:
@@ -356,8 +356,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--only", choices=["mlp-prefetch", "mlp-split", "linear-small", "linear-tma", "linear-gemv",
                                       "linear-tma-small", "linear-mid", "mlp-flat", "linear-ws", "gemv-pdl",
-                                      "linear-share", "mlp-meet", "linear-1024", "launch-cold", "l2-flush", "stream",
-                                      "gemv-unroll"],
+                                      "linear-share", "mlp-meet", "linear-1024", "launch-cold", "l2-flush", "stream"],
                    help="just this part (mlp-prefetch: with the 1024^3 fp16 config sweep)")  # fmt: skip
     args = p.parse_args()
     t0 = time.time()
@@ -417,12 +416,6 @@ def main() -> None:
         from .probe_stream import sweep as stream_sweep
 
         (args.out / "probe_stream.json").write_text(json.dumps(stream_sweep(), default=str, indent=1))
-        print(f"[{time.time() - t0:.0f}s]", flush=True)
-        return
-    if args.only == "gemv-unroll":  # bench/probe_gemv_unroll.py: the wide MLP's GEMVs with 1-4 tiles in flight
-        from .probe_gemv_unroll import sweep as unroll_sweep
-
-        (args.out / "probe_gemv_unroll.json").write_text(json.dumps(unroll_sweep(), default=str, indent=1))
         print(f"[{time.time() - t0:.0f}s]", flush=True)
         return
     if args.only == "mlp-split":

@@ -204,7 +204,7 @@ def cuda_configs(
         # 64x256x128 fp16 6.69 us (cuBLASLt 6.69, best older candidate 7.14); 128x256x256 6.78 (6.88, 7.36).
         configs += [cfg(16, 32, 64, 4, 4), cfg(16, 32, 256, 4, 2), cfg(16, 64, 256, 4, 2)]
     if bucket == 1:
-        configs += gemv.cuda_configs(N, K, sms, element_size)  # CUDA cores, no 16-row padding: see linear_gemv.py
+        configs += gemv.cuda_configs(N, K, sms)  # CUDA cores, no 16-row padding: see linear_gemv.py
     configs = [c for c in configs if pipeline_shared_memory(c, element_size) <= shared_memory]
     if tma and persistent.offered(bucket, N, sms):
         configs += persistent.cuda_configs(element_size, shared_memory)
@@ -474,7 +474,7 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
         key = f"N{N}|K{K}|{x.dtype}|{activation}|bias={bias is not None}|{precision}|m{bucket}"
         key += "|tma" if tma else ""
         kernels = (_linear_kernel, gemv._gemv_kernel, persistent._linear_persistent_kernel)
-        scope = scope_for("linear", *kernels, gemv._left, gemv._x_tile, grouped_tile, split_k_sum, apply_activation)
+        scope = scope_for("linear", *kernels, grouped_tile, split_k_sum, apply_activation)
         candidates = cuda_configs(bucket, N, K, sms, x.element_size(), shared_memory, tma)
         config = tune(scope, key, candidates, run)
         if configs is not None:

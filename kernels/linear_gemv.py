@@ -28,19 +28,6 @@ from .tiles import split_k_sum
 from .tuning import LaunchConfig
 
 
-@triton.jit
-def _left(k, k_end, K, BLOCK_K: tl.constexpr):
-    """Elements of K left from K tile k on, or 0 past this program's range (k_end): the tile's load mask."""
-    return tl.where(k < k_end, K - k * BLOCK_K, 0)
-
-
-@triton.jit
-def _x_tile(x_ptrs, i: tl.constexpr, k_first, k_end, K, stride_xk, BLOCK_K: tl.constexpr):
-    """x's slice for this program's K tile k_first + i, in fp32 (zeros past its range)."""
-    mask = tl.arange(0, BLOCK_K) < _left(k_first + i, k_end, K, BLOCK_K)
-    return tl.load(x_ptrs + i * BLOCK_K * stride_xk, mask=mask, other=0.0).to(tl.float32)
-
-
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
@@ -60,7 +47,6 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,  # unused: programs of one row block share nothing to group for
     SPLIT_K: tl.constexpr,
-    UNROLL: tl.constexpr,  # 1-4: W tiles each program requests before the wait (see below)
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()  # the next layer may start (it waits for this one before reading y)
@@ -80,39 +66,19 @@ def _gemv_kernel(
     x_ptrs = x_ptr + row * stride_xm + (k_first * BLOCK_K + offs_k) * stride_xk
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_first * BLOCK_K + offs_k)[None, :] * stride_wk
 
-    # The first UNROLL W tiles are loaded before x: weights never depend on the previous layer, so under PDL
-    # they are in flight while that layer finishes, and each program has UNROLL tiles in flight at once
-    # (the loop below has one). Tiles past this program's K range are masked off: no memory traffic. (A
-    # program whose K range is empty, the last of an uneven split, has every load masked: a zero partial.)
-    # `arange < scalar` masks, as in linear.py: constant over 16-element runs, so 16-byte loads.
-    tl.static_assert(UNROLL >= 1 and UNROLL <= 4, "UNROLL: 1 to 4 tiles before the wait")
+    # The first W tile is loaded before x: weights never depend on the previous layer, so under PDL it is in
+    # flight while that layer finishes. (A program whose K range is empty, the last of an uneven split,
+    # has k_left <= 0 here: every load masked, a zero partial.) `arange < scalar` masks, as in linear.py:
+    # constant over 16-element runs, so 16-byte loads.
     k_left = K - k_first * BLOCK_K
     w_first = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-    if UNROLL > 1:
-        w_1 = tl.load(
-            w_ptrs + BLOCK_K * stride_wk, mask=offs_k[None, :] < _left(k_first + 1, k_end, K, BLOCK_K), other=0.0
-        )
-    if UNROLL > 2:
-        w_2 = tl.load(
-            w_ptrs + 2 * BLOCK_K * stride_wk, mask=offs_k[None, :] < _left(k_first + 2, k_end, K, BLOCK_K), other=0.0
-        )
-    if UNROLL > 3:
-        w_3 = tl.load(
-            w_ptrs + 3 * BLOCK_K * stride_wk, mask=offs_k[None, :] < _left(k_first + 3, k_end, K, BLOCK_K), other=0.0
-        )
     if HAS_BIAS:  # a weight too, requested now rather than as one more trip to memory after the loop
         bias = tl.load(b_ptr + offs_n)
     if PDL:
         gdc_wait()  # the previous kernel has completed and its writes (x) are visible
     xv = tl.load(x_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)
     acc = w_first.to(tl.float32) * xv[None, :]
-    if UNROLL > 1:
-        acc += w_1.to(tl.float32) * _x_tile(x_ptrs, 1, k_first, k_end, K, stride_xk, BLOCK_K)[None, :]
-    if UNROLL > 2:
-        acc += w_2.to(tl.float32) * _x_tile(x_ptrs, 2, k_first, k_end, K, stride_xk, BLOCK_K)[None, :]
-    if UNROLL > 3:
-        acc += w_3.to(tl.float32) * _x_tile(x_ptrs, 3, k_first, k_end, K, stride_xk, BLOCK_K)[None, :]
-    for k in range(k_first + UNROLL, k_end):
+    for k in range(k_first + 1, k_end):
         # an offset from fixed pointer tiles, not `ptrs += ...`: 180 instructions per K step instead of 212
         # (8x1024 fp16, Triton 3.6, sm_90): the loop no longer adds 64-bit addresses
         step = (k - k_first) * BLOCK_K
@@ -136,14 +102,11 @@ def _gemv_kernel(
     tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=(cols[None, :] < N) & last)
 
 
-MAX_UNROLL_BYTES = 64 * 1024
-
-
 def is_gemv(config: LaunchConfig) -> bool:
     return ("GEMV", 1) in config.kwargs
 
 
-def cuda_configs(N: int, K: int, sms: int, element_size: int = 2) -> list[LaunchConfig]:
+def cuda_configs(N: int, K: int, sms: int) -> list[LaunchConfig]:
     """Candidates for one-row batches: W tiles of 16 KB (fp16) per K step in three shapes over 4 warps and
     one of 32 KB over 8, each split along K until about two programs per SM. The four fastest of a 38-config
     sweep on an H200 (bench/results/probe_linear_gemv_h200.txt; cold graph replay, fp16): 8x1024 won at
@@ -157,12 +120,7 @@ def cuda_configs(N: int, K: int, sms: int, element_size: int = 2) -> list[Launch
         tiles, split = triton.cdiv(N, bn), 1
         while tiles * split < 2 * sms and split < 32 and triton.cdiv(K, bk) >= 2 * split:  # >= 1 K step each
             split *= 2
-        steps = triton.cdiv(triton.cdiv(K, bk), split)  # K tiles per program
-        for unroll in (1, 2, 4) if warps == 4 else (1,):
-            # at most 64 KB of W requested per program: 128 KB (fp32, 4 tiles) spilled (72-392 B of stack)
-            if unroll == 1 or (steps >= unroll and unroll * bn * bk * element_size <= MAX_UNROLL_BYTES):
-                configs.append(LaunchConfig.of(warps, 1, GEMV=1, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1,
-                                               SPLIT_K=split, UNROLL=unroll))  # fmt: skip
+        configs.append(LaunchConfig.of(warps, 1, GEMV=1, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, SPLIT_K=split))
     return configs
 
 

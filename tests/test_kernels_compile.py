@@ -158,7 +158,7 @@ dtype = getattr(torch, sys.argv[1])
 ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
 fixed = dict(HAS_BIAS=True, ACTIVATION="gelu_tanh", INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False,
              PDL=True)  # PDL: as launched on sm_90
-for config in gemv.cuda_configs(4096, 4096, 132, dtype.itemsize):
+for config in gemv.cuda_configs(4096, 4096, 132):
     meta = {**fixed, **gemv.kernel_meta(config)}
     ptx, usage = compile_gemm(gemv._gemv_kernel, ptr, meta, config.num_warps, config.num_stages)
     print(json.dumps({"config": config.meta(), "wide_loads": ptx.count("ld.global.v4") + ptx.count("cp.async.cg"),
@@ -170,10 +170,7 @@ for config in gemv.cuda_configs(4096, 4096, 132, dtype.itemsize):
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_gemv_kernel_compiles_for_sm90_with_wide_loads_and_without_spills(dtype):
     results = _compiled(_COMPILE_GEMV, dtype)
-    # 4 tile shapes; at 4096x4096 the three 4-warp ones have 4 K tiles per program, so also UNROLL 2 and
-    # (16-bit: 4 tiles of 16 KB) 4; fp32 stops at 2, where 4 spilled
-    unrolls = {"float16": [1, 2, 4, 1, 2, 4, 1, 2, 4, 1], "float32": [1, 2, 1, 2, 1, 2, 1]}[dtype]
-    assert [r["config"]["UNROLL"] for r in results] == unrolls, results
+    assert len(results) == 4, results
     for got in results:
         # 16-byte loads of W (the one 2-byte load is the bias: an element per thread), no tensor-core MMA (the
         # point of this kernel), and nothing spilled. Unspecialized strides gave 69 2-byte loads and spills.
