@@ -440,3 +440,24 @@ def test_percent_of_floor_reads_as_a_percent(floor_us, ours_us, want):
     from bench.kernel_report import _pct_floor
 
     assert _pct_floor({"floor_us": floor_us}, {"graph": {"device_us": ours_us}}) == want
+
+
+def test_budget_estimates_each_section_from_its_own_costs():
+    # Layer cases cost ~3 s, model cases ~12 (ours tunes a whole MLP per bucket). Carried over, the layers'
+    # costs let compile-max take the time the last model cases needed (a 2026-11-23 H200 run skipped two).
+    from bench.kernel_budget import MODEL_START_ESTIMATE_S
+
+    b = Budget(limit_s=200)
+    b.start_section(0.5)
+    for _ in range(3):
+        b.record("base", 2.0)
+        b.record("compile-max", 20.0)
+    assert b.estimate("base") == 2.0
+    b.start_section(1.0, MODEL_START_ESTIMATE_S)
+    assert b.estimate("base") == MODEL_START_ESTIMATE_S["base"] and b.estimate("compile-max") == 25.0
+    # ~200 s left: 10 model cases after this one need 25 + 11 * 12 + 10 * 1 = 167 s with compile-max, 15
+    # after need 25 + 16 * 12 + 15 = 232: skipped (with the layers' 2 s a case it would have run: 25 + 32 + 15).
+    assert b.skip_reason("compile-max", 10) is None
+    assert "--time-limit" in b.skip_reason("compile-max", 15)
+    b.record("base", 20.0)
+    assert b.estimate("base") == 20.0  # measured in this section, not averaged with the layers' 2 s
