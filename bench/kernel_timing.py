@@ -3,9 +3,9 @@
 - device time: `kernels.cold_timing.cold_us`, triton.testing.do_bench's loop (median) with L2 cleared
   by reading a 256 MB buffer before every rep, where do_bench zeroes it (the dirty lines that zeroing
   leaves cost a 48 MB read 5 us of write-back: see cold_timing). No input is timed from cache (this also
-  answers "rotate the inputs"), and the ~60 us read keeps the GPU busy, so host launch gaps shorter
-  than that stay hidden: for a plain call this is the time the kernels take on the device, not the
-  time Python takes to launch them.
+  answers "rotate the inputs"), and the read (~63 us at 4.25 TB/s) keeps the GPU busy, so host launch
+  gaps shorter than that stay hidden: for a plain call this is the time the kernels take on the device,
+  not the time Python takes to launch them.
 - wall time: host time per call. One run: one untimed call and a synchronize (the device idle, this
   provider's code and data back in the caches), then N calls back-to-back from Python and one
   synchronize, divided by N; the garbage collector is off during the run (as in `timeit`). N is chosen
