@@ -7,14 +7,27 @@ kernels themselves at serving sizes and 3-5x what eager torch spends per op. A p
 its compiled kernel after the first launch, so later launches call the compiled kernel's launcher
 directly: a stream lookup and one C call.
 
+What is left of a launch is trimmed too (bench/probe_host_launch.py measured each part on the H200's host):
+- pointer arguments are passed as ints (tensor.data_ptr()): for a tensor, Triton's launcher calls data_ptr()
+  and then cuPointerGetAttribute, a driver call that checks the address is device memory, per pointer; an
+  int it takes as the address. The callers have checked device and alignment already.
+- the stream is the current stream of the device the kernel was loaded on, looked up by that device's
+  index, not by asking torch which device is current (a Python call) every launch.
+- where Triton's launcher object only adds constant flags and empty scratch buffers before calling its
+  C function (triton 3.6's CudaLauncher.__call__, for a kernel that needs no scratch), that C function is
+  called directly; anything else (other launcher signatures, kernels with scratch) goes through the object.
+
 Sound only while the specialization would not change: the callers reuse a kernel only for calls
 whose tensors are contiguous and 16-byte aligned, as at the first launch (their weights, sizes and
 strides are fixed per layer; the batch size is never specialized: do_not_specialize). Launch hooks
 (profilers such as proton) do not see these launches. Needs triton >= 3.3, whose launcher takes every
-argument, constexprs included; older versions take the slow path.
+argument, constexprs included; older versions take the slow path. The callers keep the tensors whose
+addresses they pass alive until the launch is enqueued (torch's stream order does the rest, as for any op).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import triton
 from triton.runtime import driver
@@ -22,23 +35,58 @@ from triton.runtime import driver
 DIRECT_LAUNCH = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 3)
 
 
+# The parameters of a launcher object's __call__ whose body is known: triton 3.6's CudaLauncher, which passes
+# (gridX, gridY, gridZ, stream, function, cooperative flag, PDL flag, global scratch, profile scratch, *args)
+# on to its C `launch`, the scratch buffers None for a kernel whose scratch sizes are 0.
+_KNOWN_LAUNCHER_CALL = ("self", "gridX", "gridY", "gridZ", "stream", "function", "args")
+
+
+def c_launch_of(run):
+    """The C launch function behind Triton launcher object `run`, when calling it directly is the same as
+    calling `run`: a launcher whose __call__ has the known signature, for a kernel with no scratch. Else None."""
+    launch = getattr(run, "launch", None)
+    if not callable(launch) or getattr(run, "global_scratch_size", None) != 0:
+        return None
+    if getattr(run, "profile_scratch_size", None) != 0:
+        return None
+    try:
+        params = tuple(inspect.signature(type(run).__call__).parameters)
+    except (TypeError, ValueError):
+        return None
+    return launch if params == _KNOWN_LAUNCHER_CALL else None
+
+
 class DirectLaunch:
-    """A compiled kernel plus its constexpr arguments, ready to launch on a 1-D grid."""
+    """A compiled kernel plus its constexpr arguments, ready to launch on a 1-D grid.
+
+    Call it as `launch(grid, *runtime_args)` with pointer arguments as ints (tensor.data_ptr()); tensors work
+    too, at the cost of a driver call each. Build it right after the kernel's first launch, while the device
+    it ran on is current: later launches go to that device's current stream.
+    """
 
     def __init__(self, compiled, constexpr_values: tuple):
         if hasattr(compiled, "result"):  # an async-compile future (newer triton)
             compiled = compiled.result()
         compiled._init_handles()
-        self._run = compiled.run
+        run = compiled.run
+        self._run = run
         self._function = compiled.function
         self._metadata = compiled.packed_metadata
         self._tail = constexpr_values
-        self._device = driver.active.get_current_device
+        self._device_index = driver.active.get_current_device()
         self._stream = driver.active.get_current_stream
+        c_launch = c_launch_of(run)
+        self.calls_c_launcher = c_launch is not None
+        if c_launch is not None:
+            self._call = c_launch
+            self._head = (self._function, run.launch_cooperative_grid, run.launch_pdl, None, None, self._metadata,
+                          None, None, None)  # fmt: skip
+        else:  # the launcher object: (function, metadata, launch metadata, enter hook, exit hook, *args)
+            self._call = run
+            self._head = (self._function, self._metadata, None, None, None)
 
     def __call__(self, grid: int, *args) -> None:
-        self._run(grid, 1, 1, self._stream(self._device()), self._function, self._metadata, None, None, None,
-                  *args, *self._tail)  # fmt: skip
+        self._call(grid, 1, 1, self._stream(self._device_index), *self._head, *args, *self._tail)
 
 
 def constexpr_tail(kernel, values: dict) -> tuple:

@@ -10,6 +10,8 @@ Shapes (PyTorch's nn.Linear layout): x (M, K), weight (N, K), bias (N,) or None,
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -281,6 +283,20 @@ def _check_out(out: torch.Tensor, x: torch.Tensor, N: int) -> None:
         )
 
 
+class LaunchRecord(NamedTuple):
+    """Everything a direct launch of one batch size needs, kept per size by FusedLinear (its fast path).
+    Addresses are ints (launch.py); ws/cnt are 0 for the persistent kernel, which has no split-K buffers."""
+
+    launch: DirectLaunch
+    grid: int
+    w_ptr: int
+    b_ptr: int
+    ws_ptr: int
+    cnt_ptr: int
+    bucket: int
+    persistent: bool
+
+
 class FusedLinear:
     """y = act(x @ weight.T + bias) as a layer prepared for many calls, as a server makes them.
 
@@ -309,9 +325,9 @@ class FusedLinear:
         # (M bucket, input precision) -> the compiled kernel of aligned calls, and its config
         self.direct: dict[tuple[int, str], tuple[DirectLaunch, LaunchConfig]] = {}
         self.workspace = SplitKWorkspace(weight.device)
-        # (rows, TF32 on) -> (launch, grid, split-K workspace, counters, bucket, persistent): everything a call
-        # of that size needs, filled on the first direct launch of each size (__call__'s fast path).
-        self._fast: dict[tuple[int, bool], tuple] = {}
+        # (rows, TF32 on) -> what a call of that size needs, filled on the first direct launch of each size
+        # (__call__'s fast path).
+        self._fast: dict[tuple[int, bool], LaunchRecord] = {}
         self._bias_arg = bias if bias is not None else weight  # any pointer when HAS_BIAS is off; never read
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -322,7 +338,7 @@ class FusedLinear:
         # reject (it runs, and names the problem, whenever this test fails), one lookup of the batch size's
         # launch record, the output, the launch. The Python around a launch is most of a small layer's
         # wall time (64x256x128 fp16 on an H200: ~3 us of GPU work, 17 us per call before this path).
-        if self.direct and plain_rows(x, w.dtype, w.device, K) and x.data_ptr() % 16 == 0:
+        if self.direct and plain_rows(x, w.dtype, w.device, K) and (x_ptr := x.data_ptr()) % 16 == 0:
             M = x.shape[0]
             fast = None
             if M > 0 and M * K < 2**31:
@@ -334,13 +350,14 @@ class FusedLinear:
                     out = x.new_empty((M, N))
                 else:
                     _check_out(out, x, N)
-                if out.data_ptr() % 16 == 0:
-                    launch, grid, ws, cnt, bucket, is_persistent = fast
+                if (out_ptr := out.data_ptr()) % 16 == 0:
+                    # Pointers go as ints (launch.py: no driver call per pointer); the record holds the fixed ones.
+                    launch, grid, w_ptr, b_ptr, ws_ptr, cnt_ptr, bucket, is_persistent = fast
                     if is_persistent:
                         triton.set_allocator(persistent.scratch)  # per thread: TMA descriptors' scratch
-                        launch(grid, x, w, self._bias_arg, out, M, N, K, K, K, N, self.negative_slope)
+                        launch(grid, x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K, K, N, self.negative_slope)
                     else:
-                        launch(grid, x, w, self._bias_arg, out, ws, cnt, M, N, K, K, 1, K, 1, N, 1,
+                        launch(grid, x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K, 1, K, 1, N, 1,
                                self.negative_slope, bucket)  # fmt: skip
                     return out
         _check_x(x, w)
@@ -357,22 +374,24 @@ class FusedLinear:
             self.direct,
         )
 
-    def _record(self, M: int, tf32: bool) -> tuple | None:
-        """The launch record of M rows, (launch, grid, split-K workspace, counters, bucket, persistent), kept
-        for the next call of that size; None while the bucket has no compiled kernel. The workspace keeps
-        outgrown buffers (SplitKWorkspace), so older records stay valid."""
+    def _record(self, M: int, tf32: bool) -> LaunchRecord | None:
+        """The launch record of M rows, kept for the next call of that size; None while the bucket has no
+        compiled kernel. Its addresses stay valid: the layer holds its weights for life, and the workspace
+        keeps outgrown buffers (SplitKWorkspace)."""
         bucket = m_bucket(M)
         entry = self.direct.get((bucket, "tf32" if tf32 else "ieee"))
         if entry is None:
             return None
         launch, config = entry
+        w_ptr, b_ptr = self.weight.data_ptr(), self._bias_arg.data_ptr()
         if persistent.is_persistent(config):
-            record = (launch, persistent.default_programs(self.weight.device), None, None, bucket, True)
+            programs = persistent.default_programs(self.weight.device)
+            record = LaunchRecord(launch, programs, w_ptr, b_ptr, 0, 0, bucket, True)
         else:
             bm, bn, split = config["BLOCK_M"], config["BLOCK_N"], config["SPLIT_K"]
             tiles = triton.cdiv(M, bm) * triton.cdiv(self.weight.shape[0], bn)
             ws, cnt = self.workspace.get(tiles, bm * bn, split)
-            record = (launch, tiles * split, ws, cnt, bucket, False)
+            record = LaunchRecord(launch, tiles * split, w_ptr, b_ptr, ws.data_ptr(), cnt.data_ptr(), bucket, False)
         if len(self._fast) < MAX_FAST_BATCH_SIZES:
             self._fast[(M, tf32)] = record
         return record

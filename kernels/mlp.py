@@ -408,7 +408,7 @@ class FusedMLP:
         self.weights, self.biases = self._pack()
         self._configs: dict[tuple[int, str], LaunchConfig] = {}  # (M bucket, precision) -> tuned config
         self._direct: dict[tuple[int, str], DirectLaunch] = {}  # the same key -> its compiled kernel
-        # (rows, TF32 on) -> (launch, grid, shares, counters): __call__'s fast path
+        # (rows, TF32 on) -> (launch, grid, weights, biases, shares, counters addresses): __call__'s fast path
         self._fast: dict[tuple[int, bool], tuple] = {}
         self._meta_fixed = self._fixed_meta()
         self.workspace = SplitKWorkspace(self.device)
@@ -464,7 +464,8 @@ class FusedMLP:
         tf32 = torch.backends.cuda.matmul.allow_tf32 if self.allow_tf32 is None else self.allow_tf32
         # Direct path once this bucket's kernel is compiled (as FusedLinear's): a cheap test of everything
         # checked below, one lookup of the batch size's launch record, the output, the launch.
-        if self._direct and plain_rows(x, self.dtype, self.device, self.widths[0]) and x.data_ptr() % 16 == 0:
+        rows_fit = plain_rows(x, self.dtype, self.device, self.widths[0])
+        if self._direct and rows_fit and (x_ptr := x.data_ptr()) % 16 == 0:
             M = x.shape[0]
             fast = (self._fast.get((M, tf32)) or self._record(M, tf32)) if M > 0 else None
             if fast is not None:
@@ -472,9 +473,9 @@ class FusedMLP:
                     out = x.new_empty((M, self.widths[-1]))  # x is the MLP's dtype and device, as checked
                 else:
                     self._check_out(out, M)
-                if out.is_contiguous() and out.data_ptr() % 16 == 0:
-                    launch, grid, ws, cnt = fast
-                    launch(grid, x, self.weights, self.biases, out, ws, cnt, M, self.widths[0], self.widths[-1])
+                if out.is_contiguous() and (out_ptr := out.data_ptr()) % 16 == 0:
+                    launch, grid, w_ptr, b_ptr, ws_ptr, cnt_ptr = fast  # addresses as ints (launch.py)
+                    launch(grid, x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, self.widths[0], self.widths[-1])
                     return out
         if x.dim() != 2 or x.shape[1] != self.widths[0]:
             raise ValueError(f"x must be (M, {self.widths[0]}); got shape {tuple(x.shape)}")
@@ -502,13 +503,14 @@ class FusedMLP:
             raise ValueError(f"out must be a ({M}, {self.widths[-1]}) {self.dtype} tensor with contiguous rows")
 
     def _record(self, M: int, tf32: bool) -> tuple | None:
-        """The launch record of M rows, (launch, grid, shares, counters), kept for the next call of that
-        size; None while the bucket has no compiled kernel."""
+        """The launch record of M rows, (launch, grid, and the addresses of the packed weights, biases, shares
+        and counters), kept for the next call of that size; None while the bucket has no compiled kernel."""
         key = (m_bucket(M), "tf32" if (tf32 and self.dtype == torch.float32) else "ieee")
         launch = self._direct.get(key)
         if launch is None:
             return None
-        record = (launch, *self._grid_and_workspace(M, self._configs[key]))
+        grid, ws, cnt = self._grid_and_workspace(M, self._configs[key])
+        record = (launch, grid, self.weights.data_ptr(), self.biases.data_ptr(), ws.data_ptr(), cnt.data_ptr())
         if len(self._fast) < MAX_FAST_BATCH_SIZES:
             self._fast[(M, tf32)] = record
         return record

@@ -14,6 +14,7 @@ import torch
 import kernels.linear as linear_mod
 from kernels import ACTIVATIONS, FusedLinear, fused_activation, fused_linear, reference
 from kernels.runtime import bf16_on_interpreter
+from tests.interpreted_launch import InterpretedLaunch
 from tests.tolerances import NORMWISE_TF32, RTOL, RTOL_TF32, assert_close_to, normwise_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -327,17 +328,9 @@ def test_gpu_every_larger_batch_config(monkeypatch, config, dtype):
 # ---- the direct-launch paths (CUDA only in production), run here through the interpreter ----
 
 
-class _InterpretedLaunch:
-    """Stands in for launch.DirectLaunch on the CPU: takes the runtime arguments exactly as a prepared
-    layer passes them to Triton's C launcher and runs the interpreted kernel with them, so that a wrong
-    argument order or value in the fast paths gives a wrong result here instead of only on a GPU."""
-
-    def __init__(self, kernel, constexprs: dict):
-        self.kernel, self.constexprs, self.calls = kernel, constexprs, 0
-
-    def __call__(self, grid: int, *args):
-        self.calls += 1
-        self.kernel[(grid,)](*args, **self.constexprs)
+def _pointer_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """x, W, bias, y in the layer's dtype; the split-K partials (fp32) and tile counters (int32)."""
+    return (dtype,) * 4 + (torch.float32, torch.int32)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA the real direct launch runs in every GPU test")
@@ -351,7 +344,7 @@ def test_direct_and_fast_paths_pass_the_right_arguments(dtype, bias):
     fixed = dict(
         HAS_BIAS=bias, ACTIVATION="leaky_relu", INPUT_PRECISION="ieee", UPCAST_DOT=upcast, ROUND_BF16=upcast, PDL=False
     )
-    launch = _InterpretedLaunch(linear_mod._linear_kernel, {**fixed, **config.meta()})
+    launch = InterpretedLaunch(linear_mod._linear_kernel, {**fixed, **config.meta()}, _pointer_dtypes(dtype))
     for bucket in (4, 8, 32):
         layer.direct[(bucket, "ieee")] = (launch, config)
     for M in (5, 3, 5, 17, 5, 3):  # first of a size: direct path, records it; then the fast path
@@ -423,7 +416,7 @@ def test_persistent_fast_path_passes_the_right_arguments(bias):
         HAS_BIAS=bias, ACTIVATION="leaky_relu", INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False, PDL=False
     )
     constexprs = linear_mod.persistent.constexprs(fixed, PERSISTENT_SMALL, 4)
-    launch = _InterpretedLaunch(linear_mod.persistent._linear_persistent_kernel, constexprs)
+    launch = InterpretedLaunch(linear_mod.persistent._linear_persistent_kernel, constexprs, (torch.float16,) * 4)
     for bucket in (8, 32, 128):
         layer.direct[(bucket, "ieee")] = (launch, PERSISTENT_SMALL)
     for M in (5, 100, 5, 17, 100):
@@ -433,7 +426,7 @@ def test_persistent_fast_path_passes_the_right_arguments(bias):
         assert layer(x, out=out) is out
         assert_close_to(out, want, RTOL[torch.float16], f"persistent direct M={M} bias={bias}")
     assert launch.calls == 5 and set(layer._fast) == {(5, False), (100, False), (17, False)}
-    assert all(record[1] == 4 and record[5] for record in layer._fast.values())
+    assert all(record.grid == 4 and record.persistent for record in layer._fast.values())
 
 
 @pytest.mark.gpu
@@ -454,7 +447,8 @@ def test_gpu_prepared_layer_with_each_persistent_config(monkeypatch, dtype):
             out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
             want = reference.linear(x.double(), w.double(), b.double(), "gelu_tanh")
             assert_close_to(layer(x, out=out), want, RTOL[dtype], f"persistent M={M} {dtype} {config.meta()}")
-        assert all(record[5] for record in layer._fast.values()), "the direct path did not run the persistent kernel"
+        records = layer._fast.values()
+        assert all(record.persistent for record in records), "the direct path did not run the persistent kernel"
         static_x = torch.randn(777, K, device="cuda").to(dtype)
         graph, static_out = capture(lambda layer=layer, static_x=static_x: layer(static_x), warmups=1)
         static_x.copy_(torch.randn(777, K, device="cuda").to(dtype))
@@ -504,14 +498,15 @@ def test_gemv_fast_path_passes_the_right_arguments():
     fixed = dict(
         HAS_BIAS=True, ACTIVATION="silu", INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False, PDL=False
     )
-    launch = _InterpretedLaunch(linear_mod.gemv._gemv_kernel, {**fixed, **linear_mod.gemv.kernel_meta(config)})
+    meta = {**fixed, **linear_mod.gemv.kernel_meta(config)}
+    launch = InterpretedLaunch(linear_mod.gemv._gemv_kernel, meta, _pointer_dtypes(torch.float16))
     layer.direct[(1, "ieee")] = (launch, config)
     want = reference.linear(x.double(), w.double(), b.double(), "silu")
     for _ in range(2):  # the direct path records the size, then the fast path
         out = torch.full((1, 45), float("nan"), device=DEVICE).to(torch.float16)
         assert layer(x, out=out) is out
         assert_close_to(out, want, RTOL[torch.float16], "gemv direct")
-    assert launch.calls == 2 and layer._fast[(1, False)][1] == 3 * 2  # 3 column blocks of 16, split 2
+    assert launch.calls == 2 and layer._fast[(1, False)].grid == 3 * 2  # 3 column blocks of 16, split 2
 
 
 GEMV_CANDIDATES = [(dt, c) for dt in DTYPES for c in linear_mod.gemv.cuda_configs(4096, 4096, 132)]

@@ -9,6 +9,7 @@ import torch
 import kernels.mlp as mlp_mod
 from kernels import ACTIVATIONS, reference
 from kernels.mlp import MAX_WIDTH, FusedMLP, MLPLayer, mlp_fits, schedule
+from tests.interpreted_launch import InterpretedLaunch
 from tests.tolerances import NORMWISE_TF32, RTOL_VS_UNFUSED, assert_close_to, normwise_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -306,18 +307,6 @@ def test_gpu_tf32():
     assert err > 1e-5, f"normwise error {err:.2e}: looks like fp32, not TF32"
 
 
-class _InterpretedLaunch:
-    """Stands in for launch.DirectLaunch on the CPU (see test_kernels_linear): the runtime arguments as the
-    prepared MLP passes them to Triton's C launcher, run through the interpreted kernel."""
-
-    def __init__(self, constexprs: dict):
-        self.constexprs, self.calls = constexprs, 0
-
-    def __call__(self, grid: int, *args):
-        self.calls += 1
-        mlp_mod._mlp_kernel[(grid,)](*args, **self.constexprs)
-
-
 @pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA the real direct launch runs in every GPU test")
 @pytest.mark.parametrize("split, lead", [(1, 0), (2, 0), (2, 1)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -327,7 +316,8 @@ def test_direct_and_fast_paths_pass_the_right_arguments(dtype, split, lead):
     mlp = FusedMLP(layers, allow_tf32=False)
     config = mlp_mod.LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=16, STAGES=1, SPLIT=split,
                                      LEAD=lead)  # fmt: skip
-    launch = _InterpretedLaunch(mlp.meta_for(config, "ieee"))
+    pointer_dtypes = (dtype,) * 4 + (torch.float32, torch.int32)  # x, weights, biases, y; shares, counters
+    launch = InterpretedLaunch(mlp_mod._mlp_kernel, mlp.meta_for(config, "ieee"), pointer_dtypes)
     for bucket in (4, 32):
         mlp._configs[(bucket, "ieee")] = config
         mlp._direct[(bucket, "ieee")] = launch
