@@ -357,7 +357,7 @@ def main() -> None:
     p.add_argument("--only", choices=["mlp-prefetch", "mlp-split", "linear-small", "linear-tma", "linear-gemv",
                                       "linear-tma-small", "linear-mid", "mlp-flat", "linear-ws", "gemv-pdl",
                                       "linear-share", "mlp-meet", "linear-1024", "launch-cold", "l2-flush", "stream",
-                                      "host-launch"],
+                                      "host-launch", "digits-floor"],
                    help="just this part (mlp-prefetch: with the 1024^3 fp16 config sweep)")  # fmt: skip
     args = p.parse_args()
     t0 = time.time()
@@ -411,6 +411,12 @@ def main() -> None:
         from .probe_l2_flush import sweep as flush_sweep
 
         (args.out / "probe_l2_flush.json").write_text(json.dumps(flush_sweep(), default=str, indent=1))
+        print(f"[{time.time() - t0:.0f}s]", flush=True)
+        return
+    if args.only == "digits-floor":  # bench/probe_digits_floor.py: the least a cold digits forward can take
+        from .probe_digits_floor import sweep as digits_floor_sweep
+
+        (args.out / "probe_digits_floor.json").write_text(json.dumps(digits_floor_sweep(), default=str, indent=1))
         print(f"[{time.time() - t0:.0f}s]", flush=True)
         return
     if args.only == "host-launch":  # bench/probe_host_launch.py: a prepared layer's host time per call, by part
