@@ -329,7 +329,8 @@ def cuda_configs(
 
     `lead_hidden` (0: none): the padded output width of the second layer, given when the first layer may
     run whole in every program (LEAD, see _mlp_kernel); LEAD configs split the pair after it, 1-2 hidden
-    chunks per program (fewer, more weight per program: 2 programs were 1.4 us slower than 8, H200)."""
+    chunks per program (fewer, more weight per program: 2 programs were 1.4 us slower than 8, H200), up to
+    16 programs of one 16-wide chunk."""
     configs = []
     for bm in (16, 32, 64):
         if bm > max(16, 2 * bucket):  # a tile more than half padding is never the fastest
@@ -355,9 +356,11 @@ def cuda_configs(
         for bm in (16, 32, 64) if lead_hidden else ():
             if bm > max(16, 2 * bucket):
                 continue
-            for bn, split in ((32, 8), (32, 4), (64, 4)):
+            # 16 programs of one 16-wide chunk each, at 16-row tiles only: they beat 8 programs by 0.1-0.35 us at
+            # batches 1-32 and lost at 256; 8 warps lost everywhere (H200, bench/results/probe_mlp_split16_h200.txt)
+            for bn, split in ((32, 8), (32, 4), (64, 4), (16, 16)):
                 chunks = lead_hidden // min(bn, lead_hidden)
-                if chunks % split == 0:
+                if chunks % split == 0 and (split < 16 or bm == 16):
                     configs.append(
                         LaunchConfig.of(
                             num_warps=4, num_stages=1, BLOCK_M=bm, BLOCK_N=bn, STAGES=2, SPLIT=split, LEAD=1

@@ -172,12 +172,15 @@ def test_lead_split_depths_and_activations(monkeypatch, widths, split, activatio
 
 def test_lead_configs_only_where_offered():
     lead = [c for c in mlp_mod.cuda_configs(1, 256, 2, 256) if c["LEAD"]]
-    assert {(c["BLOCK_N"], c["SPLIT"]) for c in lead} == {(32, 8), (32, 4), (64, 4)}
+    assert {(c["BLOCK_N"], c["SPLIT"]) for c in lead} == {(32, 8), (32, 4), (64, 4), (16, 16)}
+    assert all(c.num_warps == 4 for c in lead)
     assert all(c["BLOCK_M"] == 16 for c in lead)  # a one-row batch: no wider row block
     assert {c["BLOCK_M"] for c in mlp_mod.cuda_configs(256, 256, 2, 256) if c["LEAD"]} == {16, 32, 64}
+    # 16 programs of one chunk only at 16-row tiles
+    assert {c["BLOCK_M"] for c in mlp_mod.cuda_configs(256, 256, 2, 256) if c["SPLIT"] == 16} == {16}
     assert not [c for c in mlp_mod.cuda_configs(1, 256, 2) if c["LEAD"]]  # lead_hidden 0: none
     assert not [c for c in mlp_mod.cuda_configs(4096, 256, 2, 256) if c["LEAD"]]  # enough row blocks
-    # hidden 64 after the lead: 2 chunks of 32 or 1 of 64, so no split of 4 or 8 divides them
+    # hidden 64 after the lead: 2 chunks of 32, 1 of 64 or 4 of 16, so no split of 4, 8 or 16 divides them
     assert not [c for c in mlp_mod.cuda_configs(1, 256, 2, 64) if c["LEAD"]]
     # a first layer of 256 x 256 (150 inputs, padded): 128 KB in fp16, over LEAD_MAX_BYTES
     assert FusedMLP(_layers([150, 256, 10], ["relu", "none"], torch.float16, DEVICE))._lead_hidden == 0
