@@ -467,8 +467,11 @@ class FusedMLP:
         tf32 = torch.backends.cuda.matmul.allow_tf32 if self.allow_tf32 is None else self.allow_tf32
         # Direct path once this bucket's kernel is compiled (as FusedLinear's): a cheap test of everything
         # checked below, one lookup of the batch size's launch record, the output, the launch.
-        rows_fit = plain_rows(x, self.dtype, self.device, self.widths[0])
-        if self._direct and rows_fit and (x_ptr := x.data_ptr()) % 16 == 0:
+        if (
+            self._direct
+            and plain_rows(x, self.dtype, self.device, self.widths[0])
+            and (x_ptr := x.data_ptr()) % 16 == 0
+        ):
             M = x.shape[0]
             fast = (self._fast.get((M, tf32)) or self._record(M, tf32)) if M > 0 else None
             if fast is not None:
