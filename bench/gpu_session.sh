@@ -5,7 +5,8 @@
 # (~1100 tests on CUDA) takes ~135 s with 16 workers (H200, 2026-11-23) and the whole benchmark ~555 s
 # (torch.compile max-autotune is most of it), so they go in separate 600 s calls: STEPS="tests probe",
 # then STEPS=bench (BENCH_LIMIT defaults to 535, ~545 s in all; at 390 the last case, wide-mlp batch 4096, was cut).
-# STEPS=probe runs bench.probe_hopper --only P for each P in $PROBE (l2-flush: cold timings with L2 cleared by
+# STEPS=probe runs bench.probe_hopper --only P for each P in $PROBE (host-launch: a prepared layer's host time
+# per call, part by part; digits-floor: the least a cold digits forward can take, any kernel; l2-flush: cold timings with L2 cleared by
 # zeroing and by reading; stream: the fastest cold read of 48 MB; linear-1024: a 57-config sweep per dtype at
 # 1024^3 beside a bare tile loop; launch-cold: plain launch against graph replay, cold; default linear-tma: the persistent TMA
 # kernel against the tuned linear.py kernel and cuBLASLt at the big GEMMs; linear-gemv: the one-row GEMV
