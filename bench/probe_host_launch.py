@@ -32,9 +32,7 @@ launch: 7.39 before, 5.68 now; its whole call 10.11.
 
 from __future__ import annotations
 
-import gc
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -44,24 +42,15 @@ from kernels import FusedLinear
 from kernels.launch import c_launch_of
 from kernels.mlp import FusedMLP
 
+from .kernel_timing import timed_run
 from .probe_hopper import digits_layers
 
 CALLS = 1000
 ROUNDS = 9
 
 
-def per_call_us(fn, n: int = CALLS) -> float:
-    fn()
-    torch.cuda.synchronize()
-    gc.disable()
-    try:
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t) / n * 1e6
-    finally:
-        gc.enable()
+def per_call_us(fn) -> float:
+    return timed_run(fn, CALLS, torch.device("cuda")) * 1e6  # the benchmark's wall-time run, GC off
 
 
 def interleaved(variants: dict) -> dict:
