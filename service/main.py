@@ -42,12 +42,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     tuning.set_enabled(settings.tuning)
     pdl.set_enabled(settings.pdl)
     model = load_model(settings.model_path())
-    metrics = Metrics(model.name, settings.mode, str(device), settings.dtype)
+    dtype = settings.compute_dtype(device.type)
+    metrics = Metrics(model.name, settings.mode, str(device), dtype)
     runner = ModelRunner(
         model,
         settings.mode,
         device,
-        settings.dtype,
+        dtype,
         kernel_timing_every=settings.kernel_timing_every,
         cuda_graphs=settings.cuda_graphs,
         max_batch_size=settings.max_batch_size,
@@ -104,7 +105,7 @@ async def _warm_up(state) -> None:
     try:
         if s.warmup:
             sizes = await state.batcher.run_in_worker(lambda: state.runner.warmup(s.max_batch_size))
-            log.info("warm-up done: %s on %s, %s, batch sizes %s", s.mode, state.device, s.dtype, sizes)
+            log.info("warm-up done: %s on %s, %s, batch sizes %s", s.mode, state.device, state.runner.executor.dtype, sizes)
         # Everything allocated so far (model, kernels, app) lives as long as the process: move it out of
         # the collector's view, so a full GC pass (100-200 ms seen on this event loop) has less to walk.
         gc.freeze()

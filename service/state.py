@@ -65,7 +65,7 @@ class AppState:
             "labels": self.model.spec.labels,
             "mode": self.settings.mode,
             "device": str(self.device),
-            "dtype": self.settings.dtype,
+            "dtype": str(self.runner.executor.dtype).removeprefix("torch."),
             "max_batch_size": self.settings.max_batch_size,
             "max_rows_per_request": self.settings.max_rows_per_request,
             "plan": steps,

@@ -52,10 +52,11 @@ def test_defaults():
     assert s.device == "auto"
     assert s.model == "digits-mlp"
     assert s.model_dir == Path("model_weights")
-    assert s.dtype == "float32"
+    assert s.dtype == "auto"
+    assert s.compute_dtype("cuda") == "float16" and s.compute_dtype("cpu") == "float32"
     assert s.allow_tf32 is False
     assert s.max_batch_size == 256
-    assert s.max_delay_ms == 2.0
+    assert s.max_delay_ms == 0.0
     assert s.max_rows_per_request == 256  # defaults to max_batch_size
     assert s.max_queue_requests == 1024
     assert s.request_timeout_ms == 30_000
@@ -68,10 +69,12 @@ def test_defaults():
     assert s.host == "127.0.0.1"
     assert s.port == 8000
     assert s.log_level == "info"
+    assert s.workers is None and s.engines is None  # resolved at start from the host's cores and GPUs
+    assert s.shutdown_grace_s == 30.0
     assert set(FIELDS) == {
         "mode", "device", "model", "model_dir", "dtype", "allow_tf32", "max_batch_size", "max_delay_ms",
         "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "kernel_timing_every", "cuda_graphs",
-        "tuning", "tuning_cache", "pdl", "warmup",
+        "tuning", "tuning_cache", "pdl", "warmup", "workers", "engines", "shutdown_grace_s",
         "host", "port", "log_level",
     }  # fmt: skip
 
@@ -126,7 +129,7 @@ INVALID = [
     ("FUSEDSERVE_MAX_DELAY_MS", "-1", r"FUSEDSERVE_MAX_DELAY_MS: Input should be greater than or equal to 0"),
     ("FUSEDSERVE_REQUEST_TIMEOUT_MS", "0", r"FUSEDSERVE_REQUEST_TIMEOUT_MS: Input should be greater than 0"),
     ("FUSEDSERVE_WARMUP", "maybe", r"FUSEDSERVE_WARMUP: Input should be a valid boolean"),
-    ("FUSEDSERVE_DTYPE", "float64", r"FUSEDSERVE_DTYPE: Input should be 'float32', 'float16' or 'bfloat16'"),
+    ("FUSEDSERVE_DTYPE", "float64", r"FUSEDSERVE_DTYPE: Input should be 'auto', 'float32', 'float16' or 'bfloat16'"),
     ("FUSEDSERVE_KERNEL_TIMING_EVERY", "-2", r"FUSEDSERVE_KERNEL_TIMING_EVERY: Input should be greater than or equal"),
 ]
 
@@ -202,7 +205,7 @@ def _help_lists_everything(text: str) -> None:
         assert re.search(rf"--{name.replace('_', '-')}\b", text), f"--{name.replace('_', '-')} missing from --help"
         assert ENV_PREFIX + name.upper() in text, f"{ENV_PREFIX + name.upper()} missing from --help"
     assert "--warmup" in text and "--no-warmup" in text
-    assert "{fused,unfused}" in text and "{float32,float16,bfloat16}" in text
+    assert "{fused,unfused}" in text and "{auto,float32,float16,bfloat16}" in text
 
 
 def test_serve_help_lists_every_setting(capsys):
