@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import signal
 import sys
@@ -37,6 +38,7 @@ class Engine:
         self.sock = sock
         self.metrics = metrics
         self.input_shape = tuple(input_shape)
+        self.features = math.prod(input_shape)
         self.timeout_s = settings.request_timeout_ms / 1e3
         self.queue = BatchQueue(
             max_batch_size=settings.max_batch_size,
@@ -73,19 +75,21 @@ class Engine:
         if timeout_ms and not sock.poll(timeout_ms, zmq.POLLIN):
             return
         got = False
+        features = self.features
         while True:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                owner, message = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
             got = True
-            owner, header, k = frames[0], frames[1], 2
-            for kind, rid, n, deadline in wire.REQUEST.iter_unpack(header):
+            records, view, at = wire.unpack(message, wire.REQUEST)
+            for kind, rid, n, deadline in records:
                 if kind == wire.CANCEL:
                     self.queue.cancel(owner, rid)
                     continue
-                rows = np.frombuffer(frames[k], dtype=np.float32).reshape(n, *self.input_shape)
-                k += 1
+                size = n * features * 4
+                rows = np.frombuffer(view[at : at + size], dtype=np.float32).reshape(n, *self.input_shape)
+                at += size
                 # The front end set deadline = its arrival time + request_timeout: so the queue wait counts the link.
                 req = Pending(owner, rid, rows, deadline - self.timeout_s, deadline)
                 if not self.queue.push(req):
@@ -128,7 +132,7 @@ class Engine:
         entry = self._replies.get(owner)
         if entry is None:
             entry = self._replies[owner] = ([], [])
-        entry[0].append(wire.REPLY.pack(rid, status, rows))
+        entry[0].append(wire.REPLY.pack(rid, status, rows, payload.nbytes if status == wire.OK else len(payload)))
         entry[1].append(payload)
 
     def _reply_error(self, req: Pending, status: int, message: str) -> None:
@@ -137,7 +141,7 @@ class Engine:
     def _flush(self) -> None:
         for owner, (headers, payloads) in self._replies.items():
             # A ROUTER drops a message for a front end that is gone: only that front end's requests are lost.
-            self.sock.send_multipart([owner, b"".join(headers), *payloads])
+            self.sock.send_multipart([owner, wire.pack(headers, payloads)])
         self._replies.clear()
 
 
@@ -166,7 +170,9 @@ def build_runner(settings: Settings, device, dtype: str, model, metrics):
     )
 
 
-def engine_main(settings: Settings, index: int, endpoint: str, state, visible_device: str | None, run_dir: str) -> None:
+def engine_main(
+    settings: Settings, index: int, endpoint: str, state, visible_device: str | None, run_dir: str, threads: int
+) -> None:
     """Entry point of an engine process (spawned by the supervisor). `state` is a shared integer (wire.LOADING..)."""
     child_setup(f"fs-engine-{index}")
     configure_logging(settings.log_level)
@@ -185,6 +191,11 @@ def engine_main(settings: Settings, index: int, endpoint: str, state, visible_de
         from .main import prepare_backend
 
         device = prepare_backend(settings)  # before any kernel is defined
+        import torch
+
+        # The front ends need the host's cores: a CUDA engine's host work (casts, copies) is tiny and gets one
+        # thread, so that idle OpenMP workers do not spin on cores the front ends use; a CPU engine gets its share.
+        torch.set_num_threads(1 if device.type == "cuda" else threads)
         from .metrics import EngineMetrics
         from .model.loader import load_model
 

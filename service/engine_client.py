@@ -149,11 +149,11 @@ class EngineClient:
         for i, (headers, frames) in enumerate(self._outbox):
             if not headers:
                 continue
-            msg = [b"".join(headers), *frames]
+            msg = wire.pack(headers, frames)
             headers.clear()
             frames.clear()
             try:
-                self._socks[i].send_multipart(msg, zmq.NOBLOCK)
+                self._socks[i].send(msg, zmq.NOBLOCK)
             except zmq.ZMQError as e:  # Again: the engine has not taken a million messages; it is stuck
                 self._fail_where(lambda e_, i=i: e_ == i, f"engine {i} is not taking requests ({e})")
         # The socket's descriptor signals edges, and a send may consume one: read what may have come meanwhile.
@@ -167,10 +167,13 @@ class EngineClient:
         out_features = self._out_features
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                message = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            for k, (rid, status, n) in enumerate(wire.REPLY.iter_unpack(frames[0]), start=1):
+            records, view, at = wire.unpack(message, wire.REPLY)
+            for rid, status, n, size in records:
+                payload = view[at : at + size]
+                at += size
                 entry = pending.pop(rid, None)
                 if entry is None:
                     continue  # cancelled meanwhile
@@ -179,9 +182,9 @@ class EngineClient:
                 if fut.done():
                     continue
                 if status == wire.OK:
-                    fut.set_result(np.frombuffer(frames[k], dtype=np.float32).reshape(n, out_features))
+                    fut.set_result(np.frombuffer(payload, dtype=np.float32).reshape(n, out_features))
                 else:
-                    fut.set_exception(EngineError(status, frames[k].decode(errors="replace")))
+                    fut.set_exception(EngineError(status, bytes(payload).decode(errors="replace")))
 
     def _watch_states(self) -> None:
         for i, state in enumerate(self._states):

@@ -136,9 +136,12 @@ class Supervisor:
         s = self.settings
         endpoints = [f"ipc://{run_dir}/engine-{i}" for i in range(len(devices))]
         states = [self._ctx.Value("i", wire.LOADING, lock=False) for _ in devices]
+        threads = max(1, (host_cores() - workers) // len(devices))  # torch threads of a CPU engine
         for i, dev in enumerate(devices):
             p = self._ctx.Process(
-                target=engine_main, args=(s, i, endpoints[i], states[i], dev, str(run_dir)), name=f"engine-{i}"
+                target=engine_main,
+                args=(s, i, endpoints[i], states[i], dev, str(run_dir), threads),
+                name=f"engine-{i}",
             )
             p.start()
             self.engines.append(p)
