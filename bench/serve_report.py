@@ -112,7 +112,7 @@ def targets(results: dict) -> list[dict]:
     else:
         text += "; no SIGTERM phase"
     add("nothing lost in any phase, a SIGTERM in the middle of one included", text,
-        (not bad and bool(sig)) if phases else None)  # fmt: skip
+        (False if bad else (True if sig else None)) if phases else None)  # fmt: skip
     return out
 
 
@@ -152,7 +152,7 @@ def markdown(results: dict) -> str:
         f"{m['dtype']}. Load: {m['clients']} client processes ({m['client']} client, {m['client_loop']}), closed loop "
         f"(each connection sends when its last request was answered) for {m['duration_s']:g} s after "
         f'{m["warmup_s"]:g} s of warm-up on the same connections. Bodies: 16 different `{{"inputs": [[64 pixel '
-        "values 0..16], ...]}}`. Throughput counts every answer from the window's start to the last answer; "
+        "values 0..16], ...]}`. Throughput counts every answer from the window's start to the last answer; "
         "latency is client-side, request written to answer read. Server split from /metrics deltas over the "
         "window: mean queue wait per request, mean forward per batch, mean rows per batch. `lost`: requests "
         "sent but not answered, connection errors, unexplained statuses, and disagreements with the server's "
