@@ -425,88 +425,14 @@ def execute(plan: Plan, command: str) -> int:
         print("fusedserve bench serve: no CUDA device found (nvidia-smi and torch see none); "
               "pass --device cpu --quick for a smoke run", file=sys.stderr)  # fmt: skip
         return 2
-    budget = Budget(plan)
-    results = {"meta": meta(plan, command, gpu), "servers": [], "phases": [], "skipped": [], "problems": []}
-    tmp = Path(tempfile.mkdtemp(prefix="fusedserve-bench-serve-"))
-    tuning_cache = plan.tuning_cache or tmp / "tuning.json"
-    results["meta"]["logs"] = str(tmp)
-    bodies = {rows: make_bodies(rows, 16, plan.seed) for rows in plan.rows}
-    sigterm_system = pick_sigterm_system(plan)
-    work = [(s, phase_list(s, plan, sigterm_system)) for s in plan.systems]
-    groups = sum(len(p) for _, p in work)
-    print(f"bench serve: {len(work)} systems, {groups} phase groups; {plan.clients} client processes "
-          f"({plan.client}); budget {plan.time_budget_s:g} s; logs {tmp}", flush=True)  # fmt: skip
-    peaks: dict[str, float] = {}
-    live: list[Server] = []
+    run = _Run(plan, command, gpu)
     try:
-        with ClientPool(plan.clients) as pool:
-            for i, (system, phases) in enumerate(work):
-                later = work[i + 1 :]
-                cheapest = min((budget.phase_cost(p) for p in phases), default=0.0)
-                essential = any(p["priority"] == 1 for p in phases)
-                need = budget.start_cost(system) + cheapest
-                if budget.left() < need or (not essential and budget.left() - budget.reserve(later) < need):
-                    results["skipped"].append({"system": system.key, "what": "every phase", "why": "time budget"})
-                    continue
-                server = Server(system, plan, tmp, tuning_cache)
-                live.append(server)
-                t_start = time.monotonic()
-                try:
-                    server.start()
-                    server.wait_ready(plan.ready_timeout_s)
-                except (RuntimeError, TimeoutError) as e:
-                    server.kill()
-                    results["servers"].append({"system": system.key, "ready": False, "error": str(e)})
-                    results["problems"].append(f"{system.key} did not start: {str(e).splitlines()[0]}")
-                    print(f"{system.key}: did not start: {e}", flush=True)
-                    continue
-                ready_s = time.monotonic() - t_start
-                budget.starts[system.name] = max(budget.starts.get(system.name, 0.0), ready_s)
-                print(f"{system.key}: ready in {ready_s:.1f} s on port {server.port}", flush=True)
-                info = {"system": system.key, "ready": True, "ready_s": round(ready_s, 2), "port": server.port}
-                stopped = False
-                for k, phase in enumerate(phases):
-                    rest = phases[k + 1 :]
-                    ess_rest = sum(budget.phase_cost(p) for p in rest if p["priority"] == 1)
-                    keep = budget.reserve(later) + ess_rest + 2.0
-                    if phase["kind"] == "open":
-                        rates = _open_rates(plan, system, peaks)
-                        for rate, why in rates:
-                            what = f"open rows=1 rate={rate:.0f}"
-                            if why:
-                                results["skipped"].append({"system": system.key, "what": what, "why": why})
-                                continue
-                            if budget.left() - keep < budget.phase_cost(phase):
-                                results["skipped"].append({"system": system.key, "what": what, "why": "time budget"})
-                                continue
-                            r = run_phase(pool, server, system, phase, plan, bodies, rate)
-                            results["phases"].append(r)
-                            print(_describe(r), flush=True)
-                        continue
-                    what = f"{phase['kind']} rows={phase['rows']} conns={phase['connections']}"
-                    cost = budget.phase_cost(phase)
-                    if budget.left() - keep < cost and (phase["priority"] > 1 or budget.left() < cost):
-                        results["skipped"].append({"system": system.key, "what": what, "why": "time budget"})
-                        continue
-                    r = run_phase(pool, server, system, phase, plan, bodies)
-                    results["phases"].append(r)
-                    print(_describe(r), flush=True)
-                    if phase["kind"] == "closed" and phase["rows"] == 1:
-                        peaks[system.key] = max(peaks.get(system.key, 0.0), r["req_per_s"])
-                    if phase["kind"] == "sigterm":
-                        stopped = True
-                        info["exit"] = r["exit"]
-                if not stopped:
-                    info["exit"] = server.stop()
-                    if not info["exit"]["graceful"]:
-                        results["problems"].append(f"{system.key} did not stop cleanly: {info['exit']['why']}")
-                live.remove(server)
-                results["servers"].append(info)
+        run.all()
     finally:
-        for server in live:
-            server.kill()
-    results["meta"]["wall_s"] = round(time.monotonic() - budget.t0, 1)
-    results["meta"]["peaks_req_per_s"] = peaks
+        run.close()
+    results = run.results
+    results["meta"]["wall_s"] = round(time.monotonic() - run.budget.t0, 1)
+    results["meta"]["peaks_req_per_s"] = run.peaks
     for r in results["phases"]:
         for p in r["accounting"]["problems"]:
             results["problems"].append(f"{r['system']} {r['kind']} rows={r['rows']} conns={r['connections']}: {p}")
@@ -515,6 +441,118 @@ def execute(plan: Plan, command: str) -> int:
 
     write_all(results, plan.out)
     return 1 if results["problems"] else 0
+
+
+class _Run:
+    """The run's state: budget, client pool, results, and the server being measured."""
+
+    def __init__(self, plan: Plan, command: str, gpu: str | None) -> None:
+        self.plan = plan
+        self.budget = Budget(plan)
+        self.results = {"meta": meta(plan, command, gpu), "servers": [], "phases": [], "skipped": [], "problems": []}
+        self.tmp = Path(tempfile.mkdtemp(prefix="fusedserve-bench-serve-"))
+        self.tuning_cache = plan.tuning_cache or self.tmp / "tuning.json"
+        self.results["meta"]["logs"] = str(self.tmp)
+        self.bodies = {rows: make_bodies(rows, 16, plan.seed) for rows in plan.rows}
+        sigterm_system = pick_sigterm_system(plan)
+        self.work = [(s, phase_list(s, plan, sigterm_system)) for s in plan.systems]
+        self.peaks: dict[str, float] = {}
+        self.live: list[Server] = []
+        self.pool: ClientPool | None = None
+
+    def skip(self, system: System, what: str, why: str) -> None:
+        self.results["skipped"].append({"system": system.key, "what": what, "why": why})
+
+    def all(self) -> None:
+        plan = self.plan
+        groups = sum(len(p) for _, p in self.work)
+        print(f"bench serve: {len(self.work)} systems, {groups} phase groups; {plan.clients} client processes "
+              f"({plan.client}); budget {plan.time_budget_s:g} s; logs {self.tmp}", flush=True)  # fmt: skip
+        self.pool = ClientPool(plan.clients)
+        for i, (system, phases) in enumerate(self.work):
+            self.system(system, phases, self.work[i + 1 :])
+
+    def system(self, system: System, phases: list[dict], later: list) -> None:
+        budget = self.budget
+        cheapest = min((budget.phase_cost(p) for p in phases), default=0.0)
+        essential = any(p["priority"] == 1 for p in phases)
+        need = budget.start_cost(system) + cheapest
+        if budget.left() < need or (not essential and budget.left() - budget.reserve(later) < need):
+            self.skip(system, "every phase", "time budget")
+            return
+        server = Server(system, self.plan, self.tmp, self.tuning_cache)
+        self.live.append(server)
+        t_start = time.monotonic()
+        try:
+            server.start()
+            server.wait_ready(self.plan.ready_timeout_s)
+        except (RuntimeError, TimeoutError, OSError) as e:
+            server.kill()
+            self.live.remove(server)
+            self.results["servers"].append({"system": system.key, "ready": False, "error": str(e)})
+            self.results["problems"].append(f"{system.key} did not start: {str(e).splitlines()[0]}")
+            print(f"{system.key}: did not start: {e}", flush=True)
+            return
+        ready_s = time.monotonic() - t_start
+        budget.starts[system.name] = max(budget.starts.get(system.name, 0.0), ready_s)
+        print(f"{system.key}: ready in {ready_s:.1f} s on port {server.port}", flush=True)
+        info = {"system": system.key, "ready": True, "ready_s": round(ready_s, 2), "port": server.port}
+        self.results["servers"].append(info)
+        for k, phase in enumerate(phases):
+            if server.proc.poll() is not None:
+                self.results["problems"].append(
+                    f"{system.key} exited ({server.proc.returncode}) before its phases ended"
+                )
+                break
+            rest = phases[k + 1 :]
+            keep = budget.reserve(later) + sum(budget.phase_cost(p) for p in rest if p["priority"] == 1) + 2.0
+            if phase["kind"] == "open":
+                for rate, why in _open_rates(self.plan, system, self.peaks):
+                    what = f"open rows=1 rate={rate:.0f}"
+                    if why or budget.left() - keep < budget.phase_cost(phase):
+                        self.skip(system, what, why or "time budget")
+                    else:
+                        self.phase(server, system, phase, rate)
+                continue
+            what = f"{phase['kind']} rows={phase['rows']} conns={phase['connections']}"
+            cost = budget.phase_cost(phase)
+            if budget.left() - keep < cost and (phase["priority"] > 1 or budget.left() < cost):
+                self.skip(system, what, "time budget")
+                continue
+            r = self.phase(server, system, phase)
+            if r and phase["kind"] == "closed" and phase["rows"] == 1:
+                self.peaks[system.key] = max(self.peaks.get(system.key, 0.0), r["req_per_s"])
+            if r and phase["kind"] == "sigterm":
+                info["exit"] = r["exit"]
+        if "exit" not in info:
+            info["exit"] = server.stop()
+            if not info["exit"]["graceful"]:
+                self.results["problems"].append(f"{system.key} did not stop cleanly: {info['exit']['why']}")
+        self.live.remove(server)
+
+    def phase(self, server: Server, system: System, phase: dict, rate: float = 0.0) -> dict | None:
+        """Run one phase; a phase that cannot finish (a client process failed, /metrics did not answer) is a
+        problem of the run, and the client pool is started afresh for the next one."""
+        try:
+            r = run_phase(self.pool, server, system, phase, self.plan, self.bodies, rate)
+        except (RuntimeError, TimeoutError, OSError) as e:
+            what = f"{phase['kind']} rows={phase['rows']} conns={phase['connections']}" + (
+                f" rate={rate:.0f}" if rate else ""
+            )
+            self.results["problems"].append(f"{system.key} {what}: could not run: {type(e).__name__}: {e}")
+            print(f"  {system.key:<11} {what}: could not run: {type(e).__name__}: {e}", flush=True)
+            self.pool.close()
+            self.pool = ClientPool(self.plan.clients)
+            return None
+        self.results["phases"].append(r)
+        print(_describe(r), flush=True)
+        return r
+
+    def close(self) -> None:
+        for server in self.live:
+            server.kill()
+        if self.pool is not None:
+            self.pool.close()
 
 
 def _open_rates(plan: Plan, system: System, peaks: dict[str, float]) -> list[tuple[float, str | None]]:

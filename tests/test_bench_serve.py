@@ -123,9 +123,10 @@ def test_metrics_are_summed_over_labels_and_split_per_phase():
 def _phase(system: str, rows: int, conns: int, rps: float, p50: float = 1.0, p99: float = 5.0, fwd=None) -> dict:
     name, workers = system.split("@")
     return {
-        "system": system, "name": name, "workers": int(workers), "kind": "closed", "rows": rows, "connections": conns,
-        "rate": None, "req_per_s": rps, "rows_per_s": rps * rows, "latency_ms": {"p50": p50, "p90": p99, "p99": p99},
-        "server": {"forward_us": fwd} if fwd else {}, "ok": True, "lost": 0, "accounting": {"problems": [], "notes": []},
+        "system": system, "name": name, "workers": int(workers), "kind": "closed", "rows": rows,
+        "connections": conns, "rate": None, "req_per_s": rps, "rows_per_s": rps * rows,
+        "latency_ms": {"p50": p50, "p90": p99, "p99": p99}, "server": {"forward_us": fwd} if fwd else {},
+        "ok": True, "lost": 0, "accounting": {"problems": [], "notes": []},
     }  # fmt: skip
 
 
@@ -150,7 +151,7 @@ def test_targets_read_the_phases():
 
 
 def test_default_workers_and_system_parsing():
-    assert serve_cli.default_workers(16) == 8 and serve_cli.default_workers(2) == 1 and serve_cli.default_workers(6) == 4
+    assert [serve_cli.default_workers(c) for c in (16, 6, 2, 1)] == [8, 4, 1, 1]
     systems = serve_cli.parse_systems("empty,fused@N,unfused@2,empty@1", 8)
     assert [s.key for s in systems] == ["empty@1", "empty@8", "fused@8", "unfused@2"]
     with pytest.raises(Exception, match="unknown system"):
