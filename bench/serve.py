@@ -82,6 +82,7 @@ class Plan:
     client: str
     sigterm: bool
     time_budget_s: float
+    drain_timeout_s: float
     ready_timeout_s: float
     tuning_cache: Path | None
     quick: bool
@@ -176,6 +177,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=510.0,
         help="seconds for the whole run; phases that do not fit are skipped and listed [510; 0 = none]",
     )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to wait after a window for the answers still outstanding; later ones count as lost [10]",
+    )
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a server may take to be ready [300]")
     p.add_argument(
         "--tuning-cache",
@@ -217,6 +224,7 @@ def resolve(args: argparse.Namespace) -> Plan:
         client=args.client,
         sigterm=args.sigterm,
         time_budget_s=args.time_budget,
+        drain_timeout_s=args.drain_timeout,
         ready_timeout_s=args.ready_timeout,
         tuning_cache=args.tuning_cache,
         quick=quick,

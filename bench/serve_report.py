@@ -179,7 +179,8 @@ def markdown(results: dict) -> str:
     if opens:
         lines += [
             "Latency from each request's due time (coordinated omission corrected, as wrk2), and from its actual "
-            "send (service). Rates: the empty route's closed-loop peak at N workers x 25/50/75% unless given.",
+            "send (service). Rates (unless given): 25, 50 and 75% of the empty route's closed-loop peak at N "
+            "workers, the same for every system; a system too slow for all of them runs at 50 and 75% of its own peak.",
             "",
             "| system | workers | conns | rate /s | achieved /s | p50 ms | p90 ms | p99 ms | p99.9 ms | "
             "service p50 / p99 ms | queue wait ms | rows/batch | backlog | lost |",

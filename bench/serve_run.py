@@ -5,7 +5,8 @@ Order: the systems as given (the empty route first by default, so that `--rates 
 for each one its closed-loop phases (every rows x connections), its open-loop phases, and, for the SIGTERM
 system (fused at N workers by default), a last phase in which SIGTERM is the stop.
 
-Time budget: each phase costs about warm-up + duration + 0.5 s; each start what the same kind of server took
+Time budget: each phase costs warm-up + duration + what phases took beyond that so far (0.5 s before the
+first: drain, /metrics, set-up); each start what the same kind of server took
 before in this run (a first fusedserve start on a GPU tunes kernels: about a minute). Before each phase the
 run keeps back what the remaining systems' essential phases need (the closed-loop phases at 1, 64 and 256
 connections of the empty route and of fusedserve, and the SIGTERM phase) and skips an optional phase (4
@@ -220,12 +221,17 @@ class Budget:
         self.total = plan.time_budget_s
         self.plan = plan
         self.starts: dict[str, float] = {}
+        self.overheads: list[float] = []  # seconds each phase took beyond warm-up + window: drain, scrapes, set-up
+
+    def observe(self, phase_s: float) -> None:
+        self.overheads.append(max(0.0, phase_s - self.plan.warmup_s - self.plan.duration_s))
 
     def left(self) -> float:
         return float("inf") if self.total <= 0 else self.total - (time.monotonic() - self.t0)
 
     def phase_cost(self, phase: dict, rates: int = 1) -> float:
-        per = self.plan.warmup_s + self.plan.duration_s + PHASE_OVERHEAD_S
+        extra = sum(self.overheads) / len(self.overheads) if self.overheads else PHASE_OVERHEAD_S
+        per = self.plan.warmup_s + self.plan.duration_s + extra
         return per * (rates if phase["kind"] == "open" else 1)
 
     def start_cost(self, system: System) -> float:
@@ -257,7 +263,7 @@ def run_phase(pool: ClientPool, server: Server, system: System, phase: dict, pla
     spec = PhaseSpec(
         host="127.0.0.1", port=server.port, path="/predict", bodies=tuple(bodies[phase["rows"]]),
         connections=phase["connections"], warmup_s=plan.warmup_s, duration_s=plan.duration_s, rate=rate,
-        client=plan.client, drain_timeout_s=30.0, seed=plan.seed,
+        client=plan.client, drain_timeout_s=plan.drain_timeout_s, seed=plan.seed,
     )  # fmt: skip
     readings: dict = {}
     sig: dict = {}
@@ -533,8 +539,10 @@ class _Run:
     def phase(self, server: Server, system: System, phase: dict, rate: float = 0.0) -> dict | None:
         """Run one phase; a phase that cannot finish (a client process failed, /metrics did not answer) is a
         problem of the run, and the client pool is started afresh for the next one."""
+        t0 = time.monotonic()
         try:
             r = run_phase(self.pool, server, system, phase, self.plan, self.bodies, rate)
+            self.budget.observe(time.monotonic() - t0)
         except (RuntimeError, TimeoutError, OSError) as e:
             what = f"{phase['kind']} rows={phase['rows']} conns={phase['connections']}" + (
                 f" rate={rate:.0f}" if rate else ""
@@ -555,9 +563,16 @@ class _Run:
             self.pool.close()
 
 
+def _round_rates(base: float, fractions) -> list[float]:
+    step = 1000.0 if base >= 4000 else (100.0 if base >= 400 else 10.0)
+    return sorted({max(step, round(base * f / step) * step) for f in fractions})
+
+
 def _open_rates(plan: Plan, system: System, peaks: dict[str, float]) -> list[tuple[float, str | None]]:
-    """[(rate, why skipped or None)]: --rates, or auto (fractions of the empty route's peak at N workers, else of
-    the system's own); a rate above 1.1x the system's own closed-loop peak would only measure a backlog."""
+    """[(rate, why skipped or None)]: --rates, or auto: 25, 50 and 75% of the empty route's closed-loop peak at N
+    workers (the same rates for every system, so their latencies compare), or of the system's own peak without
+    it. A rate above 1.1x the system's own closed-loop peak would only measure a growing backlog: skipped; with
+    auto, a system too slow for every shared rate runs at 50 and 75% of its own peak instead."""
     own = peaks.get(system.key)
     if plan.rates is not None:
         rates = list(plan.rates)
@@ -565,12 +580,13 @@ def _open_rates(plan: Plan, system: System, peaks: dict[str, float]) -> list[tup
         base = peaks.get(f"empty@{plan.workers}") or own
         if not base:
             return []
-        step = 1000.0 if base >= 4000 else (100.0 if base >= 400 else 10.0)
-        rates = sorted({max(step, round(base * f / step) * step) for f in OPEN_FRACTIONS})
+        rates = _round_rates(base, OPEN_FRACTIONS)
     out = []
     for rate in rates:
         if own and rate > 1.1 * own:
             out.append((rate, f"above 1.1x its closed-loop peak ({own:.0f} req/s)"))
         else:
             out.append((rate, None))
+    if plan.rates is None and own and all(why for _, why in out):
+        out += [(rate, None) for rate in _round_rates(own, (0.5, 0.75))]
     return out
