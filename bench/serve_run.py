@@ -156,16 +156,33 @@ class Server:
             self._close_log()
             return {"rc": None, "seconds": timeout_s, "graceful": False, "why": f"still running {timeout_s:g} s later"}
         seconds = time.monotonic() - t0
-        with contextlib.suppress(ProcessLookupError):  # any worker left behind by a supervisor
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        leftover = self._group_alive(2.0)  # a worker or engine process that outlived its parent
+        if leftover:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         self._close_log()
         log = self.log_tail(200)
         reraised = rc == -signal.SIGTERM and ("Application shutdown complete" in log or "Finished server" in log)
-        graceful = rc == 0 or reraised
+        graceful = (rc == 0 or reraised) and not leftover
         why = "exit 0" if rc == 0 else ("SIGTERM re-raised by uvicorn after a clean shutdown" if reraised else "")
-        if not graceful:
+        if rc != 0 and not reraised:
             why = f"exit status {rc}"
+        if leftover:
+            why += "; processes of its group still ran 2 s after it exited (killed)"
         return {"rc": rc, "seconds": round(seconds, 3), "graceful": graceful, "why": why}
+
+    def _group_alive(self, wait_s: float) -> bool:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+            if time.monotonic() > deadline:
+                return True
+            time.sleep(0.05)
 
     def stop(self) -> dict:
         if self.proc is None:
