@@ -35,6 +35,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import sys
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -384,7 +385,15 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 
 def _child(pipe) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles ^C and stops us
+    # The parent handles ^C and SIGTERM (a `timeout` signals the whole process group), finishes the phase under way
+    # and stops us through the pipe; if it dies instead, so do we (Linux: PR_SET_PDEATHSIG).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
     loop = _new_loop()
     asyncio.set_event_loop(loop)
     while True:

@@ -34,7 +34,8 @@ from .serve_accounting import account, delta, scrape, server_split
 
 REPO = Path(__file__).resolve().parents[1]
 PHASE_OVERHEAD_S = 0.5
-STOP_WAIT_S = 45.0  # fusedserve's default shutdown grace is 30 s
+SHUTDOWN_GRACE_S = 30.0  # fusedserve's default FUSEDSERVE_SHUTDOWN_GRACE_S
+STOP_WAIT_S = SHUTDOWN_GRACE_S + 15.0
 START_GUESS_S = {"empty": 3.0, "eager": 12.0, "fused": 20.0, "unfused": 12.0}
 FIRST_FUSED_GPU_START_S = 75.0  # kernel tuning of every batch bucket, once per run (the cache keeps it)
 ESSENTIAL_CONNECTIONS = (1, 64, 256)
@@ -297,6 +298,10 @@ def run_phase(pool: ClientPool, server: Server, system: System, phase: dict, pla
         def fire() -> None:
             sig["at"] = time.monotonic()
             server.signal_term()
+            # Wait here, not after the window, so that the exit is timed from the signal.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.proc.wait(STOP_WAIT_S)
+                sig["exited"] = time.monotonic()
 
         t = threading.Timer(max(0.0, start_at + plan.duration_s / 2 - time.monotonic()), fire)
         t.start()
@@ -307,7 +312,12 @@ def run_phase(pool: ClientPool, server: Server, system: System, phase: dict, pla
         t.join()
     exit_info = None
     if phase["kind"] == "sigterm":
-        exit_info = server.wait_exit()
+        exit_info = server.wait_exit(timeout_s=5.0 if "at" in sig else STOP_WAIT_S)
+        if "exited" in sig:
+            exit_info["seconds"] = round(sig["exited"] - sig["at"], 3)
+            if exit_info["seconds"] > SHUTDOWN_GRACE_S:
+                exit_info["graceful"] = False
+                exit_info["why"] += f"; exited {exit_info['seconds']:.1f} s after SIGTERM, grace {SHUTDOWN_GRACE_S:g} s"
         server_delta = None
     else:
         readings["after"] = scrape(server.url) if system.fusedserve else None
@@ -482,6 +492,7 @@ class _Run:
         self.peaks: dict[str, float] = {}
         self.live: list[Server] = []
         self.pool: ClientPool | None = None
+        self.interrupted = False
 
     def skip(self, system: System, what: str, why: str) -> None:
         self.results["skipped"].append({"system": system.key, "what": what, "why": why})
@@ -492,8 +503,26 @@ class _Run:
         print(f"bench serve: {len(self.work)} systems, {groups} phase groups; {plan.clients} client processes "
               f"({plan.client}); budget {plan.time_budget_s:g} s; logs {self.tmp}", flush=True)  # fmt: skip
         self.pool = ClientPool(plan.clients)
-        for i, (system, phases) in enumerate(self.work):
-            self.system(system, phases, self.work[i + 1 :])
+        previous = {s: signal.signal(s, self._interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for i, (system, phases) in enumerate(self.work):
+                if self.interrupted:
+                    self.skip(system, "every phase", "interrupted (SIGTERM/SIGINT)")
+                    continue
+                self.system(system, phases, self.work[i + 1 :])
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        if self.interrupted:
+            self.results["problems"].append("the run was interrupted before every phase ran")
+
+    def _interrupt(self, signum, frame) -> None:
+        """First SIGTERM/SIGINT: finish the phase under way, skip the rest, stop the server and write the report
+        (a `timeout` around the run still leaves a report). A second one: stop at once."""
+        if self.interrupted:
+            raise KeyboardInterrupt
+        self.interrupted = True
+        print(f"bench serve: {signal.Signals(signum).name}: finishing the phase under way, then the report", flush=True)
 
     def system(self, system: System, phases: list[dict], later: list) -> None:
         budget = self.budget
@@ -522,6 +551,9 @@ class _Run:
         info = {"system": system.key, "ready": True, "ready_s": round(ready_s, 2), "port": server.port}
         self.results["servers"].append(info)
         for k, phase in enumerate(phases):
+            if self.interrupted:
+                self.skip(system, f"{phase['kind']} rows={phase['rows']} conns={phase['connections']}", "interrupted")
+                continue
             if server.proc.poll() is not None:
                 self.results["problems"].append(
                     f"{system.key} exited ({server.proc.returncode}) before its phases ended"
