@@ -147,8 +147,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, help="N: worker processes of the N-worker systems [min(8, cores-2)]")
     p.add_argument("--connections", type=_ints, help="closed-loop connection counts [1,4,64,256; --quick: 1,4]")
     p.add_argument("--rows", type=_ints, help="rows per request [1,64; --quick: 1]")
-    p.add_argument("--duration", type=float, help="seconds measured per phase [3; --quick: 0.5]")
-    p.add_argument("--warmup", type=float, help="seconds of load before each phase, not measured [1; --quick: 0.2]")
+    p.add_argument("--duration", type=float, help="seconds measured per phase [2.5; --quick: 0.5]")
+    p.add_argument("--warmup", type=float, help="seconds of load before each phase, not measured [0.75; --quick: 0.2]")
     p.add_argument(
         "--rates",
         type=_rates,
@@ -215,8 +215,8 @@ def resolve(args: argparse.Namespace) -> Plan:
         workers=workers,
         connections=args.connections or ((1, 4) if quick else (1, 4, 64, 256)),
         rows=args.rows or ((1,) if quick else (1, 64)),
-        duration_s=args.duration if args.duration is not None else (0.5 if quick else 3.0),
-        warmup_s=args.warmup if args.warmup is not None else (0.2 if quick else 1.0),
+        duration_s=args.duration if args.duration is not None else (0.5 if quick else 2.5),
+        warmup_s=args.warmup if args.warmup is not None else (0.2 if quick else 0.75),
         rates=rates,
         open_systems=open_systems,
         open_connections=args.open_connections or (8 if quick else 256),
