@@ -49,12 +49,12 @@ def targets(results: dict) -> list[dict]:
     ok_p99 = [r for r in closed(results, fused_n, 1) if (r["latency_ms"]["p99"] or 1e9) < 15.0]
     b = best(ok_p99)
     if b:
-        add(f"fused, {n} workers: >= 30,000 single-row req/s with p99 < 15 ms",
+        add(f"fused, {n} worker{'s' if n > 1 else ''}: >= 30,000 single-row req/s with p99 < 15 ms",
             f"{_n(b['req_per_s'])} req/s at {b['connections']} connections (p99 {b['latency_ms']['p99']:.2f} ms)",
             b["req_per_s"] >= 30_000)  # fmt: skip
     else:
         seen = closed(results, fused_n, 1)
-        add(f"fused, {n} workers: >= 30,000 single-row req/s with p99 < 15 ms",
+        add(f"fused, {n} worker{'s' if n > 1 else ''}: >= 30,000 single-row req/s with p99 < 15 ms",
             "no phase with p99 < 15 ms" if seen else "not measured", False if seen else None)  # fmt: skip
 
     def ratio(a_key: str, b_key: str, label: str) -> None:
