@@ -280,10 +280,12 @@ def _latency_block(lat) -> dict:
 
 
 def run_phase(pool: ClientPool, server: Server, system: System, phase: dict, plan: Plan, bodies, rate: float = 0.0):
+    # After a SIGTERM the server may take its whole grace period to answer what it accepted.
+    drain = max(plan.drain_timeout_s, SHUTDOWN_GRACE_S + 5.0) if phase["kind"] == "sigterm" else plan.drain_timeout_s
     spec = PhaseSpec(
         host="127.0.0.1", port=server.port, path="/predict", bodies=tuple(bodies[phase["rows"]]),
         connections=phase["connections"], warmup_s=plan.warmup_s, duration_s=plan.duration_s, rate=rate,
-        client=plan.client, drain_timeout_s=plan.drain_timeout_s, seed=plan.seed,
+        client=plan.client, drain_timeout_s=drain, seed=plan.seed,
     )  # fmt: skip
     readings: dict = {}
     sig: dict = {}
