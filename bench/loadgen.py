@@ -2,10 +2,11 @@
 
 Closed loop: each connection sends its next request when the last one was answered (what `wrk` and
 the baseline aiohttp clients do). Open loop: requests are due at a fixed rate (slot k at start + k/rate,
-shared by the connections of one process); a request's latency is measured from its due time, not from
-when a connection was free to send it, so a stall counts against every request it delayed
-(coordinated omission corrected, as wrk2 and perf_analyzer's fixed-rate mode do). The latency from the
-actual send is kept too.
+shared by the connections of one process; an idle connection takes the next slot and sleeps until it is
+due). A request that was due before any connection was free to send it is timed from its due time, so a
+stall counts against every request it delayed (coordinated omission corrected, as wrk2 and perf_analyzer's
+fixed-rate mode do); one sent on time is timed from its send, so the client's timer resolution (1 ms under
+libuv) is not charged to the server. The latency from the actual send is kept too ("service").
 
 Every process keeps its connections open from warm-up to the end of the phase: it warms up, drains,
 reports ready and waits; the parent reads the server's metrics, says go, the processes run the measured
@@ -288,9 +289,12 @@ async def _open_worker(conn, rec: Recorder, bodies, offset: int, slots: _Slots, 
         if t0 >= stop_at:  # far behind schedule: give up on the backlog instead of draining it for minutes
             rec.backlog += 1
             continue
+        start = due  # behind schedule: the wait for a free connection counts (coordinated omission)
         if due > t0:
             await asyncio.sleep(due - t0)
-            t0 = now()
+            # On time: from the send. The timer fires up to ~1 ms late (libuv's resolution), which is the client's
+            # delay, not the server's.
+            start = t0 = now()
         try:
             status = await conn.request(bodies[i % n], rec)
         except Refused as e:
@@ -301,7 +305,7 @@ async def _open_worker(conn, rec: Recorder, bodies, offset: int, slots: _Slots, 
             continue
         t1 = now()
         rec.status[status] = rec.status.get(status, 0) + 1
-        rec.latency.append(t1 - due)
+        rec.latency.append(t1 - start)
         rec.service.append(t1 - t0)
         rec.last_done = t1
         i += 1

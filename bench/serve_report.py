@@ -178,8 +178,10 @@ def markdown(results: dict) -> str:
     lines += ["", "## Open loop (fixed rate, single-row)", ""]
     if opens:
         lines += [
-            "Latency from each request's due time (coordinated omission corrected, as wrk2), and from its actual "
-            "send (service). Rates (unless given): 25, 50 and 75% of the empty route's closed-loop peak at N "
+            "Latency: a request that fell due while every connection was busy is timed from its due time "
+            "(coordinated omission corrected, as wrk2), one sent on time from its send; service: every request from "
+            "its actual send. Backlog: due requests never sent (the client gave up on a rate the server could not "
+            "follow). Rates (unless given): 25, 50 and 75% of the empty route's closed-loop peak at N "
             "workers, the same for every system; a system too slow for all of them runs at 50 and 75% of its own peak.",
             "",
             "| system | workers | conns | rate /s | achieved /s | p50 ms | p90 ms | p99 ms | p99.9 ms | "
