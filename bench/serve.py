@@ -31,7 +31,7 @@ from pathlib import Path
 
 SYSTEMS = ("empty", "eager", "fused", "unfused")
 FUSEDSERVE = ("fused", "unfused")
-DEFAULT_SYSTEMS = "empty@1,empty@N,fused@1,fused@N,unfused@1,unfused@N,eager@1,eager@N"
+DEFAULT_SYSTEMS = "empty@1,empty@N,fused@1,fused@N,unfused@1,unfused@N,eager@N,eager@1"
 QUICK_SYSTEMS = "empty@1,unfused@1"
 DEFAULT_OPEN = "empty@N,fused@N,unfused@N"
 

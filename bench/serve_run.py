@@ -211,7 +211,8 @@ class Server:
 
 
 def phase_list(system: System, plan: Plan, sigterm_system: System | None) -> list[dict]:
-    """The phases of one system, in order, each with a priority (1 essential, 2 optional, 3 first to go)."""
+    """The phases of one system, in order, each with a priority: 1 essential (the targets need it: kept while any
+    time is left), 2 optional (run when the essential phases still to come fit after it; eager@1's are marked 3)."""
     essential_system = system.name != "eager"
     out = []
     for rows in plan.rows:
