@@ -3,6 +3,7 @@ end-to-end run on the CPU (empty@1 and fusedserve unfused@1, tiny windows)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -247,3 +248,25 @@ def test_quick_end_to_end_run_on_the_cpu(tmp_path):
     assert "## Targets (issue 18)" in md and "## SIGTERM in the middle of a phase" in md
     assert proc.returncode == (1 if results["problems"] else 0), out
     assert all(p.startswith("unfused@1 sigterm") for p in results["problems"]), results["problems"]
+
+
+def test_phase_plan_and_open_loop_rates():
+    from bench.serve_run import _open_rates, phase_list, pick_sigterm_system
+
+    args = argparse.ArgumentParser()
+    serve_cli.add_arguments(args)
+    plan = serve_cli.resolve(args.parse_args(["--workers", "8"]))
+    assert [s.key for s in plan.systems][:4] == ["empty@1", "empty@8", "fused@1", "fused@8"]
+    assert plan.systems[-2].key == "eager@8"  # the optional eager app last: a run short of time loses it first
+    sig = pick_sigterm_system(plan)
+    assert sig.key == "fused@8"
+    phases = phase_list(sig, plan, sig)
+    assert phases[-1]["kind"] == "sigterm" and phases[-1]["connections"] == 256
+    assert {p["connections"] for p in phases if p["priority"] == 1 and p["kind"] == "closed"} == {1, 64, 256}
+    # auto: 25/50/75% of the empty route's peak at N, the same rates for every system...
+    peaks = {"empty@8": 36_000.0, "fused@8": 31_000.0, "unfused@8": 2_400.0}
+    assert _open_rates(plan, serve_cli.System("fused", 8), peaks) == [(9000.0, None), (18000.0, None), (27000.0, None)]
+    # ...and a system too slow for all of them runs at 50 and 75% of its own peak instead.
+    slow = _open_rates(plan, serve_cli.System("unfused", 8), peaks)
+    assert [r for r, why in slow if why is None] == [1200.0, 1800.0]
+    assert all("above 1.1x" in why for r, why in slow if r >= 9000)
