@@ -16,7 +16,7 @@ from bench.loadgen import ClientPool, PhaseSpec, make_bodies, merge, percentiles
 from bench.serve_accounting import account, delta, parse_metrics, server_split
 from bench.serve_report import targets
 
-from .server import REPO, ManagedProcess, dump_new_logs, free_port
+from .server import REPO, ManagedProcess, dump_new_logs, free_port, service_env
 
 # ---------------------------------------------------------------------------------------- accounting
 
@@ -179,8 +179,7 @@ def test_merge_and_percentiles():
 def empty_app(tmp_path):
     port = free_port()
     argv = [sys.executable, "-m", "uvicorn", "bench.serve_apps.empty:app", "--host", "127.0.0.1", "--port", str(port)]
-    env = {**__import__("os").environ, "PYTHONPATH": str(REPO)}
-    proc = ManagedProcess(f"empty:{port}", [*argv, "--no-access-log"], env, REPO, tmp_path / "empty.log")
+    proc = ManagedProcess(f"empty:{port}", [*argv, "--no-access-log"], service_env(), REPO, tmp_path / "empty.log")
     try:
         proc.wait_http(f"http://127.0.0.1:{port}/health/ready", 30)
         yield port
