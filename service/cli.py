@@ -79,11 +79,18 @@ def _bench_missing(why: str, args: argparse.Namespace) -> int:
     return 2
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from bench.serve import run
+
+    return run(args, shlex.join(["fusedserve", *args.argv]))
+
+
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (not tests)", description="Benchmarks (results: bench/results).")
     try:
         # bench.kernels imports no torch at module level, so building this parser stays cheap for every command.
         from bench import kernels as bench_kernels
+        from bench import serve as bench_serve
     except ImportError as e:  # an install made before `bench` was packaged: every other command still works
         bench.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
         bench.set_defaults(func=functools.partial(_bench_missing, str(e)))
@@ -97,6 +104,14 @@ def _add_bench(sub) -> None:
     )
     bench_kernels.add_arguments(kernels)
     kernels.set_defaults(func=_bench_kernels)
+    serve = bench_sub.add_parser(
+        "serve",
+        help="end to end: fusedserve against an empty FastAPI route and an eager-torch app, under load",
+        description=bench_serve.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_serve.add_arguments(serve)
+    serve.set_defaults(func=_bench_serve)
 
 
 def main(argv: list[str] | None = None) -> int:
