@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import collections
 import sys
+from pathlib import Path
 
 
 def main(path: str, top: int = 25) -> None:
     own: collections.Counter[str] = collections.Counter()
     incl: collections.Counter[str] = collections.Counter()
     total = 0
-    for line in open(path):
+    for line in Path(path).read_text().splitlines():
         stack, _, n = line.rstrip().rpartition(" ")
         if not n.isdigit():
             continue
