@@ -27,7 +27,7 @@ __all__ = ["BatchQueue", "Pending"]
 class Pending:
     """One queued request: who sent it (a front end's link identity) and its id there, its rows, its times."""
 
-    owner: bytes
+    owner: object  # the front end's connection, as the engine names it
     id: int
     rows: np.ndarray  # (n, *input_shape) float32
     enqueued_at: float  # time.monotonic(), the same clock in every process of the host
@@ -46,7 +46,7 @@ class BatchQueue:
         self.max_queue_requests = max_queue_requests
         self.max_delay_s = max_delay_s
         self._queue: collections.deque[Pending] = collections.deque()
-        self._by_key: dict[tuple[bytes, int], Pending] = {}  # live (not cancelled) entries, for cancel()
+        self._by_key: dict[tuple[object, int], Pending] = {}  # live (not cancelled) entries, for cancel()
         self._rows = 0  # rows of live entries
 
     def __len__(self) -> int:
@@ -65,7 +65,7 @@ class BatchQueue:
         self._rows += n
         return True
 
-    def cancel(self, owner: bytes, req_id: int) -> bool:
+    def cancel(self, owner: object, req_id: int) -> bool:
         """Drop a queued request whose client left; False when it is not queued (already taken, or unknown)."""
         req = self._by_key.pop((owner, req_id), None)
         if req is None:
@@ -74,7 +74,7 @@ class BatchQueue:
         self._rows -= req.rows.shape[0]
         return True
 
-    def drop_owner(self, owner: bytes) -> int:
+    def drop_owner(self, owner: object) -> int:
         """Cancel every request of one front end (it went away); returns how many."""
         keys = [k for k in self._by_key if k[0] == owner]
         for k in keys:

@@ -1,10 +1,10 @@
 """The engine: one process per device. It owns the model, its CUDA graphs, the tuner and one batch queue, and
-answers requests from every front end over a ZeroMQ ROUTER socket (service/wire.py).
+answers requests from every front end over a Unix domain socket (service/link.py, service/wire.py).
 
-The loop is single-threaded and synchronous, since a process of its own needs no event loop: receive
-everything the socket holds, take the next batch (service/batching.py), run its forward, answer each
-front end with one message, repeat. While a forward runs, ZeroMQ's I/O thread keeps receiving, so the
-requests that arrive meanwhile make up the next batch.
+The loop is single-threaded and synchronous, since a process of its own needs no event loop: read what the
+front ends sent, take the next batch (service/batching.py), run its forward, answer each front end with
+one message, repeat. While a forward runs, the kernel's socket buffers keep what arrives, so the
+requests that come meanwhile make up the next batch.
 """
 
 from __future__ import annotations
@@ -13,29 +13,36 @@ import gc
 import logging
 import math
 import os
+import selectors
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import zmq
 
-from . import wire
+from . import link, wire
 from .batching import BatchQueue, Pending
 from .config import Settings
 from .processes import child_setup, configure_logging
 
 log = logging.getLogger("fusedserve.engine")
 
-IDLE_POLL_MS = 100  # how often an idle engine looks at its stop flag
-SOCKET_HWM = 1_000_000  # messages; the queue bound (max_queue_requests) is what limits memory
+IDLE_POLL_S = 0.1  # how often an idle engine looks at its stop flag
+# After its last batch a CUDA engine polls without sleeping this long before it blocks: a request that comes
+# meanwhile (the next one of a client that just got its answer) finds a running thread, not a sleeping core.
+SPIN_S = 0.002
 
 
 class Engine:
-    def __init__(self, runner, sock: zmq.Socket, settings: Settings, input_shape: tuple[int, ...], metrics):
+    def __init__(self, runner, listener: socket.socket, settings: Settings, input_shape: tuple[int, ...], metrics):
         self.runner = runner
-        self.sock = sock
+        self.listener = listener
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(listener, selectors.EVENT_READ, None)
+        self._conns: dict[int, _Conn] = {}
+        self._next_owner = 0
         self.metrics = metrics
         self.input_shape = tuple(input_shape)
         self.features = math.prod(input_shape)
@@ -46,7 +53,8 @@ class Engine:
             max_delay_s=settings.max_delay_ms / 1e3,
         )
         self.stopping = False
-        self._replies: dict[bytes, tuple[list[bytes], list]] = {}
+        self.spin_s = 0.0  # set for CUDA engines (engine_main): a CPU engine shares its cores with the front ends
+        self._replies: dict[int, tuple[list[bytes], list]] = {}
 
     # ------------------------------------------------------------------ loop
 
@@ -59,44 +67,98 @@ class Engine:
                     if not len(self.queue):
                         break
                 else:
-                    self._receive(IDLE_POLL_MS)
+                    self._idle()
                     continue
             self._receive(0)
             hold = self.queue.hold_for(time.monotonic())
             if hold > 0 and not self.stopping:
-                self._receive(max(1, int(hold * 1e3)))  # max_delay_ms: wait for company, then look again
+                self._receive(hold)  # max_delay_ms: wait for company, then look again
                 if self.queue.hold_for(time.monotonic()) > 0:
                     continue
             self._run_batch()
         self._flush()
+        self._finish_writes()
 
-    def _receive(self, timeout_ms: int) -> None:
-        sock = self.sock
-        if timeout_ms and not sock.poll(timeout_ms, zmq.POLLIN):
-            return
+    def _finish_writes(self, timeout_s: float = 5.0) -> None:
+        """At stop: push out answers the sockets did not take yet (a front end that reads nothing is left)."""
+        end = time.monotonic() + timeout_s
+        while any(c.pending for c in self._conns.values()) and time.monotonic() < end:
+            self._receive(0.05)
+
+    def _idle(self) -> None:
+        """Wait for work: spin for `spin_s` (selector polls with no timeout), then block."""
+        if self.spin_s:
+            end = time.perf_counter() + self.spin_s
+            while time.perf_counter() < end:
+                self._receive(0)
+                if len(self.queue):
+                    return
+        self._receive(IDLE_POLL_S)
+
+    def _receive(self, timeout_s: float) -> None:
         got = False
-        features = self.features
-        while True:
-            try:
-                owner, message = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            got = True
-            records, view, at = wire.unpack(message, wire.REQUEST)
-            for kind, rid, n, deadline in records:
-                if kind == wire.CANCEL:
-                    self.queue.cancel(owner, rid)
-                    continue
-                size = n * features * 4
-                rows = np.frombuffer(view[at : at + size], dtype=np.float32).reshape(n, *self.input_shape)
-                at += size
-                # The front end set deadline = its arrival time + request_timeout: so the queue wait counts the link.
-                req = Pending(owner, rid, rows, deadline - self.timeout_s, deadline)
-                if not self.queue.push(req):
-                    self._reply_error(req, wire.OVERLOADED, f"queue full: {len(self.queue)} requests waiting")
+        for key, mask in self.selector.select(timeout_s):
+            conn = key.data
+            if conn is None:
+                self._accept()
+                continue
+            if mask & selectors.EVENT_WRITE and not link.send_some(conn.sock, conn.pending, b""):
+                self._drop(conn)
+                continue
+            if mask & selectors.EVENT_READ:
+                messages, closed = link.read_available(conn.sock, conn.reader)
+                for message in messages:
+                    self._handle(conn.owner, message)
+                got = got or bool(messages)
+                if closed:
+                    self._drop(conn)
+            self._watch_writes(conn)
         if got:
             self.metrics.queue_depth(len(self.queue))
             self._flush()  # refusals go out at once, not after the next forward
+
+    def _handle(self, owner: int, message: bytes) -> None:
+        records, view, at = wire.unpack(message, wire.REQUEST)
+        features = self.features
+        for kind, rid, n, deadline in records:
+            if kind == wire.CANCEL:
+                self.queue.cancel(owner, rid)
+                continue
+            size = n * features * 4
+            rows = np.frombuffer(view[at : at + size], dtype=np.float32).reshape(n, *self.input_shape)
+            at += size
+            # The front end set deadline = its arrival time + request_timeout: so the queue wait counts the link.
+            req = Pending(owner, rid, rows, deadline - self.timeout_s, deadline)
+            if not self.queue.push(req):
+                self._reply_error(req, wire.OVERLOADED, f"queue full: {len(self.queue)} requests waiting")
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            sock.setblocking(False)
+            self._next_owner += 1
+            conn = _Conn(self._next_owner, sock)
+            self._conns[conn.owner] = conn
+            self.selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _drop(self, conn: _Conn) -> None:
+        """A front end went away: its queued requests are dropped, its answers have nowhere to go."""
+        if self._conns.pop(conn.owner, None) is None:
+            return
+        n = self.queue.drop_owner(conn.owner)
+        self._replies.pop(conn.owner, None)
+        self.selector.unregister(conn.sock)
+        conn.sock.close()
+        log.warning("a front end disconnected; %d of its queued requests dropped", n)
+
+    def _watch_writes(self, conn: _Conn) -> None:
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.pending else 0)
+        if want != conn.events and conn.owner in self._conns:
+            conn.events = want
+            self.selector.modify(conn.sock, want, conn)
 
     def _run_batch(self) -> None:
         now = time.monotonic()
@@ -105,9 +167,11 @@ class Engine:
             self._reply_error(req, wire.TIMEOUT, f"deadline passed {now - req.deadline:.3f} s before its batch ran")
         if batch:
             rows = 0
+            waits = []
             for req in batch:
-                self.metrics.queue_wait(now - req.enqueued_at)
+                waits.append(now - req.enqueued_at)
                 rows += req.rows.shape[0]
+            self.metrics.queue_waits(waits)
             self.metrics.batch(rows)
             self.metrics.queue_depth(len(self.queue))
             x = batch[0].rows if len(batch) == 1 else np.concatenate([r.rows for r in batch])
@@ -128,7 +192,7 @@ class Engine:
 
     # ------------------------------------------------------------------ replies
 
-    def _reply(self, owner: bytes, rid: int, status: int, rows: int, payload) -> None:
+    def _reply(self, owner: int, rid: int, status: int, rows: int, payload) -> None:
         entry = self._replies.get(owner)
         if entry is None:
             entry = self._replies[owner] = ([], [])
@@ -139,10 +203,27 @@ class Engine:
         self._reply(req.owner, req.id, status, 0, message.encode())
 
     def _flush(self) -> None:
-        for owner, (headers, payloads) in self._replies.items():
-            # A ROUTER drops a message for a front end that is gone: only that front end's requests are lost.
-            self.sock.send_multipart([owner, wire.pack(headers, payloads)])
-        self._replies.clear()
+        replies, self._replies = self._replies, {}
+        for owner, (headers, payloads) in replies.items():
+            conn = self._conns.get(owner)
+            if conn is None:  # its front end is gone: only that front end's requests are lost
+                continue
+            # Never blocks: what the socket does not take now goes out when it is writable (select above).
+            if not link.send_some(conn.sock, conn.pending, link.frame(wire.pack(headers, payloads))):
+                self._drop(conn)
+            else:
+                self._watch_writes(conn)
+
+
+class _Conn:
+    __slots__ = ("owner", "sock", "reader", "pending", "events")
+
+    def __init__(self, owner: int, sock: socket.socket):
+        self.owner = owner
+        self.sock = sock
+        self.reader = link.Reader()
+        self.pending = bytearray()
+        self.events = selectors.EVENT_READ
 
 
 def build_runner(settings: Settings, device, dtype: str, model, metrics):
@@ -204,13 +285,12 @@ def engine_main(
         label = str(index)
         metrics = EngineMetrics(model.name, settings.mode, str(device), dtype, engine=label)
         runner = build_runner(settings, device, dtype, model, metrics)
-        ctx = zmq.Context(1)
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
-        sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
-        sock.bind(endpoint)
-        engine = Engine(runner, sock, settings, model.input_shape, metrics)
+        listener = link.new_socket()
+        listener.bind(endpoint)
+        listener.listen(256)
+        engine = Engine(runner, listener, settings, model.input_shape, metrics)
+        if device.type == "cuda":
+            engine.spin_s = SPIN_S
         if index == 0:
             from .state import write_plan
 

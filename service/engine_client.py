@@ -1,11 +1,11 @@
-"""A front end's link to the engines: submit rows, get a future of their outputs (service/wire.py on the wire).
+"""A front end's link to the engines: submit rows, get a future of their outputs (service/link.py, wire.py).
 
-Built for microseconds on an asyncio loop: no task per request, no awaitable socket wrapper. `submit`
+Built for microseconds on an asyncio loop: no task per request, no awaitable stream wrapper. `submit`
 queues the request on its engine's outbox and schedules one flush per loop turn, so every request a
-front end takes in one turn reaches the engine as one message; replies are read by a reader callback
-on the socket's file descriptor. The least-loaded engine (fewest requests outstanding from this front
-end) gets each request. The engines' states are shared integers written by the engines and the
-supervisor; a poll every STATE_POLL_S fails at once the requests of an engine that died.
+front end takes in one turn reaches the engine as one message; answers are read by a reader callback
+on the socket. The least-loaded engine (fewest requests outstanding from this front end) gets each
+request. The engines' states are shared integers written by the engines and the supervisor; an engine
+whose socket closes has died, and its outstanding requests fail at once.
 """
 
 from __future__ import annotations
@@ -15,14 +15,12 @@ import itertools
 import logging
 
 import numpy as np
-import zmq
 
-from . import wire
+from . import link, wire
 
 log = logging.getLogger("fusedserve.link")
 
-STATE_POLL_S = 0.025
-SOCKET_HWM = 1_000_000
+STATE_POLL_S = 0.025  # how often engine states are read, and engines not yet reached are connected
 
 
 class EngineError(Exception):
@@ -43,15 +41,10 @@ class EngineGone(EngineError):
 
 class EngineClient:
     def __init__(self, endpoints: list[str], states: list, output_features: int):
-        self._ctx = zmq.Context(1)
-        self._socks: list[zmq.Socket] = []
-        for ep in endpoints:
-            s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDHWM, SOCKET_HWM)
-            s.setsockopt(zmq.RCVHWM, SOCKET_HWM)
-            s.connect(ep)
-            self._socks.append(s)
+        self._endpoints = endpoints
+        self._socks: list = [None] * len(endpoints)  # connected once the engine listens
+        self._readers = [link.Reader() for _ in endpoints]
+        self._unsent = [bytearray() for _ in endpoints]
         self._states = states
         self._out_features = output_features
         self._ids = itertools.count(1)
@@ -67,26 +60,41 @@ class EngineClient:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self._loop = loop = asyncio.get_running_loop()
-        for i, s in enumerate(self._socks):
-            loop.add_reader(s.getsockopt(zmq.FD), self._drain, i)
-        self._poll = loop.call_later(STATE_POLL_S, self._watch_states)
+        self._loop = asyncio.get_running_loop()
+        self._watch_states()
 
     def close(self) -> None:
         if self._poll is not None:
             self._poll.cancel()
-        if self._loop is not None:
-            for s in self._socks:
-                self._loop.remove_reader(s.getsockopt(zmq.FD))
+        for i, sock in enumerate(self._socks):
+            if sock is not None:
+                self._disconnect(i)
         self._fail_where(lambda e: True, "the front end is stopping")
-        for s in self._socks:
-            s.close(0)
-        self._ctx.term()
+
+    def _connect(self, i: int) -> None:
+        sock = link.new_socket()
+        try:
+            sock.connect(self._endpoints[i])
+        except (FileNotFoundError, ConnectionRefusedError, BlockingIOError):
+            sock.close()  # the engine is not listening yet: the next state poll tries again
+            return
+        self._socks[i] = sock
+        self._loop.add_reader(sock.fileno(), self._drain, i)
+
+    def _disconnect(self, i: int) -> None:
+        sock, self._socks[i] = self._socks[i], None
+        self._loop.remove_reader(sock.fileno())
+        self._loop.remove_writer(sock.fileno())
+        sock.close()
 
     # ------------------------------------------------------------------ state
 
     def states(self) -> list[int]:
-        return [wire.STOPPED if i in self._dead else s.value for i, s in enumerate(self._states)]
+        """Each engine's state; one not connected to yet reads as loading."""
+        return [
+            wire.STOPPED if i in self._dead else (s.value if self._socks[i] is not None else min(s.value, wire.LOADING))
+            for i, s in enumerate(self._states)
+        ]
 
     def states_named(self) -> list[str]:
         return [wire.ENGINE_STATES[s] for s in self.states()]
@@ -114,7 +122,12 @@ class EngineClient:
         best = -1
         for j in range(n):
             i = (start + j) % n
-            if states[i].value == wire.READY and i not in self._dead and (best < 0 or load[i] < load[best]):
+            if (
+                states[i].value == wire.READY
+                and self._socks[i] is not None
+                and i not in self._dead
+                and (best < 0 or load[i] < load[best])
+            ):
                 best = i
         rid = next(self._ids)
         if best < 0:
@@ -149,27 +162,34 @@ class EngineClient:
         for i, (headers, frames) in enumerate(self._outbox):
             if not headers:
                 continue
-            msg = wire.pack(headers, frames)
+            data = link.frame(wire.pack(headers, frames))
             headers.clear()
             frames.clear()
-            try:
-                self._socks[i].send(msg, zmq.NOBLOCK)
-            except zmq.ZMQError as e:  # Again: the engine has not taken a million messages; it is stuck
-                self._fail_where(lambda e_, i=i: e_ == i, f"engine {i} is not taking requests ({e})")
-        # The socket's descriptor signals edges, and a send may consume one: read what may have come meanwhile.
-        for i in range(len(self._socks)):
-            self._drain(i)
+            sock = self._socks[i]
+            if sock is None or not link.send_some(sock, self._unsent[i], data):
+                self._engine_gone(i, f"engine {i} closed its connection")
+            elif self._unsent[i]:
+                # The engine is not reading as fast as this front end sends: the rest goes when it can.
+                self._loop.add_writer(sock.fileno(), self._write_rest, i)
+
+    def _write_rest(self, i: int) -> None:
+        sock = self._socks[i]
+        if sock is None:
+            return
+        if not link.send_some(sock, self._unsent[i], b""):
+            self._engine_gone(i, f"engine {i} closed its connection")
+        elif not self._unsent[i]:
+            self._loop.remove_writer(sock.fileno())
 
     def _drain(self, i: int) -> None:
         sock = self._socks[i]
+        if sock is None:
+            return
+        messages, closed = link.read_available(sock, self._readers[i])
         pending = self._pending
         load = self._load
         out_features = self._out_features
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            try:
-                message = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+        for message in messages:
             records, view, at = wire.unpack(message, wire.REPLY)
             for rid, status, n, size in records:
                 payload = view[at : at + size]
@@ -185,15 +205,26 @@ class EngineClient:
                     fut.set_result(np.frombuffer(payload, dtype=np.float32).reshape(n, out_features))
                 else:
                     fut.set_exception(EngineError(status, bytes(payload).decode(errors="replace")))
+        if closed:
+            self._engine_gone(i, f"engine {i} closed its connection")
+
+    def _engine_gone(self, i: int, message: str) -> None:
+        """The engine died (its end of the socket closed): whatever it held will never be answered."""
+        self._dead.add(i)
+        if self._socks[i] is not None:
+            self._disconnect(i)
+        n = self._fail_where(lambda e: e == i, message)
+        if n:
+            log.error("engine %d is gone; %d requests failed with 503", i, n)
 
     def _watch_states(self) -> None:
         for i, state in enumerate(self._states):
-            if i not in self._dead and state.value in (wire.STOPPED, wire.FAILED_START):
-                # The engine is gone (or stopped): whatever it held will never be answered.
-                self._dead.add(i)
-                n = self._fail_where(lambda e, i=i: e == i, f"engine {i} stopped before answering")
-                if n:
-                    log.error("engine %d is gone; %d requests failed with 503", i, n)
+            if i in self._dead:
+                continue
+            if state.value in (wire.STOPPED, wire.FAILED_START):
+                self._engine_gone(i, f"engine {i} stopped before answering")
+            elif self._socks[i] is None and state.value in (wire.WARMING, wire.READY):
+                self._connect(i)
         self._poll = self._loop.call_later(STATE_POLL_S, self._watch_states)
 
     def _fail_where(self, which, message: str) -> int:

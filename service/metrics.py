@@ -15,6 +15,7 @@ Without that variable (tests, a library user) each object has its own registry, 
 
 from __future__ import annotations
 
+import bisect
 import os
 
 from prometheus_client import (
@@ -130,14 +131,37 @@ class EngineMetrics:
     def queue_depth(self, requests: int) -> None:
         self._depth.set(requests)
 
-    def queue_wait(self, seconds: float) -> None:
-        self._queue_wait.observe(seconds)
+    def queue_waits(self, seconds: list[float]) -> None:
+        """Every request's wait of one batch, in one update (per-request observes cost ~14% of a loaded engine's
+        time in multiprocess mode, where each is two locked writes to a memory-mapped file)."""
+        observe_many(self._queue_wait, seconds)
 
     def batch(self, rows: int) -> None:
         self._rows.observe(rows)
 
     def render(self) -> bytes:
         return render(self.registry)
+
+
+def observe_many(child, values: list[float]) -> None:
+    """`child.observe(v)` for every v, with one write per touched bucket instead of two per value.
+
+    Uses the histogram child's bucket values (`_upper_bounds`, `_buckets`, `_sum`, as prometheus-client has
+    kept them since 0.4); without them, one observe per value.
+    """
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    if bounds is None or buckets is None or not hasattr(child, "_sum") or len(values) < 2:
+        for v in values:
+            child.observe(v)
+        return
+    counts: dict[int, int] = {}
+    for v in values:
+        i = bisect.bisect_left(bounds, v)  # the first bucket whose upper bound is >= v, as observe() picks
+        counts[i] = counts.get(i, 0) + 1
+    child._sum.inc(sum(values))
+    for i, n in counts.items():
+        buckets[i].inc(n)
 
 
 def render(registry: CollectorRegistry) -> bytes:

@@ -34,4 +34,4 @@ def child_setup(name: str) -> None:
 
 
 def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, force=True)
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)

@@ -1,9 +1,9 @@
 """`fusedserve serve`: check the configuration, start one engine per device and FUSEDSERVE_WORKERS front ends,
 watch them, and stop them in order.
 
-    supervisor ─┬─ engine 0 (GPU 0: model, CUDA graphs, tuner, batch queue)  ROUTER  ipc://<run dir>/engine-0
+    supervisor ─┬─ engine 0 (GPU 0: model, CUDA graphs, tuner, batch queue), listening on <run dir>/engine-0.sock
                 ├─ engine 1 (GPU 1) ...
-                ├─ front end 0 (FastAPI + uvicorn on :port, SO_REUSEPORT)   DEALER to every engine
+                ├─ front end 0 (FastAPI + uvicorn on :port, SO_REUSEPORT), a Unix socket to every engine
                 └─ front end 1 ...
 
 Why processes: a small model's forward takes microseconds on the GPU, while Python's HTTP handling takes
@@ -134,7 +134,7 @@ class Supervisor:
         from .main import frontend_main
 
         s = self.settings
-        endpoints = [f"ipc://{run_dir}/engine-{i}" for i in range(len(devices))]
+        endpoints = [str(run_dir / f"engine-{i}.sock") for i in range(len(devices))]
         states = [self._ctx.Value("i", wire.LOADING, lock=False) for _ in devices]
         threads = max(1, (host_cores() - workers) // len(devices))  # torch threads of a CPU engine
         for i, dev in enumerate(devices):

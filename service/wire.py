@@ -1,7 +1,6 @@
-"""The messages between front ends and engines: ZeroMQ multipart messages of fixed-size headers and raw float32.
+"""The messages between front ends and engines: fixed-size headers and raw float32 (service/link.py carries them).
 
-Front end -> engine (DEALER -> ROUTER), one single-frame message per event-loop turn, holding every
-request the front end took in that turn:
+Front end -> engine, one message per event-loop turn, holding every request the front end took in that turn:
     COUNT (records), then that many REQUEST records (kind, id, rows, deadline), one per request or
     cancellation, then the float32 rows of each SUBMIT record in order (C-contiguous, (rows, *input_shape))
 Engine -> front end, one message per front end per batch:
@@ -9,8 +8,7 @@ Engine -> front end, one message per front end per batch:
     outputs (rows, output_features) when OK, else a UTF-8 message
 
 No JSON, msgpack or pickle on this path: headers are struct-packed and the rows travel as the bytes numpy
-already holds. One frame, not one per part: ZeroMQ's cost is per frame sent (9 against 16 us per message
-with a 21-byte header and one 64-float row in two frames, measured on the 2-core development machine).
+already holds, joined into one buffer, so a message is one write.
 """
 
 from __future__ import annotations
