@@ -24,7 +24,8 @@ from kernels.activations import torch_activation
 
 from .kernel_budget import MODEL_START_ESTIMATE_S, Budget
 from .kernel_providers import COMPILE_MODES, NotAvailable, inductor_settings, layer_provider
-from .kernel_report import ours_failed, primary, slug_of, summary, write_report
+from .kernel_report import ours_failed, slug_of, summary, write_report
+from .kernel_results import primary
 from .kernel_timing import (
     DTYPES,
     ELEMENT_BYTES,
