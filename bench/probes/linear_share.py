@@ -12,7 +12,7 @@ SHARE=1 and 2 compute the wrong product (a timing emulation only, never a kernel
 B (or A) loads and the epilogue are unchanged, so the time they save is what the skipped L2 -> SM traffic
 costs. If it closes the gap to cuBLASLt, the gap is that traffic.
 
-    python -m bench.probe_hopper --only linear-share --out $OUT
+    python -m bench.probes.linear_share --out DIR
 
 What it found (H200, triton 3.6; bench/results/probe_linear_share_h200.txt): the emulation does not
 answer the question. Sharing made every tile slower (64x128: 11.65 us with all loads, 13.2 and 13.0 with
@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 
 from kernels import FusedLinear
+
+from .common import graph_us, main
 
 
 @triton.jit
@@ -96,3 +98,7 @@ def sweep(graph_us, M=1024, K=1024, N=1024, dtype=torch.float16) -> dict:
         print(f"   {bm}x{bn}x{bk} w{warps} s{stages} ({grid[0]} programs): all loads {times[0]:.2f} us, A shared by "
               f"pairs along N {times[1]:.2f}, B shared by pairs along M {times[2]:.2f}", flush=True)  # fmt: skip
     return {"shape": (M, K, N), "dtype": str(dtype), "cublaslt": lt, "tuned": tuned, "rows": rows}
+
+
+if __name__ == "__main__":
+    main("linear_share", lambda: sweep(graph_us))

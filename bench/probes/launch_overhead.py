@@ -1,7 +1,7 @@
 """Where a fused forward's host time goes: per-layer launch cost with and without inference_mode,
 and whether each layer launches from its cached tuned config (no autotuner on the hot path).
 
-    python -m bench.launch_overhead [--dtype float32]
+    python -m bench.probes.launch_overhead [--dtype float32]
 """
 
 from __future__ import annotations

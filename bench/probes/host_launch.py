@@ -19,7 +19,7 @@ round), host microseconds per call over 1000 back-to-back calls and one synchron
 at 64x256x128 fp16 relu (launch-bound) and 1024^3 bf16 gelu_tanh (the published-shape cell whose wall
 ratio read 1.62x in the fd28314 run), and the digits MLP's whole-MLP kernel at batch 1.
 
-    python -m bench.probe_hopper --only host-launch --out $OUT
+    python -m bench.probes.host_launch --out DIR
 
 What it found (H200 host; bench/results/probe_host_launch_h200.txt), best of 9 rounds at 64x256x128 fp16: the
 launcher called as DirectLaunch did before, 6.27 us; with int pointers 5.39 (-0.9: six driver calls); the
@@ -42,8 +42,8 @@ from kernels import FusedLinear
 from kernels.launch import c_launch_of
 from kernels.mlp import FusedMLP
 
-from .kernel_timing import timed_run
-from .probe_hopper import digits_layers
+from ..kernel_timing import timed_run
+from .common import digits_layers, main
 
 CALLS = 1000
 ROUNDS = 9
@@ -162,3 +162,7 @@ def sweep() -> dict:
         for variant, r in rows.items():
             print(f"   {variant:40s} {r['best']:7.2f} / {r['median']:7.2f}", flush=True)
     return res
+
+
+if __name__ == "__main__":
+    main("host_launch", sweep)

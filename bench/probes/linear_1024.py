@@ -11,7 +11,7 @@ no edge wrap, no grouping, no PDL: bench/probe_linear_share.py's kernel), to spl
 All cold graph replays (L2 flushed), as the benchmark. Candidates are compiled first by 12 processes
 (Triton's disk cache is shared), so the sweep is mostly timing.
 
-    python -m bench.probe_hopper --only linear-1024 --out $OUT
+    python -m bench.probes.linear_1024 --out DIR
 
 What it found (H200, Triton 3.6; bench/results/probe_linear_1024*_h200.txt). First run: the bare loop beat
 the same config of linear.py's kernel by 0.7-1.0 us (fp16 64x128x128 s4: 10.59 against 11.62; cuBLASLt 9.76),
@@ -34,7 +34,7 @@ from kernels import FusedLinear, pdl
 from kernels.tiles import device_limits
 from kernels.tuning import LaunchConfig
 
-from .probe_hopper import forced, relu_layer
+from .common import forced, graph_us, main, relu_layer
 
 M = K = N = 1024
 TILES = ((64, 128), (128, 64), (64, 64), (128, 128), (64, 256), (128, 256))
@@ -101,7 +101,7 @@ def describe(c: dict) -> str:
 
 
 def sweep(graph_us) -> dict:
-    from .probe_linear_share import _tiles
+    from .linear_share import _tiles
 
     torch.backends.cuda.matmul.allow_tf32 = True  # fp32 as TF32 on both sides, as the benchmark's fp32 rows
     sms, smem = device_limits(torch.device("cuda"))
@@ -169,3 +169,7 @@ def sweep(graph_us) -> dict:
                   f"{s['plain']:.2f} (err {s['plain_err']:.1e})", flush=True)  # fmt: skip
         res[name] = {"cublaslt": lt, "tuned": tuned_us, "rows": rows, "regroup": grouped, "splits": splits}
     return res
+
+
+if __name__ == "__main__":
+    main("linear_1024", lambda: sweep(graph_us))

@@ -6,7 +6,7 @@ kernel in probe_gemv_pdl (a loop of dependent loads). This asks what any kernel 
 the loads unrolled so each program has all of them in flight, a persistent grid striding over the tensor,
 and torch's own sum, each timed cold with L2 flushed by writes (do_bench's way) and by reads.
 
-    python -m bench.probe_hopper --only stream --out $OUT
+    python -m bench.probes.stream --out DIR
 
 What it found (H200; bench/results/probe_stream_h200.txt; the torch.sum row failed in that run, fixed since):
 the best shape, 8192x2 unrolled over 4 warps, read 48 MB in 16.0 us cold with L2 cleared by reads (3.14
@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .probe_gemv_pdl import _stream_sum
-from .probe_l2_flush import _graphed, flushed_us
+from .common import main, stream_sum
+from .l2_flush import _graphed, flushed_us
 
 
 @triton.jit
@@ -58,7 +58,7 @@ def sweep(mb: int = 48) -> dict:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     n = w.numel()
     variants = {"torch sum": lambda: torch.sum(w, dim=0, dtype=torch.float32, out=sink)}
-    variants["loop 8192x4 w4 (probe_gemv_pdl)"] = lambda: _stream_sum[(n // (8192 * 4),)](
+    variants["loop 8192x4 w4 (probe_gemv_pdl)"] = lambda: stream_sum[(n // (8192 * 4),)](
         w, out, n, BLOCK=8192, STEPS=4, num_warps=4
     )
     for block, steps, warps in ((4096, 2, 4), (4096, 4, 4), (8192, 2, 4), (8192, 4, 4), (8192, 4, 8), (8192, 8, 8),
@@ -93,3 +93,7 @@ def sweep(mb: int = 48) -> dict:
         print(f"   {name:40s} write {r['write']:7.2f} us   read {r['read']:7.2f} us "
               f"({(mb << 20) / r['read'] / 1e6:.2f} TB/s)", flush=True)  # fmt: skip
     return {"mb": mb, "rows": rows}
+
+
+if __name__ == "__main__":
+    main("stream", sweep)

@@ -15,7 +15,7 @@ torch.sum over the same 256 MB: 8 bytes written; kernels/cold_timing.py, adopted
 - 1024^3 fp16 relu: FusedLinear against the cuBLASLt epilogue, each a graph replay
 - the digits MLP at batches 1 and 256: ours against F.linear + relu and torch.compile
 
-    python -m bench.probe_hopper --only l2-flush --out $OUT
+    python -m bench.probes.l2_flush --out DIR
 
 What it found (H200; bench/results/probe_l2_flush_h200.txt), zeroing against reading: one-store 3.94 against
 3.01 us; reading 8/32/48 MB 10.8/16.8/24.6 against 9.5/13.1/19.2; 1024^3 fp16 ours 10.78 against 10.30,
@@ -35,10 +35,9 @@ import torch
 from kernels import FusedLinear
 from kernels.cold_timing import FLUSH_BYTES, cold_us
 
-from .kernel_models import ModelProviders, build_wide, load_named
-from .kernel_timing import capture
-from .probe_gemv_pdl import _stream_sum
-from .probe_hopper import _one_store
+from ..kernel_models import ModelProviders, build_wide, load_named
+from ..kernel_timing import capture
+from .common import main, one_store, stream_sum
 
 FLUSHES = ("write", "read")
 _CACHE = {}
@@ -71,12 +70,12 @@ def sweep() -> dict:
         print(f"   {name:40s} write {r['write']:7.2f}   read {r['read']:7.2f} us{rates}", flush=True)
 
     y = torch.empty(1, device="cuda")
-    row("one-store kernel (graph)", _graphed(lambda: _one_store[(1,)](y)))
+    row("one-store kernel (graph)", _graphed(lambda: one_store[(1,)](y)))
     out = torch.empty(1 << 16, device="cuda")
     for mb in (8, 32, 48):
         w = torch.randn((mb << 20) // 2, device="cuda").to(torch.float16)
         grid = (w.numel() // (8192 * 4),)
-        row(f"read {mb} MB (graph)", _graphed(lambda w=w, grid=grid: _stream_sum[grid](
+        row(f"read {mb} MB (graph)", _graphed(lambda w=w, grid=grid: stream_sum[grid](
             w, out, w.numel(), BLOCK=8192, STEPS=4, num_warps=4)), nbytes=mb << 20)  # fmt: skip
 
     x = torch.randn(1024, 1024, device="cuda").to(torch.float16)
@@ -98,3 +97,7 @@ def sweep() -> dict:
                     fn = prep.fn if prep.graphed else _graphed(prep.fn)
                     row(f"{name} batch {batch}: {prov} (graph)", fn, nbytes=nbytes)
     return {"rows": rows}
+
+
+if __name__ == "__main__":
+    main("l2_flush", sweep)

@@ -18,7 +18,7 @@ beside, in the same run, a kernel that stores one float (the fixed cost of one g
 digits FusedMLP at batch 1 (the tuned kernel), each a graph replay timed as the benchmark times (cold:
 kernels/cold_timing.py), and hot (back to back in one graph, weights left in L2).
 
-    python -m bench.probe_hopper --only digits-floor --out $OUT
+    python -m bench.probes.digits_floor --out DIR
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import triton.language as tl
 
 from kernels.mlp import FusedMLP
 
-from .probe_hopper import digits_layers, graph_us, hot_graph_us, one_store_floor
+from .common import digits_layers, graph_us, hot_graph_us, main, one_store_floor
 
 W_ELEMENTS = 64 * 256 + 256 * 256 + 256 * 16  # the packed (padded) digits weights, fp16: 172,032 bytes
 MAX_TILE = 16384  # elements one program loads in one tile (128 per thread at 4 warps: 64 registers)
@@ -105,3 +105,7 @@ def sweep() -> dict:
           f"{best['warps']} warps); one-store kernel {floor['cold']:.2f}; digits FusedMLP {ours['cold']:.2f}",
           flush=True)  # fmt: skip
     return {"one_store": floor, "fused_mlp_batch1": ours, "floor": rows, "best": best}
+
+
+if __name__ == "__main__":
+    main("digits_floor", sweep)
