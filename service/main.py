@@ -105,7 +105,9 @@ async def _warm_up(state) -> None:
     try:
         if s.warmup:
             sizes = await state.batcher.run_in_worker(lambda: state.runner.warmup(s.max_batch_size))
-            log.info("warm-up done: %s on %s, %s, batch sizes %s", s.mode, state.device, state.runner.executor.dtype, sizes)
+            log.info(
+                "warm-up done: %s on %s, %s, batch sizes %s", s.mode, state.device, state.runner.executor.dtype, sizes
+            )
         # Everything allocated so far (model, kernels, app) lives as long as the process: move it out of
         # the collector's view, so a full GC pass (100-200 ms seen on this event loop) has less to walk.
         gc.freeze()
