@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from .kernel_models import ModelProviders
 
 TIME_UP = "skipped: --time-limit reached"
-# Of the time limit, when the models section follows. The 10 model cases take ~275 s with compile-max in 8 of
-# them (H200, 2026-11-23: 9-17 s base, 16-29 s compile-max each); at 0.55 of 535 s, two were skipped whole.
+# Of the time limit, when the models section follows: the 10 model cases take ~275 s with compile-max in 8 of
+# them (H200: 9-17 s base, 16-29 s compile-max each), 53% of the 535 s a full run gets.
 LAYERS_SHARE = 0.47
 
 

@@ -1,4 +1,4 @@
-"""Issue 3's targets, checked against one benchmark run's results: met or not, and how far.
+"""The kernel targets (issue 3), checked against one benchmark run's results: met or not, and how far.
 
     published shapes (64x256x128, 128x256x256, 1024x1024x1024), every dtype and activation:
         eager wall / ours wall >= 2                 (wall time per call from Python)

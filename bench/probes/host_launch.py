@@ -1,33 +1,23 @@
-"""Development probe (issue 3): where does a prepared layer's host time per call go?
+"""Where does a prepared layer's host time per call go?
 
-The fused layer's wall time per call (back to back, from Python) read 12.0 us at 64x256x128 fp16 on the
-H200's host, against 13.0 us for the cuBLASLt epilogue (one torch op) and 27 us for eager's three ops:
-launch-bound, and the eager / ours ratio (a target at >= 2x) moves with the host's speed. The direct path
-(kernels/launch.py) already skips JITFunction.run; what is left is ours, Triton's launcher, and the driver:
-- per pointer argument, Triton's C launcher calls tensor.data_ptr() and then cuPointerGetAttribute (a
-  driver call that checks the pointer is device memory); an int argument skips both
-- DirectLaunch asks for the current device (torch.cuda.current_device, Python) and its stream every call
-- CudaLauncher.__call__ (Python) defines and calls two scratch allocators before its C `launch`
-
-Times, interleaved (round r runs every variant once; a variant's figure is its best and its median
-round), host microseconds per call over 1000 back-to-back calls and one synchronize:
+Each part of a direct launch (kernels/launch.py), timed interleaved (round r runs every variant once; a
+variant's figure is its best and its median round), host microseconds per call over 1000 back-to-back
+calls and one synchronize:
 - the layer as the service calls it, and its compiled launcher called five ways: tensors and the current
-  device's stream (DirectLaunch before this probe); int pointers; ints with the stream looked up by a fixed
-  device index; ints straight into the C launch function (launch.c_launch_of); DirectLaunch as it is now
+  device's stream; int pointers; ints with the stream looked up by a fixed device index; ints straight
+  into the C launch function (launch.c_launch_of); DirectLaunch (all three)
 - the pieces: x.new_empty, torch.cuda.current_device, the raw stream lookup, the TF32 flag
 - the anchors: the cuBLASLt epilogue (one op) and eager mm + bias + activation (three)
-at 64x256x128 fp16 relu (launch-bound) and 1024^3 bf16 gelu_tanh (the published-shape cell whose wall
-ratio read 1.62x in the fd28314 run), and the digits MLP's whole-MLP kernel at batch 1.
+at 64x256x128 fp16 relu (launch-bound) and 1024^3 bf16 gelu_tanh, and the digits MLP's whole-MLP kernel
+at batch 1.
 
     python -m bench.probes.host_launch --out DIR
 
-What it found (H200 host; bench/results/probe_host_launch_h200.txt), best of 9 rounds at 64x256x128 fp16: the
-launcher called as DirectLaunch did before, 6.27 us; with int pointers 5.39 (-0.9: six driver calls); the
-stream by a fixed device index 4.94 (-0.45); the C launch function directly 4.03 (-0.9); DirectLaunch as
-adopted (all three) 4.30. The layer's whole call read 9.26 us (x.new_empty alone is 2.3 of it), against
-14.94 for the cuBLASLt epilogue and 27.74 for eager's three ops. At 1024^3 bf16 gelu_tanh every variant read
-8.9-9.5 us: there the device sets the pace (calls queue behind the GPU), not the host. The digits MLP's
-launch: 7.39 before, 5.68 now; its whole call 10.11.
+What it finds (H200 host; bench/results/probe_host_launch_h200.txt), best of 9 rounds at 64x256x128 fp16:
+the launcher called with tensors, 6.27 us; int pointers save 0.9 (six driver calls), the fixed-device
+stream 0.45, the C launch function 0.9; DirectLaunch takes 4.30. The layer's whole call is 9.26 us
+(x.new_empty 2.3 of it), against 14.94 for the cuBLASLt epilogue and 27.74 for eager's three ops. At
+1024^3 bf16 every variant reads 8.9-9.5 us: the device sets the pace there, not the host.
 """
 
 from __future__ import annotations

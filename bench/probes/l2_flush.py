@@ -1,28 +1,24 @@
-"""Development probe (issue 3): how much of a cold timing is the flush's own write-back?
+"""How much of a cold timing is the flush's own write-back?
 
-`triton.testing.do_bench` (the benchmark's device time) clears L2 before every rep by zeroing a 256 MB
-buffer. That leaves L2 (50 MB on an H200) full of dirty lines, so a timed call that reads from DRAM first
-has L2 write those lines back: a kernel reading 50 MB of weights moves about 100 MB. Nothing in a
-serving loop dirties L2 like that: between two forwards it holds the last forward's weights and small
-activations. Flushing by reading 256 MB leaves L2 as cold (no input of the timed call is in it) but clean.
+`triton.testing.do_bench` clears L2 before every rep by zeroing a 256 MB buffer. That leaves L2 (50 MB on
+an H200) full of dirty lines, so a timed call that reads from DRAM first has L2 write those lines back.
+Nothing in a serving loop dirties L2 like that. Flushing by reading 256 MB leaves L2 as cold but clean.
 
-Times, in one run, each case two ways: L2 flushed by writing (do_bench's way) and by reading (one
-torch.sum over the same 256 MB: 8 bytes written; kernels/cold_timing.py, adopted after this probe):
+Times each case two ways, L2 flushed by zeroing and by reading (kernels/cold_timing.py):
 - a kernel that stores one float (the fixed cost of one graph replay under the method)
 - a kernel that only reads 8, 32 and 48 MB of fp16 (what a weight stream can reach)
 - the wide MLP (1024-4096-4096-1024, fp16) at batch 1: ours (GraphedExecutor), and F.linear + relu and
-  torch.compile (default) under a CUDA graph, the anchors
+  torch.compile (default) under a CUDA graph
 - 1024^3 fp16 relu: FusedLinear against the cuBLASLt epilogue, each a graph replay
 - the digits MLP at batches 1 and 256: ours against F.linear + relu and torch.compile
+and a third column with no flush at all, which with nothing keeping the device busy times the host's
+launch gaps, not the kernel.
 
     python -m bench.probes.l2_flush --out DIR
 
-What it found (H200; bench/results/probe_l2_flush_h200.txt), zeroing against reading: one-store 3.94 against
-3.01 us; reading 8/32/48 MB 10.8/16.8/24.6 against 9.5/13.1/19.2; 1024^3 fp16 ours 10.78 against 10.30,
-cuBLASLt 10.21 against 9.84; the wide MLP at batch 1 ours 26.1 against 21.3, F.linear 38.0 against 34.1,
-torch.compile 37.9 against 33.2; digits batch 1 ours 8.70 against 8.32 (F.linear 16.4/16.2). The run
-also had a third column, no flush at all, dropped since: with nothing keeping the device busy the events
-time the host's launch gaps (the one-store kernel read 9.3 us), not the kernel.
+What it finds (H200; bench/results/probe_l2_flush_h200.txt), zeroing against reading: one-store 3.94
+against 3.01 us; reading 48 MB 24.6 against 19.2; 1024^3 fp16 ours 10.78 against 10.30, cuBLASLt 10.21
+against 9.84; the wide MLP at batch 1 ours 26.1 against 21.3, torch.compile 37.9 against 33.2.
 """
 
 from __future__ import annotations

@@ -1,25 +1,20 @@
-"""Development probe (issue 3): a wide config sweep of linear.py's MMA kernel at 1024^3, where the tuned
-FusedLinear trails cuBLASLt's epilogue (fp16 12.2 us against 10.5, bf16 12.4 against 10.1, fp32/TF32 relu
-16.2 against 15.1; cold graph replay, H200). cuBLAS runs `nvjet_sm90_hsh_128x64_64x8_1x2_...`: 128x64 tiles,
-a 64-deep K step and, going by the name, 8 pipeline stages. cuda_configs offers 3-4 stages only, and no
-BLOCK_K = 32 for fp32, whose 4-byte elements make a 64-deep step as many bytes as a 128-deep fp16 one.
+"""A wide config sweep of linear.py's MMA kernel at 1024^3, the published shape where cuBLASLt's epilogue
+is ahead. cuBLAS runs `nvjet_sm90_hsh_128x64_64x8_1x2_...`: 128x64 tiles, a 64-deep K step and, going by
+the name, 8 pipeline stages.
 
 Sweeps tiles 64-256, BLOCK_K 64/128 (32/64 for fp32), 3-8 stages (as shared memory allows), 4 or 8 warps,
 for fp16 and fp32 (TF32); bf16 re-times fp16's best ten; GROUP_M 1/4/16 for the best three. For the
 best five of each dtype it also times the same config with PDL off and as a plain tile loop (no masks,
-no edge wrap, no grouping, no PDL: bench/probe_linear_share.py's kernel), to split what generality costs.
-All cold graph replays (L2 flushed), as the benchmark. Candidates are compiled first by 12 processes
-(Triton's disk cache is shared), so the sweep is mostly timing.
+no edge clamp, no grouping, no PDL: bench/probes/linear_share.py's kernel), to split what generality
+costs. All cold graph replays (L2 flushed), as the benchmark. Candidates are compiled first by 12
+processes (Triton's disk cache is shared), so the sweep is mostly timing.
 
     python -m bench.probes.linear_1024 --out DIR
 
-What it found (H200, Triton 3.6; bench/results/probe_linear_1024*_h200.txt). First run: the bare loop beat
-the same config of linear.py's kernel by 0.7-1.0 us (fp16 64x128x128 s4: 10.59 against 11.62; cuBLASLt 9.76),
-and PDL off changed 0-0.2 us. In the kernel's K loop, incremented pointer tiles cost a 64-bit add per copy
-(204 SASS instructions per step against the bare loop's 112); fixed tiles plus a scalar offset brought it to
-117 but the time only to 11.52. Clamping edge rows/columns instead of `% M` and loading the bias before the
-loop made it 10.75-10.82, the bare loop's time (third run; tuned FusedLinear 10.66, cuBLASLt 9.76; fp32 14.46
-against 14.50). Deeper pipelines help 64x128 (s5-s6 at BLOCK_K 64, s4 at 128); GROUP_M 1-16 moved <= 0.2 us.
+What it finds (H200, Triton 3.6; bench/results/probe_linear_1024_h200.txt): the tuned kernel takes
+what the bare tile loop takes at its tile (fp16 64x128x64: 10.75 against 10.82 us; tuned FusedLinear
+10.66, cuBLASLt 9.76); no tile, depth or K step beats 10.6 us. Deeper pipelines help 64x128 (5-6 stages
+at BLOCK_K 64, 4 at 128); GROUP_M 1-16 moves <= 0.2 us; PDL off changes 0-0.2 us.
 """
 
 from __future__ import annotations

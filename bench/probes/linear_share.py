@@ -1,6 +1,6 @@
-"""Development probe (issue 3): is our 1024^3 GEMM (12.4 us cold against cuBLASLt's 10.3) limited by the
-operand traffic from L2 into the SMs, the traffic cuBLAS's 1x2-cluster kernel halves for one operand with TMA
-multicast (`nvjet_sm90_hsh_128x64_64x8_1x2_h_bz_relubias_TNT`; Triton 3.6 has no clusters or multicast)?
+"""Is the 1024^3 GEMM's gap to cuBLASLt the operand traffic from L2 into the SMs, which cuBLAS's
+1x2-cluster kernel halves for one operand with TMA multicast (`nvjet_sm90_hsh_128x64_64x8_1x2_h_bz_relubias_TNT`;
+Triton 3.6 has no clusters or multicast)?
 
 It times linear.py's tile loop (fp16, relu, no masks: 1024 is a multiple of every tile) three ways, cold
 graph replays as the benchmark:
@@ -10,17 +10,15 @@ graph replays as the benchmark:
     SHARE=2  the same for B, along M
 SHARE=1 and 2 compute the wrong product (a timing emulation only, never a kernel to ship): the MMAs, the
 B (or A) loads and the epilogue are unchanged, so the time they save is what the skipped L2 -> SM traffic
-costs. If it closes the gap to cuBLASLt, the gap is that traffic.
+costs.
 
     python -m bench.probes.linear_share --out DIR
 
-What it found (H200, triton 3.6; bench/results/probe_linear_share_h200.txt): the emulation does not
-answer the question. Sharing made every tile slower (64x128: 11.65 us with all loads, 13.2 and 13.0 with
-A or B shared), because the reused operand then sits in registers or is stored to shared memory once and
-the MMAs lose their pipelined operand path. Two other readings of the same run weaken the traffic
-explanation: 64x64 tiles (256 programs, a third more L2 -> SM traffic than 64x128) ran 11.74 us against
-11.65, and 128x128 (64 programs, a third less) 14.66. This plain kernel (no masks, no grouping) at 64x128
-was 11.65 us, the tuned FusedLinear 12.38 and cuBLASLt 9.79 in the same run.
+What it finds (H200, triton 3.6; bench/results/probe_linear_share_h200.txt): the emulation does not
+answer the question. Sharing makes every tile slower (64x128: 11.65 us with all loads, 13.2 and 13.0 with
+A or B shared): the reused operand then sits in registers or is stored to shared memory once, and the
+MMAs lose their pipelined operand path. And 64x64 tiles (a third more L2 -> SM traffic than 64x128) run
+as fast (11.74 us), 128x128 (a third less) slower (14.66).
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
-"""Development probe (issue 3): how fast can one kernel read 48 MB cold, the wide MLP's weights at batch 1?
+"""How fast can one kernel read 48 MB cold, the wide MLP's weights at batch 1?
 
-The goal there is 75% of the copy-bandwidth floor: 15.7 us for 50 MB, with about 3 us of it the fixed cost
-of one cold graph replay (probe_l2_flush). The GEMV chain runs at 93% of the rate of the simple read
-kernel in probe_gemv_pdl (a loop of dependent loads). This asks what any kernel can reach: the same loop,
-the loads unrolled so each program has all of them in flight, a persistent grid striding over the tensor,
-and torch's own sum, each timed cold with L2 flushed by writes (do_bench's way) and by reads.
+The wide MLP's batch-1 goal is 75% of the copy-bandwidth floor. This asks what any kernel that only reads
+the weights can reach: a loop of dependent loads, the loads unrolled so each program has all of them in
+flight, a persistent grid striding over the tensor, eviction hints, and torch's own sum, each timed cold
+with L2 flushed by zeroing (do_bench's way) and by reading.
 
     python -m bench.probes.stream --out DIR
 
-What it found (H200; bench/results/probe_stream_h200.txt; the torch.sum row failed in that run, fixed since):
-the best shape, 8192x2 unrolled over 4 warps, read 48 MB in 16.0 us cold with L2 cleared by reads (3.14
-TB/s; 20.8 with L2 cleared by zeroing). The loop with one load in flight: 18.3 (24.3). Persistent grids
-were no faster (16.4 at 8 programs per SM, 19.5 at 2). So at batch 1 the wide MLP's 50 MB floor of 11.9 us
-is 74% of what the fastest kernel that only reads the weights took here: 75% of the floor would need the
-three GEMV layers to run faster than every pure read tried. Evicting first (evict_first) helped only under zeroing
-(18.6 against 21.0): it evicts the kernel's own clean lines instead of the flush's dirty ones.
+What it finds (H200; bench/results/probe_stream_h200.txt): the best shape, 8192x2 unrolled over 4 warps,
+reads 48 MB in 16.0 us cold (3.14 TB/s); the loop with one load in flight 18.3; persistent grids are no
+faster (16.4 at 8 programs per SM, 19.5 at 2). So the wide MLP's 50 MB floor of 11.9 us is 74% of what
+the fastest pure read takes. evict_first helps only when L2 was cleared by zeroing (18.6 against 21.0):
+it evicts the kernel's own clean lines instead of the flush's dirty ones.
 """
 
 from __future__ import annotations
@@ -58,9 +55,7 @@ def sweep(mb: int = 48) -> dict:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     n = w.numel()
     variants = {"torch sum": lambda: torch.sum(w, dim=0, dtype=torch.float32, out=sink)}
-    variants["loop 8192x4 w4 (probe_gemv_pdl)"] = lambda: stream_sum[(n // (8192 * 4),)](
-        w, out, n, BLOCK=8192, STEPS=4, num_warps=4
-    )
+    variants["loop 8192x4 w4"] = lambda: stream_sum[(n // (8192 * 4),)](w, out, n, BLOCK=8192, STEPS=4, num_warps=4)
     for block, steps, warps in ((4096, 2, 4), (4096, 4, 4), (8192, 2, 4), (8192, 4, 4), (8192, 4, 8), (8192, 8, 8),
                                 (16384, 2, 8), (2048, 4, 2)):  # fmt: skip
         for evict in (False, True) if (block, steps, warps) == (8192, 4, 4) else (False,):
