@@ -48,24 +48,41 @@ def _shell_commands(text: str) -> list[str]:
     return commands
 
 
+# A command quoted inline (`fusedserve serve --help`), as opposed to an example with a placeholder in it.
+_INLINE = re.compile(r"`((?:\.venv/bin/)?fusedserve [^`]+|(?:\.venv/bin/)?python -m [^`]+|\./setup\.sh[^`]*"
+                     r"|(?:[A-Z_]+=\S+ )*bash [^`]+|git show [^`]+)`")  # fmt: skip
+_PLACEHOLDERS = ("NAME", "REV:PATH", "--option")
+
+
+def _inline_commands(text: str) -> list[str]:
+    """Commands quoted in the prose, with `fusedserve` and `python` as the README's commands spell them."""
+    found = [c for c in _INLINE.findall(text) if not any(p in c for p in _PLACEHOLDERS)]
+    return [re.sub(r"^(fusedserve|python) ", r".venv/bin/\1 ", c) for c in found]
+
+
 def _all_commands() -> list[tuple[str, str]]:
-    return [(doc, cmd) for doc in DOCS for cmd in _shell_commands((REPO / doc).read_text())]
+    return [
+        (doc, cmd)
+        for doc in DOCS
+        for cmd in [*_shell_commands((REPO / doc).read_text()), *_inline_commands((REPO / doc).read_text())]
+    ]
 
 
 _ENV = r"(?:[A-Z_]+=(?:\"[^\"]*\"|\S+) )*"
 # Every command a doc shows, by the test that runs or checks it.
 KINDS = {
-    "setup": rf"^\./setup\.sh(?: --test)? && (?:{FUSEDSERVE} serve|\.venv/bin/python -m pytest)$",
+    "setup": rf"^\./setup\.sh(?: --test)?(?: && (?:{FUSEDSERVE} serve|\.venv/bin/python -m pytest))?$",
     "pytest": r"^\.venv/bin/python -m pytest .*$",
     "try-it": rf"^(?:{FUSEDSERVE} serve &|curl .*)$",
+    "help": rf"^{FUSEDSERVE} [\w -]*--help$",
     "serve": rf"^{_ENV}{FUSEDSERVE} serve(?: .*)?$",
     "check-model": rf"^{FUSEDSERVE} check-model \S+$",
-    "help": rf"^{FUSEDSERVE} [\w -]*--help$",
     "bench-smoke": rf"^{FUSEDSERVE} bench kernels --device cpu --quick --out \S+$",
     "gpu": rf"^(?:{_ENV}bash bench/gpu_session\.sh.*|{FUSEDSERVE} bench kernels(?! --device cpu).*)$",
-    "probe": r"^\.venv/bin/python -m bench\.probes\.\w+ --out \S+$",
+    "probe": r"^\.venv/bin/python -m bench\.probes\.\w+(?: --out \S+)?$",
     "report": r"^\.venv/bin/python -m bench\.kernel_report \S+$",
     "docker": r"^docker compose (?:--profile \w+ )?up --build$",
+    "git": r"^git show [0-9a-f]{7,40}:\S+$",
 }
 
 
@@ -237,7 +254,7 @@ def test_probe_commands_name_importable_probes():
 
     for cmd in _commands("probe"):
         module = shlex.split(cmd)[2]
-        assert hasattr(importlib.import_module(module), "sweep"), cmd
+        assert hasattr(importlib.import_module(module), "main"), cmd
 
 
 def test_report_command_rerenders_the_committed_results(tmp_path):
@@ -249,6 +266,17 @@ def test_report_command_rerenders_the_committed_results(tmp_path):
         shutil.copy(src, tmp_path / src.name)
         assert rerender([str(tmp_path / src.name)]) == 0
         assert (tmp_path / src.with_suffix(".md").name).read_text() == src.with_suffix(".md").read_text(), cmd
+
+
+def test_git_commands_name_what_history_holds():
+    """`git show REV:PATH` (where the docs point at a deleted probe) names an object the history has."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    if _run(["git", "rev-parse", "--is-shallow-repository"], REPO).stdout.strip() != "false":
+        pytest.skip("a shallow clone lacks the history these commands name")
+    for cmd in _commands("git"):
+        res = _run(["git", "cat-file", "-e", cmd.split()[2]], REPO)
+        assert res.returncode == 0, f"{cmd}: {res.stderr}"
 
 
 def test_docker_commands_match_the_compose_file():
