@@ -1,29 +1,40 @@
-"""HTTP routes only: parse, hand to the batcher, answer. The work lives in inputs, batching, model."""
+"""HTTP routes only: parse, hand to an engine, answer. The work lives in inputs, engine_client, the engines."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Annotated
 
 import numpy as np
 import orjson
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 
-from .batching import BatchFailed, DeadlineExceeded, Overloaded, ShuttingDown
+from . import wire
+from .engine_client import EngineError, EngineGone
 from .inputs import InputError, parse_rows
-from .state import AppState
+from .state import FrontendState
 
 router = APIRouter()
 log = logging.getLogger("fusedserve.api")
 
+# A request not answered this long starts watching for its client leaving. Below it no watcher exists: a task
+# per request would cost more than the whole forward of a small model, and a request answered within 50 ms
+# gains nothing from being dropped.
+WATCH_AFTER_S = 0.05
+_STATUS_OF = {
+    wire.OVERLOADED: (503, "overloaded", "server overloaded: "),
+    wire.TIMEOUT: (504, "timeout", "request waited longer than its timeout in the queue: "),
+    wire.FAILED: (500, "error", "inference failed: "),
+    wire.SHUTTING_DOWN: (503, "overloaded", "server is shutting down: "),
+}
+_RETRY = {"Retry-After": "1"}
 
-def _state(request: Request) -> AppState:
+
+def _state(request: Request) -> FrontendState:
+    # Read directly, not through Depends: FastAPI runs a plain-function dependency in its thread pool, a thread
+    # round trip per request (18% of a loaded front end's time in a py-spy profile).
     return request.app.state.fusedserve
-
-
-State = Annotated[AppState, Depends(_state)]
 
 
 def _json(doc: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -39,23 +50,31 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return _json({"detail": message}, status, headers)
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    # After the body is read, the next ASGI message for this request is http.disconnect: the client
-    # went away (or the response finished, by which time this task is already cancelled).
+class ClientGone(Exception):
+    pass
+
+
+async def _watch_disconnect(request: Request, fut: asyncio.Future) -> None:
+    # After the body is read, the next ASGI message for this request is http.disconnect: the client went away
+    # (or the response finished, by which time this task is cancelled).
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
+            if not fut.done():
+                fut.set_exception(ClientGone())
             return
 
 
 @router.post("/predict")
-async def predict(request: Request, state: State) -> Response:
+async def predict(request: Request) -> Response:
     """{"inputs": [[...], ...]} -> {"outputs", "predictions", "model", "mode"}."""
     started = time.perf_counter()
+    state = _state(request)
     metrics = state.metrics
-    if not state.ready:
+    engines = state.engines
+    if not engines.ready():
         metrics.observe_request("overloaded")
-        return _error(503, f"model is not ready ({state.status}); retry shortly", {"Retry-After": "1"})
+        return _error(503, f"model is not ready ({state.status}); retry shortly", _RETRY)
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
         metrics.observe_request("too_large")
@@ -70,35 +89,36 @@ async def predict(request: Request, state: State) -> Response:
         return _error(e.status, e.message)
 
     deadline = time.monotonic() + state.settings.request_timeout_ms / 1e3
-    work = asyncio.ensure_future(state.batcher.submit(rows, deadline))
-    gone = asyncio.ensure_future(_wait_for_disconnect(request))
+    rid, fut = engines.submit(rows, deadline)
+    loop = asyncio.get_running_loop()
+    watcher: list[asyncio.Task] = []
+
+    def watch() -> None:
+        if not fut.done():
+            watcher.append(loop.create_task(_watch_disconnect(request, fut)))
+
+    timer = loop.call_later(WATCH_AFTER_S, watch)
     try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not work.done():
-        # The client left: cancelling the submit drops the request before it reaches the GPU.
-        work.cancel()
+        outputs = await fut
+    except ClientGone:
+        engines.cancel(rid)  # dropped before its forward if it is still queued
         metrics.observe_request("cancelled")
         return _error(499, "client closed the request")
-    try:
-        outputs = work.result()
-    except Overloaded as e:
+    except EngineGone as e:
         metrics.observe_request("overloaded")
-        return _error(503, f"server overloaded: {e}", {"Retry-After": "1"})
-    except DeadlineExceeded as e:
-        metrics.observe_request("timeout")
-        return _error(504, f"request waited longer than {state.settings.request_timeout_ms:g} ms in the queue: {e}")
-    except ShuttingDown:
-        metrics.observe_request("overloaded")
-        return _error(503, "server is shutting down", {"Retry-After": "1"})
-    except BatchFailed as e:
-        metrics.observe_request("error")
-        return _error(500, f"inference failed: {e}")
+        return _error(503, f"engine unavailable: {e.message}", _RETRY)
+    except EngineError as e:
+        status, outcome, prefix = _STATUS_OF[e.status]
+        metrics.observe_request(outcome)
+        return _error(status, prefix + e.message, _RETRY if status == 503 else None)
     except Exception as e:  # a bug, not a bad request: count it and say so, never an uncounted 500
         log.exception("unexpected error serving /predict")
         metrics.observe_request("error")
         return _error(500, f"internal error: {type(e).__name__}: {e}")
+    finally:
+        timer.cancel()
+        if watcher:
+            watcher[0].cancel()
     doc = {
         "outputs": outputs,
         "predictions": state.predictions(np.argmax(outputs, axis=1)),
@@ -115,21 +135,26 @@ async def live() -> Response:
 
 
 @router.get("/health/ready")
-async def ready(state: State) -> Response:
-    doc = {"status": state.status, "model": state.model.name, "mode": state.settings.mode, "device": str(state.device)}
-    if state.error:
-        doc["detail"] = state.error
+async def ready(request: Request) -> Response:
+    state = _state(request)
+    doc = {
+        "status": state.status,
+        "model": state.model.name,
+        "mode": state.settings.mode,
+        "device": state.plan().get("device"),
+        "engines": state.engines.states_named(),
+    }
     return _json(doc, 200 if state.ready else 503)
 
 
 @router.get("/model")
-async def model_info(state: State) -> Response:
+async def model_info(request: Request) -> Response:
     """What is served: the input shape, labels, and the fused plan with its kernel names."""
-    return _json(state.describe())
+    return _json(_state(request).describe())
 
 
 @router.get("/metrics")
-async def metrics(state: State) -> Response:
+async def metrics(request: Request) -> Response:
     from .metrics import CONTENT_TYPE
 
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)

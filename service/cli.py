@@ -9,7 +9,6 @@ its FUSEDSERVE_ variable and default; an option given on the command line beats 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import typing
 from pathlib import Path
@@ -38,21 +37,18 @@ def _serve(args: argparse.Namespace) -> int:
     except SettingsError as e:
         print(f"fusedserve: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .processes import configure_logging
 
-    import uvicorn
+    configure_logging(settings.log_level)
 
-    from .main import create_app
     from .model.spec import ModelFormatError
+    from .supervisor import StartError, serve
 
     try:
-        app = create_app(settings)
-    except (ModelFormatError, RuntimeError) as e:
+        return serve(settings)
+    except (ModelFormatError, StartError, RuntimeError) as e:
         print(f"fusedserve: cannot serve: {e}", file=sys.stderr)
         return 2
-    # One process owns the GPU: batching needs every request in one queue, so no uvicorn workers.
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
-    return 0
 
 
 def _check_model(args: argparse.Namespace) -> int:

@@ -1,11 +1,21 @@
 """Every Prometheus metric of the service, one prefix `fusedserve_`, histograms in seconds.
 
-Labels: `model`, `mode` (fused|unfused) everywhere, `kernel` (a plan step name such as
-`linear_0_relu`) on kernel time, `outcome` on the request counter. Histograms, not summaries, so
-replicas aggregate. Each app gets its own registry, so several apps can live in one process (tests).
+Two owners: a front end counts requests (`RequestMetrics`), an engine times batches and kernels
+(`EngineMetrics`, labelled with its `engine` index and, in `fusedserve_model_info`, its device). Labels:
+`model`, `mode` (fused|unfused) everywhere, `kernel` (a plan step name such as `linear_0_relu`) on
+kernel time, `outcome` on the request counter. Histograms, not summaries, so processes and replicas
+aggregate.
+
+The service runs several processes (front ends and engines), so it uses prometheus-client's
+multiprocess mode: the supervisor sets PROMETHEUS_MULTIPROC_DIR before any child imports this module,
+every process writes its values there, and `/metrics` on any front end renders the whole deployment
+once (counters and histograms summed over processes, the queue gauge summed over live engines).
+Without that variable (tests, a library user) each object has its own registry, as a single process would.
 """
 
 from __future__ import annotations
+
+import os
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -16,6 +26,7 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
     generate_latest,
+    multiprocess,
 )
 
 # Geometric buckets, x2 from 1 us to ~16.8 s: a 5 us kernel and a 2 s interpreted forward both land
@@ -26,15 +37,54 @@ ROWS_BUCKETS = tuple(float(2**i) for i in range(17))
 OUTCOMES = ("ok", "invalid", "too_large", "overloaded", "timeout", "cancelled", "error")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-class Metrics:
-    def __init__(self, model: str, mode: str, device: str, dtype: str):
-        self.registry = CollectorRegistry()
-        r = self.registry
+def multiprocess_mode() -> bool:
+    return bool(os.environ.get(MULTIPROC_ENV))
+
+
+def _registry() -> CollectorRegistry:
+    r = CollectorRegistry()
+    if not multiprocess_mode():  # these describe one process; in multiprocess mode they would describe one of many
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
+    return r
+
+
+class RequestMetrics:
+    """A front end's metrics: requests by outcome and their latency in the server."""
+
+    def __init__(self, model: str, mode: str):
+        self.registry = r = _registry()
         lm = ["model", "mode"]
+        self.request_seconds = Histogram(
+            "fusedserve_request_seconds",
+            "Time from the request reaching the handler (body not yet read) to response ready, in the server",
+            lm, buckets=SECONDS_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.requests = Counter("fusedserve_requests", "Requests by outcome", [*lm, "outcome"], registry=r)
+        labels = {"model": model, "mode": mode}
+        # Every outcome visible from the start, at 0, so rates are defined; children resolved once (labels()
+        # costs a dict lookup and a lock per call).
+        self._outcomes = {o: self.requests.labels(**labels, outcome=o) for o in OUTCOMES}
+        self._request = self.request_seconds.labels(**labels)
+
+    def observe_request(self, outcome: str, seconds: float | None = None) -> None:
+        self._outcomes[outcome].inc()
+        if seconds is not None:
+            self._request.observe(seconds)
+
+    def render(self) -> bytes:
+        return render(self.registry)
+
+
+class EngineMetrics:
+    """An engine's metrics: its queue, batches, forwards and kernels."""
+
+    def __init__(self, model: str, mode: str, device: str, dtype: str, engine: str = "0"):
+        self.registry = r = _registry()
+        lm = ["model", "mode", "engine"]
         self.kernel_seconds = Histogram(
             "fusedserve_kernel_seconds",
             "Device time of one fused group (fused: 1 kernel; unfused: its torch ops) per batch",
@@ -44,37 +94,30 @@ class Metrics:
             "fusedserve_forward_seconds", "Wall time of one batch forward, host to host (copies included)",
             lm, buckets=SECONDS_BUCKETS, registry=r,
         )  # fmt: skip
-        self.request_seconds = Histogram(
-            "fusedserve_request_seconds",
-            "Time from the request reaching the handler (body not yet read) to response ready, in the server",
-            lm, buckets=SECONDS_BUCKETS, registry=r,
-        )  # fmt: skip
         self.queue_wait_seconds = Histogram(
-            "fusedserve_queue_wait_seconds", "Time a request waited in the queue before its batch formed",
+            "fusedserve_queue_wait_seconds",
+            "Time a request waited in its engine's queue (front end to batch start, the link included)",
             lm, buckets=SECONDS_BUCKETS, registry=r,
         )  # fmt: skip
         self.batch_rows = Histogram(
             "fusedserve_batch_rows", "Rows per forward batch", lm, buckets=ROWS_BUCKETS, registry=r
         )
-        self.requests = Counter("fusedserve_requests", "Requests by outcome", [*lm, "outcome"], registry=r)
-        self.queue_depth_gauge = Gauge("fusedserve_queue_depth", "Requests waiting for a batch", lm, registry=r)
-        self.model_info = Gauge(
-            "fusedserve_model_info", "The model being served (value 1)", [*lm, "device", "dtype"], registry=r
+        self.queue_depth_gauge = Gauge(
+            "fusedserve_queue_depth", "Requests waiting for a batch", lm, registry=r, multiprocess_mode="livesum"
         )
-        self._labels = {"model": model, "mode": mode}
-        self.model_info.labels(model=model, mode=mode, device=device, dtype=dtype).set(1)
-        # Every outcome visible from the start, at 0, so rates are defined.
-        self._outcomes = {o: self.requests.labels(**self._labels, outcome=o) for o in OUTCOMES}
-        self.queue_depth_gauge.labels(**self._labels).set(0)
-        # Children resolved once: labels() costs a dict lookup and a lock per call otherwise.
-        self._forward = self.forward_seconds.labels(**self._labels)
-        self._request = self.request_seconds.labels(**self._labels)
-        self._queue_wait = self.queue_wait_seconds.labels(**self._labels)
-        self._rows = self.batch_rows.labels(**self._labels)
-        self._depth = self.queue_depth_gauge.labels(**self._labels)
+        self.model_info = Gauge(
+            "fusedserve_model_info", "The model being served (value 1)", [*lm, "device", "dtype"], registry=r,
+            multiprocess_mode="livemax",
+        )  # fmt: skip
+        self._labels = labels = {"model": model, "mode": mode, "engine": engine}
+        self.model_info.labels(**labels, device=device, dtype=dtype).set(1)
+        self._forward = self.forward_seconds.labels(**labels)
+        self._queue_wait = self.queue_wait_seconds.labels(**labels)
+        self._rows = self.batch_rows.labels(**labels)
+        self._depth = self.queue_depth_gauge.labels(**labels)
+        self._depth.set(0)
         self._kernels: dict[str, object] = {}
 
-    # -- runner hooks (worker thread) --
     def observe_kernel(self, kernel: str, seconds: float) -> None:
         child = self._kernels.get(kernel)
         if child is None:
@@ -84,26 +127,29 @@ class Metrics:
     def observe_forward(self, seconds: float) -> None:
         self._forward.observe(seconds)
 
-    # -- request hooks (event loop) --
-    def observe_request(self, outcome: str, seconds: float | None = None) -> None:
-        self._outcomes[outcome].inc()
-        if seconds is not None:
-            self._request.observe(seconds)
-
-    # -- batcher observer (service.batching.BatchObserver) --
     def queue_depth(self, requests: int) -> None:
         self._depth.set(requests)
 
     def queue_wait(self, seconds: float) -> None:
         self._queue_wait.observe(seconds)
 
-    def batch(self, rows: int, requests: int) -> None:
+    def batch(self, rows: int) -> None:
         self._rows.observe(rows)
 
-    def dropped(self, reason: str) -> None:
-        # Counted by the request handler under the matching outcome ("timeout", "cancelled"), which
-        # sees every dropped request; counting here too would count them twice.
-        pass
-
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return render(self.registry)
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The exposition text: of every process of the deployment in multiprocess mode, else of `registry`."""
+    if multiprocess_mode():
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged)
+        return generate_latest(merged)
+    return generate_latest(registry)
+
+
+def process_exited(pid: int) -> None:
+    """Forget an exited process's live gauges (its queue depth), so they stop counting."""
+    if multiprocess_mode():
+        multiprocess.mark_process_dead(pid)

@@ -1,73 +1,126 @@
-"""What one running app holds: settings, the loaded model, its runner, batcher and metrics."""
+"""What a front end holds (settings, what the model takes and gives, its engine link, its metrics), and the plan
+description an engine publishes for `GET /model`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
-import torch
 
-from .batching import Batcher
+from . import wire
 from .config import Settings
-from .metrics import Metrics
-from .model.loader import Model
-from .model.planner import FlattenStep, LinearStep, MLPStep
-from .model.runner import ModelRunner
+from .engine_client import EngineClient
+from .metrics import RequestMetrics
 
 # Longest JSON number orjson writes for a float ("-1.2345678901234567e-308," is 25 bytes), rounded up.
 BYTES_PER_VALUE = 32
+PLAN_FILE = "model.json"  # in the run directory: engine 0's description of what it serves
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a front end must know of the model to validate requests and label answers (no tensors, no torch)."""
+
+    name: str
+    description: str | None
+    input_shape: tuple[int, ...]
+    output_features: int
+    labels: list[str] | None
+
+    @classmethod
+    def of(cls, model) -> ModelInfo:
+        spec = model.spec
+        return cls(model.name, spec.description, tuple(model.input_shape), model.output_features, spec.labels)
+
+    @property
+    def input_features(self) -> int:
+        return math.prod(self.input_shape)
+
+
+def describe_plan(steps, tensors) -> list[dict]:
+    """The fused plan as JSON: one entry per step, with its kernel name (the `kernel` metric label)."""
+    from .model.planner import FlattenStep, LinearStep, MLPStep
+
+    def linear(s: LinearStep) -> dict:
+        w = tensors[s.weight]
+        return {"in": w.shape[1], "out": w.shape[0], "bias": s.bias is not None, "activation": s.activation}
+
+    out = []
+    for s in steps:
+        if isinstance(s, LinearStep):
+            out.append({"kernel": s.name, "op": "linear", **linear(s)})
+        elif isinstance(s, MLPStep):
+            out.append({"kernel": s.name, "op": "mlp", "layers": [linear(x) for x in s.layers]})
+        elif isinstance(s, FlattenStep):
+            out.append({"kernel": None, "op": "flatten"})
+        else:
+            out.append({"kernel": s.name, "op": "activation", "activation": s.activation})
+    return out
+
+
+def write_plan(run_dir: Path, executor, device: str) -> None:
+    """Engine side: publish what this engine runs, for the front ends' `GET /model`."""
+    doc = {
+        "plan": describe_plan(executor.steps, executor.tensors),
+        "dtype": str(executor.dtype).removeprefix("torch."),
+        "device": device,
+    }
+    tmp = run_dir / (PLAN_FILE + ".tmp")
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(run_dir / PLAN_FILE)
 
 
 @dataclass
-class AppState:
+class FrontendState:
     settings: Settings
-    model: Model
-    device: torch.device
-    runner: ModelRunner
-    batcher: Batcher
-    metrics: Metrics
-    status: str = "loading"  # loading -> warming -> ready | failed
-    error: str | None = None
+    model: ModelInfo
+    engines: EngineClient
+    metrics: RequestMetrics
+    run_dir: Path
+    _plan: dict | None = None
 
     @property
     def ready(self) -> bool:
-        return self.status == "ready"
+        return self.engines.ready()
+
+    @property
+    def status(self) -> str:
+        """The least advanced engine's state: loading, warming, ready, failed or stopped."""
+        states = self.engines.states()
+        worst = next((s for s in (wire.FAILED_START, wire.STOPPED) if s in states), min(states))
+        return wire.ENGINE_STATES[worst]
 
     @property
     def max_body_bytes(self) -> int:
         return self.settings.max_rows_per_request * self.model.input_features * BYTES_PER_VALUE + 4096
 
     def predictions(self, indices: np.ndarray) -> list:
-        labels = self.model.spec.labels
+        labels = self.model.labels
         return [labels[i] for i in indices.tolist()] if labels else indices.tolist()
 
+    def plan(self) -> dict:
+        if self._plan is None:
+            path = self.run_dir / PLAN_FILE
+            if not path.is_file():
+                return {}
+            self._plan = json.loads(path.read_text())
+        return self._plan
+
     def describe(self) -> dict:
-        steps = []
-
-        def linear(s: LinearStep) -> dict:
-            w = self.model.tensors[s.weight]
-            return {"in": w.shape[1], "out": w.shape[0], "bias": s.bias is not None, "activation": s.activation}
-
-        for s in self.runner.executor.steps:
-            if isinstance(s, LinearStep):
-                steps.append({"kernel": s.name, "op": "linear", **linear(s)})
-            elif isinstance(s, MLPStep):
-                steps.append({"kernel": s.name, "op": "mlp", "layers": [linear(x) for x in s.layers]})
-            elif isinstance(s, FlattenStep):
-                steps.append({"kernel": None, "op": "flatten"})
-            else:
-                steps.append({"kernel": s.name, "op": "activation", "activation": s.activation})
+        plan = self.plan()
+        s = self.settings
         return {
-            "name": self.model.name,
-            "description": self.model.spec.description,
+            **{k: v for k, v in asdict(self.model).items() if k != "input_shape"},
             "input_shape": list(self.model.input_shape),
-            "output_features": self.model.output_features,
-            "labels": self.model.spec.labels,
-            "mode": self.settings.mode,
-            "device": str(self.device),
-            "dtype": str(self.runner.executor.dtype).removeprefix("torch."),
-            "max_batch_size": self.settings.max_batch_size,
-            "max_rows_per_request": self.settings.max_rows_per_request,
-            "plan": steps,
+            "mode": s.mode,
+            "device": plan.get("device"),
+            "dtype": plan.get("dtype"),
+            "engines": len(self.engines.states()),
+            "max_batch_size": s.max_batch_size,
+            "max_rows_per_request": s.max_rows_per_request,
+            "plan": plan.get("plan"),
             "status": self.status,
         }

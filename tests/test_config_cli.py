@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import service.main
+import service.supervisor
 from service.cli import main
 from service.config import ENV_PREFIX, PACKAGE_MODEL_DIR, Settings, SettingsError, load_settings, unknown_variables
 
@@ -35,12 +35,10 @@ def _isolated(monkeypatch, tmp_path):
 
 @pytest.fixture
 def no_server(monkeypatch):
-    import uvicorn
-
     def refuse(*args, **kwargs):
-        raise AssertionError("uvicorn.run was called: the command should have stopped before serving")
+        raise AssertionError("Supervisor._run was called: the command should have stopped before serving")
 
-    monkeypatch.setattr(uvicorn, "run", refuse)
+    monkeypatch.setattr(service.supervisor.Supervisor, "_run", refuse)
 
 
 # ---- Settings ----
@@ -263,14 +261,14 @@ def test_serve_missing_model_exits_2(tmp_path, no_server, capsys):
 
 
 def test_serve_options_beat_environment(monkeypatch, no_server, capsys):
-    """The parsed Settings as create_app receives them (create_app replaced: it fails after recording)."""
+    """The parsed Settings as the supervisor receives them (serve replaced: it fails after recording)."""
     seen = []
 
-    def fake_create_app(settings):
+    def fake_serve(settings):
         seen.append(settings)
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(service.main, "create_app", fake_create_app)
+    monkeypatch.setattr(service.supervisor, "serve", fake_serve)
     monkeypatch.setenv("FUSEDSERVE_MODE", "unfused")
     monkeypatch.setenv("FUSEDSERVE_PORT", "9100")
     monkeypatch.setenv("FUSEDSERVE_WARMUP", "true")

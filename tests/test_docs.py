@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from service.config import ENV_PREFIX, Settings, SettingsError, load_settings
-from service.metrics import Metrics
+from service.metrics import EngineMetrics, RequestMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -144,9 +144,8 @@ def test_documented_defaults_are_the_settings_defaults():
 
 
 def test_every_metric_family_is_documented():
-    names = {
-        m.name for m in Metrics("m", "fused", "cpu", "float32").registry.collect() if m.name.startswith("fusedserve_")
-    }
+    registries = (RequestMetrics("m", "fused").registry, EngineMetrics("m", "fused", "cpu", "float32").registry)
+    names = {m.name for r in registries for m in r.collect() if m.name.startswith("fusedserve_")}
     assert len(names) >= 8, names
     missing = sorted(n for n in names if n not in README)
     assert not missing, f"README's metrics table lacks {missing}"

@@ -462,12 +462,14 @@ def test_metrics_after_traffic(url, mode, digits):
     assert {"ok", "invalid", "too_large", "overloaded", "timeout", "cancelled", "error"} <= outcomes, outcomes
     assert sample_value(fam, "fusedserve_requests", "fusedserve_requests_total", **lm, outcome="error") == 0
 
-    depth = [s for s in fam["fusedserve_queue_depth"].samples if s.labels == lm]
+    # Engine metrics also name their engine (one engine here: "0"), summed over processes by the multiprocess mode.
+    depth = [s for s in fam["fusedserve_queue_depth"].samples if s.labels == {**lm, "engine": "0"}]
     assert fam["fusedserve_queue_depth"].type == "gauge" and len(depth) == 1 and depth[0].value == 0, depth
     info = fam["fusedserve_model_info"].samples
     assert len(info) == 1 and info[0].value == 1, info
     assert info[0].labels["device"].split(":")[0] in ("cpu", "cuda"), info[0].labels
     assert info[0].labels["dtype"] == "float32" and {k: info[0].labels[k] for k in lm} == lm, info[0].labels
+    assert info[0].labels["engine"] == "0", info[0].labels
 
 
 def test_readme_demo_body_answers_with_true_labels(url, mode):

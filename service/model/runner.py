@@ -76,7 +76,10 @@ class ModelRunner:
         timer = self._timer if (every and self._observe_kernel and self._batches % every == 0) else None
         # Cast on the host (a 256 x 64 batch is 64 KB: microseconds) so the device runs no cast kernel: a
         # graphed forward is then one H2D copy straight into the graph's input, one replay, one D2H copy.
-        x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32)).to(self.executor.dtype)
+        batch = np.ascontiguousarray(batch, dtype=np.float32)
+        if not batch.flags.writeable:  # rows straight from a message buffer; torch wants writable memory
+            batch = batch.copy()
+        x = torch.from_numpy(batch).to(self.executor.dtype)
         # A batch larger than the biggest graph bucket (a direct caller; the batcher never forms one) runs
         # launch by launch rather than failing.
         graphed = self.graphs is not None and not timer and x.shape[0] <= self.graphs.max_batch_size

@@ -1,0 +1,239 @@
+"""The engine: one process per device. It owns the model, its CUDA graphs, the tuner and one batch queue, and
+answers requests from every front end over a ZeroMQ ROUTER socket (service/wire.py).
+
+The loop is single-threaded and synchronous, since a process of its own needs no event loop: receive
+everything the socket holds, take the next batch (service/batching.py), run its forward, answer each
+front end with one message, repeat. While a forward runs, ZeroMQ's I/O thread keeps receiving, so the
+requests that arrive meanwhile make up the next batch.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from . import wire
+from .batching import BatchQueue, Pending
+from .config import Settings
+from .processes import child_setup, configure_logging
+
+log = logging.getLogger("fusedserve.engine")
+
+IDLE_POLL_MS = 100  # how often an idle engine looks at its stop flag
+SOCKET_HWM = 1_000_000  # messages; the queue bound (max_queue_requests) is what limits memory
+
+
+class Engine:
+    def __init__(self, runner, sock: zmq.Socket, settings: Settings, input_shape: tuple[int, ...], metrics):
+        self.runner = runner
+        self.sock = sock
+        self.metrics = metrics
+        self.input_shape = tuple(input_shape)
+        self.features = math.prod(input_shape)
+        self.timeout_s = settings.request_timeout_ms / 1e3
+        self.queue = BatchQueue(
+            max_batch_size=settings.max_batch_size,
+            max_queue_requests=settings.max_queue_requests,
+            max_delay_s=settings.max_delay_ms / 1e3,
+        )
+        self.stopping = False
+        self._replies: dict[bytes, tuple[list[bytes], list]] = {}
+
+    # ------------------------------------------------------------------ loop
+
+    def serve(self) -> None:
+        """Until `stopping` is set and every queued request is answered."""
+        while True:
+            if not len(self.queue):
+                if self.stopping:
+                    self._receive(0)
+                    if not len(self.queue):
+                        break
+                else:
+                    self._receive(IDLE_POLL_MS)
+                    continue
+            self._receive(0)
+            hold = self.queue.hold_for(time.monotonic())
+            if hold > 0 and not self.stopping:
+                self._receive(max(1, int(hold * 1e3)))  # max_delay_ms: wait for company, then look again
+                if self.queue.hold_for(time.monotonic()) > 0:
+                    continue
+            self._run_batch()
+        self._flush()
+
+    def _receive(self, timeout_ms: int) -> None:
+        sock = self.sock
+        if timeout_ms and not sock.poll(timeout_ms, zmq.POLLIN):
+            return
+        got = False
+        features = self.features
+        while True:
+            try:
+                owner, message = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            got = True
+            records, view, at = wire.unpack(message, wire.REQUEST)
+            for kind, rid, n, deadline in records:
+                if kind == wire.CANCEL:
+                    self.queue.cancel(owner, rid)
+                    continue
+                size = n * features * 4
+                rows = np.frombuffer(view[at : at + size], dtype=np.float32).reshape(n, *self.input_shape)
+                at += size
+                # The front end set deadline = its arrival time + request_timeout: so the queue wait counts the link.
+                req = Pending(owner, rid, rows, deadline - self.timeout_s, deadline)
+                if not self.queue.push(req):
+                    self._reply_error(req, wire.OVERLOADED, f"queue full: {len(self.queue)} requests waiting")
+        if got:
+            self.metrics.queue_depth(len(self.queue))
+            self._flush()  # refusals go out at once, not after the next forward
+
+    def _run_batch(self) -> None:
+        now = time.monotonic()
+        batch, expired = self.queue.take(now)
+        for req in expired:
+            self._reply_error(req, wire.TIMEOUT, f"deadline passed {now - req.deadline:.3f} s before its batch ran")
+        if batch:
+            rows = 0
+            for req in batch:
+                self.metrics.queue_wait(now - req.enqueued_at)
+                rows += req.rows.shape[0]
+            self.metrics.batch(rows)
+            self.metrics.queue_depth(len(self.queue))
+            x = batch[0].rows if len(batch) == 1 else np.concatenate([r.rows for r in batch])
+            try:
+                out = self.runner.run(x)
+            except Exception as err:  # the batch fails alone; the engine keeps serving
+                log.error("forward failed on a batch of %d rows (%d requests)", rows, len(batch), exc_info=err)
+                msg = f"forward failed on a batch of {rows} rows: {type(err).__name__}: {err}"
+                for req in batch:
+                    self._reply_error(req, wire.FAILED, msg)
+            else:
+                start = 0
+                for req in batch:
+                    n = req.rows.shape[0]
+                    self._reply(req.owner, req.id, wire.OK, n, out[start : start + n])
+                    start += n
+        self._flush()
+
+    # ------------------------------------------------------------------ replies
+
+    def _reply(self, owner: bytes, rid: int, status: int, rows: int, payload) -> None:
+        entry = self._replies.get(owner)
+        if entry is None:
+            entry = self._replies[owner] = ([], [])
+        entry[0].append(wire.REPLY.pack(rid, status, rows, payload.nbytes if status == wire.OK else len(payload)))
+        entry[1].append(payload)
+
+    def _reply_error(self, req: Pending, status: int, message: str) -> None:
+        self._reply(req.owner, req.id, status, 0, message.encode())
+
+    def _flush(self) -> None:
+        for owner, (headers, payloads) in self._replies.items():
+            # A ROUTER drops a message for a front end that is gone: only that front end's requests are lost.
+            self.sock.send_multipart([owner, wire.pack(headers, payloads)])
+        self._replies.clear()
+
+
+def build_runner(settings: Settings, device, dtype: str, model, metrics):
+    """The model runner of this engine, with the kernel switches set from the settings."""
+    import torch
+
+    from kernels import pdl, tuning
+
+    from .model.runner import ModelRunner
+
+    torch.backends.cuda.matmul.allow_tf32 = settings.allow_tf32  # one setting for both modes
+    tuning.use_cache(settings.tuning_cache or tuning.default_cache_path())
+    tuning.set_enabled(settings.tuning)
+    pdl.set_enabled(settings.pdl)
+    return ModelRunner(
+        model,
+        settings.mode,
+        device,
+        dtype,
+        kernel_timing_every=settings.kernel_timing_every,
+        cuda_graphs=settings.cuda_graphs,
+        max_batch_size=settings.max_batch_size,
+        observe_kernel=metrics.observe_kernel,
+        observe_forward=metrics.observe_forward,
+    )
+
+
+def engine_main(
+    settings: Settings, index: int, endpoint: str, state, visible_device: str | None, run_dir: str, threads: int
+) -> None:
+    """Entry point of an engine process (spawned by the supervisor). `state` is a shared integer (wire.LOADING..)."""
+    child_setup(f"fs-engine-{index}")
+    configure_logging(settings.log_level)
+    engine: Engine | None = None
+
+    def stop(signum, frame):  # the supervisor's SIGTERM: answer what is queued, then exit
+        if engine is not None:
+            engine.stopping = True
+        else:
+            sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    if visible_device is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_device
+    try:
+        from .main import prepare_backend
+
+        device = prepare_backend(settings)  # before any kernel is defined
+        import torch
+
+        # The front ends need the host's cores: a CUDA engine's host work (casts, copies) is tiny and gets one
+        # thread, so that idle OpenMP workers do not spin on cores the front ends use; a CPU engine gets its share.
+        torch.set_num_threads(1 if device.type == "cuda" else threads)
+        from .metrics import EngineMetrics
+        from .model.loader import load_model
+
+        model = load_model(settings.model_path())
+        dtype = settings.compute_dtype(device.type)
+        label = str(index)
+        metrics = EngineMetrics(model.name, settings.mode, str(device), dtype, engine=label)
+        runner = build_runner(settings, device, dtype, model, metrics)
+        ctx = zmq.Context(1)
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
+        sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
+        sock.bind(endpoint)
+        engine = Engine(runner, sock, settings, model.input_shape, metrics)
+        if index == 0:
+            from .state import write_plan
+
+            write_plan(Path(run_dir), runner.executor, str(device))
+        state.value = wire.WARMING
+        if settings.warmup:
+            t = time.perf_counter()
+            sizes = runner.warmup(settings.max_batch_size)
+            log.info(
+                "engine %d warm: %s on %s, %s, batch sizes %s in %.1f s",
+                index, settings.mode, device, dtype, sizes, time.perf_counter() - t,
+            )  # fmt: skip
+        # Everything allocated so far lives as long as the process: out of the collector's view, so a full GC
+        # pass (100-200 ms seen on an event loop holding the model) has less to walk.
+        gc.freeze()
+    except Exception:
+        log.exception("engine %d failed to start", index)
+        state.value = wire.FAILED_START
+        sys.exit(3)
+    state.value = wire.READY
+    engine.serve()
+    state.value = wire.STOPPED
+    log.info("engine %d stopped", index)
+    logging.shutdown()
+    # Skip the interpreter's teardown: torch and triton take ~0.1 s over it and print binding-leak noise.
+    os._exit(0)

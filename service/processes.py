@@ -1,0 +1,37 @@
+"""What every child process of the service does first, and how it logs."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+
+
+def child_setup(name: str) -> None:
+    """Leave the supervisor's process group, so that a signal to the group (Ctrl-C, `kill -- -PGID`) reaches
+    the supervisor alone and each child is stopped once, in order (front ends, then engines); and die with the
+    supervisor, so that no child outlives it even when it is killed outright. `name` (15 bytes at most) is the
+    process's name in ps and top, and in /proc/<pid>/comm."""
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            pr_set_pdeathsig, pr_set_name = 1, 15
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+            libc.prctl(pr_set_name, ctypes.c_char_p(name.encode()[:15]))
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() == 1:  # the supervisor died before prctl took effect
+        os._exit(1)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, force=True)

@@ -1,0 +1,238 @@
+"""`fusedserve serve`: check the configuration, start one engine per device and FUSEDSERVE_WORKERS front ends,
+watch them, and stop them in order.
+
+    supervisor ─┬─ engine 0 (GPU 0: model, CUDA graphs, tuner, batch queue)  ROUTER  ipc://<run dir>/engine-0
+                ├─ engine 1 (GPU 1) ...
+                ├─ front end 0 (FastAPI + uvicorn on :port, SO_REUSEPORT)   DEALER to every engine
+                └─ front end 1 ...
+
+Why processes: a small model's forward takes microseconds on the GPU, while Python's HTTP handling takes
+hundreds per request per core; so front ends scale over the host's cores, and each GPU keeps one queue
+(one engine), where batches form from every front end's requests.
+
+Faults: a front end that dies is started again (its own connections are lost, nothing else). An engine
+that dies takes the service down: its outstanding requests get 503 at once, /health/ready turns 503,
+the front ends drain, and the supervisor exits 1 so that Docker or Kubernetes restart the whole.
+SIGTERM or SIGINT: the front ends stop accepting and answer every accepted request, then the engines
+answer what they hold and stop; exit 0 within FUSEDSERVE_SHUTDOWN_GRACE_S.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from . import wire
+from .config import Settings
+
+log = logging.getLogger("fusedserve.supervisor")
+
+MAX_DEFAULT_WORKERS = 8  # the empty FastAPI route gains 7% from 8 to 12 workers on a 16-core host: not worth the RAM
+RESTART_WINDOW_S, MAX_RESTARTS = 60.0, 5  # more front-end deaths than this in the window is a crash loop: stop
+ENGINE_DEATH_DRAIN_S = 1.0  # after an engine dies, /health/ready reads 503 this long before the front ends stop
+ENGINE_STOP_MIN_S = 5.0  # engines get at least this long to answer what they hold, whatever the grace left
+
+
+class StartError(RuntimeError):
+    """The service cannot start; the message says why."""
+
+
+def host_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def default_workers(engines: int, cores: int | None = None) -> int:
+    """One front end per core left after the engines, at most MAX_DEFAULT_WORKERS, at least one."""
+    cores = host_cores() if cores is None else cores
+    return max(1, min(MAX_DEFAULT_WORKERS, cores - engines))
+
+
+def engine_devices(settings: Settings, device_type: str) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES for each engine: one engine per visible GPU by default (None on the CPU)."""
+    if device_type != "cuda":
+        return [None] * (settings.engines or 1)
+    import torch
+
+    count = torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",") if v.strip()][:count] if visible else [str(i) for i in range(count)]
+    n = settings.engines or len(ids)
+    return [ids[i % len(ids)] for i in range(n)]
+
+
+def _reserve_port(host: str, port: int) -> socket.socket:
+    """Bind (without listening) the service's port with SO_REUSEPORT: a port taken by another program is reported
+    now, and none can take it while the service runs."""
+    from .main import listen_socket
+
+    try:
+        sock = listen_socket(host, port)
+    except OSError as e:
+        raise StartError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    # Closed for listening at once: a reserved socket must not take connections the front ends should get.
+    sock.close()
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    hold = socket.socket(family, socket.SOCK_STREAM)
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    hold.bind((host, port))
+    return hold
+
+
+class Supervisor:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self._stop_requested = False
+        self._ctx = multiprocessing.get_context("spawn")
+        self.engines: list[multiprocessing.process.BaseProcess] = []
+        self.frontends: list[multiprocessing.process.BaseProcess] = []
+        self._restarts: list[float] = []
+
+    def run(self) -> int:
+        s = self.settings
+        from .main import prepare_backend
+        from .model.loader import load_model
+        from .state import ModelInfo
+
+        model = load_model(s.model_path())  # ModelFormatError names what is wrong, before any process starts
+        device = prepare_backend(s)
+        devices = engine_devices(s, device.type)
+        workers = s.workers or default_workers(len(devices))
+        port_hold = _reserve_port(s.host, s.port)
+        run_dir = Path(tempfile.mkdtemp(prefix="fusedserve-"))
+        metrics_dir = run_dir / "metrics"
+        metrics_dir.mkdir()
+        # Before any child imports prometheus_client: each process writes its values there (service/metrics.py).
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._request_stop)
+        try:
+            return self._run(model, ModelInfo.of(model), devices, workers, run_dir)
+        finally:
+            port_hold.close()
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    def _request_stop(self, signum, frame) -> None:
+        if not self._stop_requested:
+            log.info("%s: stopping (grace %g s)", signal.Signals(signum).name, self.settings.shutdown_grace_s)
+        self._stop_requested = True
+
+    def _run(self, model, info, devices: list[str | None], workers: int, run_dir: Path) -> int:
+        from .engine import engine_main
+        from .main import frontend_main
+
+        s = self.settings
+        endpoints = [f"ipc://{run_dir}/engine-{i}" for i in range(len(devices))]
+        states = [self._ctx.Value("i", wire.LOADING, lock=False) for _ in devices]
+        threads = max(1, (host_cores() - workers) // len(devices))  # torch threads of a CPU engine
+        for i, dev in enumerate(devices):
+            p = self._ctx.Process(
+                target=engine_main,
+                args=(s, i, endpoints[i], states[i], dev, str(run_dir), threads),
+                name=f"engine-{i}",
+            )
+            p.start()
+            self.engines.append(p)
+
+        def start_frontend(k: int) -> multiprocessing.process.BaseProcess:
+            p = self._ctx.Process(
+                target=frontend_main, args=(s, info, endpoints, states, str(run_dir), k), name=f"frontend-{k}"
+            )
+            p.start()
+            return p
+
+        for k in range(workers):
+            self.frontends.append(start_frontend(k))
+        log.info(
+            "fusedserve: %s on %s, %d engine(s) %s, %d front end(s), http://%s:%d",
+            model.name, s.mode, len(devices), [d if d is not None else "cpu" for d in devices], workers, s.host, s.port,
+        )  # fmt: skip
+
+        announced = False
+        code = 0
+        while not self._stop_requested:
+            sentinels = [p.sentinel for p in self.engines + self.frontends]
+            multiprocessing.connection.wait(sentinels, timeout=0.1)
+            if not announced and all(st.value == wire.READY for st in states):
+                announced = True
+                log.info("fusedserve ready on http://%s:%d", s.host, s.port)
+            dead = [(i, p) for i, p in enumerate(self.engines) if not p.is_alive()]
+            if dead:
+                for i, p in dead:
+                    states[i].value = wire.STOPPED if states[i].value != wire.FAILED_START else wire.FAILED_START
+                    log.error("engine %d exited with code %s; stopping the service", i, p.exitcode)
+                code = 1
+                # Front ends see the engine gone within STATE_POLL_S and answer 503; let load balancers see
+                # /health/ready fail before the port closes.
+                time.sleep(ENGINE_DEATH_DRAIN_S)
+                break
+            for k, p in enumerate(self.frontends):
+                if p.is_alive():
+                    continue
+                _forget_process(p.pid)
+                now = time.monotonic()
+                self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S] + [now]
+                if len(self._restarts) > MAX_RESTARTS:
+                    log.error("front end %d exited with code %s, the %d-th time in %g s; stopping",
+                              k, p.exitcode, len(self._restarts), RESTART_WINDOW_S)  # fmt: skip
+                    code = 1
+                    break
+                log.error("front end %d exited with code %s; starting it again", k, p.exitcode)
+                self.frontends[k] = start_frontend(k)
+            if code:
+                break
+        return self._shutdown(code)
+
+    def _shutdown(self, code: int) -> int:
+        """Front ends first (they stop accepting and answer what they accepted), then the engines."""
+        deadline = time.monotonic() + self.settings.shutdown_grace_s
+        for p in self.frontends:
+            _signal(p, signal.SIGTERM)
+        for p in self.frontends:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                log.error("front end %s did not stop within the grace period; killing it", p.name)
+                _signal(p, signal.SIGKILL)
+                p.join(1.0)
+                code = code or 1
+        for p in self.engines:
+            _signal(p, signal.SIGTERM)
+        engine_deadline = max(deadline, time.monotonic() + ENGINE_STOP_MIN_S)
+        for p in self.engines:
+            p.join(max(0.0, engine_deadline - time.monotonic()))
+            if p.is_alive():
+                log.error("%s did not stop in time; killing it", p.name)
+                _signal(p, signal.SIGKILL)
+                p.join(1.0)
+                code = code or 1
+        log.info("fusedserve stopped (exit %d)", code)
+        return code
+
+
+def _signal(p, sig: int) -> None:
+    if p.pid is not None and p.is_alive():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, sig)
+
+
+def _forget_process(pid: int | None) -> None:
+    if pid is not None:
+        from .metrics import process_exited
+
+        process_exited(pid)
+
+
+def serve(settings: Settings) -> int:
+    return Supervisor(settings).run()

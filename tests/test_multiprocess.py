@@ -1,0 +1,204 @@
+"""The multi-process service on the CPU, as it runs: the supervisor, its engines and front ends as real processes,
+real uvicorn on a loopback port, real signals and kills.
+
+- two engines and two front ends share the traffic, and /metrics of any front end counts it once;
+- an engine that dies: what it held gets 503 at once, /health/ready turns 503, the service exits 1;
+- a front end that dies loses only its own connections and is started again;
+- SIGTERM: every accepted request is answered, and the service exits 0 within the grace period.
+
+The unfused mode keeps each forward cheap (no Triton interpreter); the paths under test are the same in both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .server import dump_new_logs, running_servers
+
+pytestmark = pytest.mark.slow
+
+FEATURES = 64
+TIMEOUT = httpx.Timeout(30.0, connect=5.0)
+
+
+@pytest.fixture(autouse=True)
+def _server_logs():
+    yield
+    dump_new_logs()
+
+
+def children(pid: int) -> dict[str, int]:
+    """{process name (fs-engine-0, fs-frontend-1, ...): pid} of the supervisor's children."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            comm = (entry / "comm").read_text().strip()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and comm.startswith("fs-"):
+            out[comm] = int(entry.name)
+    return out
+
+
+def rows(n: int, seed: int) -> list[list[float]]:
+    return np.random.default_rng(seed).uniform(0, 16, (n, FEATURES)).round(1).tolist()
+
+
+async def post_many(url: str, bodies: list[dict], *, connections: int) -> list[httpx.Response | Exception]:
+    limits = httpx.Limits(max_connections=connections)
+    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT, limits=limits) as client:
+        return await asyncio.gather(*(client.post("/predict", json=b) for b in bodies), return_exceptions=True)
+
+
+def scrape(url: str) -> dict:
+    r = httpx.get(url + "/metrics", timeout=TIMEOUT)
+    assert r.status_code == 200, r.text[:300]
+    return {f.name: f for f in text_string_to_metric_families(r.text)}
+
+
+def total(fam: dict, family: str, sample: str, **labels: str) -> float:
+    return sum(
+        s.value
+        for s in fam[family].samples
+        if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def wait_exit(server, timeout_s: float) -> int:
+    proc = server.process.proc
+    try:
+        return proc.wait(timeout_s)
+    except Exception as e:
+        raise AssertionError(f"the service did not exit within {timeout_s} s\n{server.log()}") from e
+
+
+@pytest.mark.timeout(120)
+def test_two_engines_share_the_traffic_and_metrics_count_it_once():
+    env = {"workers": 2, "engines": 2, "max_batch_size": 64, "max_delay_ms": 5}
+    with running_servers({"s": ("unfused", env)}) as servers:
+        url = servers["s"].url
+        names = children(servers["s"].process.proc.pid)
+        assert set(names) == {"fs-engine-0", "fs-engine-1", "fs-frontend-0", "fs-frontend-1"}, names
+        sizes = [1 + (i * 7) % 13 for i in range(60)]
+        responses = asyncio.run(post_many(url, [{"inputs": rows(n, i)} for i, n in enumerate(sizes)], connections=16))
+        for n, r in zip(sizes, responses, strict=True):
+            assert not isinstance(r, Exception), r
+            assert r.status_code == 200, r.text[:300]
+            assert len(r.json()["outputs"]) == n
+        # Serial requests too: the tie-break alternates between idle engines.
+        for i in range(6):
+            assert httpx.post(url + "/predict", json={"inputs": rows(1, 100 + i)}, timeout=TIMEOUT).status_code == 200
+        # Every front end answers for the whole deployment: two scrapes over fresh connections agree.
+        first, second = scrape(url), scrape(url)
+        for fam in (first, second):
+            ok = total(fam, "fusedserve_requests", "fusedserve_requests_total", outcome="ok")
+            assert ok == 66, f"{ok} ok requests counted for 66 answered"
+            batched = total(fam, "fusedserve_batch_rows", "fusedserve_batch_rows_sum")
+            assert batched == sum(sizes) + 6, f"the engines saw {batched} rows for {sum(sizes) + 6} sent"
+            per_engine = {
+                s.labels["engine"]: s.value
+                for s in fam["fusedserve_batch_rows"].samples
+                if s.name == "fusedserve_batch_rows_count"
+            }
+            assert set(per_engine) == {"0", "1"} and min(per_engine.values()) > 0, per_engine
+            info = [s for s in fam["fusedserve_model_info"].samples]
+            assert sorted(s.labels["engine"] for s in info) == ["0", "1"], info
+        doc = httpx.get(url + "/health/ready", timeout=TIMEOUT).json()
+        assert doc["engines"] == ["ready", "ready"], doc
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_that_dies_fails_its_requests_at_once_and_stops_the_service():
+    # A long max_delay: the requests sit in the engine's queue when it is killed.
+    env = {"workers": 1, "max_delay_ms": 5000, "max_batch_size": 64, "shutdown_grace_s": 20}
+    with running_servers({"s": ("unfused", env)}) as servers:
+        server = servers["s"]
+        engine = children(server.process.proc.pid)["fs-engine-0"]
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as client:
+                posts = [asyncio.ensure_future(client.post("/predict", json={"inputs": rows(2, i)})) for i in range(5)]
+                await asyncio.sleep(0.5)
+                assert not any(p.done() for p in posts), "the requests should be waiting in the engine"
+                killed = time.monotonic()
+                os.kill(engine, signal.SIGKILL)
+                answers = await asyncio.gather(*posts)
+                waited = time.monotonic() - killed
+                ready = await client.get("/health/ready")
+                return answers, waited, ready
+
+        answers, waited, ready = asyncio.run(scenario())
+        assert [r.status_code for r in answers] == [503] * 5, [r.text for r in answers]
+        assert all("engine" in r.json()["detail"] and r.headers.get("retry-after") for r in answers)
+        assert waited < 1.0, f"the requests of a dead engine were answered {waited:.2f} s after it died"
+        assert ready.status_code == 503 and ready.json()["status"] == "stopped", ready.text
+        code = wait_exit(server, 30)
+        assert code == 1, f"the service exited {code} after losing its engine\n{server.log()}"
+
+
+@pytest.mark.timeout(120)
+def test_a_front_end_that_dies_loses_only_its_connections_and_comes_back():
+    env = {"workers": 2, "max_batch_size": 64}
+    with running_servers({"s": ("unfused", env)}) as servers:
+        server = servers["s"]
+        before = children(server.process.proc.pid)
+        os.kill(before["fs-frontend-1"], signal.SIGKILL)
+        # New connections keep being answered (by the survivor while the other restarts, then by both).
+        deadline = time.monotonic() + 20
+        codes = []
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.post(server.url + "/predict", json={"inputs": rows(1, 0)}, timeout=TIMEOUT)
+                codes.append(r.status_code)
+            except httpx.TransportError as e:  # only a connection the dead process had accepted may fail
+                codes.append(type(e).__name__)
+            now = children(server.process.proc.pid)
+            if now.get("fs-frontend-1") not in (None, before["fs-frontend-1"]) and len(codes) >= 20:
+                break
+            time.sleep(0.05)
+        after = children(server.process.proc.pid)
+        assert after.get("fs-frontend-1") not in (None, before["fs-frontend-1"]), f"not restarted: {after}"
+        assert after["fs-frontend-0"] == before["fs-frontend-0"] and after["fs-engine-0"] == before["fs-engine-0"]
+        assert codes.count(200) >= len(codes) - 1, codes
+        ready = httpx.get(server.url + "/health/ready", timeout=TIMEOUT)
+        assert ready.status_code == 200, ready.text
+        assert server.process.proc.poll() is None
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_answers_every_accepted_request_and_exits_0_within_the_grace():
+    grace = 15
+    env = {"workers": 2, "max_delay_ms": 400, "max_batch_size": 64, "shutdown_grace_s": grace}
+    with running_servers({"s": ("unfused", env)}) as servers:
+        server = servers["s"]
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as client:
+                posts = [asyncio.ensure_future(client.post("/predict", json={"inputs": rows(3, i)})) for i in range(12)]
+                await asyncio.sleep(0.2)  # accepted, waiting for their batch
+                os.killpg(server.process.proc.pid, signal.SIGTERM)  # as `kill`, Ctrl-C or `docker stop` would
+                return await asyncio.gather(*posts, return_exceptions=True)
+
+        started = time.monotonic()
+        answers = asyncio.run(scenario())
+        for r in answers:
+            assert not isinstance(r, Exception), r
+            assert r.status_code == 200 and len(r.json()["outputs"]) == 3, r.text[:300]
+        code = wait_exit(server, grace + 10)
+        elapsed = time.monotonic() - started
+        assert code == 0, f"exit {code}\n{server.log()}"
+        assert elapsed < grace, f"stopping took {elapsed:.1f} s"
+        assert "fusedserve stopped (exit 0)" in server.log()
