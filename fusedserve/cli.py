@@ -19,6 +19,7 @@ from service import cli as service_cli
 # parser stays cheap for every command.
 BENCHMARKS = {
     "kernels": "bench.kernels",
+    "serve": "bench.serve",
 }
 
 

@@ -29,6 +29,7 @@ _STATUS_OF = {
     wire.SHUTTING_DOWN: (503, "overloaded", "server is shutting down: "),
 }
 _RETRY = {"Retry-After": "1"}
+_CLOSE = {"Connection": "close"}
 
 
 def _state(request: Request) -> FrontendState:
@@ -75,6 +76,8 @@ async def predict(request: Request) -> Response:
     if not engines.ready():
         metrics.observe_request("overloaded")
         return _error(503, f"model is not ready ({state.status}); retry shortly", _RETRY)
+    # While draining (SIGTERM), requests are still answered, each answer closing its connection.
+    close = _CLOSE if state.draining else None
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
         metrics.observe_request("too_large")
@@ -126,7 +129,7 @@ async def predict(request: Request) -> Response:
         "mode": state.settings.mode,
     }
     metrics.observe_request("ok", time.perf_counter() - started)
-    return _json(doc)
+    return _json(doc, headers=close)
 
 
 @router.get("/health/live")

@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import socket
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -16,6 +17,9 @@ from fastapi import FastAPI
 from .config import Settings
 
 log = logging.getLogger("fusedserve")
+
+DRAIN_MAX_S = 5.0  # longest a front end keeps answering (each answer closing its connection) after SIGTERM
+DRAIN_QUIET_S = 0.2  # a front end with no connection this long after SIGTERM has drained
 
 
 def create_app(settings: Settings, model, engines, run_dir: Path) -> FastAPI:
@@ -77,7 +81,46 @@ def frontend_main(settings: Settings, model, endpoints: list[str], states: list,
         date_header=False,
     )
     log.info("front end %d (pid %d) serving on %s:%d", index, os.getpid(), settings.host, settings.port)
-    uvicorn.Server(config).run(sockets=[sock])
+    drain_s = min(DRAIN_MAX_S, settings.shutdown_grace_s / 2)
+    _draining_server(uvicorn.Server)(config, app.state.fusedserve, drain_s).run(sockets=[sock])
+
+
+def _draining_server(base):
+    class DrainingServer(base):
+        """uvicorn's server with a drain before its shutdown. On SIGTERM, /health/ready turns 503 and every answer
+        closes its connection (`Connection: close`), so that clients move off on their own; once no connection
+        is left for DRAIN_QUIET_S, or after `drain_s`, uvicorn's own shutdown runs: stop accepting, answer what
+        was accepted, exit. Closing a keep-alive connection while its client is sending the next request would
+        lose that request; a client told `Connection: close` never sends one."""
+
+        def __init__(self, config, state, drain_s: float):
+            super().__init__(config)
+            self._fs_state = state
+            self._drain_s = drain_s
+            self._drain_started: float | None = None
+            self._quiet_since: float | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if self._drain_started is None:
+                self._drain_started = time.monotonic()
+                self._fs_state.draining = True
+                return
+            super().handle_exit(sig, frame)  # a second signal: shut down now
+
+        async def on_tick(self, counter: int) -> bool:
+            if self._drain_started is not None and not self.should_exit:
+                now = time.monotonic()
+                if self.server_state.connections:
+                    self._quiet_since = None
+                elif self._quiet_since is None:
+                    self._quiet_since = now
+                if (self._quiet_since is not None and now - self._quiet_since >= DRAIN_QUIET_S) or (
+                    now - self._drain_started >= self._drain_s
+                ):
+                    self.should_exit = True
+            return await super().on_tick(counter)
+
+    return DrainingServer
 
 
 def prepare_backend(settings: Settings):

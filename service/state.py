@@ -80,15 +80,18 @@ class FrontendState:
     engines: EngineClient
     metrics: RequestMetrics
     run_dir: Path
+    draining: bool = False  # SIGTERM came: answers close their connections, /health/ready reads 503
     _plan: dict | None = None
 
     @property
     def ready(self) -> bool:
-        return self.engines.ready()
+        return not self.draining and self.engines.ready()
 
     @property
     def status(self) -> str:
-        """The least advanced engine's state: loading, warming, ready, failed or stopped."""
+        """draining, or the least advanced engine's state: loading, warming, ready, failed or stopped."""
+        if self.draining:
+            return "draining"
         states = self.engines.states()
         worst = next((s for s in (wire.FAILED_START, wire.STOPPED) if s in states), min(states))
         return wire.ENGINE_STATES[worst]

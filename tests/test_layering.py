@@ -1,4 +1,5 @@
-"""The import rules, read from the source with `ast` (every import, at module level or inside a function):
+"""The import rules, read from the source with `ast` (every import, at module level or inside a function;
+not those under `if TYPE_CHECKING:`, which only annotations see):
 `kernels` imports nothing of ours; `service` imports no `bench` and no `fusedserve` (the console script
 dispatches to both); and no import cycle joins the modules of `bench`."""
 
@@ -19,12 +20,22 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _nodes(tree: ast.AST):
+    """Every node, except those under `if TYPE_CHECKING:` (annotations only: never imported at run time)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            yield from (n for child in node.orelse for n in [child, *_nodes(child)])
+            continue
+        yield node
+        yield from _nodes(node)
+
+
 def _imports(path: Path) -> set[str]:
     """Absolute names of every module `path` imports (relative imports resolved)."""
     module = _module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

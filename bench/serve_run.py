@@ -1,0 +1,649 @@
+"""`bench serve`'s run: start each system as a real server, run its phases within the time budget, stop it
+with SIGTERM and check how it exited; then the report (bench/serve_report.py).
+
+Order: the systems as given; by default the empty route first (so that `--rates auto` knows its peak), then
+fusedserve fused and unfused, and the eager app last, so that a run short of time loses the optional first. For
+each system: its closed-loop phases (every rows x connections), its open-loop phases, and, for the SIGTERM
+system (fused at N workers by default), a last phase in which SIGTERM is the stop.
+
+Time budget: each phase costs warm-up + duration + what phases took beyond that so far (0.5 s before the
+first: drain, /metrics, set-up); each start what the same kind of server took before in this run (the first
+fused start on a GPU tunes kernels for every batch bucket: up to two minutes; later starts read the tuning
+cache). Before each phase the run keeps back what the remaining systems' essential phases need (the
+closed-loop phases at 1, 64 and 256 connections of the empty route and of fusedserve, and the SIGTERM phase)
+and skips an optional phase (4 connections, the eager app, open loop) that would eat into it; every skipped
+phase is listed in the report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .loadgen import ClientPool, PhaseSpec, make_bodies, percentiles
+from .serve_accounting import account, delta, scrape, server_split
+from .serve_report import CDF_POINTS
+
+if TYPE_CHECKING:  # bench.serve parses the flags and imports this module to run them: no import back
+    from .serve import Plan, System
+
+REPO = Path(__file__).resolve().parents[1]
+PHASE_OVERHEAD_S = 0.5
+SHUTDOWN_GRACE_S = 30.0  # fusedserve's default FUSEDSERVE_SHUTDOWN_GRACE_S
+STOP_WAIT_S = SHUTDOWN_GRACE_S + 15.0
+START_GUESS_S = {"empty": 3.0, "eager": 12.0, "fused": 20.0, "unfused": 12.0}
+FIRST_FUSED_GPU_START_S = 120.0  # kernel tuning of every batch bucket, once per run (about 100 s seen on an H200)
+ESSENTIAL_CONNECTIONS = (1, 64, 256)
+OPEN_FRACTIONS = (0.25, 0.5, 0.75)
+
+
+def _die_with_parent():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no server outlives the benchmark
+
+
+_PREEXEC = _die_with_parent()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_status(url: str, timeout: float = 2.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+class Server:
+    """One system as a process group on a free loopback port, its output in a log file."""
+
+    def __init__(self, system: System, plan: Plan, log_dir: Path, tuning_cache: Path) -> None:
+        self.system = system
+        self.plan = plan
+        self.log_dir = log_dir
+        self.tuning_cache = tuning_cache
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.log_path = log_dir / f"{system.name}-{system.workers}.log"
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def argv(self) -> list[str]:
+        s, p = self.system, self.plan
+        host = ["--host", "127.0.0.1", "--port", str(self.port)]
+        if s.fusedserve:
+            return [
+                sys.executable, "-m", "service.cli", "serve", *host, "--mode", s.name, "--workers", str(s.workers),
+                "--dtype", p.dtype, "--device", p.device, "--tuning-cache", str(self.tuning_cache),
+                "--log-level", "info",
+            ]  # fmt: skip
+        return [
+            sys.executable, "-m", "uvicorn", f"bench.serve_apps.{s.name}:app", *host, "--workers", str(s.workers),
+            "--log-level", "info", "--no-access-log",
+        ]  # fmt: skip
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        if self.system.name == "eager":
+            env["BENCH_EAGER_DEVICE"] = self.plan.device
+            env["BENCH_EAGER_DTYPE"] = self.plan.dtype
+        return env
+
+    def start(self) -> None:
+        self.port = free_port()
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(
+            self.argv(), env=self.env(), cwd=REPO, stdin=subprocess.DEVNULL, stdout=self._log,
+            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_PREEXEC,
+        )  # fmt: skip
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited with {self.proc.returncode} before it was ready:\n{self.log_tail()}")
+            if http_status(self.url + "/health/ready") == 200:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not ready after {timeout_s:g} s:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError as e:
+            return f"<no log: {e}>"
+
+    def signal_term(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGTERM)
+
+    def wait_exit(self, timeout_s: float = STOP_WAIT_S) -> dict:
+        """After SIGTERM: exit status, seconds, and whether the shutdown was graceful. uvicorn (0.29+) re-raises
+        the signal after a graceful shutdown, so -SIGTERM with its 'Application shutdown complete' (or
+        'Finished server process') in the log is graceful too."""
+        t0 = time.monotonic()
+        try:
+            rc = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+            self._close_log()
+            return {"rc": None, "seconds": timeout_s, "graceful": False, "why": f"still running {timeout_s:g} s later"}
+        seconds = time.monotonic() - t0
+        leftover = self._group_alive(2.0)  # a worker or engine process that outlived its parent
+        if leftover:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self._close_log()
+        log = self.log_tail(200)
+        reraised = rc == -signal.SIGTERM and ("Application shutdown complete" in log or "Finished server" in log)
+        graceful = (rc == 0 or reraised) and not leftover
+        why = "exit 0" if rc == 0 else ("SIGTERM re-raised by uvicorn after a clean shutdown" if reraised else "")
+        if rc != 0 and not reraised:
+            why = f"exit status {rc}"
+        if leftover:
+            why += "; processes of its group still ran 2 s after it exited (killed)"
+        return {"rc": rc, "seconds": round(seconds, 3), "graceful": graceful, "why": why}
+
+    def _group_alive(self, wait_s: float) -> bool:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+            if time.monotonic() > deadline:
+                return True
+            time.sleep(0.05)
+
+    def stop(self) -> dict:
+        if self.proc is None:
+            return {"rc": None, "seconds": 0.0, "graceful": False, "why": "never started"}
+        if self.proc.poll() is None:
+            self.signal_term()
+        return self.wait_exit()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+# ------------------------------------------------------------------------------------------- phases
+
+
+def phase_list(system: System, plan: Plan, sigterm_system: System | None) -> list[dict]:
+    """The phases of one system, in order, each with a priority: 1 essential (the targets need it: kept while any
+    time is left), 2 optional (run when the essential phases still to come fit after it; eager@1's are marked 3)."""
+    essential_system = system.name != "eager"
+    out = []
+    for rows in plan.rows:
+        for c in plan.connections:
+            prio = 1 if essential_system and c in ESSENTIAL_CONNECTIONS else 2
+            if system.name == "eager" and system.workers == 1:
+                prio = 3
+            out.append({"kind": "closed", "rows": rows, "connections": c, "priority": prio})
+    if system in plan.open_systems:
+        out.append({"kind": "open", "rows": 1, "connections": plan.open_connections, "priority": 2})
+    if plan.sigterm and system == sigterm_system:
+        out.append({"kind": "sigterm", "rows": 1, "connections": max(plan.connections), "priority": 1})
+    return out
+
+
+def pick_sigterm_system(plan: Plan) -> System | None:
+    fs = [s for s in plan.systems if s.fusedserve]
+    if not fs:
+        return None
+    fused = [s for s in fs if s.name == "fused"]
+    return max(fused or fs, key=lambda s: s.workers)
+
+
+class Budget:
+    def __init__(self, plan: Plan) -> None:
+        self.t0 = time.monotonic()
+        self.total = plan.time_budget_s
+        self.plan = plan
+        self.starts: dict[str, float] = {}
+        self.overheads: list[float] = []  # seconds each phase took beyond warm-up + window: drain, scrapes, set-up
+
+    def observe(self, phase_s: float) -> None:
+        self.overheads.append(max(0.0, phase_s - self.plan.warmup_s - self.plan.duration_s))
+
+    def left(self) -> float:
+        return float("inf") if self.total <= 0 else self.total - (time.monotonic() - self.t0)
+
+    def phase_cost(self, phase: dict, rates: int = 1) -> float:
+        extra = sum(self.overheads) / len(self.overheads) if self.overheads else PHASE_OVERHEAD_S
+        per = self.plan.warmup_s + self.plan.duration_s + extra
+        return per * (rates if phase["kind"] == "open" else 1)
+
+    def start_cost(self, system: System) -> float:
+        if system.name in self.starts:
+            return self.starts[system.name] + 2.0
+        if self.plan.device == "cuda" and system.name == "fused" and "fused" not in self.starts:
+            return FIRST_FUSED_GPU_START_S
+        return START_GUESS_S[system.name] + (2.0 if system.workers > 1 else 0.0)
+
+    def reserve(self, later: list[tuple[System, list[dict]]]) -> float:
+        """What the essential phases still to come need, their servers' starts included."""
+        total = 0.0
+        for system, phases in later:
+            ess = [p for p in phases if p["priority"] == 1]
+            if ess:
+                total += self.start_cost(system) + 2.0 + sum(self.phase_cost(p) for p in ess)
+        return total
+
+
+def _latency_block(lat) -> dict:
+    import numpy as np
+
+    out = percentiles(lat)
+    out["cdf"] = [float(v) for v in np.percentile(np.asarray(lat) * 1e3, CDF_POINTS)] if len(lat) else []
+    return out
+
+
+def run_phase(pool: ClientPool, server: Server, system: System, phase: dict, plan: Plan, bodies, rate: float = 0.0):
+    # After a SIGTERM the server may take its whole grace period to answer what it accepted.
+    drain = max(plan.drain_timeout_s, SHUTDOWN_GRACE_S + 5.0) if phase["kind"] == "sigterm" else plan.drain_timeout_s
+    spec = PhaseSpec(
+        host="127.0.0.1", port=server.port, path="/predict", bodies=tuple(bodies[phase["rows"]]),
+        connections=phase["connections"], warmup_s=plan.warmup_s, duration_s=plan.duration_s, rate=rate,
+        client=plan.client, drain_timeout_s=drain, seed=plan.seed,
+    )  # fmt: skip
+    readings: dict = {}
+    sig: dict = {}
+    timer: list[threading.Timer] = []
+
+    def on_ready() -> None:
+        if system.fusedserve:
+            readings["before"] = scrape(server.url)
+
+    def on_start(start_at: float) -> None:
+        if phase["kind"] != "sigterm":
+            return
+
+        def fire() -> None:
+            sig["at"] = time.monotonic()
+            server.signal_term()
+            # Wait here, not after the window, so that the exit is timed from the signal.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.proc.wait(STOP_WAIT_S)
+                sig["exited"] = time.monotonic()
+
+        t = threading.Timer(max(0.0, start_at + plan.duration_s / 2 - time.monotonic()), fire)
+        t.start()
+        timer.append(t)
+
+    client = pool.run(spec, on_ready=on_ready, on_start=on_start)
+    for t in timer:
+        t.join()
+    exit_info = None
+    if phase["kind"] == "sigterm":
+        exit_info = server.wait_exit(timeout_s=5.0 if "at" in sig else STOP_WAIT_S)
+        if "exited" in sig:
+            exit_info["seconds"] = round(sig["exited"] - sig["at"], 3)
+            if exit_info["seconds"] > SHUTDOWN_GRACE_S:
+                exit_info["graceful"] = False
+                exit_info["why"] += f"; exited {exit_info['seconds']:.1f} s after SIGTERM, grace {SHUTDOWN_GRACE_S:g} s"
+        server_delta = None
+    else:
+        readings["after"] = scrape(server.url) if system.fusedserve else None
+        server_delta = delta(readings.get("before"), readings.get("after"))
+    acc = account(client, server_delta, sigterm_at=sig.get("at"), has_metrics=system.fusedserve)
+    if exit_info is not None and not exit_info["graceful"]:
+        acc["problems"].append(f"server did not exit cleanly after SIGTERM: {exit_info['why']}")
+    rows = phase["rows"]
+    result = {
+        "system": system.key,
+        "name": system.name,
+        "workers": system.workers,
+        "kind": phase["kind"],
+        "rows": rows,
+        "connections": phase["connections"],
+        "rate": rate or None,
+        "duration_s": plan.duration_s,
+        "elapsed_s": round(client["elapsed_s"], 4),
+        "clients": client["processes"],
+        "sent": client["sent"],
+        "answered": client["answered"],
+        "status": {str(k): v for k, v in client["status"].items()},
+        "errors": client["errors"],
+        "error_reasons": client.get("why", {}),
+        "req_per_s": client["req_per_s"],
+        "rows_per_s": client["req_per_s"] * rows,
+        "latency_ms": _latency_block(client["latency"]),
+        "server": server_split(server_delta),
+        "accounting": acc,
+        "lost": acc["lost"],
+        "ok": not acc["problems"],
+    }
+    if phase["kind"] == "open":
+        result["service_ms"] = percentiles(client["service"])
+        result["backlog"] = client["backlog"]
+        result["achieved_per_s"] = client["req_per_s"]
+    if phase["kind"] == "sigterm":
+        result["sigterm_after_s"] = round(sig["at"] - client["start_at"], 3) if "at" in sig else None
+        result["exit"] = exit_info
+        result["refused_after_sigterm"] = acc["refused_after_sigterm"]
+    return result
+
+
+def _describe(r: dict) -> str:
+    lat = r["latency_ms"]
+    p50 = "-" if lat["p50"] is None else f"{lat['p50']:.2f}"
+    p99 = "-" if lat["p99"] is None else f"{lat['p99']:.2f}"
+    what = f"{r['kind']} rows={r['rows']} conns={r['connections']}" + (f" rate={r['rate']:.0f}" if r["rate"] else "")
+    verdict = "ok" if r["ok"] else "LOST: " + "; ".join(r["accounting"]["problems"])
+    return f"  {r['system']:<11} {what:<40} {r['req_per_s']:>9.0f} req/s  p50 {p50} p99 {p99} ms  {verdict}"
+
+
+# ------------------------------------------------------------------------------------------- meta
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def gpu_name() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+        )
+        names = [n.strip() for n in out.stdout.splitlines() if n.strip()]
+        if out.returncode == 0 and names:
+            return names[0] + (f" (x{len(names)})" if len(names) > 1 else "")
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    code = "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def gpu_slug(name: str | None) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100'; 'NVIDIA H200' -> 'h200'; no GPU -> 'cpu'."""
+    import re
+
+    if not name:
+        return "cpu"
+    s = re.sub(r"^nvidia\s+", "", name.strip().lower())
+    m = re.match(r"([a-z]+\d+[a-z]*)", s)
+    return m.group(1) if m else (re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu")
+
+
+def meta(plan: Plan, command: str, gpu: str | None) -> dict:
+    import platform
+
+    from .loadgen import loop_name
+
+    commit = None
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    dists = ("torch", "triton", "fastapi", "starlette", "uvicorn", "orjson", "numpy", "uvloop", "httptools", "aiohttp")
+    return {
+        "command": command,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "device": plan.device,
+        "gpu": gpu,
+        "slug": gpu_slug(gpu) if plan.device == "cuda" else "cpu",
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "versions": {d: _version(d) for d in dists},
+        "commit": commit or None,
+        "client": plan.client,
+        "client_loop": loop_name(),
+        "clients": plan.clients,
+        "workers": plan.workers,
+        "dtype": plan.dtype,
+        "duration_s": plan.duration_s,
+        "warmup_s": plan.warmup_s,
+        "time_budget_s": plan.time_budget_s,
+        "systems": [s.key for s in plan.systems],
+        "connections": list(plan.connections),
+        "rows": list(plan.rows),
+        "open_connections": plan.open_connections,
+        "quick": plan.quick,
+    }
+
+
+# ------------------------------------------------------------------------------------------- run
+
+
+def execute(plan: Plan, command: str) -> int:
+    gpu = gpu_name() if plan.device == "cuda" else None
+    if plan.device == "cuda" and not gpu:
+        print("fusedserve bench serve: no CUDA device found (nvidia-smi and torch see none); "
+              "pass --device cpu --quick for a smoke run", file=sys.stderr)  # fmt: skip
+        return 2
+    run = _Run(plan, command, gpu)
+    try:
+        run.all()
+    finally:
+        run.close()
+    results = run.results
+    results["meta"]["wall_s"] = round(time.monotonic() - run.budget.t0, 1)
+    results["meta"]["peaks_req_per_s"] = run.peaks
+    for r in results["phases"]:
+        for p in r["accounting"]["problems"]:
+            results["problems"].append(f"{r['system']} {r['kind']} rows={r['rows']} conns={r['connections']}: {p}")
+
+    from .serve_report import write_all
+
+    write_all(results, plan.out)
+    return 1 if results["problems"] else 0
+
+
+class _Run:
+    """The run's state: budget, client pool, results, and the server being measured."""
+
+    def __init__(self, plan: Plan, command: str, gpu: str | None) -> None:
+        self.plan = plan
+        self.budget = Budget(plan)
+        self.results = {"meta": meta(plan, command, gpu), "servers": [], "phases": [], "skipped": [], "problems": []}
+        self.tmp = Path(tempfile.mkdtemp(prefix="fusedserve-bench-serve-"))
+        self.tuning_cache = plan.tuning_cache or self.tmp / "tuning.json"
+        self.results["meta"]["logs"] = str(self.tmp)
+        self.bodies = {rows: make_bodies(rows, 16, plan.seed) for rows in plan.rows}
+        sigterm_system = pick_sigterm_system(plan)
+        self.work = [(s, phase_list(s, plan, sigterm_system)) for s in plan.systems]
+        self.peaks: dict[str, float] = {}
+        self.live: list[Server] = []
+        self.pool: ClientPool | None = None
+        self.interrupted = False
+
+    def skip(self, system: System, what: str, why: str) -> None:
+        self.results["skipped"].append({"system": system.key, "what": what, "why": why})
+
+    def all(self) -> None:
+        plan = self.plan
+        groups = sum(len(p) for _, p in self.work)
+        print(f"bench serve: {len(self.work)} systems, {groups} phase groups; {plan.clients} client processes "
+              f"({plan.client}); budget {plan.time_budget_s:g} s; logs {self.tmp}", flush=True)  # fmt: skip
+        self.pool = ClientPool(plan.clients)
+        previous = {s: signal.signal(s, self._interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for i, (system, phases) in enumerate(self.work):
+                if self.interrupted:
+                    self.skip(system, "every phase", "interrupted (SIGTERM/SIGINT)")
+                    continue
+                self.system(system, phases, self.work[i + 1 :])
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        if self.interrupted:
+            self.results["problems"].append("the run was interrupted before every phase ran")
+
+    def _interrupt(self, signum, frame) -> None:
+        """First SIGTERM/SIGINT: finish the phase under way, skip the rest, stop the server and write the report
+        (a `timeout` around the run still leaves a report). A second one: stop at once."""
+        if self.interrupted:
+            raise KeyboardInterrupt
+        self.interrupted = True
+        print(f"bench serve: {signal.Signals(signum).name}: finishing the phase under way, then the report", flush=True)
+
+    def system(self, system: System, phases: list[dict], later: list) -> None:
+        budget = self.budget
+        cheapest = min((budget.phase_cost(p) for p in phases), default=0.0)
+        essential = any(p["priority"] == 1 for p in phases)
+        need = budget.start_cost(system) + cheapest
+        if budget.left() < need or (not essential and budget.left() - budget.reserve(later) < need):
+            self.skip(system, "every phase", "time budget")
+            return
+        server = Server(system, self.plan, self.tmp, self.tuning_cache)
+        self.live.append(server)
+        t_start = time.monotonic()
+        try:
+            server.start()
+            server.wait_ready(self.plan.ready_timeout_s)
+        except (RuntimeError, TimeoutError, OSError) as e:
+            server.kill()
+            self.live.remove(server)
+            self.results["servers"].append({"system": system.key, "ready": False, "error": str(e)})
+            self.results["problems"].append(f"{system.key} did not start: {str(e).splitlines()[0]}")
+            print(f"{system.key}: did not start: {e}", flush=True)
+            return
+        ready_s = time.monotonic() - t_start
+        budget.starts[system.name] = max(budget.starts.get(system.name, 0.0), ready_s)
+        print(f"{system.key}: ready in {ready_s:.1f} s on port {server.port}", flush=True)
+        info = {"system": system.key, "ready": True, "ready_s": round(ready_s, 2), "port": server.port}
+        self.results["servers"].append(info)
+        for k, phase in enumerate(phases):
+            if self.interrupted:
+                self.skip(system, f"{phase['kind']} rows={phase['rows']} conns={phase['connections']}", "interrupted")
+                continue
+            if server.proc.poll() is not None:
+                self.results["problems"].append(
+                    f"{system.key} exited ({server.proc.returncode}) before its phases ended"
+                )
+                break
+            rest = phases[k + 1 :]
+            keep = budget.reserve(later) + sum(budget.phase_cost(p) for p in rest if p["priority"] == 1) + 2.0
+            if phase["kind"] == "open":
+                for rate, why in _open_rates(self.plan, system, self.peaks):
+                    what = f"open rows=1 rate={rate:.0f}"
+                    if why or budget.left() - keep < budget.phase_cost(phase):
+                        self.skip(system, what, why or "time budget")
+                    else:
+                        self.phase(server, system, phase, rate)
+                continue
+            what = f"{phase['kind']} rows={phase['rows']} conns={phase['connections']}"
+            cost = budget.phase_cost(phase)
+            if budget.left() - keep < cost and (phase["priority"] > 1 or budget.left() < cost):
+                self.skip(system, what, "time budget")
+                continue
+            r = self.phase(server, system, phase)
+            if r and phase["kind"] == "closed" and phase["rows"] == 1:
+                self.peaks[system.key] = max(self.peaks.get(system.key, 0.0), r["req_per_s"])
+            if r and phase["kind"] == "sigterm":
+                info["exit"] = r["exit"]
+        if "exit" not in info:
+            info["exit"] = server.stop()
+            if not info["exit"]["graceful"]:
+                self.results["problems"].append(f"{system.key} did not stop cleanly: {info['exit']['why']}")
+        self.live.remove(server)
+
+    def phase(self, server: Server, system: System, phase: dict, rate: float = 0.0) -> dict | None:
+        """Run one phase; a phase that cannot finish (a client process failed, /metrics did not answer) is a
+        problem of the run, and the client pool is started afresh for the next one."""
+        t0 = time.monotonic()
+        try:
+            r = run_phase(self.pool, server, system, phase, self.plan, self.bodies, rate)
+            self.budget.observe(time.monotonic() - t0)
+        except (RuntimeError, TimeoutError, OSError) as e:
+            what = f"{phase['kind']} rows={phase['rows']} conns={phase['connections']}" + (
+                f" rate={rate:.0f}" if rate else ""
+            )
+            self.results["problems"].append(f"{system.key} {what}: could not run: {type(e).__name__}: {e}")
+            print(f"  {system.key:<11} {what}: could not run: {type(e).__name__}: {e}", flush=True)
+            self.pool.close()
+            self.pool = ClientPool(self.plan.clients)
+            return None
+        self.results["phases"].append(r)
+        print(_describe(r), flush=True)
+        return r
+
+    def close(self) -> None:
+        for server in self.live:
+            server.kill()
+        if self.pool is not None:
+            self.pool.close()
+
+
+def _round_rates(base: float, fractions) -> list[float]:
+    step = 1000.0 if base >= 4000 else (100.0 if base >= 400 else 10.0)
+    return sorted({max(step, round(base * f / step) * step) for f in fractions})
+
+
+def _open_rates(plan: Plan, system: System, peaks: dict[str, float]) -> list[tuple[float, str | None]]:
+    """[(rate, why skipped or None)]: --rates, or auto: 25, 50 and 75% of the empty route's closed-loop peak at N
+    workers (the same rates for every system, so their latencies compare), or of the system's own peak without
+    it. A rate above 1.1x the system's own closed-loop peak would only measure a growing backlog: skipped; with
+    auto, a system too slow for every shared rate runs at 50 and 75% of its own peak instead."""
+    own = peaks.get(system.key)
+    if plan.rates is not None:
+        rates = list(plan.rates)
+    else:
+        base = peaks.get(f"empty@{plan.workers}") or own
+        if not base:
+            return []
+        rates = _round_rates(base, OPEN_FRACTIONS)
+    out = []
+    for rate in rates:
+        if own and rate > 1.1 * own:
+            out.append((rate, f"above 1.1x its closed-loop peak ({own:.0f} req/s)"))
+        else:
+            out.append((rate, None))
+    if plan.rates is None and own and all(why for _, why in out):
+        out += [(rate, None) for rate in _round_rates(own, (0.5, 0.75))]
+    return out
