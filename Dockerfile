@@ -47,6 +47,7 @@ WORKDIR /app
 # constraints: pip keeps them (they already satisfy pyproject's ranges), and if any dependency
 # ever asked for another version the build fails here instead of pulling a multi-GB wheel.
 COPY pyproject.toml README.md ./
+COPY fusedserve/ ./fusedserve/
 COPY kernels/ ./kernels/
 COPY service/ ./service/
 RUN python -c 'from importlib.metadata import version as v; print("torch==" + v("torch")); print("triton==" + v("triton"))' \

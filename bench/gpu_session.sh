@@ -1,20 +1,12 @@
 #!/usr/bin/env bash
 # Everything one lent-GPU call should do, in order: GPU facts, the test suite on CUDA (gpu-marked
-# tests included), the kernel benchmark (fusedserve bench kernels), and a real service smoke test in
-# both modes. Choose steps with STEPS (default "tests bench smoke"). On a cold Triton cache the suite
-# (~1100 tests on CUDA) takes ~135 s with 16 workers (H200, 2026-11-23) and the whole benchmark ~555 s
+# tests included), the kernel benchmark (fusedserve bench kernels), one-off probes, and a real service
+# smoke test in both modes. Choose steps with STEPS (default "tests bench smoke").
+# On a cold Triton cache the suite takes ~135 s with 16 workers and the whole benchmark ~545 s on an H200
 # (torch.compile max-autotune is most of it), so they go in separate 600 s calls: STEPS="tests probe",
-# then STEPS=bench (BENCH_LIMIT defaults to 535, ~545 s in all; at 390 the last case, wide-mlp batch 4096, was cut).
-# STEPS=probe runs bench.probe_hopper --only P for each P in $PROBE (host-launch: a prepared layer's host time
-# per call, part by part; digits-floor: the least a cold digits forward can take, any kernel; l2-flush: cold timings with L2 cleared by
-# zeroing and by reading; stream: the fastest cold read of 48 MB; linear-1024: a 57-config sweep per dtype at
-# 1024^3 beside a bare tile loop; launch-cold: plain launch against graph replay, cold; default linear-tma: the persistent TMA
-# kernel against the tuned linear.py kernel and cuBLASLt at the big GEMMs; linear-gemv: the one-row GEMV
-# kernel; linear-tma-small: TMA tiles at 1024^3; linear-mid: batch 128-256 split-K; mlp-flat:
-# other whole-MLP kernel shapes for the digits MLP, and cuBLAS's kernel names; linear-ws: the persistent
-# TMA kernel warp-specialized; gemv-pdl: the wide MLP's GEMV chain with PDL and double buffering, and
-# what a pure weight stream reaches; linear-share: 1024^3 with one operand's loads skipped (timing
-# emulation of multicast); mlp-split, linear-small: earlier).
+# then STEPS=bench (BENCH_LIMIT, default 535 s, bounds the benchmark).
+# STEPS=probe runs `python -m bench.probes.P` for each P in $PROBE (space-separated; dashes or underscores;
+# default digits-floor): bench/probes/README.md lists them.
 # Usage on the device machine (after the wheel prologue of ../shared/gpu/README.md):
 #   OUT=$OUT bash bench/gpu_session.sh [pytest args...]
 set -uo pipefail
@@ -46,8 +38,8 @@ if [[ $steps == *" bench "* ]]; then
 fi
 
 if [[ $steps == *" probe "* ]]; then
-  for probe in ${PROBE:-linear-tma}; do  # one or more, space-separated; each its own log
-    timeout "${PROBE_TIMEOUT:-240}" python3 -m bench.probe_hopper --only "$probe" --out "$out" > "$out/probe_$probe.txt" 2>&1 \
+  for probe in ${PROBE:-digits-floor}; do  # one or more, space-separated; each its own log
+    timeout "${PROBE_TIMEOUT:-240}" python3 -m "bench.probes.${probe//-/_}" --out "$out" > "$out/probe_$probe.txt" 2>&1 \
       || status=1
     grep -v -i "warning" "$out/probe_$probe.txt" | tail -n 40
   done

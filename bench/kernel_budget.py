@@ -12,11 +12,10 @@ epilogue). 36 layer cases and 10 model cases with max-autotune everywhere would 
 - `compile-max` runs when it leaves room for the rest of the section *including* `compile` there.
 
 Expected costs are running means of what this section of the run measured, from the section's start
-values below: a model case costs several layer cases (ours tunes every layer of its batch bucket; the
-digits MLP at batch 1: 17 s beside compile-max's 16 s, H200), so estimates carried over from the layers
-let compile-max take the time of the last two wide-MLP cases, which were then skipped whole (a
-2026-11-23 run). Once a hard limit has passed, the section's remaining cases are recorded as skipped
-and the report is still written.
+values below, per section: a model case costs several layer cases (ours tunes every layer of its batch
+bucket; the digits MLP at batch 1: 17 s beside compile-max's 16 s, H200), and estimates carried over
+from the layers would let compile-max take the time of the last wide-MLP cases. Once a hard limit has
+passed, the section's remaining cases are recorded as skipped and the report is still written.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import math
 import time
 
 START_ESTIMATE_S = {"base": 3.0, "compile": 5.0, "compile-max": 20.0}  # a layer case, H200
-# A model case (H200, 2026-11-23): base 9-17 s, compile 0.2-0.6 s, compile-max 16-29 s.
+# A model case (H200): base 9-17 s, compile 0.2-0.6 s, compile-max 16-29 s.
 MODEL_START_ESTIMATE_S = {"base": 12.0, "compile": 1.0, "compile-max": 25.0}
 HARD_GRACE = 0.15  # of the whole time limit: how far a section may run past its share
 

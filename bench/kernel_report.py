@@ -12,29 +12,16 @@ import math
 import re
 from pathlib import Path
 
-ANCHORS = ("eager", "linear", "compile", "compile-max")  # what a user could run instead of ours
+from .kernel_plot import plot
+from .kernel_results import ANCHORS, best_anchor, primary, us, wall
+from .kernel_targets import checks
+from .kernel_targets import table as targets_table
 
 
 def slug_of(gpu_name: str) -> str:
     """'NVIDIA H200' -> 'h200'; 'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'."""
     s = re.sub(r"^nvidia\s+", "", gpu_name.strip().lower())
     return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu"
-
-
-def primary(res: dict) -> float | None:
-    """The time a provider is compared by: graph-replay device time, else plain device time, else wall
-    time (the CPU smoke run has only wall time)."""
-    g, p = res.get("graph") or {}, res.get("plain") or {}
-    for v in (g.get("device_us"), p.get("device_us"), p.get("wall_us"), g.get("wall_us")):
-        if v is not None:
-            return v
-    return None
-
-
-def wall(res: dict) -> float | None:
-    """Host time per call as the provider is run from Python: plain, or the graphed executor's own call."""
-    p, g = res.get("plain") or {}, res.get("graph") or {}
-    return p.get("wall_us") if p.get("wall_us") is not None else g.get("wall_us")
 
 
 def _cells(res: dict) -> list[dict]:
@@ -63,12 +50,6 @@ def max_error(case: dict) -> tuple[float | None, list[str]]:
             if c.get("bad") and name not in bad:
                 bad.append(name)
     return (max(errs) if errs else None), bad
-
-
-def us(v: float | None) -> str:
-    if v is None:
-        return "—"
-    return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 100 else f"{v:.0f}"
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -182,7 +163,6 @@ def markdown(results: dict) -> str:
             "CPU smoke run: no CUDA graphs and no device timer, so every time is wall time per call "
             "(ours through Triton's interpreter: it checks the path, not the speed)."
         )
-    from .kernel_targets import table as targets_table  # here: kernel_targets imports this module
 
     targets = targets_table(results)
     if targets:
@@ -224,15 +204,6 @@ def _layer_table(cases: list[dict], cuda: bool, notes: _Notes) -> list[str]:
         row += [_pct_floor(case, ours), _err_text(case)]
         lines.append("| " + " | ".join(row) + " |")
     return lines
-
-
-def best_anchor(case: dict) -> tuple[str | None, float | None]:
-    times = {p: primary(r) for p, r in case["providers"].items() if p in ANCHORS}
-    times = {p: t for p, t in times.items() if t is not None}
-    if not times:
-        return None, None
-    p = min(times, key=times.get)
-    return p, times[p]
 
 
 def _model_table(cases: list[dict], cuda: bool, notes: _Notes, dtype: str) -> list[str]:
@@ -309,7 +280,6 @@ def summary(results: dict) -> str:
                 f"{_pct_floor(case, ours) if 'floor_us' in case else '-':>6s}  "
                 f"{'-' if m is None else f'{m:.0e}'}{' BAD: ' + ','.join(bad) if bad else ''}"
             )
-    from .kernel_targets import checks
 
     targets = checks(results)
     if targets:
@@ -339,8 +309,6 @@ def write_report(results: dict, out_dir: Path, slug: str, *, png: bool) -> list[
     js.write_text(json.dumps(_finite(results), indent=1, allow_nan=False) + "\n")
     paths = [md, js]
     if png:
-        from .kernel_plot import plot
-
         p = plot(results, out_dir / f"kernels_{slug}.png")
         if p is not None:
             paths.append(p)

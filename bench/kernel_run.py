@@ -24,7 +24,8 @@ from kernels.activations import torch_activation
 
 from .kernel_budget import MODEL_START_ESTIMATE_S, Budget
 from .kernel_providers import COMPILE_MODES, NotAvailable, inductor_settings, layer_provider
-from .kernel_report import ours_failed, primary, slug_of, summary, write_report
+from .kernel_report import ours_failed, slug_of, summary, write_report
+from .kernel_results import primary
 from .kernel_timing import (
     DTYPES,
     ELEMENT_BYTES,
@@ -44,8 +45,8 @@ if TYPE_CHECKING:
     from .kernel_models import ModelProviders
 
 TIME_UP = "skipped: --time-limit reached"
-# Of the time limit, when the models section follows. The 10 model cases take ~275 s with compile-max in 8 of
-# them (H200, 2026-11-23: 9-17 s base, 16-29 s compile-max each); at 0.55 of 535 s, two were skipped whole.
+# Of the time limit, when the models section follows: the 10 model cases take ~275 s with compile-max in 8 of
+# them (H200: 9-17 s base, 16-29 s compile-max each), 53% of the 535 s a full run gets.
 LAYERS_SHARE = 0.47
 
 

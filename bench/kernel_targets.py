@@ -1,4 +1,4 @@
-"""Issue 3's targets, checked against one benchmark run's results: met or not, and how far.
+"""The kernel targets (issue 3), checked against one benchmark run's results: met or not, and how far.
 
     published shapes (64x256x128, 128x256x256, 1024x1024x1024), every dtype and activation:
         eager wall / ours wall >= 2                 (wall time per call from Python)
@@ -6,7 +6,7 @@
     digits MLP, batch 1-256: ours device <= 6 us, and best anchor / ours >= 2
     wide MLP, batch 1: floor / ours >= 75%;  batch 4096: ours device <= F.linear + relu device
 
-Device times are each provider's primary time (graph replay, kernel_report.primary). A target whose
+Device times are each provider's primary time (graph replay, kernel_results.primary). A target whose
 cases were not measured (skipped, failed) says so instead of passing.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .kernel_report import best_anchor, primary, us, wall
+from .kernel_results import best_anchor, primary, us, wall
 
 PUBLISHED_SHAPES = ((64, 256, 128), (128, 256, 256), (1024, 1024, 1024))
 DIGITS_DEVICE_US = 6.0

@@ -11,8 +11,8 @@
   synchronize, divided by N; the garbage collector is off during the run (as in `timeit`). N is chosen
   per cell from one timed call so that a run lasts about `Timing.wall_target_s` (3 to 2000 calls). Small
   cases are launch-bound, so this is the host cost per call, and the lent GPU's host is a VM whose speed
-  drifts over seconds (the same fused call read 12.6 us in one case and 18.9 us in a nearly identical
-  one). So the cells of one case take turns: after every provider of the case has been measured
+  drifts over seconds (the same fused call can read 12.6 us in one case and 18.9 us in a nearly
+  identical one). So the cells of one case take turns: after every provider of the case has been measured
   otherwise, round r runs each cell once (plain and graph, in provider order), 5 rounds, and a cell's
   wall time is its best run, the least disturbed one: every provider sees the same host, and a ratio
   of two wall times compares calls, not moments. A cell whose run raises gets the error; the rounds go

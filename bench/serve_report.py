@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+CDF_POINTS = (*range(0, 100), 99.5, 99.9, 99.99, 100)  # percentiles of each phase's latency CDF
+
 UNFUSED_NOISE = 0.02  # fused counts as "at least as fast" within 2% (run-to-run noise when both hit the HTTP ceiling)
 
 
@@ -323,8 +325,6 @@ def plot(results: dict, path: Path) -> Path | None:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=6, ncol=2)
     ax = axes[1][1]
-    from .serve_run import CDF_POINTS
-
     top = max((r["connections"] for r in phases if r["rows"] == 1), default=None)
     for s in systems:
         r = next((r for r in phases if r["system"] == s and r["rows"] == 1 and r["connections"] == top), None)

@@ -29,10 +29,14 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .loadgen import ClientPool, PhaseSpec, make_bodies, percentiles
-from .serve import Plan, System, host_cores
 from .serve_accounting import account, delta, scrape, server_split
+from .serve_report import CDF_POINTS
+
+if TYPE_CHECKING:  # bench.serve parses the flags and imports this module to run them: no import back
+    from .serve import Plan, System
 
 REPO = Path(__file__).resolve().parents[1]
 PHASE_OVERHEAD_S = 0.5
@@ -42,7 +46,6 @@ START_GUESS_S = {"empty": 3.0, "eager": 12.0, "fused": 20.0, "unfused": 12.0}
 FIRST_FUSED_GPU_START_S = 120.0  # kernel tuning of every batch bucket, once per run (about 100 s seen on an H200)
 ESSENTIAL_CONNECTIONS = (1, 64, 256)
 OPEN_FRACTIONS = (0.25, 0.5, 0.75)
-CDF_POINTS = (*range(0, 100), 99.5, 99.9, 99.99, 100)
 
 
 def _die_with_parent():
@@ -433,7 +436,7 @@ def meta(plan: Plan, command: str, gpu: str | None) -> dict:
         "device": plan.device,
         "gpu": gpu,
         "slug": gpu_slug(gpu) if plan.device == "cuda" else "cpu",
-        "cores": host_cores(),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
         "cpu": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "versions": {d: _version(d) for d in dists},

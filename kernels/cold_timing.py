@@ -4,12 +4,8 @@ The loop is `triton.testing.do_bench`'s (estimate from 5 calls, warm up, then pe
 call, event; the median), with one change: L2 is cleared by *reading* a 256 MB buffer, not by zeroing it.
 Zeroing leaves L2 (50 MB on an H200) full of dirty lines, so a timed call that reads from memory first
 writes them back, a cost no serving loop has (between two forwards L2 holds the last one's weights and a
-few KB of activations). Measured on an H200 in one run (bench/results/probe_l2_flush_h200.txt, cold
-graph replays, zeroing against reading): reading 48 MB 24.6 against 19.2 us, the wide MLP at batch 1
-26.1 against 21.3 (torch.compile 37.9 against 33.2), a kernel that stores one float 3.9 against 3.0,
-1024^3 fp16 10.8 against 10.3 (cuBLASLt 10.2 against 9.8). Under zeroing, a hint that evicts a kernel's
-own clean lines first won 2.3 us on a 48 MB read by leaving the dirty ones alone; under reading it
-changed nothing (bench/results/probe_stream_h200.txt): zeroing rewards what serving would not.
+few KB of activations). On an H200 a cold read of 48 MB takes 24.6 us after zeroing and 19.2 after
+reading (bench/results/probe_l2_flush_h200.txt; docs/performance.md, "Cold, but clean").
 """
 
 from __future__ import annotations
@@ -38,7 +34,7 @@ def cold_us(
     fn: Callable[[], object], warmup_ms: float = 10, rep_ms: float = 50, flush: Callable[[], object] | None = None
 ) -> float:
     """Median device time of one call of fn (us), L2 cleared by reads before each (CUDA only).
-    `flush`: another way to clear L2 (bench/probe_l2_flush.py compares zeroing). The 256 MB buffer lives for
+    `flush`: another way to clear L2 (bench/probes/l2_flush.py compares zeroing). The 256 MB buffer lives for
     this call only, as do_bench's does: a service that tunes at start does not keep it allocated."""
     flush = flush or L2Flush(torch.device("cuda", torch.cuda.current_device()))
     fn()

@@ -2,22 +2,20 @@
 
 `kernel[grid](...)` goes through JITFunction.run on every call: bind the arguments, compute the
 specialization key (alignment, divisibility and value of every argument), look the kernel up, build
-launch metadata. That Python is 30-60 us per launch on the H200's host (bench/results), more than the
-kernels themselves at serving sizes and 3-5x what eager torch spends per op. A prepared layer knows
-its compiled kernel after the first launch, so later launches call the compiled kernel's launcher
-directly: a stream lookup and one C call.
-
-What is left of a launch is trimmed too: 6.3 -> 4.3 us per launch on the H200's host, 64x256x128 fp16
-(bench/probe_host_launch.py measured each part, in one run):
+launch metadata. That Python is 30-60 us per launch on an H200's host, more than the kernels
+themselves at serving sizes and 3-5x what eager torch spends per op. A prepared layer knows its
+compiled kernel after the first launch, so later launches call the compiled kernel's launcher
+directly: a stream lookup and one C call, 4.3 us on that host (64x256x128 fp16; bench/probes/host_launch.py
+times each part below):
 - pointer arguments are passed as ints (tensor.data_ptr()): for a tensor, Triton's launcher calls data_ptr()
   and then cuPointerGetAttribute, a driver call that checks the address is device memory, per pointer; an
-  int it takes as the address. The callers have checked device and alignment already. (-0.9 us, 6 pointers)
+  int it takes as the address. The callers have checked device and alignment already. (0.9 us, 6 pointers)
 - the stream is the current stream of the device the kernel was loaded on, looked up by that device's
-  index, not by asking torch which device is current (a Python call) every launch. (-0.45 us)
+  index, not by asking torch which device is current (a Python call) every launch. (0.45 us)
 - where Triton's launcher object only adds constant flags and empty scratch buffers before calling its
   C function (triton 3.6's CudaLauncher.__call__, for a kernel that needs no scratch), that C function is
   called directly; anything else (other launcher signatures, kernels with scratch) goes through the object.
-  (-0.9 us: the object builds two closures per call)
+  (0.9 us: the object builds two closures per call)
 
 Sound only while the specialization would not change: the callers reuse a kernel only for calls
 whose tensors are contiguous and 16-byte aligned, as at the first launch (their weights, sizes and

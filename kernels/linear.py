@@ -62,15 +62,14 @@ def _linear_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows and columns past the edge read the last one (clamped) so loads need no mask; they compute
-    # throw-away values that the masked store below never writes. (A clamp is one instruction; the
-    # wrap-around `% M` it replaces was an integer division per element.) With the bias load below, this
-    # took 1024^3 fp16 at 64x128x128 from 11.52 to 10.82 us, what a bare tile loop takes (H200, cold;
-    # bench/results/probe_linear_1024_h200.txt).
+    # throw-away values that the masked store below never writes. A clamp is one instruction, a `% M`
+    # wrap an integer division per element: with the early bias load below, 1024^3 fp16 runs as fast as
+    # a bare tile loop (10.8 us, H200 cold; bench/results/probe_linear_1024_h200.txt).
     offs_m = tl.minimum(rows, M - 1)
     offs_n = tl.minimum(cols, N - 1)
     if HAS_BIAS:
-        # Requested now, used after the K loop: cold, a load issued there was one more trip to memory at the
-        # very end. The bias is a weight, which no earlier kernel writes, so under PDL it goes before the wait.
+        # Requested now, used after the K loop: cold, a load issued there would be one more trip to memory at
+        # the very end. The bias is a weight, which no earlier kernel writes, so under PDL it goes before the wait.
         bias = tl.load(b_ptr + offs_n)
     if PDL:
         gdc_wait()
@@ -79,10 +78,9 @@ def _linear_kernel(
     k_first = pid_k * k_tiles_per_split
     k_end = min(k_first + k_tiles_per_split, k_tiles)
     offs_k = tl.arange(0, BLOCK_K)
-    # Tile pointers stay fixed and each K step adds one scalar offset. Incrementing the pointer tiles instead
-    # (x_ptrs += ...) put a 64-bit add per 16-byte copy in the loop: 204 SASS instructions per K step against
-    # 117 (64x128x128 fp16, Triton 3.6, sm_90), though it moved 1024^3 only from 11.62 to 11.52 us (H200, cold;
-    # bench/results/probe_linear_1024_pointers_h200.txt).
+    # Tile pointers stay fixed and each K step adds one scalar offset: incrementing the pointer tiles
+    # (x_ptrs += ...) puts a 64-bit add per 16-byte copy in the loop, 204 SASS instructions per K step
+    # against 117 (64x128x128 fp16, Triton 3.6, sm_90; tests/test_kernels_compile.py holds it).
     x_tile = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_tile = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn  # a (BLOCK_K, BLOCK_N) view of W^T
 
@@ -91,9 +89,8 @@ def _linear_kernel(
         x_step = x_tile + k * BLOCK_K * stride_xk
         w_step = w_tile + k * BLOCK_K * stride_wk
         # The mask must read `arange < scalar`: Triton then sees it constant over 16-element runs (K % 16
-        # == 0) and issues 16-byte cp.async copies. Written as `scalar - arange > 0` it could not, and every
-        # load became a 2-byte one with no pipelining: 4x slower than cuBLAS at 4096^3 (H200, measured).
-        # (Dropping the mask where K % BLOCK_K == 0 saved 5 of the 117 instructions per K step: not kept.)
+        # == 0) and issues 16-byte cp.async copies. Written as `scalar - arange > 0` it cannot, and every
+        # load becomes a 2-byte one with no pipelining: 4x slower than cuBLAS at 4096^3 (H200).
         k_left = K - k * BLOCK_K
         a = tl.load(x_step, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(w_step, mask=offs_k[:, None] < k_left, other=0.0)
@@ -160,7 +157,7 @@ def cuda_configs(
         return LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split)
 
     # Each candidate is a compile (~1 s) and a timing the first time a shape is tuned, so the lists are
-    # short: the winners of a wider sweep on an H200 (bench/probe_hopper.py) and their neighbours.
+    # short: the winners of wider sweeps on an H200 (docs/performance.md) and their neighbours.
     configs = []
     if bucket <= 16:
         for bn in (32, 64):
@@ -181,19 +178,17 @@ def cuda_configs(
             cfg(128, 128, 64, 4, 4),
             cfg(64, 128, 64, 4, 4),
             cfg(64, 64, 64, 4, 4),  # small GEMMs (64x256x128: 4 tiles of 32x64) want more programs
-            # Deeper pipelines for 64x128, the 1024^3 tile (128 programs): cold graph replay on an H200, fp16,
-            # 64x128x128 at 4 stages 11.5 us, 64x128x64 at 6 stages 11.7, at 4 stages 12.4; fp32 (TF32)
-            # 64x128x32 at 6 stages 15.7, 64x128x64 at 4 15.4 (bench/results/probe_linear_1024_h200.txt).
-            # Each is left out below where its stages do not fit in shared memory (fp32 for the first two).
+            # Deeper pipelines for 64x128, the 1024^3 tile (128 programs): fastest in a 57-config sweep at
+            # 1024^3 on an H200 (bench/results/probe_linear_1024_h200.txt: 64x128x64 at 5-6 stages, 64x128x128
+            # at 4). Each is left out below where its stages do not fit in shared memory (fp32 for the first two).
             cfg(64, 128, 128, 4, 4),
             cfg(64, 128, 64, 4, 6),
         ]
         if element_size == 4:
             configs.append(cfg(64, 128, 32, 4, 6))
-        # 128x128 tiles split along K to fill one wave lost at 1024^3 (cold, H200: 17.4 us against 11.6 for
-        # 64x128x64; bench/results/probe_mlp_prefetch_h200.txt), where each split gets 8 K steps. With 16+
-        # K steps per split (256x4096x4096: 64 tiles for 132 SMs, 32.8 us against cuBLASLt's 24.6) they are
-        # offered: each program then streams long enough to pay for the partials' round trip.
+        # 128x128 tiles split along K to fill one wave: only with 16+ K steps per split (256x4096x4096: 64
+        # tiles for 132 SMs), where each program streams long enough to pay for the partials' round trip.
+        # With 8 (1024^3) they lose: 17.4 us against 11.6 for 64x128x64 (H200, cold).
         big = triton.cdiv(bucket, 128) * triton.cdiv(N, 128)
         split = 1
         while big * split * 2 <= sms and triton.cdiv(K, 64) >= 16 * split * 2:
@@ -202,8 +197,7 @@ def cuda_configs(
             configs += [cfg(128, 128, 64, 8, 3, split), cfg(128, 128, 64, 4, 4, split)]
     if triton.cdiv(bucket, 64) * triton.cdiv(N, 64) < sms and bucket > 16:
         # A GEMM of fewer 64x64 tiles than SMs: 16x32 tiles, one program per 512 outputs, so loads go out
-        # from many SMs at once. Cold graph replay on an H200 (bench/results/probe_linear_small_h200.txt):
-        # 64x256x128 fp16 6.69 us (cuBLASLt 6.69, best older candidate 7.14); 128x256x256 6.78 (6.88, 7.36).
+        # from many SMs at once (64x256x128 fp16: 6.7 us cold on an H200 against 7.1 for 64x64 tiles).
         configs += [cfg(16, 32, 64, 4, 4), cfg(16, 32, 256, 4, 2), cfg(16, 64, 256, 4, 2)]
     if bucket == 1:
         configs += gemv.cuda_configs(N, K, sms)  # CUDA cores, no 16-row padding: see linear_gemv.py
@@ -337,7 +331,7 @@ class FusedLinear:
         # Direct path, once this bucket's kernel is compiled: one cheap test for everything _check_x would
         # reject (it runs, and names the problem, whenever this test fails), one lookup of the batch size's
         # launch record, the output, the launch. The Python around a launch is most of a small layer's
-        # wall time (64x256x128 fp16 on an H200: ~3 us of GPU work, 17 us per call before this path).
+        # wall time (64x256x128 fp16 on an H200: ~3 us of GPU work, 9.3 us per call on this path).
         if self.direct and plain_rows(x, w.dtype, w.device, K) and (x_ptr := x.data_ptr()) % 16 == 0:
             M = x.shape[0]
             fast = None
@@ -345,8 +339,8 @@ class FusedLinear:
                 fast = self._fast.get((M, tf32)) or self._record(M, tf32)
             if fast is not None:
                 if out is None:
-                    # x's dtype and device, as checked; new_empty skips torch.empty's keyword parsing (2.4 -> 1.9 us
-                    # on the dev CPU). Allocator blocks are 512-byte aligned.
+                    # x's dtype and device, as checked; new_empty skips torch.empty's keyword parsing (0.5 us a
+                    # call). Allocator blocks are 512-byte aligned.
                     out = x.new_empty((M, N))
                 else:
                     _check_out(out, x, N)

@@ -1,15 +1,13 @@
 """GEMV + bias + activation for one-row batches, on CUDA cores: y = act(x @ W^T + b) with M = 1.
 
 At M = 1 a layer is a weight stream (4096x4096 fp16: 32 MB read for 16 MFLOP), so what counts is bytes
-in flight, not FLOPs. linear.py's kernel pads the row to a 16-row MMA tile (tl.dot needs 16); on an H200
-its best 1x4096x4096 fp16 config ran 18.9 us cold, 1.7 TB/s of the 4.25 TB/s a copy reaches, about where
-cuBLASLt is (19.3 us). This one ran it in 17.3 us (1.9 TB/s; bench/results/probe_linear_gemv_h200.txt).
-It drops the MMA: each program multiplies a (BLOCK_N, BLOCK_K) tile of W
-by a BLOCK_K slice of x elementwise into an fp32 tile and reduces it once, at the end, so its registers
-hold loads in flight rather than an MMA tile that is 15/16 padding; split-K (shared with linear.py)
-spreads K over more programs so every SM streams. Each program loads its first W tile before it reads x:
-launched with PDL (pdl.py) that load is in flight while the previous layer finishes (the wide MLP's three
-GEMV layers: 30.1 -> 26.0 us cold, bench/results/probe_gemv_pdl_h200.txt).
+in flight, not FLOPs. linear.py's kernel pads the row to a 16-row MMA tile (tl.dot needs 16), so this
+one drops the MMA: each program multiplies a (BLOCK_N, BLOCK_K) tile of W by a BLOCK_K slice of x
+elementwise into an fp32 tile and reduces it once, at the end, so its registers hold loads in flight
+rather than an MMA tile that is 15/16 padding; split-K (shared with linear.py) spreads K over more
+programs so every SM streams. 1x4096x4096 fp16 takes 14.0 us cold on an H200 against 16.7 for
+cuBLASLt's epilogue (bench/results/kernels_h200.md). Each program loads its first W tile before it reads
+x: launched with PDL (pdl.py) that load is in flight while the previous layer finishes.
 
 Its launch signature is linear.py's kernel's, argument for argument (BLOCK_M is always 1; GROUP_M,
 INPUT_PRECISION and UPCAST_DOT are accepted and unused: products are formed in fp32 whatever the dtype),
@@ -79,8 +77,8 @@ def _gemv_kernel(
     xv = tl.load(x_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)
     acc = w_first.to(tl.float32) * xv[None, :]
     for k in range(k_first + 1, k_end):
-        # an offset from fixed pointer tiles, not `ptrs += ...`: 180 instructions per K step instead of 212
-        # (8x1024 fp16, Triton 3.6, sm_90): the loop no longer adds 64-bit addresses
+        # an offset from fixed pointer tiles, not `ptrs += ...`: no 64-bit address adds in the loop
+        # (180 instructions per K step instead of 212; 8x1024 fp16, Triton 3.6, sm_90)
         step = (k - k_first) * BLOCK_K
         k_left = K - k * BLOCK_K
         xv = tl.load(x_ptrs + step * stride_xk, mask=offs_k < k_left, other=0.0).to(tl.float32)
@@ -108,10 +106,9 @@ def is_gemv(config: LaunchConfig) -> bool:
 
 def cuda_configs(N: int, K: int, sms: int) -> list[LaunchConfig]:
     """Candidates for one-row batches: W tiles of 16 KB (fp16) per K step in three shapes over 4 warps and
-    one of 32 KB over 8, each split along K until about two programs per SM. The four fastest of a 38-config
-    sweep on an H200 (bench/results/probe_linear_gemv_h200.txt; cold graph replay, fp16): 8x1024 won at
-    1x4096x4096 (17.3 us; 16x512 19.5, cuBLASLt 19.7), at 1x1024x4096 (9.2; cuBLASLt 9.7) and, split 4, at
-    1x4096x1024 (10.3; 8x2048 over 8 warps 10.1, cuBLASLt 11.7). Splitting for four programs per SM lost
+    one of 32 KB over 8, each split along K until about two programs per SM: the four fastest of a 38-config
+    sweep on an H200 (bench/results/probe_linear_gemv_h200.txt; 8x1024 wins at 1x4096x4096 and
+    1x1024x4096, 8x2048 over 8 warps at 1x4096x1024). Splitting for four programs per SM is slower
     everywhere (21.8 against 19.5 us for 16x512). One stage: Triton pipelines only loads that feed an MMA,
     so stages change nothing here (sm_90 compile: the same code). GEMV=1 marks these among the tuner's
     candidates (and in its cache file)."""

@@ -4,10 +4,10 @@ For the big GEMMs, where the pointer-based kernel of linear.py trails cuBLAS on 
 cuBLAS has and that kernel lacks: TMA copies (one instruction per tile, no address math in the main loop,
 no registers held for in-flight loads) and a persistent grid (one program per SM walking the tiles, so
 the next tile's loads overlap this tile's epilogue). Cold graph replay, fp16, H200
-(bench/results/probe_linear_tma_h200.txt): 4096^3 200.6 us against 267.9 for linear.py and 204.0 for
-cuBLASLt; 4096x1024x4096 59.0 (72.5, 56.1); 4096x4096x1024 55.0 (62.2, 51.1). With fewer tiles than SMs
-it loses (1024^3: 15.4 against 12.4; 256x4096x4096: 36.2 against 32.8), so FusedLinear offers its
-configs to the tuner only for GEMMs of at least one 128x128 tile per SM (`offered`).
+(bench/results/probe_linear_tma_h200.txt): 4096^3 200.6 us against 267.9 for linear.py's kernel and
+204.0 for cuBLASLt. With fewer tiles than SMs it is slower than linear.py's kernel (1024^3: 15.4 against
+12.4 us), so FusedLinear offers its configs to the tuner only for GEMMs of at least one 128x128 tile per
+SM (`offered`).
 
 TMA needs 16-byte aligned row strides: K * element size and N * element size multiples of 16
 (`tma_eligible`). Edges need no masks: TMA loads fill rows and columns past the tensor with zeros and
@@ -116,7 +116,7 @@ def is_persistent(config: LaunchConfig) -> bool:
 
 def offered(bucket: int, N: int, sms: int) -> bool:
     """Whether the tuner should time this kernel for a GEMM: at least one 128x128 output tile per SM. Below
-    that a persistent grid has nothing to overlap, and the probe had it lose (see the module's doc)."""
+    that a persistent grid has nothing to overlap, and it is slower (see the module's doc)."""
     return triton.cdiv(bucket, 128) * triton.cdiv(N, 128) >= sms
 
 

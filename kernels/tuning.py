@@ -187,11 +187,11 @@ def _cold_graph_us(fn: Callable[[], None]) -> float:
     """Device time of one call with L2 cleared before it (median, us): the way bench.kernels measures.
 
     The call is captured once into a CUDA graph and the replay timed by cold_timing.cold_us, which reads
-    a 256 MB buffer before every rep. Timing launches from Python instead measured the launcher: a 10 us
-    kernel read 10-40 us depending on how long Triton's Python took that time (H200), and the tuner
-    picked noise. Timing back to back (do_bench_cudagraph, as before) kept every weight in L2 and picked
-    for that case only: the 4096x4096 M=1 fp16 pick ran 12.3 us hot but 18.9 us cold, and the weights
-    of a layer that streams MBs of them are not in L2 when a request arrives (H200, bench/results).
+    a 256 MB buffer before every rep. Not launches from Python: that times the launcher (a 10 us kernel
+    reads 10-40 us, depending on Triton's Python), and the tuner would pick noise. Not back to back
+    (do_bench_cudagraph): that keeps every weight in L2 and picks for that case only (a 4096x4096 M=1 fp16
+    pick runs 12.3 us hot but 18.9 us cold on an H200), while the weights of a layer that streams MBs of
+    them are not in L2 when a request arrives.
     """
     from .cold_timing import cold_us
     from .graph_capture import capture

@@ -1,5 +1,6 @@
-"""`fusedserve` command line: `serve` (the HTTP service), `check-model` (validate a model dir) and
-`bench kernels` (the kernel benchmark, bench/kernels.py).
+"""`fusedserve` command line: `serve` (the HTTP service) and `check-model` (validate a model dir).
+The console script is fusedserve/cli.py, which adds `bench` through `extend`: the service imports
+no benchmark.
 
 `serve`'s options are generated from the Settings fields, so --help always lists every setting with
 its FUSEDSERVE_ variable and default; an option given on the command line beats the environment.
@@ -8,8 +9,6 @@ its FUSEDSERVE_ variable and default; an option given on the command line beats 
 from __future__ import annotations
 
 import argparse
-import functools
-import shlex
 import sys
 import typing
 from pathlib import Path
@@ -68,53 +67,7 @@ def _check_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_kernels(args: argparse.Namespace) -> int:
-    from bench.kernels import run
-
-    return run(args, shlex.join(["fusedserve", *args.argv]))
-
-
-def _bench_missing(why: str, args: argparse.Namespace) -> int:
-    print(f"fusedserve: the bench package cannot be imported ({why}); reinstall: pip install -e .", file=sys.stderr)
-    return 2
-
-
-def _bench_serve(args: argparse.Namespace) -> int:
-    from bench.serve import run
-
-    return run(args, shlex.join(["fusedserve", *args.argv]))
-
-
-def _add_bench(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks (not tests)", description="Benchmarks (results: bench/results).")
-    try:
-        # bench.kernels imports no torch at module level, so building this parser stays cheap for every command.
-        from bench import kernels as bench_kernels
-        from bench import serve as bench_serve
-    except ImportError as e:  # an install made before `bench` was packaged: every other command still works
-        bench.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-        bench.set_defaults(func=functools.partial(_bench_missing, str(e)))
-        return
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    kernels = bench_sub.add_parser(
-        "kernels",
-        help="ours vs eager, F.linear, cuBLASLt, torch.compile: per layer and per model, on this GPU",
-        description=bench_kernels.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench_kernels.add_arguments(kernels)
-    kernels.set_defaults(func=_bench_kernels)
-    serve = bench_sub.add_parser(
-        "serve",
-        help="end to end: fusedserve against an empty FastAPI route and an eager-torch app, under load",
-        description=bench_serve.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench_serve.add_arguments(serve)
-    serve.set_defaults(func=_bench_serve)
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, extend=None) -> int:
     parser = argparse.ArgumentParser(prog="fusedserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
@@ -128,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("check-model", help="validate a model directory and print its fused plan")
     check.add_argument("path", help="a model directory (config.json + model.safetensors)")
     check.set_defaults(func=_check_model)
-    _add_bench(sub)
+    if extend is not None:  # more subcommands: extend(subparsers)
+        extend(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv  # the exact command, for reports that must say how they were made

@@ -21,7 +21,7 @@ import torch
 from bench.kernel_budget import Budget
 from bench.kernel_report import markdown, ours_failed, slug_of, summary
 from bench.kernels import SHAPES, resolve
-from service.cli import main
+from fusedserve.cli import main
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None

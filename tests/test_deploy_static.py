@@ -392,7 +392,7 @@ def test_dockerfile_contract():
     workdirs = [a for k, a in stage if k == "WORKDIR"]
     assert workdirs and workdirs[-1] == "/app"
     copied = " ".join(a for k, a in stage if k in ("COPY", "ADD"))
-    for needed in ("pyproject.toml", "README.md", "kernels/", "service/", "model_weights/"):
+    for needed in ("pyproject.toml", "README.md", "fusedserve/", "kernels/", "service/", "model_weights/"):
         assert needed in copied, f"{needed} is not copied into the image"
     assert not re.search(r"COPY\s+\.\s", " ".join(f"{k} {a}" for k, a in stage)), "copy only what's needed"
 
@@ -414,7 +414,7 @@ def test_dockerignore_keeps_local_state_out_but_not_the_sources():
     ]
     for excluded in (".git", ".venv", "**/__pycache__", ".whl", "bench/results", ".pytest_cache"):
         assert excluded in patterns, f".dockerignore lacks {excluded}"
-    for needed in ("pyproject.toml", "README.md", "kernels", "service", "model_weights"):
+    for needed in ("pyproject.toml", "README.md", "fusedserve", "kernels", "service", "model_weights"):
         assert needed not in patterns and "*" not in patterns, f".dockerignore drops {needed}"
 
 

@@ -1,38 +1,147 @@
-"""The README says what the code does: its two commands are the ones CI runs, and every setting and
-metric family is documented."""
+"""The docs say what the code does. The README opens with the two commands CI runs and documents every
+setting and metric family; every shell command in the README, CONTRIBUTING.md, bench/README.md and
+docs/performance.md is run here, or, where it needs Docker or a GPU, checked against the files it uses;
+and the benchmark tables the docs quote match the committed results."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
+import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-from service.config import ENV_PREFIX, Settings
+import pytest
+import yaml
+
+from service.config import ENV_PREFIX, Settings, SettingsError, load_settings
 from service.metrics import EngineMetrics, RequestMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
+DOCS = ("README.md", "CONTRIBUTING.md", "bench/README.md", "bench/probes/README.md", "docs/performance.md")
+FUSEDSERVE = ".venv/bin/fusedserve"
+RESULTS_MD = REPO / "bench" / "results" / "kernels_h200.md"
 
 
-def _commands() -> list[str]:
+def _opening_commands() -> list[str]:
     block = re.search(r"```bash\n(.*?)```", README, re.S)
     assert block and README.index(block.group(0)) < 200, "the README must open with its two commands"
     return [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.strip()]
 
 
+def _blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", text, re.S)
+
+
+def _shell_commands(text: str) -> list[str]:
+    """Each command of the ```bash blocks: continuation lines joined, comments dropped."""
+    commands = []
+    for block in _blocks(text, "bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#\s.*$", "", line).strip()
+            if line and not line.startswith("#"):
+                commands.append(line)
+    return commands
+
+
+# A command quoted inline (`fusedserve serve --help`), as opposed to an example with a placeholder in it.
+_INLINE = re.compile(r"`((?:\.venv/bin/)?fusedserve [^`]+|(?:\.venv/bin/)?python -m [^`]+|\./setup\.sh[^`]*"
+                     r"|(?:[A-Z_]+=\S+ )*bash [^`]+|git show [^`]+)`")  # fmt: skip
+_PLACEHOLDERS = ("NAME", "REV:PATH", "--option")
+
+
+def _inline_commands(text: str) -> list[str]:
+    """Commands quoted in the prose, with `fusedserve` and `python` as the README's commands spell them."""
+    found = [c for c in _INLINE.findall(text) if not any(p in c for p in _PLACEHOLDERS)]
+    return [re.sub(r"^(fusedserve|python) ", r".venv/bin/\1 ", c) for c in found]
+
+
+def _all_commands() -> list[tuple[str, str]]:
+    return [
+        (doc, cmd)
+        for doc in DOCS
+        for cmd in [*_shell_commands((REPO / doc).read_text()), *_inline_commands((REPO / doc).read_text())]
+    ]
+
+
+_ENV = r"(?:[A-Z_]+=(?:\"[^\"]*\"|\S+) )*"
+# Every command a doc shows, by the test that runs or checks it.
+KINDS = {
+    "setup": rf"^\./setup\.sh(?: --test)?(?: && (?:{FUSEDSERVE} serve|\.venv/bin/python -m pytest))?$",
+    "pytest": r"^\.venv/bin/python -m pytest .*$",
+    "try-it": rf"^(?:{FUSEDSERVE} serve &|curl .*)$",
+    "help": rf"^{FUSEDSERVE} [\w -]*--help$",
+    "serve": rf"^{_ENV}{FUSEDSERVE} serve(?: .*)?$",
+    "check-model": rf"^{FUSEDSERVE} check-model \S+$",
+    "bench-smoke": rf"^{FUSEDSERVE} bench kernels --device cpu --quick --out \S+$",
+    "gpu": rf"^(?:{_ENV}bash bench/gpu_session\.sh.*|{FUSEDSERVE} bench (?:kernels|serve)(?! --device cpu).*)$",
+    "probe": r"^\.venv/bin/python -m bench\.probes\.\w+(?: --out \S+)?$",
+    "probe-script": rf"^{_ENV}bash bench/probes/\w+\.sh$",
+    "report": r"^\.venv/bin/python -m bench\.kernel_report \S+$",
+    "docker": r"^docker compose (?:--profile \w+ )?up --build$",
+    "git": r"^git show [0-9a-f]{7,40}:\S+$",
+}
+
+
+def _kind(cmd: str) -> str | None:
+    return next((k for k, pattern in KINDS.items() if re.match(pattern, cmd)), None)
+
+
+def _commands(kind: str) -> list[str]:
+    found = list(dict.fromkeys(cmd for _, cmd in _all_commands() if _kind(cmd) == kind))
+    assert found, f"no command of kind {kind!r} in {DOCS}: update KINDS with the docs"
+    return found
+
+
+def _run(argv: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def _fusedserve_argv(cmd: str) -> list[str]:
+    """`.venv/bin/fusedserve ARGS` as this interpreter runs it (the test process's venv and checkout)."""
+    words = shlex.split(cmd)
+    assert words[0] == FUSEDSERVE, cmd
+    return [sys.executable, "-m", "fusedserve", *words[1:]]
+
+
+# ------------------------------------------------------------------------------------ the README
+
+
 def test_readme_opens_with_serve_and_test_commands():
-    serve, test = _commands()
+    serve, test = _opening_commands()
     assert serve.startswith("./setup.sh") and "fusedserve serve" in serve
     assert test.startswith("./setup.sh --test") and "pytest" in test
 
 
 def test_ci_runs_exactly_the_readme_test_command():
     ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
-    assert _commands()[1] in ci, f"{_commands()[1]!r} is not a line of .ci/run"
+    assert _opening_commands()[1] in ci, f"{_opening_commands()[1]!r} is not a line of .ci/run"
+
+
+def test_ci_lints_before_it_tests():
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    test = ci.index(_opening_commands()[1])
+    assert ".venv/bin/ruff check ." in ci[:test] and ".venv/bin/ruff format --check ." in ci[:test], ci
 
 
 def test_every_setting_is_documented():
     missing = [ENV_PREFIX + f.upper() for f in Settings.model_fields if f"`{ENV_PREFIX}{f.upper()}`" not in README]
     assert not missing, f"README's configuration table lacks {missing}"
+
+
+def test_documented_defaults_are_the_settings_defaults():
+    rows = dict(re.findall(r"^\| `(FUSEDSERVE_\w+)` \| ([^|]+) \|", README, re.M))
+    for name, field in Settings.model_fields.items():
+        default = field.default
+        if default is None or isinstance(default, Path):
+            continue
+        shown = rows[ENV_PREFIX + name.upper()].strip().strip("`")
+        want = str(default).lower() if isinstance(default, bool) else str(default)
+        assert shown in (want, want.removesuffix(".0")), f"{name}: README says {shown!r}, Settings {default!r}"
 
 
 def test_every_metric_family_is_documented():
@@ -41,3 +150,209 @@ def test_every_metric_family_is_documented():
     assert len(names) >= 8, names
     missing = sorted(n for n in names if n not in README)
     assert not missing, f"README's metrics table lacks {missing}"
+
+
+# ------------------------------------------------------------------------------------ the commands
+
+
+def test_every_shell_command_in_the_docs_is_checked():
+    unchecked = [f"{doc}: {cmd}" for doc, cmd in _all_commands() if _kind(cmd) is None]
+    assert not unchecked, "commands no test runs or checks (add them to KINDS):\n" + "\n".join(unchecked)
+
+
+def test_setup_commands():
+    assert len(_commands("setup")) >= 2
+    setup = REPO / "setup.sh"
+    assert setup.stat().st_mode & 0o111, "setup.sh must be executable"
+    assert _run(["bash", "-n", str(setup)], REPO).returncode == 0
+
+
+def test_pytest_commands_use_registered_markers():
+    markers = (REPO / "pyproject.toml").read_text()
+    for cmd in _commands("pytest"):
+        for expr in re.findall(r'-m "([^"]+)"|-m (\w+)', cmd.split("-m pytest", 1)[1]):
+            for word in re.findall(r"\w+", " ".join(expr)):
+                assert word in ("not", "and", "or") or f'"{word}:' in markers, f"{cmd}: no marker {word!r}"
+
+
+def test_serve_commands_are_valid_settings(monkeypatch):
+    from service.cli import _add_setting_options
+
+    for cmd in _commands("serve"):
+        words = shlex.split(cmd)
+        env = dict(w.split("=", 1) for w in words[: words.index(FUSEDSERVE)])
+        argv = words[words.index(FUSEDSERVE) + 2 :]
+        if argv == ["&"]:
+            argv = []
+        for k in [k for k in os.environ if k.startswith(ENV_PREFIX)]:
+            monkeypatch.delenv(k)
+        for k, v in env.items():
+            assert k.startswith(ENV_PREFIX) or k == "CUDA_VISIBLE_DEVICES", f"{cmd}: {k} is not a setting"
+            if k.startswith(ENV_PREFIX):
+                monkeypatch.setenv(k, v)
+        parser = argparse.ArgumentParser()
+        _add_setting_options(parser)
+        args = parser.parse_args(argv)
+        try:
+            load_settings(**{n: getattr(args, n, None) for n in Settings.model_fields})
+        except SettingsError as e:
+            pytest.fail(f"{cmd}: {e}")
+
+
+def test_help_commands(tmp_path):
+    for cmd in _commands("help"):
+        res = _run(_fusedserve_argv(cmd), REPO)
+        assert res.returncode == 0 and "usage: fusedserve" in res.stdout, f"{cmd}:\n{res.stdout}{res.stderr}"
+
+
+def test_export_snippet_and_check_model_commands(tmp_path):
+    """The README's export snippet runs as written (in an empty directory), and each check-model
+    command there then validates its model and prints the fused plan."""
+    (snippet,) = [b for b in _blocks(README, "python") if "export_sequential" in b]
+    (tmp_path / "model_weights").symlink_to(REPO / "model_weights")
+    res = _run([sys.executable, "-c", snippet], tmp_path)
+    assert res.returncode == 0, res.stderr
+    for cmd in _commands("check-model"):
+        res = _run(_fusedserve_argv(cmd), tmp_path)
+        assert res.returncode == 0 and "fused plan" in res.stdout, f"{cmd}:\n{res.stdout}{res.stderr}"
+    assert "linear_0_gelu_tanh" in _run(_fusedserve_argv(f"{FUSEDSERVE} check-model my-mlp"), tmp_path).stdout
+
+
+@pytest.mark.slow
+def test_bench_smoke_command(tmp_path):
+    for cmd in _commands("bench-smoke"):
+        argv = _fusedserve_argv(cmd)
+        argv[argv.index("--out") + 1] = str(tmp_path)
+        res = _run(argv, REPO, timeout=240)
+        assert res.returncode == 0, f"{cmd}:\n{res.stdout[-3000:]}{res.stderr[-3000:]}"
+        assert list(tmp_path.glob("kernels_*.md")), res.stdout[-2000:]
+
+
+def test_gpu_commands_name_what_exists():
+    """GPU-only commands cannot run here: their script parses, and every step, probe and flag they name exists."""
+    script = (REPO / "bench" / "gpu_session.sh").read_text()
+    assert _run(["bash", "-n", "bench/gpu_session.sh"], REPO).returncode == 0
+    from fusedserve.cli import main
+
+    for cmd in _commands("gpu"):
+        words = shlex.split(cmd)
+        env = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
+        for step in env.get("STEPS", "").split():
+            assert f'" {step} "' in script, f"{cmd}: gpu_session.sh has no step {step!r}"
+        for probe in env.get("PROBE", "").split():
+            assert (REPO / "bench" / "probes" / f"{probe.replace('-', '_')}.py").is_file(), f"{cmd}: no probe {probe}"
+        for name in env:
+            assert name in script, f"{cmd}: gpu_session.sh does not read {name}"
+        if FUSEDSERVE in words:  # parses as given (--help exits 0 before running anything)
+            with pytest.raises(SystemExit) as e:
+                main([*words[words.index(FUSEDSERVE) + 1 :], "--help"])
+            assert e.value.code == 0, cmd
+
+
+def test_probe_commands_name_importable_probes():
+    import importlib
+
+    for cmd in _commands("probe"):
+        module = shlex.split(cmd)[2]
+        assert hasattr(importlib.import_module(module), "main"), cmd
+
+
+def test_probe_scripts_parse():
+    for cmd in _commands("probe-script"):
+        assert _run(["bash", "-n", shlex.split(cmd)[-1]], REPO).returncode == 0, cmd
+
+
+def test_report_command_rerenders_the_committed_results(tmp_path):
+    """`python -m bench.kernel_report JSON` on the committed run writes exactly the committed markdown."""
+    from bench.kernel_report import main as rerender
+
+    for cmd in _commands("report"):
+        src = REPO / shlex.split(cmd)[3]
+        shutil.copy(src, tmp_path / src.name)
+        assert rerender([str(tmp_path / src.name)]) == 0
+        assert (tmp_path / src.with_suffix(".md").name).read_text() == src.with_suffix(".md").read_text(), cmd
+
+
+def test_git_commands_name_what_history_holds():
+    """`git show REV:PATH` (where the docs point at a deleted probe) names an object the history has."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    if _run(["git", "rev-parse", "--is-shallow-repository"], REPO).stdout.strip() != "false":
+        pytest.skip("a shallow clone lacks the history these commands name")
+    for cmd in _commands("git"):
+        res = _run(["git", "cat-file", "-e", cmd.split()[2]], REPO)
+        assert res.returncode == 0, f"{cmd}: {res.stderr}"
+
+
+def test_docker_commands_match_the_compose_file():
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert any("build" in s for s in services.values()), "no service is built from the repository"
+    assert (REPO / "Dockerfile").is_file()
+    for cmd in _commands("docker"):
+        profile = re.search(r"--profile (\w+)", cmd)
+        if profile:
+            assert any(profile.group(1) in s.get("profiles", []) for s in services.values()), cmd
+
+
+@pytest.mark.slow
+def test_try_it_against_a_real_server():
+    """The README's "Try it" block against a real server on a loopback port: the same curl commands, and
+    the predictions the README prints."""
+    from .server import running_server
+
+    block = next(b for b in _blocks(README, "bash") if "curl" in b)
+    expected = re.search(r"^# (\[.*\])", block, re.M).group(1)
+    curls = [c for c in _commands("try-it") if c.startswith("curl")]
+    assert len(curls) >= 2
+    with running_server("fused", max_batch_size=8) as url:
+        outputs = []
+        for cmd in curls:
+            here = cmd.replace("localhost:8000", url.removeprefix("http://"))
+            res = _run(["bash", "-c", "set -o pipefail; " + here], REPO, 60)
+            assert res.returncode == 0, f"{cmd}:\n{res.stdout}{res.stderr}"
+            outputs.append(res.stdout.strip())
+    assert '"ready"' in outputs[0], outputs[0]
+    assert outputs[-1] == expected, outputs[-1]
+
+
+# ------------------------------------------------------------------------------------ the numbers
+
+
+def _md_row(first_cells: list[str]) -> str:
+    """The row of the committed kernels_h200.md whose leading cells are first_cells."""
+    rows = [r for r in RESULTS_MD.read_text().splitlines() if r.startswith("|")]
+    want = [c.strip() for c in first_cells]
+    hits = [r for r in rows if [c.strip() for c in r.strip("|").split("|")][: len(want)] == want]
+    assert len(hits) == 1, f"{want}: {len(hits)} rows in {RESULTS_MD.name}"
+    return hits[0]
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/performance.md"])
+def test_quoted_benchmark_tables_match_the_committed_results(doc):
+    """Every figure of the docs' layer and model tables appears in the same case's row of kernels_h200.md."""
+    checked = 0
+    for line in (REPO / doc).read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if m := re.fullmatch(r"(\d+)×(\d+)×(\d+)", cells[0]):
+            row = _md_row([cells[0], "float16", "relu"])
+        elif m := re.fullmatch(r"(digits-mlp|wide-mlp)\b.*", cells[0]):
+            row = _md_row([m.group(1), cells[1]])
+            cells = cells[1:]
+        else:
+            continue
+        for cell in cells[1:]:
+            for figure in re.findall(r"\d+(?:\.\d+)?x?|[a-zA-Z-]+ \d+(?:\.\d+)?", cell):
+                assert figure in row, f"{doc}: {figure!r} ({line.strip()}) is not in {row}"
+        checked += 1
+    assert checked >= 8, f"{doc}: found only {checked} benchmark rows"
+
+
+def test_result_files_the_docs_and_code_cite_exist():
+    cited = set()
+    for path in [*(REPO / d for d in DOCS), *REPO.glob("kernels/*.py"), *REPO.glob("bench/**/*.py")]:
+        # (not `git show REV:bench/results/...`: that file is in git, no longer in the tree)
+        cited |= {(path, c) for c in re.findall(r"(?<!:)bench/results/([\w.-]+\.\w+)", path.read_text())}
+        cited |= {(path, c) for c in re.findall(r"\]\((?:\.\./)*(?:bench/)?results/([\w.-]+\.\w+)\)", path.read_text())}
+    missing = sorted(f"{p.relative_to(REPO)}: {c}" for p, c in cited if not (REPO / "bench" / "results" / c).is_file())
+    assert len(cited) >= 10 and not missing, missing

@@ -1,0 +1,39 @@
+"""Reading one case's results: the time each provider is compared by, the best anchor, and how a
+time is printed. Shared by the report (kernel_report), the targets (kernel_targets) and the plot
+(kernel_plot), which import it and not each other.
+"""
+
+from __future__ import annotations
+
+ANCHORS = ("eager", "linear", "compile", "compile-max")  # what a user could run instead of ours
+
+
+def primary(res: dict) -> float | None:
+    """The time a provider is compared by: graph-replay device time, else plain device time, else wall
+    time (the CPU smoke run has only wall time)."""
+    g, p = res.get("graph") or {}, res.get("plain") or {}
+    for v in (g.get("device_us"), p.get("device_us"), p.get("wall_us"), g.get("wall_us")):
+        if v is not None:
+            return v
+    return None
+
+
+def wall(res: dict) -> float | None:
+    """Host time per call as the provider is run from Python: plain, or the graphed executor's own call."""
+    p, g = res.get("plain") or {}, res.get("graph") or {}
+    return p.get("wall_us") if p.get("wall_us") is not None else g.get("wall_us")
+
+
+def us(v: float | None) -> str:
+    if v is None:
+        return "—"
+    return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 100 else f"{v:.0f}"
+
+
+def best_anchor(case: dict) -> tuple[str | None, float | None]:
+    times = {p: primary(r) for p, r in case["providers"].items() if p in ANCHORS}
+    times = {p: t for p, t in times.items() if t is not None}
+    if not times:
+        return None, None
+    p = min(times, key=times.get)
+    return p, times[p]

@@ -1,0 +1,1 @@
+"""The `fusedserve` console script: a thin entry point over `service` and `bench`."""
