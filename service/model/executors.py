@@ -1,9 +1,12 @@
 """Two executors, one plan: the fused one swaps each step's implementation, never the model.
 
     fused:   MLPStep -> kernels.FusedMLP (1 kernel for all its layers), LinearStep -> kernels.FusedLinear
-             (1 kernel), ActivationStep -> kernels.fused_activation
+             (1 kernel), Conv2dStep -> kernels.conv.fused_conv2d (conv + bias + act, 1 kernel),
+             Pool2dStep -> kernels.pool.fused_pool2d (pool + act, 1 kernel), ActivationStep ->
+             kernels.fused_activation
     unfused: MLPStep and LinearStep -> kernels.reference.linear per layer (mm, add, act: 3 kernels each),
-             ActivationStep -> torch
+             Conv2dStep -> F.conv2d with its bias, then the activation (2 kernels, as nn.Conv2d + nn.ReLU),
+             Pool2dStep -> F.avg_pool2d / F.max_pool2d, then the activation, ActivationStep -> torch
 
 Each step is bound once, at load, to its tensors and parameters, so a forward is a loop of calls.
 Each step can be timed under its plan name: on CUDA with events recorded on the stream around the
@@ -20,7 +23,7 @@ from typing import Literal
 import torch
 
 from .loader import Model
-from .planner import ActivationStep, FlattenStep, LinearStep, MLPStep, Step, group_mlps, plan
+from .planner import ActivationStep, Conv2dStep, FlattenStep, LinearStep, MLPStep, Pool2dStep, Step, group_mlps, plan
 
 Mode = Literal["fused", "unfused"]
 Layer = Callable[[torch.Tensor], torch.Tensor]
@@ -109,6 +112,32 @@ class Executor:
             return step.name, functools.partial(
                 reference.linear, weight=w, bias=b, activation=step.activation, negative_slope=step.negative_slope
             )
+        if isinstance(step, Conv2dStep):
+            w = self.tensors[step.weight]
+            b = self.tensors[step.bias] if step.bias else None
+            geometry = {"stride": step.stride, "padding": step.padding, "dilation": step.dilation}
+            if self.mode == "fused":
+                from kernels.conv import fused_conv2d
+
+                return step.name, functools.partial(
+                    fused_conv2d, weight=w, bias=b, **geometry, activation=step.activation,
+                    negative_slope=step.negative_slope,
+                )  # fmt: skip
+            return step.name, functools.partial(
+                reference.conv2d, weight=w, bias=b, **geometry, activation=step.activation,
+                negative_slope=step.negative_slope,
+            )  # fmt: skip
+        if isinstance(step, Pool2dStep):
+            pool = {
+                "kind": step.kind, "kernel_size": step.kernel_size, "stride": step.stride, "padding": step.padding,
+                "ceil_mode": step.ceil_mode, "count_include_pad": step.count_include_pad,
+                "activation": step.activation, "negative_slope": step.negative_slope,
+            }  # fmt: skip
+            if self.mode == "fused":
+                from kernels.pool import fused_pool2d
+
+                return step.name, functools.partial(fused_pool2d, **pool)
+            return step.name, functools.partial(reference.pool2d, **pool)
         if isinstance(step, ActivationStep):
             fn = fused_activation if self.mode == "fused" else reference.activation
             return step.name, functools.partial(

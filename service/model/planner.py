@@ -2,13 +2,16 @@
 
     linear + activation -> one LinearStep (GEMM + bias + activation in one kernel)
     linear alone        -> LinearStep with activation "none"
+    conv2d + activation -> one Conv2dStep (implicit GEMM + bias + activation in one kernel)
+    pool + activation   -> one Pool2dStep (avg or max pooling + activation in one kernel)
     other activation    -> ActivationStep (its own elementwise kernel)
     flatten             -> FlattenStep (a view: no kernel, no copy)
 
 then `group_mlps` turns each run of 2-8 consecutive LinearSteps whose widths all fit the whole-MLP
 kernel (<= 256 after padding) into one MLPStep (`mlp_0_2`: linear layers 0 to 2, one kernel).
 
-Each step that launches work has a stable name (`linear_0_relu`, `linear_2`, `activation_0_tanh`):
+Each step that launches work has a stable name (`linear_0_relu`, `linear_2`, `conv2d_0_relu`,
+`maxpool2d_0`, `avgpool2d_1_relu`, `activation_0_tanh`; numbered per kind, in op order):
 the `kernel` label in metrics. Both executors run the same plan, so fused and unfused times line
 up kernel by kernel.
 """
@@ -20,7 +23,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .spec import DEFAULT_NEGATIVE_SLOPE, FlattenOp, LinearOp, Op, activation_of
+from .spec import (
+    DEFAULT_NEGATIVE_SLOPE,
+    AvgPool2dOp,
+    Conv2dOp,
+    FlattenOp,
+    LinearOp,
+    MaxPool2dOp,
+    Op,
+    Pair,
+    activation_of,
+)
 
 
 @dataclass(frozen=True)
@@ -28,6 +41,31 @@ class LinearStep:
     name: str
     weight: str
     bias: str | None
+    activation: str
+    negative_slope: float
+
+
+@dataclass(frozen=True)
+class Conv2dStep:
+    name: str
+    weight: str  # (out, in, kh, kw)
+    bias: str | None
+    stride: Pair
+    padding: Pair
+    dilation: Pair
+    activation: str
+    negative_slope: float
+
+
+@dataclass(frozen=True)
+class Pool2dStep:
+    name: str
+    kind: str  # "avg" | "max"
+    kernel_size: Pair
+    stride: Pair  # resolved: kernel_size where the op gives none
+    padding: Pair
+    ceil_mode: bool
+    count_include_pad: bool  # avg only (True for max, where it means nothing)
     activation: str
     negative_slope: float
 
@@ -50,22 +88,47 @@ class MLPStep:
     layers: tuple[LinearStep, ...]
 
 
-Step = LinearStep | ActivationStep | FlattenStep | MLPStep
+Step = LinearStep | Conv2dStep | Pool2dStep | ActivationStep | FlattenStep | MLPStep
 
 
 def plan(ops: list[Op]) -> list[Step]:
     steps: list[Step] = []
-    n_linear = n_act = n_flat = 0
+    n_linear = n_conv = n_act = n_flat = 0
+    n_pool = {"avg": 0, "max": 0}
     i = 0
     while i < len(ops):
         op = ops[i]
-        if isinstance(op, LinearOp):
+        if isinstance(op, (LinearOp, Conv2dOp, AvgPool2dOp, MaxPool2dOp)):
+            # The activation right after rides in this op's kernel (its epilogue).
             act = activation_of(ops[i + 1]) if i + 1 < len(ops) else None
             name, slope = act or ("none", DEFAULT_NEGATIVE_SLOPE)
-            label = f"linear_{n_linear}" + ("" if name == "none" else f"_{name}")
-            steps.append(LinearStep(label, op.weight, op.bias, name, slope))
-            n_linear += 1
+            suffix = "" if name == "none" else f"_{name}"
             i += 2 if act else 1
+            if isinstance(op, LinearOp):
+                steps.append(LinearStep(f"linear_{n_linear}{suffix}", op.weight, op.bias, name, slope))
+                n_linear += 1
+            elif isinstance(op, Conv2dOp):
+                label = f"conv2d_{n_conv}{suffix}"
+                steps.append(Conv2dStep(label, op.weight, op.bias, op.stride, op.padding, op.dilation, name, slope))
+                n_conv += 1
+            else:
+                kind = "avg" if isinstance(op, AvgPool2dOp) else "max"
+                label = f"{op.op}_{n_pool[kind]}{suffix}"
+                count_include_pad = op.count_include_pad if isinstance(op, AvgPool2dOp) else True
+                steps.append(
+                    Pool2dStep(
+                        label,
+                        kind,
+                        op.kernel_size,
+                        op.stride_or_kernel,
+                        op.padding,
+                        op.ceil_mode,
+                        count_include_pad,
+                        name,
+                        slope,
+                    )  # fmt: skip
+                )
+                n_pool[kind] += 1
         elif isinstance(op, FlattenOp):
             steps.append(FlattenStep(f"flatten_{n_flat}"))
             n_flat += 1
