@@ -11,7 +11,7 @@ from .batching import Batcher
 from .config import Settings
 from .metrics import Metrics
 from .model.loader import Model
-from .model.planner import FlattenStep, LinearStep, MLPStep
+from .model.planner import Conv2dStep, FlattenStep, LinearStep, MLPStep, Pool2dStep
 from .model.runner import ModelRunner
 
 # Longest JSON number orjson writes for a float ("-1.2345678901234567e-308," is 25 bytes), rounded up.
@@ -53,6 +53,20 @@ class AppState:
                 steps.append({"kernel": s.name, "op": "linear", **linear(s)})
             elif isinstance(s, MLPStep):
                 steps.append({"kernel": s.name, "op": "mlp", "layers": [linear(x) for x in s.layers]})
+            elif isinstance(s, Conv2dStep):
+                w = self.model.tensors[s.weight]  # (out, in, kh, kw)
+                steps.append({
+                    "kernel": s.name, "op": "conv2d", "in_channels": w.shape[1], "out_channels": w.shape[0],
+                    "kernel_size": [w.shape[2], w.shape[3]], "stride": list(s.stride), "padding": list(s.padding),
+                    "dilation": list(s.dilation), "bias": s.bias is not None, "activation": s.activation,
+                })  # fmt: skip
+            elif isinstance(s, Pool2dStep):
+                steps.append({
+                    "kernel": s.name, "op": f"{s.kind}pool2d", "kernel_size": list(s.kernel_size),
+                    "stride": list(s.stride), "padding": list(s.padding), "ceil_mode": s.ceil_mode,
+                    **({"count_include_pad": s.count_include_pad} if s.kind == "avg" else {}),
+                    "activation": s.activation,
+                })  # fmt: skip
             elif isinstance(s, FlattenStep):
                 steps.append({"kernel": None, "op": "flatten"})
             else:
