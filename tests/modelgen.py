@@ -282,6 +282,10 @@ def random_cnn_spec(rng: np.random.Generator) -> dict:
             return {"input_shape": input_shape, "layers": layers, "seed": int(rng.integers(2**31))}
 
 
+def _label(v: int | list[int]) -> str:
+    return str(v) if isinstance(v, int) else "x".join(map(str, v))
+
+
 def cnn_spec_id(spec: dict) -> str:
     """A readable test id: 'in1x8x8-c16k3p1.relu-max2-flat-l10'."""
     parts = ["in" + "x".join(map(str, spec["input_shape"]))]
@@ -289,12 +293,14 @@ def cnn_spec_id(spec: dict) -> str:
         kind = layer["op"]
         if kind == "conv2d":
             k = layer.get("kernel", 3)
-            label = f"c{layer['out']}k{k if isinstance(k, int) else 'x'.join(map(str, k))}"
-            label += "".join(f"{key[0]}{layer[key]}" for key in ("stride", "padding", "dilation") if key in layer)
+            label = f"c{layer['out']}k{_label(k)}"
+            label += "".join(
+                f"{key[0]}{_label(layer[key])}" for key in ("stride", "padding", "dilation") if key in layer
+            )
             parts.append(label + ("" if layer.get("bias", True) else "nb"))
         elif kind in ("avgpool2d", "maxpool2d"):
-            label = f"{kind[:3]}{layer['kernel_size']}"
-            label += "".join(f"{key[0]}{layer[key]}" for key in ("stride", "padding") if key in layer)
+            label = f"{kind[:3]}{_label(layer['kernel_size'])}"
+            label += "".join(f"{key[0]}{_label(layer[key])}" for key in ("stride", "padding") if key in layer)
             label += "ceil" if layer.get("ceil_mode") else ""
             label += "nopad" if layer.get("count_include_pad") is False else ""
             parts.append(label)
