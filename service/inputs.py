@@ -7,6 +7,7 @@ to say exactly where (`inputs[3][17]`). No per-float pydantic validation.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -59,7 +60,7 @@ def parse_rows(body: bytes, input_shape: tuple[int, ...], max_rows: int) -> np.n
         )
 
     features = math.prod(input_shape)
-    layouts = row_layouts(input_shape)
+    layouts = row_layouts(tuple(input_shape))
     # true/false would silently become 1.0/0.0 in numpy; the bytes tell cheaply whether any is there.
     has_bool = b"true" in body or b"false" in body
     arr = None
@@ -86,7 +87,8 @@ def parse_rows(body: bytes, input_shape: tuple[int, ...], max_rows: int) -> np.n
     return out
 
 
-def row_layouts(input_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+@functools.cache  # one model per process: computed once, not per request
+def row_layouts(input_shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     """The shapes a row may have: the input shape, that shape without leading 1s (an image of one channel
     as [8][8]), and flat. (1, 8, 8) -> [(1, 8, 8), (8, 8), (64,)]; (64,) -> [(64,)]."""
     shape = tuple(input_shape)
@@ -95,15 +97,15 @@ def row_layouts(input_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
         shape = shape[1:]
         out.append(shape)
     flat = (math.prod(input_shape),)
-    return out if flat in out else [*out, flat]
+    return tuple(out) if flat in out else (*out, flat)
 
 
-def _describe_layouts(layouts: list[tuple[int, ...]], features: int) -> str:
+def _describe_layouts(layouts: tuple[tuple[int, ...], ...], features: int) -> str:
     nested = ["".join(f"[{n}]" for n in s) for s in layouts if len(s) > 1]
     return f"{features} numbers" + (f" or nested as {' or '.join(nested)}" if nested else "")
 
 
-def _check_row(row: object, i: int, layouts: list[tuple[int, ...]], features: int) -> tuple[int, ...]:
+def _check_row(row: object, i: int, layouts: tuple[tuple[int, ...], ...], features: int) -> tuple[int, ...]:
     """Raise for the first problem in row i (error path only); return the layout it has."""
     what = _describe_layouts(layouts, features)
     if not isinstance(row, list):

@@ -35,7 +35,7 @@ def refused(inputs, shape=IMAGE) -> str:
     ],
 )
 def test_row_layouts(shape, layouts):
-    assert row_layouts(shape) == layouts
+    assert list(row_layouts(shape)) == layouts
 
 
 @pytest.mark.parametrize(

@@ -114,20 +114,12 @@ def plan(ops: list[Op]) -> list[Step]:
             else:
                 kind = "avg" if isinstance(op, AvgPool2dOp) else "max"
                 label = f"{op.op}_{n_pool[kind]}{suffix}"
-                count_include_pad = op.count_include_pad if isinstance(op, AvgPool2dOp) else True
-                steps.append(
-                    Pool2dStep(
-                        label,
-                        kind,
-                        op.kernel_size,
-                        op.stride_or_kernel,
-                        op.padding,
-                        op.ceil_mode,
-                        count_include_pad,
-                        name,
-                        slope,
-                    )  # fmt: skip
-                )
+                pool = Pool2dStep(
+                    label, kind, kernel_size=op.kernel_size, stride=op.stride_or_kernel, padding=op.padding,
+                    ceil_mode=op.ceil_mode, count_include_pad=getattr(op, "count_include_pad", True),
+                    activation=name, negative_slope=slope,
+                )  # fmt: skip
+                steps.append(pool)
                 n_pool[kind] += 1
         elif isinstance(op, FlattenOp):
             steps.append(FlattenStep(f"flatten_{n_flat}"))
