@@ -88,7 +88,14 @@ def test_gpu_runner_replays_and_times_every_nth_batch():
 
 
 SHIPPED_CNN = Path(__file__).resolve().parents[1] / "model_weights" / "digits-cnn"
-CNN_RTOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+# Relative to the batch's largest output. float32 convs run in TF32 in both modes by default
+# (torch.backends.cudnn.allow_tf32, which fused_conv2d follows too): one config of ours against another only
+# reorders the sum, but cuDNN may pick another algorithm (Winograd, FFT) for the padded bucket, which rounds
+# differently.
+CNN_RTOL = {
+    "fused": {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2},
+    "unfused": {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2},
+}
 
 
 def _cnn_models(tmp_path):
@@ -117,7 +124,7 @@ def test_gpu_cnn_replay_matches_launching_each_step(tmp_path, mode, dtype):
             x = (torch.rand(rows, *model.input_shape, device="cuda") * 16).to(dtype)
             want = ex.forward(x)
             got = graphs.forward(x.cpu() if rows % 2 else x).clone()
-            tol = CNN_RTOL[dtype]
+            tol = CNN_RTOL[mode][dtype]
             torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()),
                                        msg=f"{model.name} {mode} {dtype} rows={rows}")  # fmt: skip
 
