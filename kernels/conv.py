@@ -78,15 +78,19 @@ def _conv2d_kernel(
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(OC, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Rows and columns past the edge compute on the last one (clamped) and are never stored (linear.py).
-    offs_m = tl.minimum(rows, M - 1)
-    offs_n = tl.minimum(cols, OC - 1)
-    n = offs_m // (OH * OW)
-    oh = (offs_m // OW) % OH
-    ow = offs_m % OW
+    # Output pixel of each row. From the unclamped rows (masked below where >= M): with OW a constexpr power of
+    # two, Triton then sees runs of OW contiguous pixels, so NCHW gathers and stores go along M, coalesced.
+    n = rows // (OH * OW)
+    oh = (rows // OW) % OH
+    ow = rows % OW
     h0 = oh * SH - PH  # (BLOCK_M,) top-left corner of each output pixel's window, in padded coordinates
     w0 = ow * SW - PW
-    x_rows = x_ptr + n * stride_xn
+    m_ok = rows < M
+    # Where each window's corner would be (it may lie in the padding: every load below is masked there). The
+    # (BLOCK_M, BLOCK_K) pointer tiles are built once, and each K step adds one scalar (linear.py): recomputed
+    # per step, their 64-bit adds, kept alive for the pipeline's stages, spilled registers (sm_90, 128x128).
+    x_corner = x_ptr + n * stride_xn + h0 * stride_xh + w0 * stride_xw
+    offs_n = tl.minimum(cols, OC - 1)  # columns past the edge compute on the last one, never stored
     w_cols = w_ptr + offs_n * stride_wo
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n)  # a weight: no earlier kernel writes it, so before the PDL wait
@@ -109,9 +113,9 @@ def _conv2d_kernel(
             ih = h0[:, None] + (kh * DH)[None, :]
             iw = w0[:, None] + (kw * DW)[None, :]
             k_ok = offs_k < K - k0
-            a_ok = k_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            a = tl.load(x_rows[:, None] + (c * stride_xc)[None, :] + ih * stride_xh + iw * stride_xw, mask=a_ok,
-                        other=0.0)  # fmt: skip
+            a_ok = (m_ok[:, None] & k_ok[None, :]) & ((ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))
+            x_k = c * stride_xc + (kh * DH) * stride_xh + (kw * DW) * stride_xw
+            a = tl.load(x_corner[:, None] + x_k[None, :], mask=a_ok, other=0.0)
             w_k = c * stride_wc + kh * stride_wh + kw * stride_ww
             b = tl.load(w_cols[None, :] + w_k[:, None], mask=k_ok[:, None], other=0.0)
             if UPCAST_DOT:
@@ -121,6 +125,8 @@ def _conv2d_kernel(
     else:
         # One flat loop over (tap, channel block) steps, so that Triton's software pipeline sees one loop.
         c_steps = (C + BLOCK_K - 1) // BLOCK_K  # constexpr
+        a_tile = x_corner[:, None] + (offs_k * stride_xc)[None, :]
+        b_tile = w_cols[None, :] + (offs_k * stride_wc)[:, None]
         for step in range(0, KH * KW * c_steps):
             tap = step // c_steps
             c0 = (step % c_steps) * BLOCK_K
@@ -128,13 +134,11 @@ def _conv2d_kernel(
             kw = tap % KW
             ih = h0 + kh * DH
             iw = w0 + kw * DW
-            row_ok = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            row_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
             c_ok = offs_k < C - c0  # `arange < scalar`: constant over runs, so loads stay vectorised
-            c = c0 + offs_k
-            a_rows = x_rows + ih * stride_xh + iw * stride_xw
-            a = tl.load(a_rows[:, None] + (c * stride_xc)[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
-            w_k = c * stride_wc + kh * stride_wh + kw * stride_ww
-            b = tl.load(w_cols[None, :] + w_k[:, None], mask=c_ok[:, None], other=0.0)
+            x_step = c0 * stride_xc + (kh * DH) * stride_xh + (kw * DW) * stride_xw
+            a = tl.load(a_tile + x_step, mask=row_ok[:, None] & c_ok[None, :], other=0.0)
+            b = tl.load(b_tile + (c0 * stride_wc + kh * stride_wh + kw * stride_ww), mask=c_ok[:, None], other=0.0)
             if UPCAST_DOT:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -147,8 +151,8 @@ def _conv2d_kernel(
     if ROUND_BF16:
         acc = round_to_bf16(acc)
     y_rows = y_ptr + n * stride_yn + oh * stride_yh + ow * stride_yw
-    y_ptrs = y_rows[:, None] + (offs_n * stride_yc)[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < OC)[None, :])
+    y_ptrs = y_rows[:, None] + (cols * stride_yc)[None, :]  # unclamped cols: contiguous along O for NHWC y
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (cols < OC)[None, :])
 
 
 def conv_output_size(size: int, k: int, s: int, p: int, d: int) -> int:
@@ -207,21 +211,29 @@ def m_bucket(m: int) -> int:
     return min(1 << max(m - 1, 0).bit_length(), 1 << 20)
 
 
-def cuda_configs(bucket: int, OC: int, C: int, K: int) -> list[LaunchConfig]:
+def cuda_configs(bucket: int, OC: int, C: int, K: int, fma: bool = False) -> list[LaunchConfig]:
     """Candidates the tuner times for one layer and M bucket. The GEMM is tall and thin (M up to millions,
-    OC 16-128, K = C * KH * KW 9-1152): BLOCK_N covers all of OC when it can, BLOCK_K no wider than K, and few
-    channels get FLAT_K (a tap at a time would waste most of each BLOCK_K step)."""
+    OC 16-128, K = C * KH * KW 9-1152): BLOCK_N covers all of OC when it can, BLOCK_K no wider than K (few
+    channels) or C, and few channels get only FLAT_K (a tap at a time would leave most of each K step empty).
+
+    Compiled for sm_90 here (Triton 3.9, fp16, 3x3 over 64 channels to 128): a 128x128 tile on 4 warps spilled
+    (16-1064 bytes of stack per thread: a 128-register accumulator plus the pipeline's gathered tiles), on 8
+    warps it did not, nor did 64x128 on 4; so 128-row tiles run on 8 warps where BLOCK_N is 128. `fma`: fp32
+    multiplied in full precision, which Triton does on the CUDA cores: there BLOCK_K 64 spilled 1.6-9.5 KB per
+    thread, so it stops at 32."""
     bn = _fit(OC, 16, 128)
-    ks = sorted({_fit(K if C < 16 else C, 16, 64), _fit(K if C < 16 else C, 16, 32)})
+    width = K if C < 16 else C
+    ks = sorted({_fit(width, 16, 32 if fma else 64), _fit(width, 16, 16 if fma else 32)})
     flats = (1,) if C < 16 else (0, 1)
+    tiles = [(64, 4, 4), (128, 8, 3)] + ([(128, 4, 3)] if bn <= 64 else [])
     out = []
     for flat in flats:
         for bk in ks:
-            for bm, warps, stages in ((128, 4, 3), (64, 4, 4), (128, 8, 3)):
+            for bm, warps, stages in tiles:
                 if bm > 64 and bucket <= 64:
                     continue
                 out.append(LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLAT_K=flat))
-    if bucket <= 256:
+    if bucket <= 256:  # few output pixels: 32-row tiles, more programs
         out.append(LaunchConfig.of(4, 3, BLOCK_M=32, BLOCK_N=bn, BLOCK_K=ks[0], GROUP_M=8, FLAT_K=flats[-1]))
     return out
 
@@ -302,7 +314,8 @@ def fused_conv2d(
             f"|{fixed['INPUT_PRECISION']}|{'nhwc' if channels_last else 'nchw'}|m{bucket}"
         )
         scope = scope_for("conv2d", _conv2d_kernel, grouped_tile, apply_activation)
-        config = tune(scope, key, cuda_configs(bucket, OC, C, K), run)
+        fma = x.dtype == torch.float32 and fixed["INPUT_PRECISION"] == "ieee"
+        config = tune(scope, key, cuda_configs(bucket, OC, C, K, fma), run)
         _configs[signature] = config
     run(config)
     return out

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
+from .pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from .runtime import bf16_on_interpreter, check_device, interpreting
 from .tuning import LaunchConfig, scope_for, tune
 
@@ -70,8 +71,12 @@ def _pool_rows_kernel(
     SPAN: tl.constexpr,  # windows do not overlap along W and SW is a power of two: one contiguous load per row
     ACTIVATION: tl.constexpr,
     ROUND_BF16: tl.constexpr,  # interpreter only: its fp32 -> bf16 cast truncates (activations.round_to_bf16)
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (pdl.py): the next layer may start early
     BLOCK_R: tl.constexpr, BLOCK_OW: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # everything here reads x, which the previous kernel writes: wait first
+        gdc_launch_dependents()
+        gdc_wait()
     # A 1-D grid (R can pass the 65535 limit of grid axis 1): column blocks fastest, so neighbouring programs
     # read neighbouring segments of the same input rows.
     w_blocks = tl.cdiv(OW, BLOCK_OW)
@@ -145,8 +150,12 @@ def _pool_channels_kernel(
     COUNT_INCLUDE_PAD: tl.constexpr,
     ACTIVATION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     c_blocks = tl.cdiv(C, BLOCK_C)
     pid_p = tl.program_id(0) // c_blocks
     pid_c = tl.program_id(0) % c_blocks
@@ -256,10 +265,13 @@ def _channels_config(positions: int, C: int, elems: int, warps: int) -> LaunchCo
 
 def cuda_configs(layout: str, rows_or_positions: int, inner: int, SW: int, span: bool) -> list[LaunchConfig]:
     """Candidates the tuner times: 1-8K input elements per window row per program, 4 or 8 warps. Pooling is
-    a stream: bigger tiles put more bytes in flight per SM; smaller ones more programs for small inputs."""
+    a stream: bigger tiles put more bytes in flight per SM; smaller ones more programs for small inputs. Without
+    the contiguous span (overlapping windows), at most 32 outputs per thread."""
     out = []
     for elems in (1024, 2048, 4096, 8192):
         for warps in (4, 8):
+            if not span and elems > 32 * 32 * warps:  # a load per window element: 64 per thread spilled (sm_90)
+                continue
             if layout == "rows":
                 c = _rows_config(rows_or_positions, inner, SW, span, elems, warps)
             else:
@@ -316,6 +328,7 @@ def fused_pool2d(
         COUNT_INCLUDE_PAD=bool(count_include_pad),
         ACTIVATION=activation,
         ROUND_BF16=bf16_on_interpreter(x.dtype),
+        PDL=use_pdl(x.device),
     )  # fmt: skip
     if layout == "rows":
         fixed["SPAN"] = span
@@ -333,7 +346,7 @@ def fused_pool2d(
             count, C, H, W, OH, OW,
             *x.stride(), *out.stride(),
             float(negative_slope),
-            **fixed, **meta,
+            **fixed, **meta, **({"launch_pdl": True} if fixed["PDL"] else {}),
         )  # fmt: skip
 
     if interpreting():

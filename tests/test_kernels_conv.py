@@ -257,3 +257,48 @@ def test_gpu_graph_capture():
     graph.replay()
     want = reference.conv2d(x.double(), w.double(), b.double(), "relu", padding=1)
     assert_close_to(y, want, RTOL[torch.float16], "graph replay")
+
+
+# ---- compiled for Hopper here, without a GPU (tests/sm90_compile.py; what the interpreter cannot check) ----
+
+_COMPILE_CONV = r"""
+import json, re, sys
+import kernels.conv as conv
+from tests.sm90_compile import compile_sm90
+
+ptr, precision = sys.argv[1], sys.argv[2]
+strides = ["stride_xn", "stride_xc", "stride_xh", "stride_xw", "stride_wo", "stride_wc", "stride_wh", "stride_ww",
+           "stride_yn", "stride_yc", "stride_yh", "stride_yw"]
+# (C, H, W, O, channels_last): the digits CNN's layers and the wider CNN's, NHWC with a channels_last weight
+for C, H, W, O, nhwc in [(1, 8, 8, 16, False), (16, 4, 4, 32, True), (64, 32, 32, 128, True)]:
+    units = ["stride_xc", "stride_yc", "stride_wc"] if nhwc else ["stride_xw", "stride_yw", "stride_ww"]
+    runtime = {"x_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "y_ptr": ptr, "M": "i32", "OC": "i32"}
+    runtime["negative_slope"] = "fp32"
+    runtime.update({s: "i32" for s in strides if s not in units})
+    fma = ptr == "*fp32" and precision == "ieee"
+    for cfg in conv.cuda_configs(conv.m_bucket(4096 * H * W), O, C, C * 9, fma):
+        meta = dict(C=C, H=H, W=W, OH=H, OW=W, KH=3, KW=3, SH=1, SW=1, PH=1, PW=1, DH=1, DW=1, HAS_BIAS=True,
+                    ACTIVATION="relu", INPUT_PRECISION=precision, UPCAST_DOT=False, ROUND_BF16=False, PDL=True,
+                    CHANNELS_LAST=nhwc, **{u: 1 for u in units}, **dict(cfg.kwargs))
+        odd = ("stride_wo", "stride_wh")  # 9 * C and 3 * C (NHWC weight), 9 * C and 3 (NCHW): not multiples of 16
+        divisible = ("OC",) + tuple(s for s in runtime if s.startswith("stride") and s not in odd)
+        ptx, usage = compile_sm90(conv._conv2d_kernel, runtime, meta, 4, cfg.num_warps, cfg.num_stages, divisible)
+        print(json.dumps({"layer": [C, H, W, O, nhwc], "config": cfg.meta(), "STACK": usage["STACK"],
+                          "wgmma": "wgmma.mma_async" in ptx, "cp16": "cp.async.cg.shared.global" in ptx,
+                          "st_v4": "st.global.v4" in ptx, "waits": ptx.count("griddepcontrol.wait")}))
+"""
+
+
+@pytest.mark.parametrize("ptr,precision", [("*fp16", "ieee"), ("*fp32", "tf32"), ("*fp32", "ieee")])
+def test_conv_candidates_compile_for_sm90_without_spills(ptr, precision):
+    """Every candidate of the digits and the wider CNN's layers compiles for sm_90: warpgroup MMA, no spills,
+    PDL's wait; NHWC layers gather with 16-byte cp.async and store 16-byte vectors."""
+    from tests.test_kernels_compile import _compiled
+
+    results = _compiled(_COMPILE_CONV.replace("sys.argv[2]", repr(precision)), ptr)
+    assert len(results) > 10
+    for r in results:
+        assert r["STACK"] == 0, f"spills: {r}"
+        assert r["wgmma"] == (precision != "ieee" or ptr != "*fp32") and r["waits"] == 1, r  # fp32 ieee: FMA
+        if r["layer"][1] >= 16 and r["layer"][4]:
+            assert r["cp16"] and r["st_v4"], f"NHWC layer not vectorized: {r}"
