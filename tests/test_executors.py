@@ -28,6 +28,18 @@ from tests.tolerances import RTOL, RTOL_VS_UNFUSED, assert_close_to
 pytestmark = pytest.mark.timeout(120)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32_convs():
+    """float32 convs in full fp32 on the GPU: torch's default lets cuDNN, and fused_conv2d which follows the
+    same flag, multiply in TF32 (10 mantissa bits), which the float64 comparisons here would catch."""
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = before
+
+
 SHIPPED = Path(__file__).resolve().parents[1] / "model_weights" / "digits-mlp"
 SHIPPED_CNN = Path(__file__).resolve().parents[1] / "model_weights" / "digits-cnn"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

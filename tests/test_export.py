@@ -16,6 +16,16 @@ from tests.tolerances import assert_close_to
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@pytest.fixture(autouse=True)
+def _exact_float32_convs():
+    """float32 convs in full fp32 on the GPU: torch's default lets cuDNN, and fused_conv2d which follows the
+    same flag, multiply in TF32 (10 mantissa bits), which the float64 comparisons here would catch."""
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = before
+
+
 @pytest.mark.parametrize("mode", ["fused", "unfused"])
 def test_exported_sequential_matches_torch(tmp_path, mode):
     model = nn.Sequential(
