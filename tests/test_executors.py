@@ -369,6 +369,30 @@ def test_shipped_cnn_steps_line_up_in_both_modes():
     assert names["fused"] == names["unfused"] == ["conv2d_0_relu", "conv2d_1_relu", "maxpool2d_0", None, "mlp_0_1"]
 
 
+def test_cnn_steps_are_bound_to_the_kernels_of_their_mode():
+    """Fused vs unfused comparisons cannot tell a fused step that fell back to torch: check the binding."""
+    import kernels.conv
+    import kernels.pool
+    from kernels import reference
+
+    model = load_model(SHIPPED_CNN)
+    want = {
+        "fused": [kernels.conv.fused_conv2d, kernels.conv.fused_conv2d, kernels.pool.fused_pool2d],
+        "unfused": [reference.conv2d, reference.conv2d, reference.pool2d],
+    }
+    for mode, functions in want.items():
+        layers = Executor(model, mode, DEVICE, torch.float32).layers
+        assert [layer.func for _, layer in layers[:3]] == functions, mode
+        assert layers[0][1].keywords == {
+            "weight": layers[0][1].keywords["weight"], "bias": layers[0][1].keywords["bias"], "stride": (1, 1),
+            "padding": (1, 1), "dilation": (1, 1), "activation": "relu", "negative_slope": 0.01,
+        }  # fmt: skip
+        assert layers[2][1].keywords == {
+            "kind": "max", "kernel_size": (2, 2), "stride": (2, 2), "padding": (0, 0), "ceil_mode": False,
+            "count_include_pad": True, "activation": "none", "negative_slope": 0.01,
+        }  # fmt: skip
+
+
 _cnn_rng = np.random.default_rng(5)
 RANDOM_CNN_SPECS = [random_cnn_spec(_cnn_rng) for _ in range(12)]
 
