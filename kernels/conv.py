@@ -36,8 +36,8 @@ import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
 from .pdl import gdc_launch_dependents, gdc_wait
+from .pool import _max_propagating_nan, pair
 from .pool import channels_last as _channels_last
-from .pool import pair
 from .runtime import check_device, interpreting
 from .tiles import gemm_flags, grouped_tile, launch_options
 from .tuning import LaunchConfig, scope_for, tune
@@ -61,6 +61,9 @@ def _conv2d_kernel(
     C: tl.constexpr, H: tl.constexpr, W: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
     PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    # pooling of the activated conv output: POOL "none" | "max" | "avg" over PKH x PKW windows at stride
+    # (PSH, PSW), floor mode, no padding; OH, OW are then the pooled output's size
+    POOL: tl.constexpr, PKH: tl.constexpr, PKW: tl.constexpr, PSH: tl.constexpr, PSW: tl.constexpr,
     # meta-parameters
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
@@ -81,15 +84,9 @@ def _conv2d_kernel(
     # Output pixel of each row. From the unclamped rows (masked below where >= M): with OW a constexpr power of
     # two, Triton then sees runs of OW contiguous pixels, so NCHW gathers and stores go along M, coalesced.
     n = rows // (OH * OW)
-    oh = (rows // OW) % OH
-    ow = rows % OW
-    h0 = oh * SH - PH  # (BLOCK_M,) top-left corner of each output pixel's window, in padded coordinates
-    w0 = ow * SW - PW
+    out_h = (rows // OW) % OH
+    out_w = rows % OW
     m_ok = rows < M
-    # Where each window's corner would be (it may lie in the padding: every load below is masked there). The
-    # (BLOCK_M, BLOCK_K) pointer tiles are built once, and each K step adds one scalar (linear.py): recomputed
-    # per step, their 64-bit adds, kept alive for the pipeline's stages, spilled registers (sm_90, 128x128).
-    x_corner = x_ptr + n * stride_xn + h0 * stride_xh + w0 * stride_xw
     offs_n = tl.minimum(cols, OC - 1)  # columns past the edge compute on the last one, never stored
     w_cols = w_ptr + offs_n * stride_wo
     if HAS_BIAS:
@@ -97,62 +94,87 @@ def _conv2d_kernel(
     if PDL:
         gdc_wait()
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if FLAT_K:
-        K = C * KH * KW  # constexpr: the product of constexprs
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
-            if CHANNELS_LAST:
-                c = k % C
-                kh = k // (KW * C)
-                kw = (k // C) % KW
-            else:
-                c = k // (KH * KW)
-                kh = (k // KW) % KH
-                kw = k % KW
-            ih = h0[:, None] + (kh * DH)[None, :]
-            iw = w0[:, None] + (kw * DW)[None, :]
-            k_ok = offs_k < K - k0
-            a_ok = (m_ok[:, None] & k_ok[None, :]) & ((ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))
-            x_k = c * stride_xc + (kh * DH) * stride_xh + (kw * DW) * stride_xw
-            a = tl.load(x_corner[:, None] + x_k[None, :], mask=a_ok, other=0.0)
-            w_k = c * stride_wc + kh * stride_wh + kw * stride_ww
-            b = tl.load(w_cols[None, :] + w_k[:, None], mask=k_ok[:, None], other=0.0)
-            if UPCAST_DOT:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    if POOL == "max":
+        result = tl.full((BLOCK_M, BLOCK_N), float("-inf"), dtype=tl.float32)
     else:
-        # One flat loop over (tap, channel block) steps, so that Triton's software pipeline sees one loop.
-        c_steps = (C + BLOCK_K - 1) // BLOCK_K  # constexpr
-        a_tile = x_corner[:, None] + (offs_k * stride_xc)[None, :]
-        b_tile = w_cols[None, :] + (offs_k * stride_wc)[:, None]
-        for step in range(0, KH * KW * c_steps):
-            tap = step // c_steps
-            c0 = (step % c_steps) * BLOCK_K
-            kh = tap // KW
-            kw = tap % KW
-            ih = h0 + kh * DH
-            iw = w0 + kw * DW
-            row_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            c_ok = offs_k < C - c0  # `arange < scalar`: constant over runs, so loads stay vectorised
-            x_step = c0 * stride_xc + (kh * DH) * stride_xh + (kw * DW) * stride_xw
-            a = tl.load(a_tile + x_step, mask=row_ok[:, None] & c_ok[None, :], other=0.0)
-            b = tl.load(b_tile + (c0 * stride_wc + kh * stride_wh + kw * stride_ww), mask=c_ok[:, None], other=0.0)
-            if UPCAST_DOT:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        result = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Without pooling one pass. With it, one pass per window element: each conv output in the tile's pooling
+    # windows is computed (once, for non-overlapping windows), activated and folded into the pooled result in
+    # registers, so the conv output never goes to memory (conv + act + pool: 3 kernels -> 1).
+    for win in tl.static_range(PKH * PKW):
+        oh = out_h * PSH + win // PKW  # (BLOCK_M,) the conv output pixel
+        ow = out_w * PSW + win % PKW
+        h0 = oh * SH - PH  # top-left corner of each output pixel's window, in padded coordinates
+        w0 = ow * SW - PW
+        # Where each window's corner would be (it may lie in the padding: every load below is masked there). The
+        # (BLOCK_M, BLOCK_K) pointer tiles are built once, and each K step adds one scalar (linear.py): recomputed
+        # per step, their 64-bit adds, kept alive for the pipeline's stages, spilled registers (sm_90, 128x128).
+        x_corner = x_ptr + n * stride_xn + h0 * stride_xh + w0 * stride_xw
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if FLAT_K:
+            K = C * KH * KW  # constexpr: the product of constexprs
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + offs_k
+                if CHANNELS_LAST:
+                    c = k % C
+                    kh = k // (KW * C)
+                    kw = (k // C) % KW
+                else:
+                    c = k // (KH * KW)
+                    kh = (k // KW) % KH
+                    kw = k % KW
+                ih = h0[:, None] + (kh * DH)[None, :]
+                iw = w0[:, None] + (kw * DW)[None, :]
+                k_ok = offs_k < K - k0
+                a_ok = (m_ok[:, None] & k_ok[None, :]) & ((ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))
+                x_k = c * stride_xc + (kh * DH) * stride_xh + (kw * DW) * stride_xw
+                a = tl.load(x_corner[:, None] + x_k[None, :], mask=a_ok, other=0.0)
+                w_k = c * stride_wc + kh * stride_wh + kw * stride_ww
+                b = tl.load(w_cols[None, :] + w_k[:, None], mask=k_ok[:, None], other=0.0)
+                if UPCAST_DOT:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        else:
+            # One flat loop over (tap, channel block) steps, so that Triton's software pipeline sees one loop.
+            c_steps = (C + BLOCK_K - 1) // BLOCK_K  # constexpr
+            a_tile = x_corner[:, None] + (offs_k * stride_xc)[None, :]
+            b_tile = w_cols[None, :] + (offs_k * stride_wc)[:, None]
+            for step in range(0, KH * KW * c_steps):
+                tap = step // c_steps
+                c0 = (step % c_steps) * BLOCK_K
+                kh = tap // KW
+                kw = tap % KW
+                ih = h0 + kh * DH
+                iw = w0 + kw * DW
+                row_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                c_ok = offs_k < C - c0  # `arange < scalar`: constant over runs, so loads stay vectorised
+                x_step = c0 * stride_xc + (kh * DH) * stride_xh + (kw * DW) * stride_xw
+                a = tl.load(a_tile + x_step, mask=row_ok[:, None] & c_ok[None, :], other=0.0)
+                b = tl.load(b_tile + (c0 * stride_wc + kh * stride_wh + kw * stride_ww), mask=c_ok[:, None], other=0.0)
+                if UPCAST_DOT:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        # Epilogue on the fp32 accumulator: bias, activation, then the pooling fold.
+        if HAS_BIAS:
+            acc = acc + bias.to(tl.float32)[None, :]
+        acc = apply_activation(acc, ACTIVATION, negative_slope)
+        if POOL == "max":
+            result = _max_propagating_nan(result, acc)
+        elif POOL == "avg":
+            result = result + acc
+        else:
+            result = acc
+    if POOL == "avg":
+        result = result / (PKH * PKW)  # floor mode, no padding: every window is whole
 
-    # Epilogue on the fp32 accumulator: bias, activation, one rounding to the output dtype.
-    if HAS_BIAS:
-        acc = acc + bias.to(tl.float32)[None, :]
-    acc = apply_activation(acc, ACTIVATION, negative_slope)
+    # One rounding to the output dtype.
     if ROUND_BF16:
-        acc = round_to_bf16(acc)
-    y_rows = y_ptr + n * stride_yn + oh * stride_yh + ow * stride_yw
+        result = round_to_bf16(result)
+    y_rows = y_ptr + n * stride_yn + out_h * stride_yh + out_w * stride_yw
     y_ptrs = y_rows[:, None] + (cols * stride_yc)[None, :]  # unclamped cols: contiguous along O for NHWC y
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (cols < OC)[None, :])
+    tl.store(y_ptrs, result.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (cols < OC)[None, :])
 
 
 def conv_output_size(size: int, k: int, s: int, p: int, d: int) -> int:
@@ -211,7 +233,7 @@ def m_bucket(m: int) -> int:
     return min(1 << max(m - 1, 0).bit_length(), 1 << 20)
 
 
-def cuda_configs(bucket: int, OC: int, C: int, K: int, fma: bool = False) -> list[LaunchConfig]:
+def cuda_configs(bucket: int, OC: int, C: int, K: int, fma: bool = False, pooled: bool = False) -> list[LaunchConfig]:
     """Candidates the tuner times for one layer and M bucket. The GEMM is tall and thin (M up to millions,
     OC 16-128, K = C * KH * KW 9-1152): BLOCK_N covers all of OC when it can, BLOCK_K no wider than K (few
     channels) or C, and few channels get only FLAT_K (a tap at a time would leave most of each K step empty).
@@ -220,12 +242,13 @@ def cuda_configs(bucket: int, OC: int, C: int, K: int, fma: bool = False) -> lis
     (16-1064 bytes of stack per thread: a 128-register accumulator plus the pipeline's gathered tiles), on 8
     warps it did not, nor did 64x128 on 4; so 128-row tiles run on 8 warps where BLOCK_N is 128. `fma`: fp32
     multiplied in full precision, which Triton does on the CUDA cores: there BLOCK_K 64 spilled 1.6-9.5 KB per
-    thread, so it stops at 32."""
+    thread, so it stops at 32. `pooled`: a pool fused after the conv keeps a second accumulator and one K loop
+    per window element; 128-row tiles on 4 warps spilled there (40 bytes, tf32, 16 -> 32 channels)."""
     bn = _fit(OC, 16, 128)
     width = K if C < 16 else C
     ks = sorted({_fit(width, 16, 32 if fma else 64), _fit(width, 16, 16 if fma else 32)})
     flats = (1,) if C < 16 else (0, 1)
-    tiles = [(64, 4, 4), (128, 8, 3)] + ([(128, 4, 3)] if bn <= 64 else [])
+    tiles = [(64, 4, 4), (128, 8, 3)] + ([(128, 4, 3)] if bn <= 64 and not pooled else [])
     out = []
     for flat in flats:
         for bk in ks:
@@ -252,6 +275,7 @@ def fused_conv2d(
     activation: str = "none",
     negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
     allow_tf32: bool | None = None,
+    pool: tuple | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act(conv2d(x, weight, bias)); x (N, C, H, W) contiguous NCHW (or channels_last), weight (OC, C, KH, KW);
@@ -260,6 +284,11 @@ def fused_conv2d(
 
     allow_tf32: for float32, multiply in TF32 or full fp32; None follows `torch.backends.cudnn.allow_tf32`
     (torch's default: True), what cuDNN's conv would do with the same tensors.
+
+    pool: ("max" | "avg", kernel_size) or ("max" | "avg", kernel_size, stride) (ints or pairs; stride None or
+    left out: kernel_size) pools the activated conv output in the same kernel, as max_pool2d / avg_pool2d with
+    padding 0 and ceil_mode False would: returns (N, O, POH, POW), the conv output never written. (Padded or
+    ceil_mode pooling: call fused_pool2d after an unpooled fused_conv2d.)
     """
     _check(x, weight, bias, activation)
     s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
@@ -274,6 +303,18 @@ def fused_conv2d(
         )
     # torch's rule for the output's memory format: channels_last when x or the weight is. (An (N, 1, H, W)
     # input is both; a channels_last weight then asks for NHWC outputs.)
+    POOL, PKH, PKW, PSH, PSW = "none", 1, 1, 1, 1
+    if pool is not None:
+        if not isinstance(pool, (tuple, list)) or len(pool) not in (2, 3) or pool[0] not in ("max", "avg"):
+            raise ValueError(f"pool must be ('max' | 'avg', kernel_size[, stride]); got {pool!r}")
+        (PKH, PKW) = pair(pool[1], "pool kernel_size")
+        (PSH, PSW) = (PKH, PKW) if len(pool) == 2 or pool[2] is None else pair(pool[2], "pool stride")
+        if min(PKH, PKW, PSH, PSW) < 1:
+            raise ValueError(f"pool kernel_size and stride must be >= 1; got {pool!r}")
+        POOL = pool[0]
+        if OH < PKH or OW < PKW:
+            raise ValueError(f"pooling {pool!r} leaves no output from the conv's {OH}x{OW}")
+        OH, OW = (OH - PKH) // PSH + 1, (OW - PKW) // PSW + 1
     channels_last = _channels_last(x)
     fmt = torch.channels_last if channels_last or _channels_last(weight) else torch.contiguous_format
     if out is None:
@@ -287,7 +328,8 @@ def fused_conv2d(
     if allow_tf32 is None:
         allow_tf32 = torch.backends.cudnn.allow_tf32
     fixed = gemm_flags(bias is not None, activation, x.dtype, allow_tf32, x.device)
-    shape = dict(C=C, H=H, W=W, OH=OH, OW=OW, KH=KH, KW=KW, SH=s[0], SW=s[1], PH=p[0], PW=p[1], DH=d[0], DW=d[1])
+    shape = dict(C=C, H=H, W=W, OH=OH, OW=OW, KH=KH, KW=KW, SH=s[0], SW=s[1], PH=p[0], PW=p[1], DH=d[0], DW=d[1],
+                 POOL=POOL, PKH=PKH, PKW=PKW, PSH=PSH, PSW=PSW)  # fmt: skip
     K = C * KH * KW
 
     def run(config: LaunchConfig):
@@ -306,16 +348,18 @@ def fused_conv2d(
         return out
     bucket = m_bucket(M)
     signature = (tuple(weight.shape), x.shape[1:], x.stride()[1:], x.dtype, s, p, d, activation, bias is not None,
-                 fixed["INPUT_PRECISION"], channels_last, bucket)  # fmt: skip
+                 fixed["INPUT_PRECISION"], channels_last, bucket, POOL, PKH, PKW, PSH, PSW)  # fmt: skip
     config = _configs.get(signature)
     if config is None:
         key = (
             f"OC{OC}|C{C}|H{H}|W{W}|k{KH}x{KW}|s{s}|p{p}|d{d}|{x.dtype}|{activation}|bias={bias is not None}"
             f"|{fixed['INPUT_PRECISION']}|{'nhwc' if channels_last else 'nchw'}|m{bucket}"
         )
+        if POOL != "none":
+            key += f"|pool={POOL}{PKH}x{PKW}s{PSH}x{PSW}"
         scope = scope_for("conv2d", _conv2d_kernel, grouped_tile, apply_activation)
         fma = x.dtype == torch.float32 and fixed["INPUT_PRECISION"] == "ieee"
-        config = tune(scope, key, cuda_configs(bucket, OC, C, K, fma), run)
+        config = tune(scope, key, cuda_configs(bucket, OC, C, K, fma, POOL != "none"), run)
         _configs[signature] = config
     run(config)
     return out

@@ -242,6 +242,11 @@ def test_gpu_every_candidate(monkeypatch, dtype):
             conv_mod._configs.clear()
             for channels_last in (False, True):
                 _check(case, dtype, "silu", "cuda", channels_last=channels_last)
+        for config in conv_mod.cuda_configs(conv_mod.m_bucket(N * H * W // 4), OC, C, C * 9, pooled=True):
+            monkeypatch.setattr(conv_mod, "tune", lambda *a, config=config, **kw: config)
+            conv_mod._configs.clear()
+            for channels_last in (False, True):
+                _check_pooled(case, ("max", 2), dtype, "silu", "cuda", channels_last=channels_last)
     conv_mod._configs.clear()
 
 
@@ -269,21 +274,26 @@ from tests.sm90_compile import compile_sm90
 ptr, precision = sys.argv[1], sys.argv[2]
 strides = ["stride_xn", "stride_xc", "stride_xh", "stride_xw", "stride_wo", "stride_wc", "stride_wh", "stride_ww",
            "stride_yn", "stride_yc", "stride_yh", "stride_yw"]
-# (C, H, W, O, channels_last): the digits CNN's layers and the wider CNN's, NHWC with a channels_last weight
-for C, H, W, O, nhwc in [(1, 8, 8, 16, False), (16, 4, 4, 32, True), (64, 32, 32, 128, True)]:
+# (C, H, W, O, channels_last, pool): the digits CNN's layers and the wider CNN's, NHWC with a channels_last
+# weight; the digits' layers also with a 2x2 max pool fused
+layers = [(1, 8, 8, 16, False, "none"), (16, 4, 4, 32, True, "none"), (64, 32, 32, 128, True, "none"),
+          (1, 8, 8, 16, False, "max"), (16, 4, 4, 32, True, "max")]
+for C, H, W, O, nhwc, pool in layers:
+    pk = 2 if pool != "none" else 1
     units = ["stride_xc", "stride_yc", "stride_wc"] if nhwc else ["stride_xw", "stride_yw", "stride_ww"]
     runtime = {"x_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "y_ptr": ptr, "M": "i32", "OC": "i32"}
     runtime["negative_slope"] = "fp32"
     runtime.update({s: "i32" for s in strides if s not in units})
     fma = ptr == "*fp32" and precision == "ieee"
-    for cfg in conv.cuda_configs(conv.m_bucket(4096 * H * W), O, C, C * 9, fma):
-        meta = dict(C=C, H=H, W=W, OH=H, OW=W, KH=3, KW=3, SH=1, SW=1, PH=1, PW=1, DH=1, DW=1, HAS_BIAS=True,
+    for cfg in conv.cuda_configs(conv.m_bucket(4096 * H * W), O, C, C * 9, fma, pool != "none"):
+        meta = dict(C=C, H=H, W=W, OH=H // pk, OW=W // pk, KH=3, KW=3, SH=1, SW=1, PH=1, PW=1, DH=1, DW=1,
+                    POOL=pool, PKH=pk, PKW=pk, PSH=pk, PSW=pk, HAS_BIAS=True,
                     ACTIVATION="relu", INPUT_PRECISION=precision, UPCAST_DOT=False, ROUND_BF16=False, PDL=True,
                     CHANNELS_LAST=nhwc, **{u: 1 for u in units}, **dict(cfg.kwargs))
         odd = ("stride_wo", "stride_wh")  # 9 * C and 3 * C (NHWC weight), 9 * C and 3 (NCHW): not multiples of 16
         divisible = ("OC",) + tuple(s for s in runtime if s.startswith("stride") and s not in odd)
         ptx, usage = compile_sm90(conv._conv2d_kernel, runtime, meta, 4, cfg.num_warps, cfg.num_stages, divisible)
-        print(json.dumps({"layer": [C, H, W, O, nhwc], "config": cfg.meta(), "STACK": usage["STACK"],
+        print(json.dumps({"layer": [C, H, W, O, nhwc, pool], "config": cfg.meta(), "STACK": usage["STACK"],
                           "wgmma": "wgmma.mma_async" in ptx, "cp16": "cp.async.cg.shared.global" in ptx,
                           "st_v4": "st.global.v4" in ptx, "waits": ptx.count("griddepcontrol.wait")}))
 """
@@ -302,3 +312,60 @@ def test_conv_candidates_compile_for_sm90_without_spills(ptr, precision):
         assert r["wgmma"] == (precision != "ieee" or ptr != "*fp32") and r["waits"] == 1, r  # fp32 ieee: FMA
         if r["layer"][1] >= 16 and r["layer"][4]:
             assert r["cp16"] and r["st_v4"], f"NHWC layer not vectorized: {r}"
+
+
+# ---- conv + bias + activation + pooling in one kernel (fused_conv2d(..., pool=...)) ----
+
+# (conv case, pool): non-overlapping 2x2 over even and odd conv outputs (floor mode drops the last row and
+# column), overlapping 3x3 stride 2, uneven windows and strides, a window as large as the conv output.
+POOLED = [
+    ((2, 1, 8, 8, 16, 3, 1, 1, 1), ("max", 2)),
+    ((1, 3, 7, 9, 5, (3, 2), (2, 1), (1, 0), (1, 2)), ("avg", 2, None)),
+    ((3, 17, 9, 7, 20, 3, 1, 1, 1), ("max", 3, 2)),
+    ((1, 4, 10, 11, 19, 3, 1, 2, 1), ("avg", (2, 3), (3, 1))),
+    ((2, 5, 6, 6, 7, 3, 1, 1, 1), ("max", 6)),
+]
+
+
+def _check_pooled(case, pool, dtype, activation, device, channels_last=False, bias=True):
+    x, w, b = _inputs(case, dtype, device, bias, channels_last)
+    s, p, d = case[6:]
+    conv = reference.conv2d(x.double(), w.double(), b.double() if b is not None else None, activation,
+                            stride=s, padding=p, dilation=d)  # fmt: skip
+    want = reference.pool2d(conv, pool[0], pool[1], pool[2] if len(pool) > 2 else None)
+    out = torch.full(want.shape, float("nan"), device=device, dtype=dtype)
+    got = fused_conv2d(x, w, b, stride=s, padding=p, dilation=d, activation=activation, pool=pool, out=out,
+                       allow_tf32=False)  # fmt: skip
+    assert got is out
+    assert_close_to(got, want, RTOL[dtype], f"{case} pool={pool} {dtype} {activation} nhwc={channels_last}")
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("case,pool", POOLED, ids=[_ids(c) + f"-{p}" for c, p in POOLED])
+def test_conv_act_pool_awkward(small_tile, k_loop, case, pool, channels_last):
+    _check_pooled(case, pool, torch.float32, "leaky_relu", DEVICE, channels_last=channels_last)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "sigmoid", "none"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_conv_act_pool_dtypes(dtype, activation):
+    for case, pool in POOLED[:2]:
+        _check_pooled(case, pool, dtype, activation, DEVICE)
+
+
+def test_conv_pool_is_checked():
+    x, w, b = _inputs((1, 2, 6, 6, 4, 3, 1, 1, 1), torch.float32, DEVICE)
+    for pool, message in [(("sum", 2), "pool must be"), (("max",), "pool must be"), (("avg", 0), ">= 1"),
+                          (("max", 5), "leaves no output")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            fused_conv2d(x, w, b, pool=pool)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_conv_act_pool(dtype, activation):
+    cases = POOLED + [((256, 1, 8, 8, 16, 3, 1, 1, 1), ("max", 2)), ((64, 64, 32, 32, 128, 3, 1, 1, 1), ("avg", 2))]
+    for case, pool in cases:
+        for channels_last in (False, True):
+            _check_pooled(case, pool, dtype, activation, "cuda", channels_last=channels_last)
