@@ -48,6 +48,14 @@ class AppState:
             w = self.model.tensors[s.weight]
             return {"in": w.shape[1], "out": w.shape[0], "bias": s.bias is not None, "activation": s.activation}
 
+        def pool(s: Pool2dStep) -> dict:
+            return {
+                "op": f"{s.kind}pool2d", "kernel_size": list(s.kernel_size), "stride": list(s.stride),
+                "padding": list(s.padding), "ceil_mode": s.ceil_mode,
+                **({"count_include_pad": s.count_include_pad} if s.kind == "avg" else {}),
+                "activation": s.activation,
+            }  # fmt: skip
+
         for s in self.runner.executor.steps:
             if isinstance(s, LinearStep):
                 steps.append({"kernel": s.name, "op": "linear", **linear(s)})
@@ -60,13 +68,10 @@ class AppState:
                     "kernel_size": [w.shape[2], w.shape[3]], "stride": list(s.stride), "padding": list(s.padding),
                     "dilation": list(s.dilation), "bias": s.bias is not None, "activation": s.activation,
                 })  # fmt: skip
+                if s.pool is not None:  # pooled in the same kernel
+                    steps[-1]["pool"] = pool(s.pool)
             elif isinstance(s, Pool2dStep):
-                steps.append({
-                    "kernel": s.name, "op": f"{s.kind}pool2d", "kernel_size": list(s.kernel_size),
-                    "stride": list(s.stride), "padding": list(s.padding), "ceil_mode": s.ceil_mode,
-                    **({"count_include_pad": s.count_include_pad} if s.kind == "avg" else {}),
-                    "activation": s.activation,
-                })  # fmt: skip
+                steps.append({"kernel": s.name, **pool(s)})
             elif isinstance(s, FlattenStep):
                 steps.append({"kernel": None, "op": "flatten"})
             else:

@@ -366,7 +366,18 @@ def test_shipped_cnn_steps_line_up_in_both_modes():
     names = {
         mode: [name for name, _ in Executor(model, mode, DEVICE, torch.float32).layers] for mode in ("fused", "unfused")
     }
-    assert names["fused"] == names["unfused"] == ["conv2d_0_relu", "conv2d_1_relu", "maxpool2d_0", None, "mlp_0_1"]
+    assert names["fused"] == names["unfused"] == ["conv2d_0_relu", "conv2d_1_relu_maxpool2d_0", None, "mlp_0_1"]
+
+
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+def test_shipped_cnn_with_the_pool_in_its_own_step(mode):
+    """conv_pool=False: the pool is its own step (its own kernel when fused), the result the same."""
+    model = load_model(SHIPPED_CNN)
+    apart = Executor(model, mode, DEVICE, torch.float32, conv_pool=False)
+    together = Executor(model, mode, DEVICE, torch.float32)
+    assert [n for n, _ in apart.layers] == ["conv2d_0_relu", "conv2d_1_relu", "maxpool2d_0", None, "mlp_0_1"]
+    x = (torch.rand(9, 1, 8, 8) * 16).to(DEVICE)
+    assert_close_to(together.forward(x), apart.forward(x).double(), RTOL_VS_UNFUSED[torch.float32], mode)
 
 
 def test_cnn_steps_are_bound_to_the_kernels_of_their_mode():
@@ -376,21 +387,27 @@ def test_cnn_steps_are_bound_to_the_kernels_of_their_mode():
     from kernels import reference
 
     model = load_model(SHIPPED_CNN)
-    want = {
-        "fused": [kernels.conv.fused_conv2d, kernels.conv.fused_conv2d, kernels.pool.fused_pool2d],
-        "unfused": [reference.conv2d, reference.conv2d, reference.pool2d],
-    }
-    for mode, functions in want.items():
-        layers = Executor(model, mode, DEVICE, torch.float32).layers
-        assert [layer.func for _, layer in layers[:3]] == functions, mode
-        assert layers[0][1].keywords == {
-            "weight": layers[0][1].keywords["weight"], "bias": layers[0][1].keywords["bias"], "stride": (1, 1),
-            "padding": (1, 1), "dilation": (1, 1), "activation": "relu", "negative_slope": 0.01,
-        }  # fmt: skip
-        assert layers[2][1].keywords == {
-            "kind": "max", "kernel_size": (2, 2), "stride": (2, 2), "padding": (0, 0), "ceil_mode": False,
-            "count_include_pad": True, "activation": "none", "negative_slope": 0.01,
-        }  # fmt: skip
+    conv = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "activation": "relu", "negative_slope": 0.01}
+    pool = {
+        "kind": "max", "kernel_size": (2, 2), "stride": (2, 2), "padding": (0, 0), "ceil_mode": False,
+        "count_include_pad": True, "activation": "none", "negative_slope": 0.01,
+    }  # fmt: skip
+
+    def args(layer) -> dict:
+        return {k: v for k, v in layer.keywords.items() if k not in ("weight", "bias")}
+
+    fused = Executor(model, "fused", DEVICE, torch.float32).layers
+    assert [layer.func for _, layer in fused[:2]] == [kernels.conv.fused_conv2d] * 2
+    assert args(fused[0][1]) == conv
+    assert args(fused[1][1]) == {**conv, "pool": ("max", (2, 2), (2, 2))}  # conv + relu + pool: one kernel
+    fused_apart = Executor(model, "fused", DEVICE, torch.float32, conv_pool=False).layers
+    assert fused_apart[2][1].func is kernels.pool.fused_pool2d and fused_apart[2][1].keywords == pool
+
+    unfused = Executor(model, "unfused", DEVICE, torch.float32).layers
+    assert unfused[0][1].func is reference.conv2d and args(unfused[0][1]) == conv
+    conv1, pool1 = unfused[1][1].keywords["layers"]  # the merged step runs F.conv2d + relu, then F.max_pool2d
+    assert conv1.func is reference.conv2d and args(conv1) == conv
+    assert pool1.func is reference.pool2d and pool1.keywords == pool
 
 
 _cnn_rng = np.random.default_rng(5)
@@ -404,6 +421,36 @@ def test_random_cnn_float32(tmp_path, i):
     batch = BATCHES[i % len(BATCHES)]
     x = torch.randn(batch, *spec["input_shape"])
     model, fused, unfused = _both(d, x, torch.float32)
+    what = f"{cnn_spec_id(spec)} batch {batch}"
+    assert_close_to(fused, unfused.double(), RTOL_VS_UNFUSED[torch.float32], f"{what}: fused vs unfused")
+    assert_close_to(fused, reference_forward(d, x, torch.float32), _rtol_vs_float64(model, torch.float32), what)
+
+
+# Pools that ride in the conv's kernel (group_conv_pools): floor mode leaving a remainder row and column, windows
+# with gaps between them, a strided dilated conv without bias, a pool after an activation and a 1-channel input.
+CONV_POOL_SPECS = [
+    dict(input_shape=[1, 9, 11], layers=[
+        {"op": "conv2d", "out": 16, "kernel": 3}, {"op": "relu"}, {"op": "maxpool2d", "kernel_size": 2},
+        {"op": "flatten"}, {"op": "linear", "out": 10},
+    ], seed=11),
+    dict(input_shape=[3, 12, 13], layers=[
+        {"op": "conv2d", "out": 7, "kernel": [3, 2], "padding": 1}, {"op": "gelu", "approximate": "tanh"},
+        {"op": "avgpool2d", "kernel_size": [2, 3], "stride": [3, 4]}, {"op": "flatten"}, {"op": "linear", "out": 5},
+    ], seed=12),
+    dict(input_shape=[2, 13, 10], layers=[
+        {"op": "conv2d", "out": 5, "kernel": 3, "stride": 2, "dilation": 2, "padding": 2, "bias": False},
+        {"op": "maxpool2d", "kernel_size": [3, 2], "stride": 3}, {"op": "flatten"}, {"op": "linear", "out": 4},
+    ], seed=13),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("batch", [1, 6])
+@pytest.mark.parametrize("spec", CONV_POOL_SPECS, ids=cnn_spec_id)
+def test_conv_with_its_pool_in_one_kernel_float32(tmp_path, spec, batch):
+    d = write_cnn_model(tmp_path / "m", **spec)
+    x = torch.randn(batch, *spec["input_shape"])
+    model, fused, unfused = _both(d, x, torch.float32)
+    assert any(getattr(s, "pool", None) for s in Executor(model, "fused", DEVICE, torch.float32).steps)
     what = f"{cnn_spec_id(spec)} batch {batch}"
     assert_close_to(fused, unfused.double(), RTOL_VS_UNFUSED[torch.float32], f"{what}: fused vs unfused")
     assert_close_to(fused, reference_forward(d, x, torch.float32), _rtol_vs_float64(model, torch.float32), what)
@@ -452,7 +499,7 @@ def test_cnn_runner_times_every_step_by_name(mode):
     assert out.shape == (6, 10) and out.dtype == np.float32
     want = reference_forward(SHIPPED_CNN, torch.from_numpy(x[:6]).float().view(6, 1, 8, 8), torch.float32)
     assert_close_to(torch.from_numpy(out), want, _rtol_vs_float64(model, torch.float32), mode)
-    assert [n for n, _ in rec.kernels] == ["conv2d_0_relu", "conv2d_1_relu", "maxpool2d_0", "mlp_0_1"]
+    assert [n for n, _ in rec.kernels] == ["conv2d_0_relu", "conv2d_1_relu_maxpool2d_0", "mlp_0_1"]
     assert all(s > 0 for _, s in rec.kernels) and rec.forwards[0] >= sum(s for _, s in rec.kernels)
     assert runner.warmup(4) == ([1, 2, 4] if DEVICE.type == "cuda" else [1, 4])
 

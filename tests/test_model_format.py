@@ -24,6 +24,7 @@ from service.model.planner import (
     LinearStep,
     MLPStep,
     Pool2dStep,
+    group_conv_pools,
     group_mlps,
     kernel_names,
     plan,
@@ -674,6 +675,34 @@ def test_cnn_tail_becomes_one_whole_mlp_kernel(cnn_dir):
     assert [s.name for s in steps] == ["conv2d_0_relu", "maxpool2d_0", "conv2d_1", "flatten_0", "mlp_0_1"]
 
 
+_CONV = {"op": "conv2d", "weight": "c"}
+
+
+@pytest.mark.parametrize(
+    "ops,names",
+    [
+        ([_CONV, {"op": "maxpool2d", "kernel_size": 2}], ["conv2d_0_maxpool2d_0"]),
+        ([_CONV, {"op": "silu"}, {"op": "avgpool2d", "kernel_size": [2, 3], "stride": [3, 4]}],
+         ["conv2d_0_silu_avgpool2d_0"]),
+        ([_CONV, {"op": "avgpool2d", "kernel_size": 2, "count_include_pad": False}], ["conv2d_0_avgpool2d_0"]),
+        ([_CONV, {"op": "maxpool2d", "kernel_size": 3, "stride": 2}], ["conv2d_0", "maxpool2d_0"]),  # overlap
+        ([_CONV, {"op": "maxpool2d", "kernel_size": 2, "padding": 1}], ["conv2d_0", "maxpool2d_0"]),
+        ([_CONV, {"op": "maxpool2d", "kernel_size": 2, "ceil_mode": True}], ["conv2d_0", "maxpool2d_0"]),
+        ([_CONV, {"op": "maxpool2d", "kernel_size": 2}, {"op": "relu"}], ["conv2d_0", "maxpool2d_0_relu"]),
+        ([_CONV, {"op": "relu"}, {"op": "tanh"}, {"op": "maxpool2d", "kernel_size": 2}],
+         ["conv2d_0_relu", "activation_0_tanh", "maxpool2d_0"]),
+        ([_CONV, {"op": "maxpool2d", "kernel_size": 2}, {"op": "avgpool2d", "kernel_size": 2}],
+         ["conv2d_0_maxpool2d_0", "avgpool2d_0"]),  # one pool per conv
+        ([{"op": "maxpool2d", "kernel_size": 2}, _CONV], ["maxpool2d_0", "conv2d_0"]),
+    ],
+    ids=["max", "act-avg-pairs", "avg-nopad", "overlapping", "padded", "ceil", "act-after-pool", "act-between",
+         "two-pools", "pool-first"],
+)  # fmt: skip
+def test_conv_pool_folding(ops, names):
+    steps = group_conv_pools(plan(_ops(*ops)))
+    assert kernel_names(steps) == names
+
+
 def test_shipped_cnn_loads_and_plans():
     model = load_model(SHIPPED_CNN)
     assert model.name == "digits-cnn" and model.input_shape == (1, 8, 8) and model.output_features == 10
@@ -684,8 +713,12 @@ def test_shipped_cnn_loads_and_plans():
         "layers.8.bias": (10,),
     }  # fmt: skip
     steps = group_mlps(plan(model.ops), model.tensors)
-    # 4 kernels: the flattened 16 x 4 x 4 = 256 features fit the whole-MLP kernel
+    # the flattened 16 x 4 x 4 = 256 features fit the whole-MLP kernel
     assert kernel_names(steps) == ["conv2d_0_relu", "conv2d_1_relu", "maxpool2d_0", "mlp_0_1"]
+    # and the 2x2 max pool (no padding, floor mode, windows apart) rides in the second conv's kernel: 3 kernels
+    steps = group_conv_pools(steps)
+    assert kernel_names(steps) == ["conv2d_0_relu", "conv2d_1_relu_maxpool2d_0", "mlp_0_1"]
+    assert steps[1].pool == Pool2dStep("maxpool2d_0", "max", (2, 2), (2, 2), (0, 0), False, True, "none", 0.01)
 
 
 def test_check_model_cli_on_shipped_cnn(capsys):

@@ -4,8 +4,9 @@ What: conv 1->16 3x3 pad 1 + ReLU, conv 16->16 3x3 pad 1 + ReLU, maxpool 2 (16 x
 linear 256->64 + ReLU, linear 64->10, trained on scikit-learn's bundled 8x8 digits (`load_digits()`,
 nothing downloaded) and exported with `service.model.export.export_sequential`, input shape [1, 8, 8].
 
-Why this shape: the fused forward stays 4 kernels (conv2d_0_relu, conv2d_1_relu, maxpool2d_0, mlp_0_1), and
-the flattened width is 256, so the MLP tail fits the whole-MLP kernel (kernels/mlp.py: every width <= 256).
+Why this shape: the fused forward is 3 kernels (conv2d_0_relu; conv2d_1_relu_maxpool2d_0, the 2x2 max pool
+inside the second conv's kernel; mlp_0_1), and the flattened width is 256, so the MLP tail fits the
+whole-MLP kernel (kernels/mlp.py: every width <= 256).
 
 Reproducible: the split of tools/train_digits.py (test_size=0.2, random_state=0, stratify=y), fixed seeds
 (torch, numpy, the mini-batch generator), deterministic algorithms, one CPU thread. Training sees pixels / 16,
@@ -193,11 +194,12 @@ in any of three layouts: an image `[8][8]` (8 rows of 8 pixels), with its channe
 64 values row-major as for `digits-mlp`. One request may mix them. Outputs: 10 logits per row; the
 prediction is the label of the largest.
 
-The plan (`GET /model`, `fusedserve check-model model_weights/digits-cnn`): `conv2d_0_relu` (conv + bias +
-ReLU, one kernel), `conv2d_1_relu`, `maxpool2d_0`, a flatten (a view, no kernel) and `mlp_0_1`, the two
-linear layers in one whole-MLP kernel (256 -> 64 -> 10). The unfused mode runs the same steps under the
-same names as eager torch does: `F.conv2d` with its bias then `relu`, `F.max_pool2d`, then `mm`, add, `relu`
-per linear layer, so `fusedserve_kernel_seconds{{kernel="conv2d_0_relu"}}` compares one step in the two modes.
+The fused plan (`GET /model`) is 3 kernels: `conv2d_0_relu` (conv + bias + ReLU), `conv2d_1_relu_maxpool2d_0`
+(conv + bias + ReLU + the 2x2 max pool, so the 16 x 8 x 8 conv output never goes to memory), a flatten (a
+view, no kernel) and `mlp_0_1`, the two linear layers in one whole-MLP kernel (256 -> 64 -> 10). The unfused
+mode runs the same steps under the same names as eager torch does: `F.conv2d` with its bias then `relu`
+(then `F.max_pool2d` in the second step), then `mm`, add, `relu` per linear layer, so
+`fusedserve_kernel_seconds{{kernel="conv2d_1_relu_maxpool2d_0"}}` compares one step in the two modes.
 
 ## Provenance
 

@@ -8,7 +8,10 @@
     flatten             -> FlattenStep (a view: no kernel, no copy)
 
 then `group_mlps` turns each run of 2-8 consecutive LinearSteps whose widths all fit the whole-MLP
-kernel (<= 256 after padding) into one MLPStep (`mlp_0_2`: linear layers 0 to 2, one kernel).
+kernel (<= 256 after padding) into one MLPStep (`mlp_0_2`: linear layers 0 to 2, one kernel), and
+`group_conv_pools` folds a pool that follows a conv (+ activation) into the conv's step when the conv
+kernel can pool its own output (`conv2d_1_relu_maxpool2d_0`: conv + bias + act + pool, one kernel; the
+(N, OC, OH, OW) conv output is never written).
 
 Each step that launches work has a stable name (`linear_0_relu`, `linear_2`, `conv2d_0_relu`,
 `maxpool2d_0`, `avgpool2d_1_relu`, `activation_0_tanh`; numbered per kind, in op order):
@@ -18,6 +21,7 @@ up kernel by kernel.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -46,18 +50,6 @@ class LinearStep:
 
 
 @dataclass(frozen=True)
-class Conv2dStep:
-    name: str
-    weight: str  # (out, in, kh, kw)
-    bias: str | None
-    stride: Pair
-    padding: Pair
-    dilation: Pair
-    activation: str
-    negative_slope: float
-
-
-@dataclass(frozen=True)
 class Pool2dStep:
     name: str
     kind: str  # "avg" | "max"
@@ -68,6 +60,19 @@ class Pool2dStep:
     count_include_pad: bool  # avg only (True for max, where it means nothing)
     activation: str
     negative_slope: float
+
+
+@dataclass(frozen=True)
+class Conv2dStep:
+    name: str
+    weight: str  # (out, in, kh, kw)
+    bias: str | None
+    stride: Pair
+    padding: Pair
+    dilation: Pair
+    activation: str
+    negative_slope: float
+    pool: Pool2dStep | None = None  # pooled in the same kernel, after the activation (group_conv_pools)
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,31 @@ def group_mlps(steps: list[Step], tensors: Mapping[str, torch.Tensor]) -> list[S
             flush()
             out.append(step)
     flush()
+    return out
+
+
+def pool_fits_conv(pool: Pool2dStep) -> bool:
+    """Whether the conv kernel can pool its output itself (kernels/conv.py, `pool=`): floor mode, no padding,
+    no activation after the pool, and windows that do not overlap (stride >= window), so each conv output is
+    computed once; overlapping windows would compute shared outputs again, once per window."""
+    return (
+        pool.activation == "none"
+        and pool.padding == (0, 0)
+        and not pool.ceil_mode
+        and all(s >= k for s, k in zip(pool.stride, pool.kernel_size, strict=True))
+    )
+
+
+def group_conv_pools(steps: list[Step]) -> list[Step]:
+    """Fold each pool that directly follows a conv step, and that `pool_fits_conv`, into that conv step:
+    3 kernels -> 1 in the fused plan (conv + act, pool: 2 -> 1), one step in both modes."""
+    out: list[Step] = []
+    for step in steps:
+        prev = out[-1] if out else None
+        if isinstance(step, Pool2dStep) and isinstance(prev, Conv2dStep) and prev.pool is None and pool_fits_conv(step):
+            out[-1] = dataclasses.replace(prev, name=f"{prev.name}_{step.name}", pool=step)
+        else:
+            out.append(step)
     return out
 
 
