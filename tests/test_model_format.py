@@ -24,6 +24,7 @@ from service.model.planner import (
     LinearStep,
     MLPStep,
     Pool2dStep,
+    fused_steps,
     group_conv_pools,
     group_mlps,
     kernel_names,
@@ -718,6 +719,7 @@ def test_shipped_cnn_loads_and_plans():
     # and the 2x2 max pool (no padding, floor mode, windows apart) rides in the second conv's kernel: 3 kernels
     steps = group_conv_pools(steps)
     assert kernel_names(steps) == ["conv2d_0_relu", "conv2d_1_relu_maxpool2d_0", "mlp_0_1"]
+    assert fused_steps(model.ops, model.tensors) == steps
     assert steps[1].pool == Pool2dStep("maxpool2d_0", "max", (2, 2), (2, 2), (0, 0), False, True, "none", 0.01)
 
 

@@ -32,9 +32,7 @@ from .planner import (
     MLPStep,
     Pool2dStep,
     Step,
-    group_conv_pools,
-    group_mlps,
-    plan,
+    fused_steps,
 )
 
 Mode = Literal["fused", "unfused"]
@@ -99,9 +97,7 @@ class Executor:
         self.device = device
         self.dtype = dtype
         # Both modes run one plan, so their per-step timings line up under the same names.
-        steps = plan(model.ops)
-        steps = group_mlps(steps, model.tensors) if whole_mlp else steps
-        self.steps: list[Step] = group_conv_pools(steps) if conv_pool else steps
+        self.steps: list[Step] = fused_steps(model.ops, model.tensors, whole_mlp=whole_mlp, conv_pool=conv_pool)
         # Weights are cast and placed once, contiguous, as the kernels require.
         self.tensors = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in model.tensors.items()}
         # (name to time under, or None for a view; the bound layer)

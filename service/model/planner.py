@@ -197,6 +197,15 @@ def group_conv_pools(steps: list[Step]) -> list[Step]:
     return out
 
 
+def fused_steps(
+    ops: list[Op], tensors: Mapping[str, torch.Tensor], *, whole_mlp: bool = True, conv_pool: bool = True
+) -> list[Step]:
+    """The plan both executors run: `plan`, then the whole-MLP and conv + pool groupings."""
+    steps = plan(ops)
+    steps = group_mlps(steps, tensors) if whole_mlp else steps
+    return group_conv_pools(steps) if conv_pool else steps
+
+
 def kernel_names(steps: list[Step]) -> list[str]:
     """The steps that launch work, by name (flatten is a view)."""
     return [s.name for s in steps if not isinstance(s, FlattenStep)]
