@@ -277,7 +277,8 @@ def _plot(result: dict, path: Path) -> Path | None:
                 ax.plot(sizes, [y if y is not None else float("nan") for y in ys], marker="o", label=label)
         if cuda:
             ax.plot(sizes, [r["floor_us"] for r in panel], "k--", label="bandwidth floor")
-        ax.set(xscale="log", yscale="log", xlabel="S (input S×S, N=C=1)", ylabel="µs", title=f"{dtype}, k{k} s{k}")
+        ax.set_xscale("log", base=2)
+        ax.set(yscale="log", xlabel="S (input S×S, N=C=1)", ylabel="µs", title=f"{dtype}, k{k} s{k}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"AvgPool2D + ReLU on {result['gpu']}")

@@ -63,6 +63,18 @@ def small_tile(monkeypatch):
     monkeypatch.setattr(pool_mod, "interpreter_tile", pool_mod.SMALL_INTERPRETER_TILE)
 
 
+@pytest.fixture
+def untuned():
+    """The first candidate, untimed: the window, kind and activation are compile-time, so a tuned call compiles
+    every candidate; correctness sweeps take one, and the tuner's picks are checked by test_gpu_large."""
+    from kernels import tuning
+
+    tuning.set_enabled(False)
+    yield
+    tuning.set_enabled(None)
+    pool_mod._configs.clear()  # the untimed picks, so that no later tuned test reuses them
+
+
 @pytest.fixture(params=["rows", "channels"])
 def kernel_layout(request, monkeypatch):
     """Both kernels on the same inputs (each takes any strides; on CUDA the memory format picks)."""
@@ -170,8 +182,8 @@ def test_bad_inputs_are_named(make, kwargs, message):
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["avg", "max"])
-def test_gpu_every_dtype_and_activation(kind, dtype, activation):
-    for case in CASES[:6]:
+def test_gpu_every_dtype_and_activation(untuned, kind, dtype, activation):
+    for case in (CASES[1], CASES[6]):
         N, C, H, W, k, s, p, ceil = case
         _check((N, C, H, W), kind, k, s, p, ceil, dtype, activation, "cuda")
 
@@ -181,7 +193,7 @@ def test_gpu_every_dtype_and_activation(kind, dtype, activation):
 @pytest.mark.parametrize("cip", [True, False], ids=["cip", "nocip"])
 @pytest.mark.parametrize("kind", ["avg", "max"])
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_gpu_torch_semantics(case, kind, cip, channels_last):
+def test_gpu_torch_semantics(untuned, case, kind, cip, channels_last):
     N, C, H, W, k, s, p, ceil = case
     _check((N, C, H, W), kind, k, s, p, ceil, torch.float16, "relu", "cuda", cip=cip, channels_last=channels_last)
 
