@@ -27,7 +27,7 @@ CASES = [
     (2, 3, 7, 9, 3, 2, 1, True),
     (1, 5, 4, 4, 3, 2, 1, True),
     (3, 2, 5, 5, 2, 2, 1, True),
-    (2, 3, 13, 17, 3, 1, 1, False),
+    (1, 1, 9, 11, 3, 1, 1, False),
     (1, 2, 11, 19, (2, 3), (3, 2), (1, 1), True),
     (1, 3, 17, 23, 8, 8, 0, True),
     (2, 1, 9, 31, (1, 4), (1, 4), (0, 2), False),
@@ -139,17 +139,16 @@ def test_tiles_agree():
 
 
 def test_output_size_matches_torch():
-    for size in range(1, 12):
+    for size in range(1, 10):
         for k in range(1, 5):
-            for s in range(1, 5):
+            for s in range(1, 4):
                 for p in range(0, k // 2 + 1):
                     for ceil in (False, True):
                         got = pool_mod.pool_output_size(size, k, s, p, ceil)
                         if size + 2 * p < k:
                             continue
-                        want = torch.nn.functional.avg_pool2d(
-                            torch.zeros(1, 1, size, size), k, s, p, ceil_mode=ceil
-                        ).shape[-1]
+                        want = torch.nn.functional.avg_pool2d(torch.zeros(1, 1, 1, size), (1, k), (1, s), (0, p),
+                                                              ceil_mode=ceil).shape[-1]  # fmt: skip
                         assert got == want, (size, k, s, p, ceil)
 
 
