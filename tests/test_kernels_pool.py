@@ -27,7 +27,7 @@ CASES = [
     (2, 3, 7, 9, 3, 2, 1, True),
     (1, 5, 4, 4, 3, 2, 1, True),
     (3, 2, 5, 5, 2, 2, 1, True),
-    (2, 3, 13, 17, 3, 1, 1, False),
+    (1, 1, 9, 11, 3, 1, 1, False),
     (1, 2, 11, 19, (2, 3), (3, 2), (1, 1), True),
     (1, 3, 17, 23, 8, 8, 0, True),
     (2, 1, 9, 31, (1, 4), (1, 4), (0, 2), False),
@@ -61,6 +61,18 @@ def _check(shape, kind, k, s, p, ceil, dtype, activation, device, cip=True, slop
 @pytest.fixture
 def small_tile(monkeypatch):
     monkeypatch.setattr(pool_mod, "interpreter_tile", pool_mod.SMALL_INTERPRETER_TILE)
+
+
+@pytest.fixture
+def untuned():
+    """The first candidate, untimed: the window, kind and activation are compile-time, so a tuned call compiles
+    every candidate; correctness sweeps take one, and the tuner's picks are checked by test_gpu_large."""
+    from kernels import tuning
+
+    tuning.set_enabled(False)
+    yield
+    tuning.set_enabled(None)
+    pool_mod._configs.clear()  # the untimed picks, so that no later tuned test reuses them
 
 
 @pytest.fixture(params=["rows", "channels"])
@@ -127,17 +139,16 @@ def test_tiles_agree():
 
 
 def test_output_size_matches_torch():
-    for size in range(1, 12):
+    for size in range(1, 10):
         for k in range(1, 5):
-            for s in range(1, 5):
+            for s in range(1, 4):
                 for p in range(0, k // 2 + 1):
                     for ceil in (False, True):
                         got = pool_mod.pool_output_size(size, k, s, p, ceil)
                         if size + 2 * p < k:
                             continue
-                        want = torch.nn.functional.avg_pool2d(
-                            torch.zeros(1, 1, size, size), k, s, p, ceil_mode=ceil
-                        ).shape[-1]
+                        want = torch.nn.functional.avg_pool2d(torch.zeros(1, 1, 1, size), (1, k), (1, s), (0, p),
+                                                              ceil_mode=ceil).shape[-1]  # fmt: skip
                         assert got == want, (size, k, s, p, ceil)
 
 
@@ -170,8 +181,8 @@ def test_bad_inputs_are_named(make, kwargs, message):
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["avg", "max"])
-def test_gpu_every_dtype_and_activation(kind, dtype, activation):
-    for case in CASES[:6]:
+def test_gpu_every_dtype_and_activation(untuned, kind, dtype, activation):
+    for case in (CASES[1], CASES[6]):
         N, C, H, W, k, s, p, ceil = case
         _check((N, C, H, W), kind, k, s, p, ceil, dtype, activation, "cuda")
 
@@ -181,7 +192,7 @@ def test_gpu_every_dtype_and_activation(kind, dtype, activation):
 @pytest.mark.parametrize("cip", [True, False], ids=["cip", "nocip"])
 @pytest.mark.parametrize("kind", ["avg", "max"])
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_gpu_torch_semantics(case, kind, cip, channels_last):
+def test_gpu_torch_semantics(untuned, case, kind, cip, channels_last):
     N, C, H, W, k, s, p, ceil = case
     _check((N, C, H, W), kind, k, s, p, ceil, torch.float16, "relu", "cuda", cip=cip, channels_last=channels_last)
 
