@@ -9,6 +9,7 @@ kernel keeps fp32 until the end), on any device.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, torch_activation
 
@@ -31,3 +32,50 @@ def linear(
 def activation(x: torch.Tensor, name: str, *, negative_slope: float = DEFAULT_NEGATIVE_SLOPE) -> torch.Tensor:
     """One eager activation kernel."""
     return torch_activation(x, name, negative_slope)
+
+
+def _pair(v) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def conv2d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+    *,
+    stride=(1, 1),
+    padding=(0, 0),
+    dilation=(1, 1),
+    negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
+) -> torch.Tensor:
+    """act(conv2d(x, weight) + bias) as eager torch runs it: F.conv2d with the bias (cuDNN adds it in the
+    conv kernel, or as its own add), then the activation as its own kernel. groups=1."""
+    y = F.conv2d(x, weight, bias, stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation))
+    return torch_activation(y, activation, negative_slope)
+
+
+def pool2d(
+    x: torch.Tensor,
+    kind: str,
+    kernel_size,
+    stride=None,
+    padding=(0, 0),
+    *,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    activation: str = "none",
+    negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
+) -> torch.Tensor:
+    """act(avg_pool2d or max_pool2d of x): the pooling kernel, then the activation kernel. kind "avg" | "max";
+    stride None means kernel_size, as in torch."""
+    k = _pair(kernel_size)
+    s = k if stride is None else _pair(stride)
+    p = _pair(padding)
+    if kind == "avg":
+        y = F.avg_pool2d(x, k, s, p, ceil_mode=ceil_mode, count_include_pad=count_include_pad)
+    elif kind == "max":
+        y = F.max_pool2d(x, k, s, p, ceil_mode=ceil_mode)
+    else:
+        raise ValueError(f"unknown pooling kind {kind!r}; expected 'avg' or 'max'")
+    return torch_activation(y, activation, negative_slope)

@@ -53,7 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check_model(args: argparse.Namespace) -> int:
     from .model.loader import load_model
-    from .model.planner import kernel_names, plan
+    from .model.planner import fused_steps, kernel_names
     from .model.spec import ModelFormatError
 
     try:
@@ -61,9 +61,9 @@ def _check_model(args: argparse.Namespace) -> int:
     except ModelFormatError as e:
         print(f"invalid model: {e}", file=sys.stderr)
         return 1
-    kernels = kernel_names(plan(model.ops))
+    kernels = kernel_names(fused_steps(model.ops, model.tensors))  # what the executors run
     print(f"{model.name}: input {model.input_shape} -> {model.output_features} outputs; {len(model.ops)} ops")
-    print(f"fused plan ({len(kernels)} kernels): {', '.join(kernels)}")
+    print(f"fused plan ({len(kernels)} kernel{'s' if len(kernels) != 1 else ''}): {', '.join(kernels)}")
     return 0
 
 

@@ -234,7 +234,10 @@ def build_runner(settings: Settings, device, dtype: str, model, metrics):
 
     from .model.runner import ModelRunner
 
-    torch.backends.cuda.matmul.allow_tf32 = settings.allow_tf32  # one setting for both modes
+    # One setting for both modes: torch turns TF32 on for convolutions by default, and the fused conv follows
+    # the same flag, so float32 stays IEEE float32 in both unless ALLOW_TF32 says otherwise.
+    torch.backends.cuda.matmul.allow_tf32 = settings.allow_tf32
+    torch.backends.cudnn.allow_tf32 = settings.allow_tf32
     tuning.use_cache(settings.tuning_cache or tuning.default_cache_path())
     tuning.set_enabled(settings.tuning)
     pdl.set_enabled(settings.pdl)

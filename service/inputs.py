@@ -7,6 +7,7 @@ to say exactly where (`inputs[3][17]`). No per-float pydantic validation.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -26,7 +27,10 @@ class InputError(Exception):
 
 
 def parse_rows(body: bytes, input_shape: tuple[int, ...], max_rows: int) -> np.ndarray:
-    """body -> (rows, *input_shape) float32, every value finite, 1 <= rows <= max_rows."""
+    """body -> (rows, *input_shape) float32, every value finite, 1 <= rows <= max_rows.
+
+    A row may come in any layout of `row_layouts(input_shape)`: for an image model of shape (1, 8, 8) as
+    [1][8][8], [8][8] or 64 flat values; one request may mix them."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as e:
@@ -56,7 +60,7 @@ def parse_rows(body: bytes, input_shape: tuple[int, ...], max_rows: int) -> np.n
         )
 
     features = math.prod(input_shape)
-    flat_ok = (features,)
+    layouts = row_layouts(tuple(input_shape))
     # true/false would silently become 1.0/0.0 in numpy; the bytes tell cheaply whether any is there.
     has_bool = b"true" in body or b"false" in body
     arr = None
@@ -64,46 +68,74 @@ def parse_rows(body: bytes, input_shape: tuple[int, ...], max_rows: int) -> np.n
         try:
             arr = np.asarray(rows)
         except (ValueError, TypeError):
-            arr = None  # ragged: the walk below names the row
-    if arr is None or arr.dtype.kind not in "iuf" or arr.shape[1:] not in (tuple(input_shape), flat_ok):
-        _raise_first_problem(rows, input_shape, features)
-        raise InputError(422, f"inputs must have shape (rows, {features}); got {getattr(arr, 'shape', '?')}")
+            arr = None  # ragged, or rows in different layouts: the walk below names the row or takes them one by one
+    if arr is not None and arr.dtype.kind in "iuf" and arr.shape[1:] in layouts:
+        shapes = [arr.shape[1:]] * len(rows)
+    else:
+        # Every row is checked (the first bad one raises); rows that are all good but in different layouts
+        # (or of integers too large for int64) are converted one at a time.
+        shapes = [_check_row(row, i, layouts, features) for i, row in enumerate(rows)]
+        arr = np.stack([np.asarray(row, dtype=np.float64).reshape(-1) for row in rows])
     with np.errstate(over="ignore"):
         out = arr.astype(np.float32, copy=False).reshape(len(rows), *input_shape)
     if not np.isfinite(out).all():
-        bad = np.argwhere(~np.isfinite(out.reshape(len(rows), -1)))[0]
+        i, flat = np.argwhere(~np.isfinite(out.reshape(len(rows), -1)))[0]
+        place = "".join(f"[{j}]" for j in np.unravel_index(flat, shapes[i]))
         raise InputError(
-            422, f"inputs[{bad[0]}][{bad[1]}] is out of float32 range (|x| <= {FLOAT32_MAX:.4g}); values must be finite"
+            422, f"inputs[{i}]{place} is out of float32 range (|x| <= {FLOAT32_MAX:.4g}); values must be finite"
         )
     return out
 
 
-def _raise_first_problem(rows: list, input_shape: tuple[int, ...], features: int) -> None:
-    """Walk the rows (error path only) and raise for the first bad one."""
-    nested = len(input_shape) > 1
-    for i, row in enumerate(rows):
-        if not isinstance(row, list):
-            raise InputError(422, f"inputs[{i}] is {_kind(row)}; each row must be a list of {features} numbers")
-        values = _flatten(row) if nested else row
-        if values is None:
-            raise InputError(422, f"inputs[{i}] must be a flat list of {features} numbers or nested as {input_shape}")
-        for j, v in enumerate(values):
+@functools.cache  # one model per process: computed once, not per request
+def row_layouts(input_shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The shapes a row may have: the input shape, that shape without leading 1s (an image of one channel
+    as [8][8]), and flat. (1, 8, 8) -> [(1, 8, 8), (8, 8), (64,)]; (64,) -> [(64,)]."""
+    shape = tuple(input_shape)
+    out = [shape]
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+        out.append(shape)
+    flat = (math.prod(input_shape),)
+    return tuple(out) if flat in out else (*out, flat)
+
+
+def _describe_layouts(layouts: tuple[tuple[int, ...], ...], features: int) -> str:
+    nested = ["".join(f"[{n}]" for n in s) for s in layouts if len(s) > 1]
+    return f"{features} numbers" + (f" or nested as {' or '.join(nested)}" if nested else "")
+
+
+def _check_row(row: object, i: int, layouts: tuple[tuple[int, ...], ...], features: int) -> tuple[int, ...]:
+    """Raise for the first problem in row i (error path only); return the layout it has."""
+    what = _describe_layouts(layouts, features)
+    if not isinstance(row, list):
+        raise InputError(422, f"inputs[{i}] is {_kind(row)}; each row must be a list of {what}")
+    depth, node = 1, row  # how deep the lists go along the first elements
+    while node and isinstance(node[0], list):
+        node, depth = node[0], depth + 1
+    # The layout of that depth; else the deepest shallower one (the walk then names the list too many)
+    shape = next((s for s in layouts if len(s) == depth), None) or max(
+        (s for s in layouts if len(s) < depth), key=len, default=layouts[-1]
+    )
+    _walk(row, f"inputs[{i}]", shape, what, len(shape) == 1 and len(layouts) == 1)
+    return shape
+
+
+def _walk(node: list, where: str, shape: tuple[int, ...], what: str, flat_model: bool) -> None:
+    if len(shape) == 1:
+        for j, v in enumerate(node):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise InputError(422, f"inputs[{i}][{j}] is {_kind(v)}; every value must be a number")
-        if len(values) != features:
-            raise InputError(422, f"inputs[{i}] has {len(values)} values; the model takes {features}")
-
-
-def _flatten(row: list) -> list | None:
-    out: list = []
-    stack = [row]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(reversed(item))
-        else:
-            out.append(item)
-    return out
+                raise InputError(422, f"{where}[{j}] is {_kind(v)}; every value must be a number")
+        if len(node) != shape[0]:
+            takes = f"the model takes {shape[0]}" if flat_model else f"expected {shape[0]} (a row is {what})"
+            raise InputError(422, f"{where} has {len(node)} values; {takes}")
+        return
+    if len(node) != shape[0]:
+        raise InputError(422, f"{where} has {len(node)} items; expected {shape[0]} (a row is {what})")
+    for j, child in enumerate(node):
+        if not isinstance(child, list):
+            raise InputError(422, f"{where}[{j}] is {_kind(child)}; expected a list (a row is {what})")
+        _walk(child, f"{where}[{j}]", shape[1:], what, flat_model)
 
 
 def _kind(v: object) -> str:

@@ -10,6 +10,7 @@ a row: the first rides in the GEMM epilogue, the rest become standalone activati
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -135,4 +136,178 @@ def spec_id(spec: dict) -> str:
     for i, (n, act) in enumerate(zip(spec["widths"][1:], spec["activations"], strict=True)):
         has_bias = bias if isinstance(bias, bool) else bias[i]
         parts.append(f"{n}{'' if has_bias else 'nb'}.{_act_label(act)}")
+    return "-".join(parts)
+
+
+# ---- CNNs ----
+
+
+def _pair(v) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else (v[0], v[1])
+
+
+def write_cnn_model(
+    dir: Path | str,
+    input_shape: list[int],
+    layers: list[dict],
+    seed: int = 0,
+    *,
+    name: str = "test-cnn",
+    labels: list[str] | None = None,
+) -> Path:
+    """Write a model of image ops; return its directory. input_shape is (channels, height, width).
+
+    layers: {"op": "conv2d", "out": 16, "kernel": 3 or [kh, kw], "bias": True, and stride / padding /
+    dilation as the config takes them}, {"op": "linear", "out": 10, "bias": True}, or any other op as the
+    config writes it (pools, flatten, activations). In-channels and in-features follow from the shapes,
+    worked out with torch (not the loader). Weights N(0, 1/fan_in), biases N(0, 0.25), float32.
+    """
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(seed)
+    probe = torch.zeros(1, *input_shape)  # follows the shapes through the real torch ops
+    ops: list[dict] = []
+    tensors: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(layers):
+        kind = layer["op"]
+        if kind in ("conv2d", "linear"):
+            op = {k: v for k, v in layer.items() if k not in ("out", "kernel", "bias")}
+            op["weight"] = f"{kind}{i}.weight"
+            if kind == "conv2d":
+                kh, kw = _pair(layer.get("kernel", 3))
+                shape = (layer["out"], probe.shape[1], kh, kw)
+            else:
+                shape = (layer["out"], probe.shape[1])
+            fan_in = math.prod(shape[1:])
+            w = tensors[op["weight"]] = torch.randn(*shape, generator=gen) / fan_in**0.5
+            b = None
+            if layer.get("bias", True):
+                op["bias"] = f"{kind}{i}.bias"
+                b = tensors[op["bias"]] = torch.randn(layer["out"], generator=gen) * 0.5
+            if kind == "conv2d":
+                geometry = {k: _pair(layer.get(k, d)) for k, d in (("stride", 1), ("padding", 0), ("dilation", 1))}
+                probe = F.conv2d(probe, w, b, **geometry)
+            else:
+                probe = F.linear(probe, w, b)
+            ops.append(op)
+            continue
+        if kind == "flatten":
+            probe = probe.flatten(1)
+        elif kind in ("avgpool2d", "maxpool2d"):
+            k = _pair(layer["kernel_size"])
+            args = dict(stride=_pair(layer.get("stride") or k), padding=_pair(layer.get("padding", 0)),
+                        ceil_mode=layer.get("ceil_mode", False))  # fmt: skip
+            if kind == "avgpool2d":
+                probe = F.avg_pool2d(probe, k, count_include_pad=layer.get("count_include_pad", True), **args)
+            else:
+                probe = F.max_pool2d(probe, k, **args)
+        ops.append(dict(layer))
+    if probe.dim() != 2:
+        raise ValueError(f"the layers leave shape {tuple(probe.shape[1:])} per row; end with flatten + linear")
+    config = {"format": FORMAT, "name": name, "input": {"shape": list(input_shape)}, "ops": ops}
+    if labels is not None:
+        config["labels"] = labels
+    dir = Path(dir)
+    dir.mkdir(parents=True, exist_ok=True)
+    (dir / "config.json").write_text(json.dumps(config, indent=1))
+    save_file(tensors, str(dir / "model.safetensors"))
+    return dir
+
+
+def _cnn_fits(input_shape: list[int], layers: list[dict]) -> bool:
+    import torch.nn.functional as F
+
+    x = torch.zeros(1, *input_shape)
+    try:
+        for layer in layers:
+            if layer["op"] == "conv2d":
+                kh, kw = _pair(layer.get("kernel", 3))
+                w = torch.zeros(layer["out"], x.shape[1], kh, kw)
+                geometry = {k: _pair(layer.get(k, d)) for k, d in (("stride", 1), ("padding", 0), ("dilation", 1))}
+                x = F.conv2d(x, w, **geometry)
+            elif layer["op"] in ("avgpool2d", "maxpool2d"):
+                k = _pair(layer["kernel_size"])
+                fn = F.avg_pool2d if layer["op"] == "avgpool2d" else F.max_pool2d
+                x = fn(x, k, _pair(layer.get("stride") or k), _pair(layer.get("padding", 0)),
+                       ceil_mode=layer.get("ceil_mode", False))  # fmt: skip
+    except RuntimeError:
+        return False
+    return x.numel() > 0
+
+
+def random_cnn_spec(rng: np.random.Generator) -> dict:
+    """Keyword arguments for write_cnn_model (without dir): 1-3 conv/pool blocks with awkward geometry
+    (1x1 to 5x3 kernels, strides, padding, dilation, avg and max pools with ceil_mode and padding), mixed
+    activations, then flatten and 1-2 linear layers."""
+    while True:
+        channels = int(rng.choice([1, 2, 3]))
+        input_shape = [channels, int(rng.integers(5, 13)), int(rng.integers(5, 13))]
+        layers: list[dict] = []
+        for _ in range(int(rng.integers(1, 4))):
+            if rng.random() < 0.75:
+                kernel = [int(rng.choice([1, 2, 3, 5])), int(rng.choice([1, 3]))] if rng.random() < 0.3 else int(
+                    rng.choice([1, 2, 3])
+                )  # fmt: skip
+                conv = {"op": "conv2d", "out": int(rng.choice([1, 4, 7, 16])), "kernel": kernel,
+                        "bias": bool(rng.random() < 0.8)}  # fmt: skip
+                if rng.random() < 0.3:
+                    conv["stride"] = int(rng.choice([1, 2]))
+                if rng.random() < 0.5:
+                    conv["padding"] = int(rng.choice([0, 1, 2]))
+                if rng.random() < 0.2:
+                    conv["dilation"] = 2
+                layers.append(conv)
+                act = ACTIVATION_CHOICES[int(rng.integers(len(ACTIVATION_CHOICES)))]
+                layers.extend(_as_ops(act))
+            if rng.random() < 0.6:
+                kind = str(rng.choice(["avgpool2d", "maxpool2d"]))
+                k = int(rng.choice([2, 3]))
+                pool = {"op": kind, "kernel_size": k}
+                if rng.random() < 0.4:
+                    pool["stride"] = int(rng.choice([1, 2]))
+                if rng.random() < 0.3:
+                    pool["padding"] = 1
+                if rng.random() < 0.3:
+                    pool["ceil_mode"] = True
+                if kind == "avgpool2d" and rng.random() < 0.5:
+                    pool["count_include_pad"] = False
+                layers.append(pool)
+                if rng.random() < 0.3:
+                    layers.extend(_as_ops(ACTIVATION_CHOICES[int(rng.integers(1, len(ACTIVATION_CHOICES)))]))
+        layers.append({"op": "flatten"})
+        for _ in range(int(rng.integers(1, 3))):
+            layers.append({"op": "linear", "out": int(rng.choice(WIDTHS[1:])), "bias": bool(rng.random() < 0.8)})
+            layers.extend(_as_ops(ACTIVATION_CHOICES[int(rng.integers(len(ACTIVATION_CHOICES)))]))
+        if _cnn_fits(input_shape, layers):
+            return {"input_shape": input_shape, "layers": layers, "seed": int(rng.integers(2**31))}
+
+
+def _label(v: int | list[int]) -> str:
+    return str(v) if isinstance(v, int) else "x".join(map(str, v))
+
+
+def cnn_spec_id(spec: dict) -> str:
+    """A readable test id: 'in1x8x8-c16k3p1.relu-max2-flat-l10'."""
+    parts = ["in" + "x".join(map(str, spec["input_shape"]))]
+    for layer in spec["layers"]:
+        kind = layer["op"]
+        if kind == "conv2d":
+            k = layer.get("kernel", 3)
+            label = f"c{layer['out']}k{_label(k)}"
+            label += "".join(
+                f"{key[0]}{_label(layer[key])}" for key in ("stride", "padding", "dilation") if key in layer
+            )
+            parts.append(label + ("" if layer.get("bias", True) else "nb"))
+        elif kind in ("avgpool2d", "maxpool2d"):
+            label = f"{kind[:3]}{_label(layer['kernel_size'])}"
+            label += "".join(f"{key[0]}{_label(layer[key])}" for key in ("stride", "padding") if key in layer)
+            label += "ceil" if layer.get("ceil_mode") else ""
+            label += "nopad" if layer.get("count_include_pad") is False else ""
+            parts.append(label)
+        elif kind == "linear":
+            parts.append(f"l{layer['out']}" + ("" if layer.get("bias", True) else "nb"))
+        elif kind == "flatten":
+            parts.append("flat")
+        else:
+            parts[-1] += "." + _act_label(layer)
     return "-".join(parts)

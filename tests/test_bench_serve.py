@@ -93,18 +93,21 @@ def test_warmup_errors_fail_the_phase():
 
 
 def test_metrics_are_summed_over_labels_and_split_per_phase():
-    from service.metrics import Metrics
+    from service.metrics import EngineMetrics, RequestMetrics
 
-    m = Metrics("digits-mlp", "fused", "cpu", "float32")
-    before = parse_metrics(m.render().decode())
+    front, engine = RequestMetrics("digits-mlp", "fused"), EngineMetrics("digits-mlp", "fused", "cpu", "float32")
+
+    def scrape() -> dict:  # what /metrics shows of a deployment: both processes' families
+        return parse_metrics(front.render().decode() + engine.render().decode())
+
+    before = scrape()
     for _ in range(3):
-        m.observe_request("ok", 0.001)
-    m.observe_request("overloaded")
-    m.queue_wait(0.002)
-    m.queue_wait(0.004)
-    m.observe_forward(10e-6)
-    m.batch(2, 2)
-    d = delta(before, parse_metrics(m.render().decode()))
+        front.observe_request("ok", 0.001)
+    front.observe_request("overloaded")
+    engine.queue_waits([0.002, 0.004])
+    engine.observe_forward(10e-6)
+    engine.batch(2)
+    d = delta(before, scrape())
     split = server_split(d)
     assert split["outcomes"] == {"ok": 3, "overloaded": 1}
     assert split["queue_wait_ms"] == pytest.approx(3.0)

@@ -22,14 +22,31 @@ from service.model.executors import Executor, StepTimer
 from service.model.loader import load_model
 from service.model.planner import kernel_names, plan
 from service.model.runner import ModelRunner, warmup_sizes
-from tests.modelgen import random_model_spec, spec_id, write_model
+from tests.modelgen import cnn_spec_id, random_cnn_spec, random_model_spec, spec_id, write_cnn_model, write_model
 from tests.tolerances import RTOL, RTOL_VS_UNFUSED, assert_close_to
 
 pytestmark = pytest.mark.timeout(120)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32_convs():
+    """float32 convs in full fp32 on the GPU: torch's default lets cuDNN, and fused_conv2d which follows the
+    same flag, multiply in TF32 (10 mantissa bits), which the float64 comparisons here would catch."""
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = before
+
+
 SHIPPED = Path(__file__).resolve().parents[1] / "model_weights" / "digits-mlp"
+SHIPPED_CNN = Path(__file__).resolve().parents[1] / "model_weights" / "digits-cnn"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _pair(v) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else (v[0], v[1])
 
 
 def reference_forward(model_dir: Path, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -42,6 +59,20 @@ def reference_forward(model_dir: Path, x: torch.Tensor, dtype: torch.dtype) -> t
         kind = op["op"]
         if kind == "linear":
             h = F.linear(h, tensors[op["weight"]], tensors[op["bias"]] if op.get("bias") else None)
+        elif kind == "conv2d":
+            h = F.conv2d(
+                h, tensors[op["weight"]], tensors[op["bias"]] if op.get("bias") else None,
+                stride=_pair(op.get("stride", 1)), padding=_pair(op.get("padding", 0)),
+                dilation=_pair(op.get("dilation", 1)),
+            )  # fmt: skip
+        elif kind in ("avgpool2d", "maxpool2d"):
+            k = _pair(op["kernel_size"])
+            args = dict(stride=_pair(op.get("stride") or k), padding=_pair(op.get("padding", 0)),
+                        ceil_mode=op.get("ceil_mode", False))  # fmt: skip
+            if kind == "avgpool2d":
+                h = F.avg_pool2d(h, k, count_include_pad=op.get("count_include_pad", True), **args)
+            else:
+                h = F.max_pool2d(h, k, **args)
         elif kind == "flatten":
             h = h.flatten(1)
         elif kind == "relu":
@@ -304,3 +335,188 @@ def test_shipped_model_accuracy_on_held_out_digits():
         assert accuracy >= 0.95, f"{mode}: held-out accuracy {accuracy:.4f}"
     agree = float((preds["fused"] == preds["unfused"]).mean())
     assert agree >= 0.99, f"fused and unfused disagree on {math.ceil((1 - agree) * 360)} of 360 digits"
+
+
+# ---- CNNs: conv2d, avgpool2d, maxpool2d ----
+
+
+def _held_out() -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    _, x_test, _, y_test = train_test_split(
+        digits.data, digits.target, test_size=0.2, random_state=0, stratify=digits.target
+    )
+    return x_test, y_test
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch", [1, 5, 33])
+def test_shipped_cnn_fused_vs_unfused(batch, dtype):
+    x = torch.rand(batch, 1, 8, 8) * 16  # raw pixel scale, 0..16, as the model is served
+    model, fused, unfused = _both(SHIPPED_CNN, x, dtype)
+    what = f"digits-cnn batch {batch} {dtype}"
+    assert_close_to(fused, unfused.double(), RTOL_VS_UNFUSED[dtype], f"{what}: fused vs unfused")
+    assert_close_to(fused, reference_forward(SHIPPED_CNN, x, dtype), _rtol_vs_float64(model, dtype), f"{what}: f64")
+
+
+def test_shipped_cnn_steps_line_up_in_both_modes():
+    model = load_model(SHIPPED_CNN)
+    names = {
+        mode: [name for name, _ in Executor(model, mode, DEVICE, torch.float32).layers] for mode in ("fused", "unfused")
+    }
+    assert names["fused"] == names["unfused"] == ["conv2d_0_relu", "conv2d_1_relu_maxpool2d_0", None, "mlp_0_1"]
+
+
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+def test_shipped_cnn_with_the_pool_in_its_own_step(mode):
+    """conv_pool=False: the pool is its own step (its own kernel when fused), the result the same."""
+    model = load_model(SHIPPED_CNN)
+    apart = Executor(model, mode, DEVICE, torch.float32, conv_pool=False)
+    together = Executor(model, mode, DEVICE, torch.float32)
+    assert [n for n, _ in apart.layers] == ["conv2d_0_relu", "conv2d_1_relu", "maxpool2d_0", None, "mlp_0_1"]
+    x = (torch.rand(9, 1, 8, 8) * 16).to(DEVICE)
+    assert_close_to(together.forward(x), apart.forward(x).double(), RTOL_VS_UNFUSED[torch.float32], mode)
+
+
+def test_cnn_steps_are_bound_to_the_kernels_of_their_mode():
+    """Fused vs unfused comparisons cannot tell a fused step that fell back to torch: check the binding."""
+    import kernels.conv
+    import kernels.pool
+    from kernels import reference
+
+    model = load_model(SHIPPED_CNN)
+    conv = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "activation": "relu", "negative_slope": 0.01}
+    pool = {
+        "kind": "max", "kernel_size": (2, 2), "stride": (2, 2), "padding": (0, 0), "ceil_mode": False,
+        "count_include_pad": True, "activation": "none", "negative_slope": 0.01,
+    }  # fmt: skip
+
+    def args(layer) -> dict:
+        return {k: v for k, v in layer.keywords.items() if k not in ("weight", "bias")}
+
+    fused = Executor(model, "fused", DEVICE, torch.float32).layers
+    assert [layer.func for _, layer in fused[:2]] == [kernels.conv.fused_conv2d] * 2
+    assert args(fused[0][1]) == conv
+    assert args(fused[1][1]) == {**conv, "pool": ("max", (2, 2), (2, 2))}  # conv + relu + pool: one kernel
+    fused_apart = Executor(model, "fused", DEVICE, torch.float32, conv_pool=False).layers
+    assert fused_apart[2][1].func is kernels.pool.fused_pool2d and fused_apart[2][1].keywords == pool
+
+    unfused = Executor(model, "unfused", DEVICE, torch.float32).layers
+    assert unfused[0][1].func is reference.conv2d and args(unfused[0][1]) == conv
+    conv1, pool1 = unfused[1][1].keywords["layers"]  # the merged step runs F.conv2d + relu, then F.max_pool2d
+    assert conv1.func is reference.conv2d and args(conv1) == conv
+    assert pool1.func is reference.pool2d and pool1.keywords == pool
+
+
+_cnn_rng = np.random.default_rng(5)
+RANDOM_CNN_SPECS = [random_cnn_spec(_cnn_rng) for _ in range(12)]
+
+
+@pytest.mark.parametrize("i", range(len(RANDOM_CNN_SPECS)), ids=[cnn_spec_id(s) for s in RANDOM_CNN_SPECS])
+def test_random_cnn_float32(tmp_path, i):
+    spec = RANDOM_CNN_SPECS[i]
+    d = write_cnn_model(tmp_path / "m", **spec)
+    batch = BATCHES[i % len(BATCHES)]
+    x = torch.randn(batch, *spec["input_shape"])
+    model, fused, unfused = _both(d, x, torch.float32)
+    what = f"{cnn_spec_id(spec)} batch {batch}"
+    assert_close_to(fused, unfused.double(), RTOL_VS_UNFUSED[torch.float32], f"{what}: fused vs unfused")
+    assert_close_to(fused, reference_forward(d, x, torch.float32), _rtol_vs_float64(model, torch.float32), what)
+
+
+# Pools that ride in the conv's kernel (group_conv_pools): floor mode leaving a remainder row and column, windows
+# with gaps between them, a strided dilated conv without bias, a pool after an activation and a 1-channel input.
+CONV_POOL_SPECS = [
+    dict(input_shape=[1, 9, 11], layers=[
+        {"op": "conv2d", "out": 16, "kernel": 3}, {"op": "relu"}, {"op": "maxpool2d", "kernel_size": 2},
+        {"op": "flatten"}, {"op": "linear", "out": 10},
+    ], seed=11),
+    dict(input_shape=[3, 12, 13], layers=[
+        {"op": "conv2d", "out": 7, "kernel": [3, 2], "padding": 1}, {"op": "gelu", "approximate": "tanh"},
+        {"op": "avgpool2d", "kernel_size": [2, 3], "stride": [3, 4]}, {"op": "flatten"}, {"op": "linear", "out": 5},
+    ], seed=12),
+    dict(input_shape=[2, 13, 10], layers=[
+        {"op": "conv2d", "out": 5, "kernel": 3, "stride": 2, "dilation": 2, "padding": 2, "bias": False},
+        {"op": "maxpool2d", "kernel_size": [3, 2], "stride": 3}, {"op": "flatten"}, {"op": "linear", "out": 4},
+    ], seed=13),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("batch", [1, 6])
+@pytest.mark.parametrize("spec", CONV_POOL_SPECS, ids=cnn_spec_id)
+def test_conv_with_its_pool_in_one_kernel_float32(tmp_path, spec, batch):
+    d = write_cnn_model(tmp_path / "m", **spec)
+    x = torch.randn(batch, *spec["input_shape"])
+    model, fused, unfused = _both(d, x, torch.float32)
+    assert any(getattr(s, "pool", None) for s in Executor(model, "fused", DEVICE, torch.float32).steps)
+    what = f"{cnn_spec_id(spec)} batch {batch}"
+    assert_close_to(fused, unfused.double(), RTOL_VS_UNFUSED[torch.float32], f"{what}: fused vs unfused")
+    assert_close_to(fused, reference_forward(d, x, torch.float32), _rtol_vs_float64(model, torch.float32), what)
+
+
+# Each exercises something different in half precision: stride + dilation + avg pool without the padding
+# counted + a standalone activation; a 5x3 kernel without bias + ceil-mode max pool with padding + silu fused
+# into the pool; 3 channels, a 1x1 conv, the whole-MLP tail.
+LOW_PRECISION_CNN_SPECS = [
+    dict(input_shape=[2, 11, 9], layers=[
+        {"op": "conv2d", "out": 7, "kernel": 3, "stride": 2, "padding": 2, "dilation": 2}, {"op": "gelu"},
+        {"op": "avgpool2d", "kernel_size": 3, "stride": 1, "padding": 1, "count_include_pad": False},
+        {"op": "tanh"}, {"op": "sigmoid"}, {"op": "flatten"}, {"op": "linear", "out": 13},
+    ], seed=1),
+    dict(input_shape=[1, 9, 10], layers=[
+        {"op": "conv2d", "out": 4, "kernel": [5, 3], "padding": [2, 1], "bias": False},
+        {"op": "leaky_relu", "negative_slope": 0.2},
+        {"op": "maxpool2d", "kernel_size": 3, "stride": 2, "padding": 1, "ceil_mode": True}, {"op": "silu"},
+        {"op": "flatten"}, {"op": "linear", "out": 7},
+    ], seed=2),
+    dict(input_shape=[3, 6, 6], layers=[
+        {"op": "conv2d", "out": 16, "kernel": 1}, {"op": "relu"}, {"op": "avgpool2d", "kernel_size": 2},
+        {"op": "flatten"}, {"op": "linear", "out": 37}, {"op": "relu"}, {"op": "linear", "out": 10},
+    ], seed=3),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("spec", LOW_PRECISION_CNN_SPECS, ids=cnn_spec_id)
+def test_random_cnn_half_precision(tmp_path, spec, dtype):
+    d = write_cnn_model(tmp_path / "m", **spec)
+    x = torch.randn(17, *spec["input_shape"])
+    model, fused, unfused = _both(d, x, dtype)
+    what = f"{cnn_spec_id(spec)} {dtype}"
+    assert_close_to(fused, unfused.double(), RTOL_VS_UNFUSED[dtype], f"{what}: fused vs unfused")
+    assert_close_to(fused, reference_forward(d, x, dtype), _rtol_vs_float64(model, dtype), f"{what}: vs f64")
+
+
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+def test_cnn_runner_times_every_step_by_name(mode):
+    model = load_model(SHIPPED_CNN)
+    rec = Recorder()
+    runner = ModelRunner(model, mode, DEVICE, "float32", observe_kernel=rec.kernel, observe_forward=rec.forward)
+    x, _ = _held_out()
+    out = runner.run(x[:6].reshape(6, 1, 8, 8))
+    assert out.shape == (6, 10) and out.dtype == np.float32
+    want = reference_forward(SHIPPED_CNN, torch.from_numpy(x[:6]).float().view(6, 1, 8, 8), torch.float32)
+    assert_close_to(torch.from_numpy(out), want, _rtol_vs_float64(model, torch.float32), mode)
+    assert [n for n, _ in rec.kernels] == ["conv2d_0_relu", "conv2d_1_relu_maxpool2d_0", "mlp_0_1"]
+    assert all(s > 0 for _, s in rec.kernels) and rec.forwards[0] >= sum(s for _, s in rec.kernels)
+    assert runner.warmup(4) == ([1, 2, 4] if DEVICE.type == "cuda" else [1, 4])
+
+
+@pytest.mark.timeout(300)
+def test_shipped_cnn_accuracy_on_held_out_digits():
+    """The README's figure: at least 98% of the 360 held-out digits, fused and unfused, float32 and float16."""
+    x_test, y_test = _held_out()
+    model = load_model(SHIPPED_CNN)
+    rows = x_test.reshape(-1, 1, 8, 8)
+    for dtype in ("float32", "float16"):
+        preds = {}
+        for mode in ("fused", "unfused"):
+            logits = ModelRunner(model, mode, DEVICE, dtype).run(rows)
+            assert logits.shape == (360, 10) and np.isfinite(logits).all()
+            preds[mode] = logits.argmax(axis=1)
+            accuracy = float((preds[mode] == y_test).mean())
+            assert accuracy >= 0.98, f"{mode} {dtype}: held-out accuracy {accuracy:.4f}"
+        agree = float((preds["fused"] == preds["unfused"]).mean())
+        assert agree >= 0.99, f"{dtype}: fused and unfused disagree on {math.ceil((1 - agree) * 360)} of 360 digits"

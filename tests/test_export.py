@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -12,6 +14,16 @@ from service.model.loader import load_model
 from tests.tolerances import assert_close_to
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32_convs():
+    """float32 convs in full fp32 on the GPU: torch's default lets cuDNN, and fused_conv2d which follows the
+    same flag, multiply in TF32 (10 mantissa bits), which the float64 comparisons here would catch."""
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = before
 
 
 @pytest.mark.parametrize("mode", ["fused", "unfused"])
@@ -44,3 +56,55 @@ def test_exported_sequential_matches_torch(tmp_path, mode):
 def test_unsupported_module_is_named(tmp_path):
     with pytest.raises(ValueError, match="layer 1: Conv1d has no fusedserve op"):
         export_sequential(nn.Sequential(nn.Flatten(), nn.Conv1d(1, 1, 1)), tmp_path / "bad", input_shape=[4])
+
+
+def _cnn() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(2, 6, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(6, 5, (3, 2), stride=(2, 1), padding="valid", dilation=(1, 2), bias=False), nn.SiLU(),
+        nn.MaxPool2d(2, ceil_mode=True),
+        nn.Conv2d(5, 4, 3, padding="same"),
+        nn.AvgPool2d(3, stride=1, padding=1, count_include_pad=False), nn.LeakyReLU(0.1),
+        nn.Flatten(), nn.Linear(4 * 2 * 3, 16), nn.ReLU(), nn.Linear(16, 3),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+def test_exported_cnn_matches_torch(tmp_path, mode):
+    model = _cnn()
+    path = export_sequential(model, tmp_path / "cnn", input_shape=[2, 9, 7])
+    ops = json.loads((path / "config.json").read_text())["ops"]
+    assert ops[2] == {"op": "conv2d", "weight": "layers.2.weight", "stride": [2, 1], "padding": 0,
+                      "dilation": [1, 2]}  # fmt: skip
+    assert ops[4] == {"op": "maxpool2d", "kernel_size": 2, "stride": 2, "padding": 0, "ceil_mode": True}
+    assert ops[5]["padding"] == 1  # "same" for a 3x3 kernel
+    assert ops[6] == {"op": "avgpool2d", "kernel_size": 3, "stride": 1, "padding": 1, "ceil_mode": False,
+                      "count_include_pad": False}  # fmt: skip
+    loaded = load_model(path)
+    x = torch.randn(5, 2, 9, 7)
+    with torch.no_grad():
+        want = model.double()(x.double())
+    ex = Executor(loaded, mode, DEVICE, torch.float32)
+    assert [name for name, _ in ex.layers] == [
+        "conv2d_0_relu", "conv2d_1_silu", "maxpool2d_0", "conv2d_2", "avgpool2d_0_leaky_relu", None, "mlp_0_1",
+    ]  # fmt: skip
+    assert_close_to(ex.forward(x.to(DEVICE)), want, 1e-5, f"exported CNN, {mode}")
+
+
+@pytest.mark.parametrize(
+    "module,message",
+    [
+        (nn.Conv2d(2, 2, 3, groups=2), "layer 0: Conv2d has groups=2; only groups=1 is supported"),
+        (nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect"), "layer 0: Conv2d has padding_mode='reflect'"),
+        (nn.Conv2d(2, 2, 2, padding="same"), "layer 0: Conv2d has padding='same' with an even kernel"),
+        (nn.MaxPool2d(2, dilation=2), r"layer 0: MaxPool2d has dilation=2; only 1 is supported"),
+        (nn.MaxPool2d(2, return_indices=True), "layer 0: MaxPool2d has return_indices=True"),
+        (nn.AvgPool2d(2, divisor_override=3), "layer 0: AvgPool2d has divisor_override=3; not supported"),
+        (nn.Conv1d(1, 1, 1), "layer 0: Conv1d has no fusedserve op"),
+        (nn.BatchNorm2d(2), r"layer 0: BatchNorm2d has no fusedserve op \(Linear, Conv2d, AvgPool2d, MaxPool2d, "),
+    ],
+    ids=["groups", "reflect", "same-even", "pool-dilation", "indices", "divisor", "conv1d", "batchnorm"],
+)
+def test_unsupported_cnn_module_is_named(tmp_path, module, message):
+    with pytest.raises(ValueError, match=message):
+        export_sequential(nn.Sequential(module, nn.Flatten()), tmp_path / "bad", input_shape=[2, 6, 6])

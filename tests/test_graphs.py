@@ -12,7 +12,7 @@ from service.model.executors import Executor
 from service.model.graphs import GraphedExecutor, graph_buckets
 from service.model.loader import load_model
 from service.model.runner import ModelRunner
-from tests.modelgen import write_model
+from tests.modelgen import write_cnn_model, write_model
 
 SHIPPED = Path(__file__).resolve().parents[1] / "model_weights" / "digits-mlp"
 # unfused only: cuBLAS at the padded bucket vs at the batch's own row count, same math in another order
@@ -84,4 +84,73 @@ def test_gpu_runner_replays_and_times_every_nth_batch():
     # Seconds: one kernel runs ~10 us alone, but the GPU session runs 16 test workers on one GPU, and a timed
     # launch can wait for another process's time slice (8.1 ms seen on the H200). 50 ms still rejects
     # microseconds passed as seconds.
+    assert all(0 < s < 0.05 for _, s in kernels), kernels
+
+
+SHIPPED_CNN = Path(__file__).resolve().parents[1] / "model_weights" / "digits-cnn"
+# Relative to the batch's largest output. float32 convs run in TF32 in both modes by default
+# (torch.backends.cudnn.allow_tf32, which fused_conv2d follows too): one config of ours against another only
+# reorders the sum, but cuDNN may pick another algorithm (Winograd, FFT) for the padded bucket, which rounds
+# differently.
+CNN_RTOL = {
+    "fused": {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2},
+    "unfused": {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2},
+}
+
+
+def _cnn_models(tmp_path):
+    # the shipped CNN (conv, conv, max pool, whole-MLP tail) and one with a strided, dilated conv, a padded
+    # ceil-mode avg pool with an activation in it, a standalone activation and a wide linear
+    odd = write_cnn_model(tmp_path / "odd-cnn", [3, 11, 9], [
+        {"op": "conv2d", "out": 7, "kernel": [3, 2], "stride": 2, "padding": 1, "dilation": [1, 2]}, {"op": "gelu"},
+        {"op": "avgpool2d", "kernel_size": 3, "stride": 1, "padding": 1, "ceil_mode": True,
+         "count_include_pad": False}, {"op": "silu"}, {"op": "tanh"},
+        {"op": "flatten"}, {"op": "linear", "out": 300}, {"op": "relu"}, {"op": "linear", "out": 5},
+    ])  # fmt: skip
+    return [load_model(SHIPPED_CNN), load_model(odd)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_gpu_cnn_replay_matches_launching_each_step(tmp_path, mode, dtype):
+    """Conv and pool never mix images, so pad rows change no real row; a conv kernel may pick another config
+    for the padded bucket than for the batch's own row count, so the comparison allows the rounding."""
+    for model in _cnn_models(tmp_path):
+        ex = Executor(model, mode, torch.device("cuda"), dtype)
+        graphs = GraphedExecutor(ex, 64)
+        graphs.capture_all()
+        for rows in (1, 3, 17, 64, 33, 2, 1):  # pad rows left by bigger batches must not leak
+            x = (torch.rand(rows, *model.input_shape, device="cuda") * 16).to(dtype)
+            want = ex.forward(x)
+            got = graphs.forward(x.cpu() if rows % 2 else x).clone()
+            tol = CNN_RTOL[mode][dtype]
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()),
+                                       msg=f"{model.name} {mode} {dtype} rows={rows}")  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+def test_gpu_cnn_runner_warms_replays_and_times_steps(mode):
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    X, y = load_digits(return_X_y=True)
+    _, x_test, _, y_test = train_test_split(X, y, test_size=0.2, random_state=0, stratify=y)
+    model = load_model(SHIPPED_CNN)
+    kernels = []
+    runner = ModelRunner(
+        model, mode, torch.device("cuda"), "float16", kernel_timing_every=4, max_batch_size=64,
+        observe_kernel=lambda name, s: kernels.append((name, s)),
+    )  # fmt: skip
+    assert runner.warmup(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert sorted(runner.graphs._graphs) == [1, 2, 4, 8, 16, 32, 64]
+    predictions = []
+    for start in range(0, 360, 45):  # 8 batches of 45 rows (bucket 64), batches 4 and 8 timed step by step
+        rows = x_test[start : start + 45].reshape(-1, 1, 8, 8)
+        predictions.append(runner.run(rows).argmax(axis=1))
+    accuracy = float((np.concatenate(predictions) == y_test).mean())
+    assert accuracy >= 0.98, f"{mode} float16 on the GPU: held-out accuracy {accuracy:.4f}"
+    names = ["conv2d_0_relu", "conv2d_1_relu_maxpool2d_0", "mlp_0_1"]
+    assert [n for n, _ in kernels] == names * 2
     assert all(0 < s < 0.05 for _, s in kernels), kernels

@@ -16,10 +16,22 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from service.cli import main
-from service.model.loader import load_model
-from service.model.planner import ActivationStep, FlattenStep, LinearStep, kernel_names, plan
+from service.model.loader import conv_out, load_model, pool_out
+from service.model.planner import (
+    ActivationStep,
+    Conv2dStep,
+    FlattenStep,
+    LinearStep,
+    MLPStep,
+    Pool2dStep,
+    fused_steps,
+    group_conv_pools,
+    group_mlps,
+    kernel_names,
+    plan,
+)
 from service.model.spec import ModelFormatError, parse_op
-from tests.modelgen import random_model_spec, spec_id, write_model
+from tests.modelgen import cnn_spec_id, random_cnn_spec, random_model_spec, spec_id, write_cnn_model, write_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,7 +98,7 @@ def test_check_model_cli_on_shipped_model(capsys):
     assert main(["check-model", str(SHIPPED)]) == 0
     out = capsys.readouterr().out
     assert "digits-mlp: input (64,) -> 10 outputs; 5 ops" in out
-    assert "fused plan (3 kernels): linear_0_relu, linear_1_relu, linear_2" in out
+    assert "fused plan (1 kernel): mlp_0_2" in out  # the whole MLP in one kernel, as the executors run it
 
 
 def test_check_model_cli_on_invalid_model(model_dir, capsys):
@@ -405,3 +417,314 @@ def test_activation_then_flatten_is_not_fused():
     steps = plan(_ops(_linear(0), {"op": "flatten"}, {"op": "silu"}))
     assert [type(s) for s in steps] == [LinearStep, FlattenStep, ActivationStep]
     assert steps[0].activation == "none" and steps[2].name == "activation_0_silu"
+
+
+# ---- CNNs: conv2d, avgpool2d, maxpool2d ----
+
+SHIPPED_CNN = Path(__file__).resolve().parents[1] / "model_weights" / "digits-cnn"
+
+
+@pytest.fixture
+def cnn_dir(tmp_path) -> Path:
+    """(2, 9, 7) -> conv 5x3x3 pad 1 + relu (5, 9, 7) -> maxpool 2 (5, 4, 3) -> conv 4x2x3 (4, 3, 1) -> flatten 12
+    -> linear 10: the CNN baseline each case below breaks. ops: [conv2d conv0, relu, maxpool2d, conv2d conv3,
+    flatten, linear linear5]."""
+    layers = [
+        {"op": "conv2d", "out": 5, "kernel": 3, "padding": 1}, {"op": "relu"},
+        {"op": "maxpool2d", "kernel_size": 2}, {"op": "conv2d", "out": 4, "kernel": [2, 3]},
+        {"op": "flatten"}, {"op": "linear", "out": 10},
+    ]  # fmt: skip
+    return write_cnn_model(tmp_path / "cnn", [2, 9, 7], layers, seed=int(torch.randint(0, 2**31, ())))
+
+
+def test_cnn_loads_with_its_shapes(cnn_dir):
+    model = load_model(cnn_dir)
+    assert model.input_shape == (2, 9, 7) and model.input_features == 126 and model.output_features == 10
+    assert {k: tuple(v.shape) for k, v in model.tensors.items()} == {
+        "conv2d0.weight": (5, 2, 3, 3), "conv2d0.bias": (5,), "conv2d3.weight": (4, 5, 2, 3), "conv2d3.bias": (4,),
+        "linear5.weight": (10, 12), "linear5.bias": (10,),
+    }  # fmt: skip
+    conv = model.ops[0]
+    assert (conv.stride, conv.padding, conv.dilation, conv.groups) == ((1, 1), (1, 1), (1, 1), 1)
+    pool = model.ops[2]
+    assert (pool.kernel_size, pool.stride, pool.stride_or_kernel, pool.padding, pool.ceil_mode) == (
+        (2, 2), None, (2, 2), (0, 0), False,
+    )  # fmt: skip
+
+
+RANDOM_CNN_SPECS = [random_cnn_spec(np.random.default_rng(seed)) for seed in range(24)]
+
+
+@pytest.mark.parametrize("spec", RANDOM_CNN_SPECS, ids=cnn_spec_id)
+def test_random_cnns_load_with_torchs_shapes(tmp_path, spec):
+    """write_cnn_model follows the shapes with torch's own ops; the loader must agree on every one."""
+    d = write_cnn_model(tmp_path / "m", **spec)
+    model = load_model(d)
+    assert model.input_shape == tuple(spec["input_shape"])
+    assert model.output_features == [x for x in spec["layers"] if x["op"] == "linear"][-1]["out"]
+    steps = plan(model.ops)
+    assert sum(isinstance(s, Conv2dStep) for s in steps) == sum(x["op"] == "conv2d" for x in spec["layers"])
+    assert sum(isinstance(s, Pool2dStep) for s in steps) == sum(x["op"].endswith("pool2d") for x in spec["layers"])
+
+
+@pytest.mark.parametrize(
+    "n,kernel,stride,padding,ceil_mode", [(n, k, s, p, c) for n in range(1, 10) for k in (1, 2, 3, 4) for s in (1, 2, 3)
+                                          for p in range(0, k // 2 + 1) for c in (False, True)],
+)  # fmt: skip
+def test_pool_out_is_torchs(n, kernel, stride, padding, ceil_mode):
+    x = torch.zeros(1, 1, n, n)
+    try:
+        want = torch.nn.functional.max_pool2d(x, kernel, stride, padding, ceil_mode=ceil_mode).shape[-1]
+    except RuntimeError:
+        want = 0  # torch refuses: output size < 1
+    assert max(pool_out(n, kernel, stride, padding, ceil_mode), 0) == want
+
+
+@pytest.mark.parametrize(
+    "n,kernel,stride,padding,dilation", [(n, k, s, p, d) for n in range(1, 9) for k in (1, 2, 3, 5) for s in (1, 2, 3)
+                                         for p in (0, 1, 2) for d in (1, 2)],
+)  # fmt: skip
+def test_conv_out_is_torchs(n, kernel, stride, padding, dilation):
+    x, w = torch.zeros(1, 1, n, n), torch.zeros(1, 1, kernel, kernel)
+    try:
+        want = torch.nn.functional.conv2d(x, w, None, stride, padding, dilation).shape[-1]
+    except RuntimeError:
+        want = 0
+    assert max(conv_out(n, kernel, stride, padding, dilation), 0) == want
+
+
+def _set_field(index: int, **fields):
+    def edit(cfg):
+        cfg["ops"][index] = {**cfg["ops"][index], **fields}
+
+    return edit
+
+
+def _drop_field(index: int, field: str):
+    def edit(cfg):
+        cfg["ops"][index].pop(field)
+
+    return edit
+
+
+# (id, how to break the config, regex). ops: [conv2d conv2d0 pad 1, relu, maxpool2d 2, conv2d conv2d3 (2, 3),
+# flatten, linear linear5]; per-row shapes (2, 9, 7) -> (5, 9, 7) -> (5, 4, 3) -> (4, 3, 1) -> 12 -> 10.
+BAD_CNN_CONFIGS = [
+    (
+        "flat input into conv",
+        lambda c: c.update(input={"shape": [126]}),
+        r"ops\[0\] \(conv2d\): input has shape \(126,\) per row; conv2d needs \(channels, height, width\), "
+        r'e\.g\. "input": \{"shape": \[1, 8, 8\]\}',
+    ),
+    (
+        "channels mismatch",
+        lambda c: c.update(input={"shape": [3, 9, 7]}),
+        r"ops\[0\] \(conv2d\): weight 'conv2d0.weight' has shape \(5, 2, 3, 3\); expected \(out, 3, kh, kw\) "
+        r"because its input has 3 channels",
+    ),
+    (
+        "input too small for the kernel",
+        lambda c: c.update(input={"shape": [2, 9, 3]}),
+        r"ops\[3\] \(conv2d\): kernel \(2, 3\) \(from weight 'conv2d3.weight'\) with dilation \(1, 1\) and padding "
+        r"\(0, 0\) does not fit the input's \(4, 1\) pixels \(output would be \(3, -1\)\)",
+    ),
+    (
+        "dilation too large",
+        _set_field(3, dilation=[1, 2]),
+        r"ops\[3\] \(conv2d\): kernel \(2, 3\) .* with dilation \(1, 2\) .* does not fit the input's \(4, 3\) pixels",
+    ),
+    (
+        "conv stride zero",
+        _set_field(0, stride=0),
+        r"ops\[0\] \(conv2d\): stride: must be an integer >= 1 or a pair \[h, w\] of them; got 0",
+    ),
+    ("conv padding float", _set_field(0, padding=1.5), r"ops\[0\] \(conv2d\): padding: must be an integer >= 0 "),
+    ("conv padding triple", _set_field(0, padding=[1, 1, 1]), r"ops\[0\] \(conv2d\): padding: .*; got \[1, 1, 1\]"),
+    ("conv groups", _set_field(0, groups=2), r"ops\[0\] \(conv2d\): groups: Input should be 1"),
+    ("conv padding_mode", _set_field(0, padding_mode="reflect"), r"ops\[0\] \(conv2d\): padding_mode: Extra inputs"),
+    ("conv without weight", _drop_field(0, "weight"), r"ops\[0\] \(conv2d\): weight: Field required"),
+    (
+        "conv weight missing",
+        _set_field(3, weight="conv9.weight"),
+        r"ops\[3\] \(conv2d\): weight tensor 'conv9.weight' is not in model.safetensors \(it has: conv2d0.bias, ",
+    ),
+    ("pool without kernel_size", _drop_field(2, "kernel_size"), r"ops\[2\] \(maxpool2d\): kernel_size: Field required"),
+    (
+        "pool padding over half the kernel",
+        _set_field(2, padding=[1, 2], kernel_size=3),
+        r"ops\[2\] \(maxpool2d\): padding \(1, 2\) is more than half of kernel_size \(3, 3\)",
+    ),
+    (
+        "pool larger than its input",
+        _set_field(2, kernel_size=[10, 2]),
+        r"ops\[2\] \(maxpool2d\): kernel_size \(10, 2\) with padding \(0, 0\) does not fit the input's \(9, 7\) "
+        r"pixels \(output would be \(0, 3\)\)",
+    ),
+    ("pool ceil_mode string", _set_field(2, ceil_mode="yes"), r"ops\[2\] \(maxpool2d\): ceil_mode: Input should be a"),
+    (
+        "count_include_pad on max",
+        _set_field(2, count_include_pad=False),
+        r"ops\[2\] \(maxpool2d\): count_include_pad: Extra inputs are not permitted",
+    ),
+    ("max pool dilation", _set_field(2, dilation=2), r"ops\[2\] \(maxpool2d\): dilation: Extra inputs are not"),
+    (
+        "avg pool after flatten",
+        lambda c: c["ops"].insert(5, {"op": "avgpool2d", "kernel_size": 2}),
+        r"ops\[5\] \(avgpool2d\): input has shape \(12,\) per row; avgpool2d needs \(channels, height, width\)",
+    ),
+    (
+        "linear without flatten",
+        lambda c: c["ops"].pop(4),
+        r"ops\[4\] \(linear\): input has shape \(4, 3, 1\) per row; linear needs a vector \(add flatten\)",
+    ),
+    (
+        "output not a vector",
+        lambda c: c.update(ops=c["ops"][:4]),
+        r"the last op leaves shape \(4, 3, 1\) per row; the output must be a vector \(add a flatten op\)",
+    ),
+]
+
+
+@pytest.mark.parametrize("edit,message", [c[1:] for c in BAD_CNN_CONFIGS], ids=[c[0] for c in BAD_CNN_CONFIGS])
+def test_bad_cnn_config_is_named(cnn_dir, edit, message):
+    _edit_config(cnn_dir, edit)
+    with pytest.raises(ModelFormatError, match=message) as info:
+        load_model(cnn_dir)
+    assert str(info.value).startswith(str(cnn_dir / "config.json") + ": "), str(info.value)
+
+
+BAD_CNN_TENSORS = [
+    (
+        "conv weight in-channels",
+        lambda t: t.update({"conv2d3.weight": torch.randn(4, 6, 2, 3)}),
+        r"ops\[3\] \(conv2d\): weight 'conv2d3.weight' has shape \(4, 6, 2, 3\); expected \(out, 5, kh, kw\) "
+        r"because its input has 5 channels",
+    ),
+    (
+        "conv weight 2-D",
+        lambda t: t.update({"conv2d0.weight": torch.randn(5, 18)}),
+        r"ops\[0\] \(conv2d\): weight 'conv2d0.weight' has shape \(5, 18\); expected \(out, 2, kh, kw\)",
+    ),
+    (
+        "conv bias shape",
+        lambda t: t.update({"conv2d0.bias": torch.randn(4)}),
+        r"ops\[0\] \(conv2d\): bias 'conv2d0.bias' has shape \(4,\); expected \(5,\) to match weight 'conv2d0.weight'",
+    ),
+    (
+        "conv weight NaN",
+        lambda t: t["conv2d3.weight"].view(-1)[7].fill_(float("nan")),
+        r"ops\[3\] \(conv2d\): weight tensor 'conv2d3.weight' contains NaN or Inf",
+    ),
+    (
+        "conv weight int",
+        lambda t: t.update({"conv2d0.weight": torch.ones(5, 2, 3, 3, dtype=torch.int8)}),
+        r"ops\[0\] \(conv2d\): weight tensor 'conv2d0.weight' has dtype torch.int8",
+    ),
+    (
+        "conv kernel larger than the padded input",
+        lambda t: t.update({"conv2d3.weight": torch.randn(4, 5, 5, 3)}),
+        r"ops\[3\] \(conv2d\): kernel \(5, 3\) \(from weight 'conv2d3.weight'\) .* the input's \(4, 3\) pixels",
+    ),
+    (
+        "linear after conv: features",
+        lambda t: t.update({"linear5.weight": torch.randn(10, 13)}),
+        r"ops\[5\] \(linear\): weight 'linear5.weight' has shape \(10, 13\); expected \(N, 12\) because its input "
+        r"has 12 features",
+    ),
+]
+
+
+@pytest.mark.parametrize("edit,message", [c[1:] for c in BAD_CNN_TENSORS], ids=[c[0] for c in BAD_CNN_TENSORS])
+def test_bad_cnn_tensor_is_named(cnn_dir, edit, message):
+    _edit_tensors(cnn_dir, edit)
+    with pytest.raises(ModelFormatError, match=message) as info:
+        load_model(cnn_dir)
+    assert str(info.value).startswith(str(cnn_dir / "config.json") + ": "), str(info.value)
+
+
+def test_cnn_plan_fuses_activations_and_names_by_kind():
+    conv = {"op": "conv2d", "weight": "c", "bias": "cb", "padding": [1, 2]}
+    steps = plan(_ops(
+        conv, {"op": "relu"}, {"op": "maxpool2d", "kernel_size": 2},
+        {"op": "avgpool2d", "kernel_size": 3, "stride": 1, "padding": 1, "ceil_mode": True, "count_include_pad": False},
+        {"op": "leaky_relu", "negative_slope": 0.2}, {"op": "tanh"},
+        {"op": "conv2d", "weight": "d", "stride": 2, "dilation": [1, 2]}, {"op": "maxpool2d", "kernel_size": [2, 1]},
+        {"op": "silu"}, {"op": "flatten"}, _linear(0),
+    ))  # fmt: skip
+    assert steps == [
+        Conv2dStep("conv2d_0_relu", "c", "cb", (1, 1), (1, 2), (1, 1), "relu", 0.01),
+        Pool2dStep("maxpool2d_0", "max", (2, 2), (2, 2), (0, 0), False, True, "none", 0.01),
+        Pool2dStep("avgpool2d_0_leaky_relu", "avg", (3, 3), (1, 1), (1, 1), True, False, "leaky_relu", 0.2),
+        ActivationStep("activation_0_tanh", "tanh", 0.01),
+        Conv2dStep("conv2d_1", "d", None, (2, 2), (0, 0), (1, 2), "none", 0.01),
+        Pool2dStep("maxpool2d_1_silu", "max", (2, 1), (2, 1), (0, 0), False, True, "silu", 0.01),
+        FlattenStep("flatten_0"),
+        LinearStep("linear_0", "w0", "b0", "none", 0.01),
+    ]
+    assert kernel_names(steps) == [
+        "conv2d_0_relu", "maxpool2d_0", "avgpool2d_0_leaky_relu", "activation_0_tanh", "conv2d_1", "maxpool2d_1_silu",
+        "linear_0",
+    ]  # fmt: skip
+
+
+def test_cnn_tail_becomes_one_whole_mlp_kernel(cnn_dir):
+    _edit_config(cnn_dir, lambda c: c["ops"].extend([{"op": "relu"}, {"op": "linear", "weight": "head.weight"}]))
+    _edit_tensors(cnn_dir, lambda t: t.update({"head.weight": torch.randn(3, 10)}))
+    model = load_model(cnn_dir)
+    steps = group_mlps(plan(model.ops), model.tensors)
+    assert [type(s) for s in steps] == [Conv2dStep, Pool2dStep, Conv2dStep, FlattenStep, MLPStep]
+    assert [s.name for s in steps] == ["conv2d_0_relu", "maxpool2d_0", "conv2d_1", "flatten_0", "mlp_0_1"]
+
+
+_CONV = {"op": "conv2d", "weight": "c"}
+
+
+@pytest.mark.parametrize(
+    "ops,names",
+    [
+        ([_CONV, {"op": "maxpool2d", "kernel_size": 2}], ["conv2d_0_maxpool2d_0"]),
+        ([_CONV, {"op": "silu"}, {"op": "avgpool2d", "kernel_size": [2, 3], "stride": [3, 4]}],
+         ["conv2d_0_silu_avgpool2d_0"]),
+        ([_CONV, {"op": "avgpool2d", "kernel_size": 2, "count_include_pad": False}], ["conv2d_0_avgpool2d_0"]),
+        ([_CONV, {"op": "maxpool2d", "kernel_size": 3, "stride": 2}], ["conv2d_0", "maxpool2d_0"]),  # overlap
+        ([_CONV, {"op": "maxpool2d", "kernel_size": 2, "padding": 1}], ["conv2d_0", "maxpool2d_0"]),
+        ([_CONV, {"op": "maxpool2d", "kernel_size": 2, "ceil_mode": True}], ["conv2d_0", "maxpool2d_0"]),
+        ([_CONV, {"op": "maxpool2d", "kernel_size": 2}, {"op": "relu"}], ["conv2d_0", "maxpool2d_0_relu"]),
+        ([_CONV, {"op": "relu"}, {"op": "tanh"}, {"op": "maxpool2d", "kernel_size": 2}],
+         ["conv2d_0_relu", "activation_0_tanh", "maxpool2d_0"]),
+        ([_CONV, {"op": "maxpool2d", "kernel_size": 2}, {"op": "avgpool2d", "kernel_size": 2}],
+         ["conv2d_0_maxpool2d_0", "avgpool2d_0"]),  # one pool per conv
+        ([{"op": "maxpool2d", "kernel_size": 2}, _CONV], ["maxpool2d_0", "conv2d_0"]),
+    ],
+    ids=["max", "act-avg-pairs", "avg-nopad", "overlapping", "padded", "ceil", "act-after-pool", "act-between",
+         "two-pools", "pool-first"],
+)  # fmt: skip
+def test_conv_pool_folding(ops, names):
+    steps = group_conv_pools(plan(_ops(*ops)))
+    assert kernel_names(steps) == names
+
+
+def test_shipped_cnn_loads_and_plans():
+    model = load_model(SHIPPED_CNN)
+    assert model.name == "digits-cnn" and model.input_shape == (1, 8, 8) and model.output_features == 10
+    assert model.spec.labels == [str(i) for i in range(10)]
+    assert {k: tuple(v.shape) for k, v in model.tensors.items()} == {
+        "layers.0.weight": (16, 1, 3, 3), "layers.0.bias": (16,), "layers.2.weight": (16, 16, 3, 3),
+        "layers.2.bias": (16,), "layers.6.weight": (64, 256), "layers.6.bias": (64,), "layers.8.weight": (10, 64),
+        "layers.8.bias": (10,),
+    }  # fmt: skip
+    steps = group_mlps(plan(model.ops), model.tensors)
+    # the flattened 16 x 4 x 4 = 256 features fit the whole-MLP kernel
+    assert kernel_names(steps) == ["conv2d_0_relu", "conv2d_1_relu", "maxpool2d_0", "mlp_0_1"]
+    # and the 2x2 max pool (no padding, floor mode, windows apart) rides in the second conv's kernel: 3 kernels
+    steps = group_conv_pools(steps)
+    assert kernel_names(steps) == ["conv2d_0_relu", "conv2d_1_relu_maxpool2d_0", "mlp_0_1"]
+    assert fused_steps(model.ops, model.tensors) == steps
+    assert steps[1].pool == Pool2dStep("maxpool2d_0", "max", (2, 2), (2, 2), (0, 0), False, True, "none", 0.01)
+
+
+def test_check_model_cli_on_shipped_cnn(capsys):
+    assert main(["check-model", str(SHIPPED_CNN)]) == 0
+    out = capsys.readouterr().out
+    assert "digits-cnn: input (1, 8, 8) -> 10 outputs; 9 ops" in out
+    assert "conv2d_0_relu, conv2d_1_relu, maxpool2d_0, linear_0_relu, linear_1" in out

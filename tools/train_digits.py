@@ -39,6 +39,13 @@ LR = 1e-3  # Adam learning rate
 N_EXAMPLES = 8  # first 8 test digits go to examples.json
 
 
+def load_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(x_train, x_test, y_train, y_test): raw pixels 0..16 as float64 rows of 64, labels 0..9. The one
+    held-out split every digits model here is trained and measured on (tools/train_digits_cnn.py too)."""
+    digits = load_digits()
+    return train_test_split(digits.data, digits.target, test_size=0.2, random_state=0, stratify=digits.target)
+
+
 def make_model() -> nn.Sequential:
     # Named so state_dict keys are exactly the exported tensor names fc1.weight ... fc3.bias.
     layers = [("fc1", nn.Linear(64, 256)), ("relu1", nn.ReLU()), ("fc2", nn.Linear(256, 256))]
@@ -63,10 +70,7 @@ def main() -> int:
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)  # reduction order independent of the machine's core count
 
-    digits = load_digits()
-    x_tr, x_te, y_tr, y_te = train_test_split(
-        digits.data, digits.target, test_size=0.2, random_state=0, stratify=digits.target
-    )  # 1437 train / 360 test, class proportions kept
+    x_tr, x_te, y_tr, y_te = load_split()  # 1437 train / 360 test, class proportions kept
     x_tr_raw = torch.tensor(x_tr, dtype=torch.float32)
     x_te_raw = torch.tensor(x_te, dtype=torch.float32)
     y_tr_t, y_te_t = torch.tensor(y_tr), torch.tensor(y_te)

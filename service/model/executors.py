@@ -1,9 +1,13 @@
 """Two executors, one plan: the fused one swaps each step's implementation, never the model.
 
     fused:   MLPStep -> kernels.FusedMLP (1 kernel for all its layers), LinearStep -> kernels.FusedLinear
-             (1 kernel), ActivationStep -> kernels.fused_activation
+             (1 kernel), Conv2dStep -> kernels.conv.fused_conv2d (conv + bias + act [+ pool], 1 kernel),
+             Pool2dStep -> kernels.pool.fused_pool2d (pool + act, 1 kernel), ActivationStep ->
+             kernels.fused_activation
     unfused: MLPStep and LinearStep -> kernels.reference.linear per layer (mm, add, act: 3 kernels each),
-             ActivationStep -> torch
+             Conv2dStep -> F.conv2d with its bias, then the activation (2 kernels, as nn.Conv2d + nn.ReLU)
+             [then its pool, as a Pool2dStep],
+             Pool2dStep -> F.avg_pool2d / F.max_pool2d, then the activation, ActivationStep -> torch
 
 Each step is bound once, at load, to its tensors and parameters, so a forward is a loop of calls.
 Each step can be timed under its plan name: on CUDA with events recorded on the stream around the
@@ -20,7 +24,16 @@ from typing import Literal
 import torch
 
 from .loader import Model
-from .planner import ActivationStep, FlattenStep, LinearStep, MLPStep, Step, group_mlps, plan
+from .planner import (
+    ActivationStep,
+    Conv2dStep,
+    FlattenStep,
+    LinearStep,
+    MLPStep,
+    Pool2dStep,
+    Step,
+    fused_steps,
+)
 
 Mode = Literal["fused", "unfused"]
 Layer = Callable[[torch.Tensor], torch.Tensor]
@@ -67,7 +80,16 @@ def _flatten(x: torch.Tensor) -> torch.Tensor:
 class Executor:
     """Runs the plan of `model` on one device in one dtype, fused or unfused."""
 
-    def __init__(self, model: Model, mode: Mode, device: torch.device, dtype: torch.dtype, *, whole_mlp: bool = True):
+    def __init__(
+        self,
+        model: Model,
+        mode: Mode,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        whole_mlp: bool = True,
+        conv_pool: bool = True,
+    ):
         if mode not in ("fused", "unfused"):
             raise ValueError(f"unknown mode {mode!r}; expected 'fused' or 'unfused'")
         self.model = model
@@ -75,8 +97,7 @@ class Executor:
         self.device = device
         self.dtype = dtype
         # Both modes run one plan, so their per-step timings line up under the same names.
-        steps = plan(model.ops)
-        self.steps: list[Step] = group_mlps(steps, model.tensors) if whole_mlp else steps
+        self.steps: list[Step] = fused_steps(model.ops, model.tensors, whole_mlp=whole_mlp, conv_pool=conv_pool)
         # Weights are cast and placed once, contiguous, as the kernels require.
         self.tensors = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in model.tensors.items()}
         # (name to time under, or None for a view; the bound layer)
@@ -109,6 +130,33 @@ class Executor:
             return step.name, functools.partial(
                 reference.linear, weight=w, bias=b, activation=step.activation, negative_slope=step.negative_slope
             )
+        if isinstance(step, Conv2dStep):
+            w = self.tensors[step.weight]
+            b = self.tensors[step.bias] if step.bias else None
+            geometry = {"stride": step.stride, "padding": step.padding, "dilation": step.dilation}
+            act = {"activation": step.activation, "negative_slope": step.negative_slope}
+            pool = step.pool
+            if self.mode == "fused":
+                from kernels.conv import fused_conv2d
+
+                if pool is not None:  # group_conv_pools checked that the kernel can: floor mode, no padding
+                    geometry["pool"] = (pool.kind, pool.kernel_size, pool.stride)
+                return step.name, functools.partial(fused_conv2d, weight=w, bias=b, **geometry, **act)
+            conv = functools.partial(reference.conv2d, weight=w, bias=b, **geometry, **act)
+            if pool is None:
+                return step.name, conv
+            return step.name, functools.partial(_chain, layers=[conv, self._bind(pool)[1]])
+        if isinstance(step, Pool2dStep):
+            pool = {
+                "kind": step.kind, "kernel_size": step.kernel_size, "stride": step.stride, "padding": step.padding,
+                "ceil_mode": step.ceil_mode, "count_include_pad": step.count_include_pad,
+                "activation": step.activation, "negative_slope": step.negative_slope,
+            }  # fmt: skip
+            if self.mode == "fused":
+                from kernels.pool import fused_pool2d
+
+                return step.name, functools.partial(fused_pool2d, **pool)
+            return step.name, functools.partial(reference.pool2d, **pool)
         if isinstance(step, ActivationStep):
             fn = fused_activation if self.mode == "fused" else reference.activation
             return step.name, functools.partial(

@@ -1,7 +1,9 @@
-"""Export a trained torch `nn.Sequential` of Linear / activation / Flatten modules to the model format.
+"""Export a trained torch `nn.Sequential` to the model format: Linear, Conv2d (groups 1, zero padding),
+AvgPool2d, MaxPool2d (dilation 1), Flatten and the activations fusedserve runs.
 
     from service.model.export import export_sequential
     export_sequential(model, "model_weights/my-mlp", input_shape=[64], labels=["cat", "dog"])
+    export_sequential(cnn, "model_weights/my-cnn", input_shape=[1, 8, 8])      # (channels, height, width)
 
 Writes config.json + model.safetensors that `fusedserve serve --model model_weights/my-mlp` loads.
 """
@@ -18,14 +20,70 @@ from torch import nn
 from .spec import FORMAT
 
 
+def _pair(v) -> int | list[int]:
+    """A torch size argument as the config writes it: one int when both sides agree, else [h, w]."""
+    h, w = (v, v) if isinstance(v, int) else tuple(v)
+    return int(h) if h == w else [int(h), int(w)]
+
+
+def _weights(module: nn.Module, index: int, op: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    op["weight"] = f"layers.{index}.weight"
+    tensors[op["weight"]] = module.weight.detach().cpu().contiguous()
+    if module.bias is not None:
+        op["bias"] = f"layers.{index}.bias"
+        tensors[op["bias"]] = module.bias.detach().cpu().contiguous()
+    return op
+
+
+def _conv2d(module: nn.Conv2d, index: int, tensors: dict[str, torch.Tensor]) -> dict:
+    name = f"layer {index}: Conv2d"
+    if module.groups != 1:
+        raise ValueError(f"{name} has groups={module.groups}; only groups=1 is supported")
+    if module.padding_mode != "zeros":
+        raise ValueError(f"{name} has padding_mode={module.padding_mode!r}; only 'zeros' is supported")
+    padding = module.padding
+    if isinstance(padding, str):  # 'valid' is 0; 'same' is symmetric for stride 1 when each d*(k-1) is even
+        if padding == "valid":
+            padding = (0, 0)
+        else:
+            totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size, strict=True)]
+            if any(t % 2 for t in totals):
+                raise ValueError(f"{name} has padding='same' with an even kernel: torch pads it unevenly")
+            padding = tuple(t // 2 for t in totals)
+    op = {"op": "conv2d"}
+    _weights(module, index, op, tensors)
+    return {**op, "stride": _pair(module.stride), "padding": _pair(padding), "dilation": _pair(module.dilation)}
+
+
+def _pool2d(module: nn.AvgPool2d | nn.MaxPool2d, index: int) -> dict:
+    kind = type(module).__name__
+    if isinstance(module, nn.MaxPool2d):
+        if _pair(module.dilation) != 1:
+            raise ValueError(f"layer {index}: MaxPool2d has dilation={module.dilation}; only 1 is supported")
+        if module.return_indices:
+            raise ValueError(f"layer {index}: MaxPool2d has return_indices=True; it must return only the values")
+    elif module.divisor_override is not None:
+        raise ValueError(f"layer {index}: AvgPool2d has divisor_override={module.divisor_override}; not supported")
+    op = {
+        "op": kind.lower(),
+        "kernel_size": _pair(module.kernel_size),
+        # torch keeps stride=None as kernel_size already; written out so the config says it
+        "stride": _pair(module.stride if module.stride is not None else module.kernel_size),
+        "padding": _pair(module.padding),
+        "ceil_mode": bool(module.ceil_mode),
+    }
+    if isinstance(module, nn.AvgPool2d):
+        op["count_include_pad"] = bool(module.count_include_pad)
+    return op
+
+
 def _op_for(module: nn.Module, index: int, tensors: dict[str, torch.Tensor]) -> dict:
     if isinstance(module, nn.Linear):
-        op = {"op": "linear", "weight": f"layers.{index}.weight"}
-        tensors[op["weight"]] = module.weight.detach().cpu().contiguous()
-        if module.bias is not None:
-            op["bias"] = f"layers.{index}.bias"
-            tensors[op["bias"]] = module.bias.detach().cpu().contiguous()
-        return op
+        return _weights(module, index, {"op": "linear"}, tensors)
+    if isinstance(module, nn.Conv2d):
+        return _conv2d(module, index, tensors)
+    if isinstance(module, (nn.AvgPool2d, nn.MaxPool2d)):
+        return _pool2d(module, index)
     if isinstance(module, nn.Flatten):
         if module.start_dim != 1 or module.end_dim != -1:
             raise ValueError(f"layer {index}: only Flatten(start_dim=1, end_dim=-1) is supported")
@@ -38,7 +96,10 @@ def _op_for(module: nn.Module, index: int, tensors: dict[str, torch.Tensor]) -> 
     for cls, name in simple.items():
         if isinstance(module, cls):
             return {"op": name}
-    raise ValueError(f"layer {index}: {type(module).__name__} has no fusedserve op (Linear, Flatten, activations)")
+    raise ValueError(
+        f"layer {index}: {type(module).__name__} has no fusedserve op "
+        "(Linear, Conv2d, AvgPool2d, MaxPool2d, Flatten, activations)"
+    )
 
 
 def export_sequential(

@@ -5,10 +5,10 @@ from Python costs 40-65 us, while the digits MLP's GPU work is a few us, so the 
 launch-bound. A graph replays every kernel of the forward for ~2-3 us of host time.
 
 Batches are padded up to the bucket (powers of two up to max_batch_size, and max_batch_size itself):
-rows of an MLP are independent, so pad rows (left over from earlier batches, always finite) change no
-real row. Capture happens at warm-up for every bucket; the first forward of a bucket not yet captured
-captures it then. Kernel tuning runs before capture, outside the graph, on a side stream as
-torch.cuda.graph requires.
+rows of an MLP are independent, and so are the images of a CNN (conv and pool never mix them), so pad
+rows (left over from earlier batches, always finite) change no real row. Capture happens at warm-up for
+every bucket; the first forward of a bucket not yet captured captures it then. Kernel tuning runs before
+capture, outside the graph, on a side stream as torch.cuda.graph requires.
 """
 
 from __future__ import annotations

@@ -6,9 +6,13 @@
      "ops": [{"op": "linear", "weight": "fc1.weight", "bias": "fc1.bias"}, {"op": "relu"}, ...]}
 
 Ops, in order: `linear` (weight (N, K) and optional bias (N,), tensor names in the safetensors
-file), `flatten`, and activations: `relu`, `leaky_relu` (negative_slope), `gelu` (approximate:
-"none" | "tanh"), `sigmoid`, `silu`, `tanh`. Every problem is reported with its place
-(`ops[3]`) and what was expected.
+file), `conv2d` (weight (out, in, kh, kw), optional bias (out,), stride, padding, dilation; groups 1),
+`avgpool2d` and `maxpool2d` (kernel_size, stride (default: kernel_size), padding, ceil_mode, and for
+avg count_include_pad, as torch defines them), `flatten`, and activations: `relu`, `leaky_relu`
+(negative_slope), `gelu` (approximate: "none" | "tanh"), `sigmoid`, `silu`, `tanh`. A pair field
+(stride, padding, dilation, kernel_size) is one int for both sides or `[h, w]`. Image ops take rows of
+shape (channels, height, width): `"input": {"shape": [1, 8, 8]}`. Every problem is reported with its
+place (`ops[3]`) and what was expected.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError
 
 FORMAT = "fusedserve-model/1"
 # torch.nn.LeakyReLU's default, as kernels.activations.DEFAULT_NEGATIVE_SLOPE (not imported from there:
@@ -39,6 +43,60 @@ class LinearOp(_Op):
     bias: str | None = None
 
 
+def _pair_of(minimum: int):
+    """A (h, w) field given as one int for both sides or as [h, w], each >= minimum; bools and floats refused."""
+
+    def check(v: object) -> tuple[int, int]:
+        items = list(v) if isinstance(v, (list, tuple)) else [v, v]
+        if len(items) != 2 or not all(isinstance(i, int) and not isinstance(i, bool) and i >= minimum for i in items):
+            raise ValueError(f"must be an integer >= {minimum} or a pair [h, w] of them; got {v!r}")
+        return items[0], items[1]
+
+    return BeforeValidator(check)
+
+
+Pair = tuple[int, int]
+PositivePair = Annotated[Pair, _pair_of(1)]
+NonNegativePair = Annotated[Pair, _pair_of(0)]
+
+
+class Conv2dOp(_Op):
+    """torch.nn.Conv2d with zero padding and groups 1: weight (out, in, kh, kw), bias (out,).
+    Pair fields are normalised to (h, w)."""
+
+    op: Literal["conv2d"]
+    weight: str
+    bias: str | None = None
+    stride: PositivePair = (1, 1)
+    padding: NonNegativePair = (0, 0)
+    dilation: PositivePair = (1, 1)
+    groups: Literal[1] = 1
+
+
+class _PoolOp(_Op):
+    kernel_size: PositivePair
+    stride: PositivePair | None = None  # None: kernel_size, as in torch
+    padding: NonNegativePair = (0, 0)
+    ceil_mode: StrictBool = False
+
+    @property
+    def stride_or_kernel(self) -> Pair:
+        return self.kernel_size if self.stride is None else self.stride
+
+
+class AvgPool2dOp(_PoolOp):
+    """torch.nn.AvgPool2d (without divisor_override)."""
+
+    op: Literal["avgpool2d"]
+    count_include_pad: StrictBool = True
+
+
+class MaxPool2dOp(_PoolOp):
+    """torch.nn.MaxPool2d with dilation 1."""
+
+    op: Literal["maxpool2d"]
+
+
 class FlattenOp(_Op):
     op: Literal["flatten"]
 
@@ -57,9 +115,13 @@ class GeluOp(_Op):
     approximate: Literal["none", "tanh"] = "none"
 
 
-Op = LinearOp | FlattenOp | SimpleActivationOp | LeakyReluOp | GeluOp
+Op = LinearOp | Conv2dOp | AvgPool2dOp | MaxPool2dOp | FlattenOp | SimpleActivationOp | LeakyReluOp | GeluOp
+PoolOp = AvgPool2dOp | MaxPool2dOp
 OP_TYPES: dict[str, type[_Op]] = {
     "linear": LinearOp,
+    "conv2d": Conv2dOp,
+    "avgpool2d": AvgPool2dOp,
+    "maxpool2d": MaxPool2dOp,
     "flatten": FlattenOp,
     "relu": SimpleActivationOp,
     "sigmoid": SimpleActivationOp,
@@ -117,7 +179,8 @@ def _describe(e: ValidationError) -> str:
     parts = []
     for err in e.errors():
         loc = ".".join(str(p) for p in err["loc"])
-        parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
 
 

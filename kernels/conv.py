@@ -1,0 +1,365 @@
+"""Fused 2-D convolution: y = act(conv2d(x, W) + b) in one Triton kernel, as an implicit GEMM.
+
+Eager torch runs this as cuDNN's conv (bias added inside, or as one more kernel) then the activation: the
+(N, OC, OH, OW) result is written, read back and written again. Here bias and activation are applied to the
+fp32 accumulator tile in registers, and y is written once, in its final dtype.
+
+Implicit GEMM: the convolution is the matrix product Y[m, o] = sum_k A[m, k] * W[o, k] with
+    m = (n, oh, ow)        M = N * OH * OW   (one row per output pixel)
+    o                      OC output channels (GEMM N)
+    k = (c, kh, kw)        K = C * KH * KW   (one column per weight element)
+    A[m, k] = x[n, c, oh * SH - PH + kh * DH, ow * SW - PW + kw * DW], 0 where that falls in the padding.
+A is never materialised (im2col would write and read K/C times x): each (BLOCK_M, BLOCK_K) tile of it is
+gathered from x straight into the tl.dot operand.
+
+Two ways through K (a meta-parameter the tuner picks between):
+- FLAT_K: k runs over all C * KH * KW in BLOCK_K steps, each element decomposed into (c, kh, kw). For few
+  channels (the digits CNN's first layer: K = 1 * 3 * 3 = 9, one 16-wide step instead of 9).
+- taps: one (kh, kw) tap at a time, BLOCK_K channels per step, so the row addresses and their padding masks
+  are computed once per step, and with channels_last x the BLOCK_K channels are contiguous (16-byte loads).
+
+Layouts: x in torch's contiguous NCHW or channels_last (NHWC) memory format, any strides in fact; y comes
+back in x's memory format. With channels_last both the gathers (along C) and the store (along OC) are
+contiguous: a model should convert its input to channels_last once and stay there (the weights may stay
+NCHW; they are small and sit in L2).
+
+The layer's shape (C, H, W, OH, OW, window, stride, padding, dilation) is compile-time: a model fixes it per
+layer, and constant divisors make the (n, oh, ow) decomposition a multiply and shift. Only the batch is a
+run-time size, not specialised, so every batch size shares one compiled kernel per tuned config.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
+from .pdl import gdc_launch_dependents, gdc_wait
+from .pool import _max_propagating_nan, pair
+from .pool import channels_last as _channels_last
+from .runtime import check_device, interpreting
+from .tiles import gemm_flags, grouped_tile, launch_options
+from .tuning import LaunchConfig, scope_for, tune
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _conv2d_kernel(
+    # pointers
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    # sizes (M = N * OH * OW, the only run-time one)
+    M, OC,
+    # strides
+    stride_xn, stride_xc, stride_xh, stride_xw,
+    stride_wo, stride_wc, stride_wh, stride_ww,
+    stride_yn, stride_yc, stride_yh, stride_yw,
+    # epilogue parameters
+    negative_slope,
+    # the layer's shape
+    C: tl.constexpr, H: tl.constexpr, W: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
+    KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+    PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    # pooling of the activated conv output: POOL "none" | "max" | "avg" over PKH x PKW windows at stride
+    # (PSH, PSW), floor mode, no padding; OH, OW are then the pooled output's size
+    POOL: tl.constexpr, PKH: tl.constexpr, PKW: tl.constexpr, PSH: tl.constexpr, PSW: tl.constexpr,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32"; only fp32 operands care
+    UPCAST_DOT: tl.constexpr,  # bf16 operands multiplied as fp32 (interpreter workaround, tiles.gemm_flags)
+    ROUND_BF16: tl.constexpr,  # round to bf16 by hand before the store (interpreter workaround)
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (pdl.py)
+    CHANNELS_LAST: tl.constexpr,  # FLAT_K order: (kh, kw, c) for NHWC x (c contiguous), else (c, kh, kw)
+    FLAT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    if PDL:  # the next layer may start; this one waits for the previous layer (below) before reading x
+        gdc_launch_dependents()
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(OC, BLOCK_N), GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Output pixel of each row. From the unclamped rows (masked below where >= M): with OW a constexpr power of
+    # two, Triton then sees runs of OW contiguous pixels, so NCHW gathers and stores go along M, coalesced.
+    n = rows // (OH * OW)
+    out_h = (rows // OW) % OH
+    out_w = rows % OW
+    m_ok = rows < M
+    offs_n = tl.minimum(cols, OC - 1)  # columns past the edge compute on the last one, never stored
+    w_cols = w_ptr + offs_n * stride_wo
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n)  # a weight: no earlier kernel writes it, so before the PDL wait
+    if PDL:
+        gdc_wait()
+    offs_k = tl.arange(0, BLOCK_K)
+    if POOL == "max":
+        result = tl.full((BLOCK_M, BLOCK_N), float("-inf"), dtype=tl.float32)
+    else:
+        result = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Without pooling one pass. With it, one pass per window element: each conv output in the tile's pooling
+    # windows is computed (once, for non-overlapping windows), activated and folded into the pooled result in
+    # registers, so the conv output never goes to memory (conv + act + pool: 3 kernels -> 1).
+    for win in tl.static_range(PKH * PKW):
+        oh = out_h * PSH + win // PKW  # (BLOCK_M,) the conv output pixel
+        ow = out_w * PSW + win % PKW
+        h0 = oh * SH - PH  # top-left corner of each output pixel's window, in padded coordinates
+        w0 = ow * SW - PW
+        # Where each window's corner would be (it may lie in the padding: every load below is masked there). The
+        # (BLOCK_M, BLOCK_K) pointer tiles are built once, and each K step adds one scalar (linear.py): recomputed
+        # per step, their 64-bit adds, kept alive for the pipeline's stages, spilled registers (sm_90, 128x128).
+        x_corner = x_ptr + n * stride_xn + h0 * stride_xh + w0 * stride_xw
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if FLAT_K:
+            K = C * KH * KW  # constexpr: the product of constexprs
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + offs_k
+                if CHANNELS_LAST:
+                    c = k % C
+                    kh = k // (KW * C)
+                    kw = (k // C) % KW
+                else:
+                    c = k // (KH * KW)
+                    kh = (k // KW) % KH
+                    kw = k % KW
+                ih = h0[:, None] + (kh * DH)[None, :]
+                iw = w0[:, None] + (kw * DW)[None, :]
+                k_ok = offs_k < K - k0
+                a_ok = (m_ok[:, None] & k_ok[None, :]) & ((ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))
+                x_k = c * stride_xc + (kh * DH) * stride_xh + (kw * DW) * stride_xw
+                a = tl.load(x_corner[:, None] + x_k[None, :], mask=a_ok, other=0.0)
+                w_k = c * stride_wc + kh * stride_wh + kw * stride_ww
+                b = tl.load(w_cols[None, :] + w_k[:, None], mask=k_ok[:, None], other=0.0)
+                if UPCAST_DOT:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        else:
+            # One flat loop over (tap, channel block) steps, so that Triton's software pipeline sees one loop.
+            c_steps = (C + BLOCK_K - 1) // BLOCK_K  # constexpr
+            a_tile = x_corner[:, None] + (offs_k * stride_xc)[None, :]
+            b_tile = w_cols[None, :] + (offs_k * stride_wc)[:, None]
+            for step in range(0, KH * KW * c_steps):
+                tap = step // c_steps
+                c0 = (step % c_steps) * BLOCK_K
+                kh = tap // KW
+                kw = tap % KW
+                ih = h0 + kh * DH
+                iw = w0 + kw * DW
+                row_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                c_ok = offs_k < C - c0  # `arange < scalar`: constant over runs, so loads stay vectorised
+                x_step = c0 * stride_xc + (kh * DH) * stride_xh + (kw * DW) * stride_xw
+                a = tl.load(a_tile + x_step, mask=row_ok[:, None] & c_ok[None, :], other=0.0)
+                b = tl.load(b_tile + (c0 * stride_wc + kh * stride_wh + kw * stride_ww), mask=c_ok[:, None], other=0.0)
+                if UPCAST_DOT:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        # Epilogue on the fp32 accumulator: bias, activation, then the pooling fold.
+        if HAS_BIAS:
+            acc = acc + bias.to(tl.float32)[None, :]
+        acc = apply_activation(acc, ACTIVATION, negative_slope)
+        if POOL == "max":
+            result = _max_propagating_nan(result, acc)
+        elif POOL == "avg":
+            result = result + acc
+        else:
+            result = acc
+    if POOL == "avg":
+        result = result / (PKH * PKW)  # floor mode, no padding: every window is whole
+
+    # One rounding to the output dtype.
+    if ROUND_BF16:
+        result = round_to_bf16(result)
+    y_rows = y_ptr + n * stride_yn + out_h * stride_yh + out_w * stride_yw
+    y_ptrs = y_rows[:, None] + (cols * stride_yc)[None, :]  # unclamped cols: contiguous along O for NHWC y
+    tl.store(y_ptrs, result.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (cols < OC)[None, :])
+
+
+def conv_output_size(size: int, k: int, s: int, p: int, d: int) -> int:
+    return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> None:
+    check_activation(activation)
+    if x.dim() != 4:
+        raise ValueError(f"x must be 4-D (N, C, H, W); got shape {tuple(x.shape)}")
+    if weight.dim() != 4:
+        raise ValueError(f"weight must be 4-D (OC, C, KH, KW); got shape {tuple(weight.shape)}")
+    if min(weight.shape) < 1:
+        raise ValueError(f"weight must have every dimension >= 1; got shape {tuple(weight.shape)}")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"x has C={x.shape[1]} channels but weight (OC, C, KH, KW) has C={weight.shape[1]} (groups=1 only)"
+        )
+    for t, name in ((x, "x"), (weight, "weight")):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; fused_conv2d supports float32, float16, bfloat16")
+        if t.numel() >= 2**31:
+            raise ValueError(f"{name} has {t.numel()} elements; the kernel indexes with int32 (< 2**31)")
+        check_device(t, name)
+    if weight.dtype != x.dtype:
+        raise TypeError(f"x has dtype {x.dtype} but weight has {weight.dtype}; cast them to one dtype")
+    if weight.device != x.device:
+        raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
+    if bias is not None:
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},) to match weight; got {tuple(bias.shape)}")
+        if bias.dtype != x.dtype or bias.device != x.device:
+            raise TypeError(f"bias has dtype {bias.dtype} on {bias.device}; want {x.dtype} on {x.device}")
+
+
+# Interpreter (CPU): no timing, cost per program and per K step, so the largest tile the problem fills; tests
+# force the small one (`interpreter_tile`) so awkward shapes cross every block edge, and pick the K loop
+# (`interpreter_flat_k`, None: FLAT_K when K is small) so both are checked.
+SMALL_INTERPRETER_TILE = (16, 16, 16)
+interpreter_tile: tuple[int, int, int] | None = None
+interpreter_flat_k: bool | None = None
+
+
+def _fit(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(n)))  # tl.dot needs every block dim >= 16
+
+
+def _interpreter_config(M: int, OC: int, C: int, K: int) -> LaunchConfig:
+    bm, bn, bk = interpreter_tile or (_fit(M, 16, 64), _fit(OC, 16, 128), _fit(K, 16, 64))
+    flat = interpreter_flat_k if interpreter_flat_k is not None else (C < 16)
+    return LaunchConfig.of(4, 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, FLAT_K=int(flat))
+
+
+def m_bucket(m: int) -> int:
+    """Batches share tuned configs by power-of-two bucket of M = N * OH * OW (1 .. 2**20)."""
+    return min(1 << max(m - 1, 0).bit_length(), 1 << 20)
+
+
+def cuda_configs(bucket: int, OC: int, C: int, K: int, fma: bool = False, pooled: bool = False) -> list[LaunchConfig]:
+    """Candidates the tuner times for one layer and M bucket. The GEMM is tall and thin (M up to millions,
+    OC 16-128, K = C * KH * KW 9-1152): BLOCK_N covers all of OC when it can, BLOCK_K no wider than K (few
+    channels) or C, and few channels get only FLAT_K (a tap at a time would leave most of each K step empty).
+
+    Compiled for sm_90 here (Triton 3.9, fp16, 3x3 over 64 channels to 128): a 128x128 tile on 4 warps spilled
+    (16-1064 bytes of stack per thread: a 128-register accumulator plus the pipeline's gathered tiles), on 8
+    warps it did not, nor did 64x128 on 4; so 128-row tiles run on 8 warps where BLOCK_N is 128. `fma`: fp32
+    multiplied in full precision, which Triton does on the CUDA cores: there BLOCK_K 64 spilled 1.6-9.5 KB per
+    thread, so it stops at 32. `pooled`: a pool fused after the conv keeps a second accumulator and one K loop
+    per window element; 128-row tiles on 4 warps spilled there (40 bytes, tf32, 16 -> 32 channels)."""
+    bn = _fit(OC, 16, 128)
+    width = K if C < 16 else C
+    ks = sorted({_fit(width, 16, 32 if fma else 64), _fit(width, 16, 16 if fma else 32)})
+    flats = (1,) if C < 16 else (0, 1)
+    tiles = [(64, 4, 4), (128, 8, 3)] + ([(128, 4, 3)] if bn <= 64 and not pooled else [])
+    out = []
+    for flat in flats:
+        for bk in ks:
+            for bm, warps, stages in tiles:
+                if bm > 64 and bucket <= 64:
+                    continue
+                out.append(LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLAT_K=flat))
+    if bucket <= 256:  # few output pixels: 32-row tiles, more programs
+        out.append(LaunchConfig.of(4, 3, BLOCK_M=32, BLOCK_N=bn, BLOCK_K=ks[0], GROUP_M=8, FLAT_K=flats[-1]))
+    return out
+
+
+_configs: dict[tuple, LaunchConfig] = {}  # per (layer signature, M bucket): the tuned config
+
+
+def fused_conv2d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    stride=(1, 1),
+    padding=(0, 0),
+    dilation=(1, 1),
+    activation: str = "none",
+    negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
+    allow_tf32: bool | None = None,
+    pool: tuple | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """act(conv2d(x, weight, bias)); x (N, C, H, W) contiguous NCHW (or channels_last), weight (OC, C, KH, KW);
+    returns (N, OC, OH, OW) in x's dtype, channels_last if x or weight is (as torch does), else NCHW;
+    groups=1. Accumulates in fp32.
+
+    allow_tf32: for float32, multiply in TF32 or full fp32; None follows `torch.backends.cudnn.allow_tf32`
+    (torch's default: True), what cuDNN's conv would do with the same tensors.
+
+    pool: ("max" | "avg", kernel_size) or ("max" | "avg", kernel_size, stride) (ints or pairs; stride None or
+    left out: kernel_size) pools the activated conv output in the same kernel, as max_pool2d / avg_pool2d with
+    padding 0 and ceil_mode False would: returns (N, O, POH, POW), the conv output never written. (Padded or
+    ceil_mode pooling: call fused_pool2d after an unpooled fused_conv2d.)
+    """
+    _check(x, weight, bias, activation)
+    s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
+    if min(s) < 1 or min(d) < 1 or min(p) < 0:
+        raise ValueError(f"stride and dilation must be >= 1 and padding >= 0; got {s}, {d}, {p}")
+    N, C, H, W = x.shape
+    OC, _, KH, KW = weight.shape
+    OH, OW = conv_output_size(H, KH, s[0], p[0], d[0]), conv_output_size(W, KW, s[1], p[1], d[1])
+    if OH < 1 or OW < 1:
+        raise ValueError(
+            f"conv output is empty: input {H}x{W}, kernel {KH}x{KW}, stride {s}, padding {p}, dilation {d}"
+        )
+    # torch's rule for the output's memory format: channels_last when x or the weight is. (An (N, 1, H, W)
+    # input is both; a channels_last weight then asks for NHWC outputs.)
+    POOL, PKH, PKW, PSH, PSW = "none", 1, 1, 1, 1
+    if pool is not None:
+        if not isinstance(pool, (tuple, list)) or len(pool) not in (2, 3) or pool[0] not in ("max", "avg"):
+            raise ValueError(f"pool must be ('max' | 'avg', kernel_size[, stride]); got {pool!r}")
+        (PKH, PKW) = pair(pool[1], "pool kernel_size")
+        (PSH, PSW) = (PKH, PKW) if len(pool) == 2 or pool[2] is None else pair(pool[2], "pool stride")
+        if min(PKH, PKW, PSH, PSW) < 1:
+            raise ValueError(f"pool kernel_size and stride must be >= 1; got {pool!r}")
+        POOL = pool[0]
+        if OH < PKH or OW < PKW:
+            raise ValueError(f"pooling {pool!r} leaves no output from the conv's {OH}x{OW}")
+        OH, OW = (OH - PKH) // PSH + 1, (OW - PKW) // PSW + 1
+    channels_last = _channels_last(x)
+    fmt = torch.channels_last if channels_last or _channels_last(weight) else torch.contiguous_format
+    if out is None:
+        out = torch.empty((N, OC, OH, OW), device=x.device, dtype=x.dtype, memory_format=fmt)
+    elif out.shape != (N, OC, OH, OW) or out.dtype != x.dtype or out.device != x.device:
+        want = f"({N}, {OC}, {OH}, {OW}) {x.dtype} tensor on {x.device}"
+        raise ValueError(f"out must be a {want}; got {tuple(out.shape)} {out.dtype} on {out.device}")
+    M = N * OH * OW
+    if M == 0:
+        return out
+    if allow_tf32 is None:
+        allow_tf32 = torch.backends.cudnn.allow_tf32
+    fixed = gemm_flags(bias is not None, activation, x.dtype, allow_tf32, x.device)
+    shape = dict(C=C, H=H, W=W, OH=OH, OW=OW, KH=KH, KW=KW, SH=s[0], SW=s[1], PH=p[0], PW=p[1], DH=d[0], DW=d[1],
+                 POOL=POOL, PKH=PKH, PKW=PKW, PSH=PSH, PSW=PSW)  # fmt: skip
+    K = C * KH * KW
+
+    def run(config: LaunchConfig):
+        meta = config.meta()
+        grid = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(OC, meta["BLOCK_N"])
+        return _conv2d_kernel[(grid,)](
+            x, weight, bias if bias is not None else weight, out,
+            M, OC,
+            *x.stride(), *weight.stride(), *out.stride(),
+            float(negative_slope),
+            **shape, **fixed, CHANNELS_LAST=channels_last, **meta, **launch_options(fixed),
+        )  # fmt: skip
+
+    if interpreting():
+        run(_interpreter_config(M, OC, C, K))
+        return out
+    bucket = m_bucket(M)
+    signature = (tuple(weight.shape), x.shape[1:], x.stride()[1:], x.dtype, s, p, d, activation, bias is not None,
+                 fixed["INPUT_PRECISION"], channels_last, bucket, POOL, PKH, PKW, PSH, PSW)  # fmt: skip
+    config = _configs.get(signature)
+    if config is None:
+        key = (
+            f"OC{OC}|C{C}|H{H}|W{W}|k{KH}x{KW}|s{s}|p{p}|d{d}|{x.dtype}|{activation}|bias={bias is not None}"
+            f"|{fixed['INPUT_PRECISION']}|{'nhwc' if channels_last else 'nchw'}|m{bucket}"
+        )
+        if POOL != "none":
+            key += f"|pool={POOL}{PKH}x{PKW}s{PSH}x{PSW}"
+        scope = scope_for("conv2d", _conv2d_kernel, grouped_tile, apply_activation)
+        fma = x.dtype == torch.float32 and fixed["INPUT_PRECISION"] == "ieee"
+        config = tune(scope, key, cuda_configs(bucket, OC, C, K, fma, POOL != "none"), run)
+        _configs[signature] = config
+    run(config)
+    return out

@@ -1,0 +1,393 @@
+"""fused_conv2d against the float64 reference: every dtype and activation, stride / padding / dilation combos,
+ordinary and awkward shapes, both K loops (flat and per tap) and both memory formats.
+
+Without CUDA these run through Triton's interpreter (bf16 tiles are multiplied as fp32 there: tiles.gemm_flags,
+DESIGN.md); the compiled path, native bf16 and TF32 are checked by the `gpu` tests on the lent GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.conv as conv_mod
+from kernels import ACTIVATIONS, reference
+from kernels.conv import fused_conv2d
+from tests.tolerances import NORMWISE_TF32, RTOL, RTOL_TF32, assert_close_to, normwise_error
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# (N, C, H, W, O, kernel, stride, padding, dilation): batch 1, one channel (the digits CNN's first layer),
+# primes and sizes off the 16x16x16 tile's edges in M, O and C, uneven kernel/stride/padding/dilation pairs,
+# a 1x1 kernel, a window as large as the padded input, padding wider than the window reach.
+AWKWARD = [
+    (1, 1, 8, 8, 16, 3, 1, 1, 1),
+    (2, 3, 7, 9, 5, (3, 2), (2, 1), (1, 0), (1, 2)),
+    (3, 17, 6, 5, 20, 3, 2, 2, 2),
+    (1, 2, 11, 13, 33, (1, 5), (3, 2), (0, 2), 1),
+    (2, 5, 5, 5, 7, 1, 1, 0, 1),
+    (1, 3, 4, 6, 17, (4, 6), 1, (1, 2), 1),
+    (1, 19, 3, 3, 3, 2, 1, 3, 1),
+]
+
+
+def _ids(case):
+    return "-".join(str(v).replace(" ", "") for v in case)
+
+
+def _inputs(case, dtype, device, bias=True, channels_last=False):
+    N, C, H, W, OC, k, *_ = case
+    kh, kw = (k, k) if isinstance(k, int) else k
+    # Scaled so outputs are O(1) whatever C * KH * KW is: activations then see both signs and their curves.
+    x = torch.randn(N, C, H, W, device=device).to(dtype)
+    w = (torch.randn(OC, C, kh, kw, device=device) / (C * kh * kw) ** 0.5).to(dtype)
+    b = torch.randn(OC, device=device).to(dtype) if bias else None
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    return x, w, b
+
+
+def _check(case, dtype, activation, device, bias=True, slope=0.01, channels_last=False, allow_tf32=False, rtol=None):
+    x, w, b = _inputs(case, dtype, device, bias, channels_last)
+    s, p, d = case[6:]
+    want = reference.conv2d(
+        x.double(), w.double(), b.double() if b is not None else None, activation,
+        stride=s, padding=p, dilation=d, negative_slope=slope,
+    )  # fmt: skip
+    fmt = torch.channels_last if channels_last and case[1] > 1 else torch.contiguous_format
+    out = torch.full(want.shape, float("nan"), device=device, dtype=dtype).contiguous(memory_format=fmt)
+    got = fused_conv2d(
+        x, w, b, stride=s, padding=p, dilation=d, activation=activation, negative_slope=slope,
+        allow_tf32=allow_tf32, out=out,
+    )  # fmt: skip
+    assert got is out  # NaN left behind = an element not written (assert_close_to checks finiteness)
+    assert_close_to(got, want, rtol or RTOL[dtype], f"{case} {dtype} {activation} bias={bias} nhwc={channels_last}")
+    return got, want
+
+
+@pytest.fixture
+def small_tile(monkeypatch):
+    monkeypatch.setattr(conv_mod, "interpreter_tile", conv_mod.SMALL_INTERPRETER_TILE)
+
+
+@pytest.fixture
+def untuned():
+    """Each layer's first candidate, untimed (tuning.set_enabled(False)). The layer's shape is compile-time, so
+    a tuned call compiles every candidate for it (~1 s each): the correctness sweeps take one config per shape
+    and the tuner's picks are checked by the tests that tune (every candidate, every batch bucket)."""
+    from kernels import tuning
+
+    tuning.set_enabled(False)
+    yield
+    tuning.set_enabled(None)
+    conv_mod._configs.clear()  # the untimed picks, so that no later tuned test reuses them
+
+
+@pytest.fixture(params=[True, False], ids=["flat_k", "taps"])
+def k_loop(request, monkeypatch):
+    monkeypatch.setattr(conv_mod, "interpreter_flat_k", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("case", AWKWARD, ids=_ids)
+def test_awkward_shapes_both_k_loops_and_layouts(small_tile, k_loop, case, channels_last):
+    _check(case, torch.float32, "leaky_relu", DEVICE, slope=0.3, channels_last=channels_last)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", [AWKWARD[1], AWKWARD[2]], ids=_ids)
+def test_every_dtype_and_activation(small_tile, case, dtype, activation):
+    _check(case, dtype, activation, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", [AWKWARD[0], AWKWARD[2]], ids=_ids)
+def test_without_bias(small_tile, case, dtype):
+    _check(case, dtype, "gelu", DEVICE, bias=False)
+
+
+# The CNN layers the service runs: the digits CNN (8x8, one channel in) and the wider one (channels 64-128,
+# 32x32 inputs; smaller here for the interpreter), with the launcher's own tile.
+SERVING = [(4, 1, 8, 8, 16, 3, 1, 1, 1), (2, 16, 4, 4, 32, 3, 1, 1, 1), (1, 64, 8, 8, 64, 3, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", SERVING, ids=_ids)
+def test_serving_tile(case, dtype, channels_last):
+    got, _ = _check(case, dtype, "relu", DEVICE, channels_last=channels_last)
+    if channels_last and case[1] > 1:
+        assert got.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_output_memory_format_follows_torch():
+    """NCHW in, NCHW out; channels_last x, or a channels_last weight with an (N, 1, H, W) x, NHWC out."""
+    case = (2, 1, 6, 6, 8, 3, 1, 1, 1)
+    x, w, b = _inputs(case, torch.float32, DEVICE)
+    assert fused_conv2d(x, w, b).is_contiguous()
+    wl = w.to(memory_format=torch.channels_last)
+    for weight in (w, wl):
+        y = fused_conv2d(x, weight, b, padding=1, activation="relu")
+        want = reference.conv2d(x.double(), w.double(), b.double(), "relu", padding=1)
+        assert_close_to(y, want, RTOL[torch.float32], "weight layout")
+        torch_format = torch.nn.functional.conv2d(x, weight, b, padding=1)
+        assert y.stride() == torch_format.stride(), (y.stride(), torch_format.stride())
+
+
+def test_empty_batch_returns_empty():
+    x, w, b = _inputs((1, 3, 5, 5, 4, 3, 1, 1, 1), torch.float32, DEVICE)
+    assert fused_conv2d(x[:0], w, b, padding=1).shape == (0, 4, 5, 5)
+
+
+def test_ints_or_pairs_are_taken():
+    x, w, b = _inputs((2, 3, 9, 8, 4, 3, 1, 1, 1), torch.float32, DEVICE)
+    want = reference.conv2d(x.double(), w.double(), b.double(), "tanh", stride=2, padding=(1, 0), dilation=[1, 2])
+    got = fused_conv2d(x, w, b, stride=2, padding=(1, 0), dilation=[1, 2], activation="tanh")
+    assert_close_to(got, want, RTOL[torch.float32], "int/list arguments")
+
+
+def test_k_loops_and_tiles_agree():
+    """Flat K and per-tap K, small and serving tile: the same result up to the order of fp32 sums."""
+    x, w, b = _inputs((2, 20, 7, 6, 24, 3, 1, 1, 1), torch.float32, DEVICE)
+    results = []
+    for flat in (True, False):
+        for tile in (None, conv_mod.SMALL_INTERPRETER_TILE):
+            conv_mod.interpreter_flat_k, conv_mod.interpreter_tile = flat, tile
+            try:
+                results.append(fused_conv2d(x, w, b, padding=1, activation="silu", allow_tf32=False))
+            finally:
+                conv_mod.interpreter_flat_k = conv_mod.interpreter_tile = None
+    for r in results[1:]:
+        assert_close_to(r, results[0].double(), RTOL[torch.float32], "K loop / tile")
+
+
+BAD_INPUTS = [
+    (lambda x, w, b: (x[0], w, b), {}, "x must be 4-D"),
+    (lambda x, w, b: (x, w[0], b), {}, "weight must be 4-D"),
+    (lambda x, w, b: (x[:, :2].contiguous(), w, b), {}, "x has C=2 channels but weight"),
+    (lambda x, w, b: (x, w, b[:-1]), {}, r"bias must have shape \(4,\)"),
+    (lambda x, w, b: (x.double(), w.double(), b.double()), {}, "float64"),
+    (lambda x, w, b: (x, w.half(), b.half()), {}, "x has dtype torch.float32 but weight has torch.float16"),
+    (lambda x, w, b: (x, w, b.half()), {}, "bias has dtype torch.float16"),
+    (lambda x, w, b: (x, w, b), {"stride": 0}, "stride and dilation must be >= 1"),
+    (lambda x, w, b: (x, w, b), {"padding": (1, 2, 3)}, "padding must be an int or a pair"),
+    (lambda x, w, b: (x, w, b), {"dilation": 4}, "conv output is empty"),
+    (lambda x, w, b: (x, w, b), {"activation": "swish"}, "unknown activation 'swish'"),
+]
+
+
+@pytest.mark.parametrize("make,kwargs,message", BAD_INPUTS, ids=[m for _, _, m in BAD_INPUTS])
+def test_bad_inputs_are_named(make, kwargs, message):
+    x, w, b = _inputs((2, 3, 6, 6, 4, 3, 1, 1, 1), torch.float32, DEVICE)
+    with pytest.raises((ValueError, TypeError), match=message):
+        fused_conv2d(*make(x, w, b), **kwargs)
+
+
+def test_candidates_cover_small_and_wide_layers():
+    """Few channels get only the flat K loop (one tap at a time would leave most of each K step empty);
+    wide layers get both; BLOCK_N covers O up to 128; every tile dim is a tl.dot-legal >= 16."""
+    digits = conv_mod.cuda_configs(4096 * 64, 16, 1, 9)
+    assert {c["FLAT_K"] for c in digits} == {1} and {c["BLOCK_N"] for c in digits} == {16}
+    assert {c["BLOCK_K"] for c in digits} == {16}
+    wide = conv_mod.cuda_configs(256 * 1024, 128, 64, 576)
+    assert {c["FLAT_K"] for c in wide} == {0, 1} and {c["BLOCK_N"] for c in wide} == {128}
+    for configs in (digits, wide, conv_mod.cuda_configs(16, 10, 3, 27)):
+        assert configs and all(min(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) >= 16 for c in configs)
+
+
+# ---- compiled path, on the lent GPU ----
+
+GPU_CASES = AWKWARD + [
+    (64, 1, 8, 8, 16, 3, 1, 1, 1),  # digits CNN, first layer
+    (64, 16, 4, 4, 32, 3, 1, 1, 1),
+    (32, 64, 32, 32, 64, 3, 1, 1, 1),  # wider CNN
+    (32, 64, 16, 16, 128, 3, 1, 1, 1),
+    (8, 128, 8, 8, 128, 3, 1, 1, 1),
+    (3, 37, 29, 31, 45, (5, 3), 2, (2, 1), (1, 2)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_every_dtype_and_activation(untuned, dtype, activation):
+    for case in (GPU_CASES[1], GPU_CASES[7], GPU_CASES[9]):  # awkward, digits, wider
+        _check(case, dtype, activation, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=_ids)
+def test_gpu_shapes_layouts_and_no_bias(untuned, case, channels_last):
+    _check(case, torch.float16, "relu", "cuda", channels_last=channels_last)
+    _check(case, torch.bfloat16, "gelu_tanh", "cuda", bias=False, channels_last=channels_last)
+    _check(case, torch.float32, "silu", "cuda", channels_last=channels_last)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2, 3, 17, 64, 255, 1024, 4096])
+def test_gpu_every_batch_bucket(batch):
+    """The tuned config is keyed on a power-of-two bucket of N * OH * OW: every batch in a bucket is right."""
+    _check((batch, 1, 8, 8, 16, 3, 1, 1, 1), torch.float16, "relu", "cuda")
+    _check((batch, 16, 4, 4, 32, 3, 1, 1, 1), torch.float16, "relu", "cuda", channels_last=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [GPU_CASES[-4], GPU_CASES[-1]], ids=_ids)
+def test_gpu_tf32(case):
+    """TF32 against float64 (each operand rounded to 10 mantissa bits), and None follows cudnn.allow_tf32."""
+    got, want = _check(case, torch.float32, "relu", "cuda", allow_tf32=True, rtol=RTOL_TF32)
+    err = normwise_error(got, want)
+    assert 1e-5 < err <= NORMWISE_TF32, f"TF32 normwise error {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_every_candidate(monkeypatch, dtype):
+    """Each config the tuner may pick, forced, on a narrow and a wide layer in both layouts (fp32 in full
+    precision here, so its CUDA-core candidates)."""
+    fma = dtype == torch.float32
+    for case in [(7, 1, 8, 8, 16, 3, 1, 1, 1), (3, 72, 9, 11, 100, 3, 1, 1, 1)]:
+        N, C, H, W, OC = case[:5]
+        for config in conv_mod.cuda_configs(conv_mod.m_bucket(N * H * W), OC, C, C * 9, fma):
+            monkeypatch.setattr(conv_mod, "tune", lambda *a, config=config, **kw: config)
+            conv_mod._configs.clear()
+            for channels_last in (False, True):
+                _check(case, dtype, "silu", "cuda", channels_last=channels_last)
+        for config in conv_mod.cuda_configs(conv_mod.m_bucket(N * H * W // 4), OC, C, C * 9, fma, pooled=True):
+            monkeypatch.setattr(conv_mod, "tune", lambda *a, config=config, **kw: config)
+            conv_mod._configs.clear()
+            for channels_last in (False, True):
+                _check_pooled(case, ("max", 2), dtype, "silu", "cuda", channels_last=channels_last)
+    conv_mod._configs.clear()
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture():
+    """The launcher is capturable: after a warm-up (which tunes) a CUDA graph replays it on new inputs."""
+    from kernels.graph_capture import capture
+
+    x, w, b = _inputs((16, 8, 12, 12, 24, 3, 1, 1, 1), torch.float16, "cuda")
+    graph, y = capture(lambda: fused_conv2d(x, w, b, padding=1, activation="relu"), warmups=2)
+    x.copy_(torch.randn_like(x))
+    y.fill_(float("nan"))
+    graph.replay()
+    want = reference.conv2d(x.double(), w.double(), b.double(), "relu", padding=1)
+    assert_close_to(y, want, RTOL[torch.float16], "graph replay")
+
+
+# ---- compiled for Hopper here, without a GPU (tests/sm90_compile.py; what the interpreter cannot check) ----
+
+_COMPILE_CONV = r"""
+import json, re, sys
+import kernels.conv as conv
+from tests.sm90_compile import compile_sm90
+
+ptr, precision = sys.argv[1], sys.argv[2]
+strides = ["stride_xn", "stride_xc", "stride_xh", "stride_xw", "stride_wo", "stride_wc", "stride_wh", "stride_ww",
+           "stride_yn", "stride_yc", "stride_yh", "stride_yw"]
+# (C, H, W, O, channels_last, pool): the digits CNN's layers and the wider CNN's, NHWC with a channels_last
+# weight; the digits' layers also with a 2x2 max pool fused
+layers = [(1, 8, 8, 16, False, "none"), (16, 4, 4, 32, True, "none"), (64, 32, 32, 128, True, "none"),
+          (1, 8, 8, 16, False, "max"), (16, 4, 4, 32, True, "max")]
+for C, H, W, O, nhwc, pool in layers:
+    pk = 2 if pool != "none" else 1
+    units = ["stride_xc", "stride_yc", "stride_wc"] if nhwc else ["stride_xw", "stride_yw", "stride_ww"]
+    runtime = {"x_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "y_ptr": ptr, "M": "i32", "OC": "i32"}
+    runtime["negative_slope"] = "fp32"
+    runtime.update({s: "i32" for s in strides if s not in units})
+    fma = ptr == "*fp32" and precision == "ieee"
+    for cfg in conv.cuda_configs(conv.m_bucket(4096 * H * W), O, C, C * 9, fma, pool != "none"):
+        meta = dict(C=C, H=H, W=W, OH=H // pk, OW=W // pk, KH=3, KW=3, SH=1, SW=1, PH=1, PW=1, DH=1, DW=1,
+                    POOL=pool, PKH=pk, PKW=pk, PSH=pk, PSW=pk, HAS_BIAS=True,
+                    ACTIVATION="relu", INPUT_PRECISION=precision, UPCAST_DOT=False, ROUND_BF16=False, PDL=True,
+                    CHANNELS_LAST=nhwc, **{u: 1 for u in units}, **dict(cfg.kwargs))
+        odd = ("stride_wo", "stride_wh")  # 9 * C and 3 * C (NHWC weight), 9 * C and 3 (NCHW): not multiples of 16
+        divisible = ("OC",) + tuple(s for s in runtime if s.startswith("stride") and s not in odd)
+        ptx, usage = compile_sm90(conv._conv2d_kernel, runtime, meta, 4, cfg.num_warps, cfg.num_stages, divisible)
+        print(json.dumps({"layer": [C, H, W, O, nhwc, pool], "config": cfg.meta(), "STACK": usage["STACK"],
+                          "wgmma": "wgmma.mma_async" in ptx, "cp16": "cp.async.cg.shared.global" in ptx,
+                          "st_v4": "st.global.v4" in ptx, "waits": ptx.count("griddepcontrol.wait")}))
+"""
+
+
+@pytest.mark.parametrize("ptr,precision", [("*fp16", "ieee"), ("*fp32", "tf32"), ("*fp32", "ieee")])
+def test_conv_candidates_compile_for_sm90_without_spills(ptr, precision):
+    """Every candidate of the digits and the wider CNN's layers compiles for sm_90: warpgroup MMA, no spills,
+    PDL's wait; NHWC layers gather with 16-byte cp.async and store 16-byte vectors."""
+    from tests.test_kernels_compile import _compiled
+
+    results = _compiled(_COMPILE_CONV.replace("sys.argv[2]", repr(precision)), ptr)
+    assert len(results) > 10
+    for r in results:
+        assert r["STACK"] == 0, f"spills: {r}"
+        assert r["wgmma"] == (precision != "ieee" or ptr != "*fp32") and r["waits"] == 1, r  # fp32 ieee: FMA
+        if r["layer"][1] >= 16 and r["layer"][4]:
+            assert r["cp16"] and r["st_v4"], f"NHWC layer not vectorized: {r}"
+
+
+# ---- conv + bias + activation + pooling in one kernel (fused_conv2d(..., pool=...)) ----
+
+# (conv case, pool): non-overlapping 2x2 over even and odd conv outputs (floor mode drops the last row and
+# column), overlapping 3x3 stride 2, uneven windows and strides, a window as large as the conv output.
+POOLED = [
+    ((2, 1, 8, 8, 16, 3, 1, 1, 1), ("max", 2)),
+    ((1, 3, 7, 9, 5, (3, 2), (2, 1), (1, 0), (1, 2)), ("avg", 2, None)),
+    ((2, 17, 7, 7, 20, 3, 1, 1, 1), ("max", 3, 2)),
+    ((1, 4, 10, 11, 19, 3, 1, 2, 1), ("avg", (2, 3), (3, 1))),
+    ((2, 5, 6, 6, 7, 3, 1, 1, 1), ("max", 6)),
+]
+
+
+def _check_pooled(case, pool, dtype, activation, device, channels_last=False, bias=True):
+    x, w, b = _inputs(case, dtype, device, bias, channels_last)
+    s, p, d = case[6:]
+    conv = reference.conv2d(x.double(), w.double(), b.double() if b is not None else None, activation,
+                            stride=s, padding=p, dilation=d)  # fmt: skip
+    want = reference.pool2d(conv, pool[0], pool[1], pool[2] if len(pool) > 2 else None)
+    out = torch.full(want.shape, float("nan"), device=device, dtype=dtype)
+    got = fused_conv2d(x, w, b, stride=s, padding=p, dilation=d, activation=activation, pool=pool, out=out,
+                       allow_tf32=False)  # fmt: skip
+    assert got is out
+    assert_close_to(got, want, RTOL[dtype], f"{case} pool={pool} {dtype} {activation} nhwc={channels_last}")
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("case,pool", POOLED, ids=[_ids(c) + f"-{p}" for c, p in POOLED])
+def test_conv_act_pool_awkward(small_tile, k_loop, case, pool, channels_last):
+    _check_pooled(case, pool, torch.float32, "leaky_relu", DEVICE, channels_last=channels_last)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "sigmoid", "none"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_conv_act_pool_dtypes(dtype, activation):
+    for case, pool in POOLED[:2]:
+        _check_pooled(case, pool, dtype, activation, DEVICE)
+
+
+def test_conv_pool_is_checked():
+    x, w, b = _inputs((1, 2, 6, 6, 4, 3, 1, 1, 1), torch.float32, DEVICE)
+    for pool, message in [(("sum", 2), "pool must be"), (("max",), "pool must be"), (("avg", 0), ">= 1"),
+                          (("max", 5), "leaves no output")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            fused_conv2d(x, w, b, pool=pool)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_conv_act_pool_every_dtype_and_activation(untuned, dtype, activation):
+    for case, pool in POOLED[:2]:
+        _check_pooled(case, pool, dtype, activation, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_gpu_conv_act_pool_shapes(untuned, channels_last):
+    """The digits CNN's first layer at batch 256 and the wider CNN's, plus the awkward ones."""
+    cases = POOLED + [((256, 1, 8, 8, 16, 3, 1, 1, 1), ("max", 2)), ((64, 64, 32, 32, 128, 3, 1, 1, 1), ("avg", 2))]
+    for case, pool in cases:
+        _check_pooled(case, pool, torch.float16, "relu", "cuda", channels_last=channels_last)
