@@ -1,0 +1,148 @@
+"""Probe: where does a loaded server spend its time? Starts the empty FastAPI route and fusedserve (N workers each,
+one after the other), drives each at 256 single-row connections with bench.loadgen, and samples one worker
+process (and fusedserve's engine) with py-spy meanwhile; prints each profile's top frames by own time and by
+file group.
+
+    python -m bench.probes.profile_serve --out /tmp/profile      # on the GPU host, py-spy on PATH
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from bench.loadgen import ClientPool, PhaseSpec, make_bodies
+
+GROUPS = (
+    ("service/", "fusedserve"),
+    ("bench/serve_apps", "app"),
+    ("fastapi", "fastapi+starlette"),
+    ("starlette", "fastapi+starlette"),
+    ("uvicorn", "uvicorn"),
+    ("asyncio", "asyncio"),
+    ("numpy", "numpy"),
+    ("prometheus_client", "prometheus"),
+    ("torch", "torch"),
+)
+
+
+def _children(pid: int) -> dict[int, str]:
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    out[int(entry.name)] = (entry / "comm").read_text().strip()
+            except OSError:
+                continue
+    return out
+
+
+def _wait_ready(url: str, timeout_s: float = 300) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def _summary(path: Path, top: int = 22) -> str:
+    own: collections.Counter[str] = collections.Counter()
+    groups: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        k = int(n)
+        total += k
+        leaf = stack.split(";")[-1]
+        own[leaf] += k
+        groups[next((g for key, g in GROUPS if key in leaf), "other")] += k
+    lines = [f"{path.name}: {total} samples (idle excluded)", "  by file group (own time):"]
+    lines += [f"    {100 * v / total:5.1f}% {g}" for g, v in groups.most_common()]
+    lines.append("  top frames (own time):")
+    lines += [f"    {100 * v / total:5.1f}% {f[:150]}" for f, v in own.most_common(top)]
+    return "\n".join(lines)
+
+
+def profile(name: str, argv: list[str], port: int, pick, out: Path, workers: int, clients: int) -> None:
+    log = open(out / f"{name}_server.log", "wb")  # noqa: SIM115 (closed below)
+    server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_ready(url)
+        time.sleep(1)
+        targets = pick(server.pid)
+        spec = PhaseSpec("127.0.0.1", port, "/predict", tuple(make_bodies(1)), 256, warmup_s=1.0, duration_s=6.0)
+        samplers = []
+
+        def sample(start_at: float) -> None:
+            time.sleep(max(0.0, start_at - time.monotonic()) + 1.0)
+            for label, pid in targets.items():
+                path = out / f"profile_{name}_{label}.txt"
+                cmd = ["py-spy", "record", "-p", str(pid), "-d", "4", "-r", "400", "-f", "raw", "-o", str(path)]
+                samplers.append((path, subprocess.Popen([*cmd, "--nonblocking"], stdout=subprocess.DEVNULL)))
+
+        with ClientPool(clients) as pool:
+            result = pool.run(spec, on_start=lambda t: threading.Thread(target=sample, args=(t,)).start())
+        for _, p in samplers:
+            p.wait(30)
+        p50 = float(np.median(result["latency"])) * 1e3 if len(result["latency"]) else float("nan")
+        print(f"== {name}: {result['req_per_s']:.0f} req/s, p50 {p50:.2f} ms, statuses {result['status']}", flush=True)
+        for path, _ in samplers:
+            if path.is_file():
+                print(_summary(path), flush=True)
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("/tmp/profile"))
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--mode", default="fused")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    empty = [py, "-m", "uvicorn", "bench.serve_apps.empty:app", "--port", "18101", "--workers", str(a.workers)]
+    empty += ["--log-level", "warning", "--no-access-log"]
+
+    def a_worker(pid: int) -> dict[str, int]:
+        return {"worker": min(_children(pid), default=pid)}  # one worker: uvicorn serves in its own process
+
+    profile("empty", empty, 18101, a_worker, a.out, a.workers, a.clients)
+    fused = [py, "-m", "service.cli", "serve", "--port", "18102", "--workers", str(a.workers), "--mode", a.mode]
+    fused += ["--log-level", "warning"]
+
+    def front_and_engine(pid: int) -> dict[str, int]:
+        names = {v: k for k, v in _children(pid).items()}
+        return {"frontend": names["fs-frontend-0"], "engine": names["fs-engine-0"]}
+
+    profile("fusedserve", fused, 18102, front_and_engine, a.out, a.workers, a.clients)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
