@@ -296,7 +296,7 @@ layers = [(1, 8, 8, 16, False, "none"), (16, 4, 4, 32, True, "none"), (64, 32, 3
 for C, H, W, O, nhwc, pool in layers:
     pk = 2 if pool != "none" else 1
     units = ["stride_xc", "stride_yc", "stride_wc"] if nhwc else ["stride_xw", "stride_yw", "stride_ww"]
-    runtime = {"x_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "y_ptr": ptr, "M": "i32", "OC": "i32"}
+    runtime = {"x_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "y_ptr": ptr, "NB": "i32", "OC": "i32"}
     runtime["negative_slope"] = "fp32"
     runtime.update({s: "i32" for s in strides if s not in units})
     fma = ptr == "*fp32" and precision == "ieee"
@@ -304,7 +304,7 @@ for C, H, W, O, nhwc, pool in layers:
         meta = dict(C=C, H=H, W=W, OH=H // pk, OW=W // pk, KH=3, KW=3, SH=1, SW=1, PH=1, PW=1, DH=1, DW=1,
                     POOL=pool, PKH=pk, PKW=pk, PSH=pk, PSW=pk, HAS_BIAS=True,
                     ACTIVATION="relu", INPUT_PRECISION=precision, UPCAST_DOT=False, ROUND_BF16=False, PDL=True,
-                    CHANNELS_LAST=nhwc, **{u: 1 for u in units}, **dict(cfg.kwargs))
+                    CHANNELS_LAST=nhwc, Y_PLANES=not nhwc, **{u: 1 for u in units}, **dict(cfg.kwargs))
         odd = ("stride_wo", "stride_wh")  # 9 * C and 3 * C (NHWC weight), 9 * C and 3 (NCHW): not multiples of 16
         divisible = ("OC",) + tuple(s for s in runtime if s.startswith("stride") and s not in odd)
         ptx, usage = compile_sm90(conv._conv2d_kernel, runtime, meta, 4, cfg.num_warps, cfg.num_stages, divisible)
@@ -317,7 +317,7 @@ for C, H, W, O, nhwc, pool in layers:
 @pytest.mark.parametrize("ptr,precision", [("*fp16", "ieee"), ("*fp32", "tf32"), ("*fp32", "ieee")])
 def test_conv_candidates_compile_for_sm90_without_spills(ptr, precision):
     """Every candidate of the digits and the wider CNN's layers compiles for sm_90: warpgroup MMA, no spills,
-    PDL's wait; NHWC layers gather with 16-byte cp.async and store 16-byte vectors."""
+    PDL's wait, y stored in 16-byte vectors (NCHW and NHWC); NHWC layers gather with 16-byte cp.async."""
     from tests.test_kernels_compile import _compiled
 
     results = _compiled(_COMPILE_CONV.replace("sys.argv[2]", repr(precision)), ptr)
@@ -325,8 +325,9 @@ def test_conv_candidates_compile_for_sm90_without_spills(ptr, precision):
     for r in results:
         assert r["STACK"] == 0, f"spills: {r}"
         assert r["wgmma"] == (precision != "ieee" or ptr != "*fp32") and r["waits"] == 1, r  # fp32 ieee: FMA
+        assert r["st_v4"], f"y not stored in 16-byte vectors: {r}"  # NCHW too: the batch mask (kernel)
         if r["layer"][1] >= 16 and r["layer"][4]:
-            assert r["cp16"] and r["st_v4"], f"NHWC layer not vectorized: {r}"
+            assert r["cp16"], f"NHWC layer's gathers not 16-byte: {r}"
 
 
 # ---- conv + bias + activation + pooling in one kernel (fused_conv2d(..., pool=...)) ----
