@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from kernels.cold_timing import cold_us
 from kernels.pool import fused_pool2d
 
+from .kernel_report import slug_of
 from .kernel_timing import timed_run
 from .pool import MAX_ELEMENTS
 
@@ -294,7 +295,7 @@ def execute(plan: dict, command: str) -> int:
     torch.manual_seed(plan["seed"])
     cuda = plan["device"] == "cuda"
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
-    slug = "cpu" if not cuda else "".join(ch for ch in gpu.lower().split()[-1] if ch.isalnum())  # "h200", "h100"
+    slug = slug_of(gpu) if cuda else "cpu"  # the kernel benchmark's names: "h200", "h100-80gb-hbm3"
     started = time.perf_counter()
     bandwidth = _copy_bandwidth() if cuda else None
     if cuda:
