@@ -294,7 +294,7 @@ def fused_conv2d(
 
     pool: ("max" | "avg", kernel_size) or ("max" | "avg", kernel_size, stride) (ints or pairs; stride None or
     left out: kernel_size) pools the activated conv output in the same kernel, as max_pool2d / avg_pool2d with
-    padding 0 and ceil_mode False would: returns (N, O, POH, POW), the conv output never written. (Padded or
+    padding 0 and ceil_mode False would: returns (N, OC, POH, POW), the conv output never written. (Padded or
     ceil_mode pooling: call fused_pool2d after an unpooled fused_conv2d.)
     """
     _check(x, weight, bias, activation)
@@ -308,8 +308,6 @@ def fused_conv2d(
         raise ValueError(
             f"conv output is empty: input {H}x{W}, kernel {KH}x{KW}, stride {s}, padding {p}, dilation {d}"
         )
-    # torch's rule for the output's memory format: channels_last when x or the weight is. (An (N, 1, H, W)
-    # input is both; a channels_last weight then asks for NHWC outputs.)
     POOL, PKH, PKW, PSH, PSW = "none", 1, 1, 1, 1
     if pool is not None:
         if not isinstance(pool, (tuple, list)) or len(pool) not in (2, 3) or pool[0] not in ("max", "avg"):
@@ -322,6 +320,8 @@ def fused_conv2d(
         if OH < PKH or OW < PKW:
             raise ValueError(f"pooling {pool!r} leaves no output from the conv's {OH}x{OW}")
         OH, OW = (OH - PKH) // PSH + 1, (OW - PKW) // PSW + 1
+    # torch's rule for the output's memory format: channels_last when x or the weight is. (An (N, 1, H, W)
+    # input is both; a channels_last weight then asks for NHWC outputs.)
     channels_last = _channels_last(x)
     fmt = torch.channels_last if channels_last or _channels_last(weight) else torch.contiguous_format
     if out is None:
