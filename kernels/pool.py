@@ -125,6 +125,8 @@ def _pool_rows_kernel(
         div_h = _window_divisor(h0, H, KH, PH, COUNT_INCLUDE_PAD)
         div_w = _window_divisor(ow * SW - PW, W, KW, PW, COUNT_INCLUDE_PAD)
         out = out / (div_h[:, None] * div_w[None, :])
+    else:  # lanes past the edges hold -inf, which gelu & co. would turn into NaN: harmless (never stored), but noisy
+        out = tl.where((rows < R)[:, None] & (ow < OW)[None, :], out, 0.0)
     out = apply_activation(out, ACTIVATION, negative_slope)
     if ROUND_BF16:
         out = round_to_bf16(out)
@@ -183,6 +185,8 @@ def _pool_channels_kernel(
     if not IS_MAX:
         div = _window_divisor(h0, H, KH, PH, COUNT_INCLUDE_PAD) * _window_divisor(w0, W, KW, PW, COUNT_INCLUDE_PAD)
         out = out / div[:, None]
+    else:
+        out = tl.where(pos_ok[:, None] & ch_ok[None, :], out, 0.0)
     out = apply_activation(out, ACTIVATION, negative_slope)
     if ROUND_BF16:
         out = round_to_bf16(out)
