@@ -263,8 +263,12 @@ def cuda_configs(bucket: int, OC: int, C: int, K: int, fma: bool = False, pooled
                 if bm > 64 and bucket <= 64:
                     continue
                 out.append(LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLAT_K=flat))
-    if bucket <= 256:  # few output pixels: 32-row tiles, more programs
-        out.append(LaunchConfig.of(4, 3, BLOCK_M=32, BLOCK_N=bn, BLOCK_K=ks[0], GROUP_M=8, FLAT_K=flats[-1]))
+    if triton.cdiv(bucket, 64) * triton.cdiv(OC, bn) < 132:
+        # Fewer 64-row tiles than an H100/H200 has SMs (the wider CNN at batch 1: 1024 pixels, 16 tiles): 32-row
+        # tiles, and narrower ones along O, so that more SMs gather at once.
+        for bn_small in sorted({bn, min(bn, 64)}):
+            for bk in ks:
+                out.append(LaunchConfig.of(4, 3, BLOCK_M=32, BLOCK_N=bn_small, BLOCK_K=bk, GROUP_M=8, FLAT_K=flats[-1]))
     return out
 
 
