@@ -214,7 +214,7 @@ GPU_CASES = AWKWARD + [
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gpu_every_dtype_and_activation(untuned, dtype, activation):
-    for case in (GPU_CASES[1], GPU_CASES[7], GPU_CASES[9]):  # awkward, digits, wider
+    for case in (GPU_CASES[1], GPU_CASES[9]):  # awkward (flat K), wider (per tap)
         _check(case, dtype, activation, "cuda")
 
 
@@ -223,8 +223,10 @@ def test_gpu_every_dtype_and_activation(untuned, dtype, activation):
 @pytest.mark.parametrize("case", GPU_CASES, ids=_ids)
 def test_gpu_shapes_layouts_and_no_bias(untuned, case, channels_last):
     _check(case, torch.float16, "relu", "cuda", channels_last=channels_last)
-    _check(case, torch.bfloat16, "gelu_tanh", "cuda", bias=False, channels_last=channels_last)
-    _check(case, torch.float32, "silu", "cuda", channels_last=channels_last)
+    if channels_last:
+        _check(case, torch.bfloat16, "gelu_tanh", "cuda", bias=False, channels_last=True)
+    else:
+        _check(case, torch.float32, "silu", "cuda")
 
 
 @pytest.mark.gpu
@@ -245,10 +247,10 @@ def test_gpu_tf32(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_gpu_every_candidate(monkeypatch, dtype):
     """Each config the tuner may pick, forced, on a narrow and a wide layer in both layouts (fp32 in full
-    precision here, so its CUDA-core candidates)."""
+    precision here, so its CUDA-core candidates; bf16 takes fp16's candidates and is checked above)."""
     fma = dtype == torch.float32
     for case in [(7, 1, 8, 8, 16, 3, 1, 1, 1), (3, 72, 9, 11, 100, 3, 1, 1, 1)]:
         N, C, H, W, OC = case[:5]
@@ -260,8 +262,7 @@ def test_gpu_every_candidate(monkeypatch, dtype):
         for config in conv_mod.cuda_configs(conv_mod.m_bucket(N * H * W // 4), OC, C, C * 9, fma, pooled=True):
             monkeypatch.setattr(conv_mod, "tune", lambda *a, config=config, **kw: config)
             conv_mod._configs.clear()
-            for channels_last in (False, True):
-                _check_pooled(case, ("max", 2), dtype, "silu", "cuda", channels_last=channels_last)
+            _check_pooled(case, ("max", 2), dtype, "silu", "cuda", channels_last=True)
     conv_mod._configs.clear()
 
 
@@ -381,7 +382,7 @@ def test_conv_pool_is_checked():
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gpu_conv_act_pool_every_dtype_and_activation(untuned, dtype, activation):
-    for case, pool in POOLED[:2]:
+    for case, pool in POOLED[:1]:
         _check_pooled(case, pool, dtype, activation, "cuda")
 
 
