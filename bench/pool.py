@@ -7,8 +7,9 @@
 Cases: avg_pool2d with k8 s8 and k2 s2, then ReLU, over (N, C, S, S) inputs, S = 128 .. 8192, for several
 (N, C) (cases past 2**28 elements left out), fp32 and fp16. Providers: `cpu` (torch on the CPU, all cores),
 `torch` (F.avg_pool2d then torch.relu on the GPU: two kernels), `compile` (torch.compile of the same, per shape,
-dynamic=False), `ours` (kernels.pool.fused_pool2d: one kernel). Per GPU provider: device time cold (L2 cleared
-by reads before each call; kernels/cold_timing.py) and hot (back to back), and end to end from host memory:
+dynamic=False; N = C = 1 and S >= 1024 only, a compile each), `ours` (kernels.pool.fused_pool2d: one kernel).
+Per GPU provider: device time cold (L2 cleared by reads before each call; kernels/cold_timing.py) and hot (back
+to back), and end to end from host memory:
 H2D copy, the op, D2H copy, synchronised, from pinned and from pageable buffers (best of a few runs). Reported:
 ours' % of the bandwidth floor (input read once + output written once, over a measured 1 GiB copy's rate),
 ours against torch's two kernels, and per (N, C, dtype, window) the smallest size from which the GPU end to end

@@ -45,12 +45,12 @@ from .tuning import LaunchConfig, scope_for, tune
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["NB"])
 def _conv2d_kernel(
     # pointers
     x_ptr, w_ptr, b_ptr, y_ptr,
-    # sizes (M = N * OH * OW, the only run-time one)
-    M, OC,
+    # sizes (the batch NB is the only run-time one; the GEMM's M = NB * OH * OW)
+    NB, OC,
     # strides
     stride_xn, stride_xc, stride_xh, stride_xw,
     stride_wo, stride_wc, stride_wh, stride_ww,
@@ -72,12 +72,14 @@ def _conv2d_kernel(
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand before the store (interpreter workaround)
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (pdl.py)
     CHANNELS_LAST: tl.constexpr,  # FLAT_K order: (kh, kw, c) for NHWC x (c contiguous), else (c, kh, kw)
+    Y_PLANES: tl.constexpr,  # y is contiguous NCHW: each (n, o) plane one run of OH * OW elements
     FLAT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):  # fmt: skip
     if PDL:  # the next layer may start; this one waits for the previous layer (below) before reading x
         gdc_launch_dependents()
+    M = NB * (OH * OW)
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(OC, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,7 +88,7 @@ def _conv2d_kernel(
     n = rows // (OH * OW)
     out_h = (rows // OW) % OH
     out_w = rows % OW
-    m_ok = rows < M
+    m_ok = n < NB  # rows < M, written so that it is constant over each image's OH * OW rows (vector stores)
     offs_n = tl.minimum(cols, OC - 1)  # columns past the edge compute on the last one, never stored
     w_cols = w_ptr + offs_n * stride_wo
     if HAS_BIAS:
@@ -172,7 +174,12 @@ def _conv2d_kernel(
     # One rounding to the output dtype.
     if ROUND_BF16:
         result = round_to_bf16(result)
-    y_rows = y_ptr + n * stride_yn + out_h * stride_yh + out_w * stride_yw
+    if Y_PLANES:
+        # Contiguous NCHW y: a pixel's offset in its plane is rows % (OH * OW), which Triton sees as runs of
+        # contiguous rows (OH * OW a constexpr), so the store goes out in vectors along M.
+        y_rows = y_ptr + n * stride_yn + rows % (OH * OW)
+    else:
+        y_rows = y_ptr + n * stride_yn + out_h * stride_yh + out_w * stride_yw
     y_ptrs = y_rows[:, None] + (cols * stride_yc)[None, :]  # unclamped cols: contiguous along O for NHWC y
     tl.store(y_ptrs, result.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (cols < OC)[None, :])
 
@@ -256,8 +263,12 @@ def cuda_configs(bucket: int, OC: int, C: int, K: int, fma: bool = False, pooled
                 if bm > 64 and bucket <= 64:
                     continue
                 out.append(LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLAT_K=flat))
-    if bucket <= 256:  # few output pixels: 32-row tiles, more programs
-        out.append(LaunchConfig.of(4, 3, BLOCK_M=32, BLOCK_N=bn, BLOCK_K=ks[0], GROUP_M=8, FLAT_K=flats[-1]))
+    if triton.cdiv(bucket, 64) * triton.cdiv(OC, bn) < 132:
+        # Fewer 64-row tiles than an H100/H200 has SMs (the wider CNN at batch 1: 1024 pixels, 16 tiles): 32-row
+        # tiles, and narrower ones along O, so that more SMs gather at once.
+        for bn_small in sorted({bn, min(bn, 64)}):
+            for bk in ks:
+                out.append(LaunchConfig.of(4, 3, BLOCK_M=32, BLOCK_N=bn_small, BLOCK_K=bk, GROUP_M=8, FLAT_K=flats[-1]))
     return out
 
 
@@ -287,7 +298,7 @@ def fused_conv2d(
 
     pool: ("max" | "avg", kernel_size) or ("max" | "avg", kernel_size, stride) (ints or pairs; stride None or
     left out: kernel_size) pools the activated conv output in the same kernel, as max_pool2d / avg_pool2d with
-    padding 0 and ceil_mode False would: returns (N, O, POH, POW), the conv output never written. (Padded or
+    padding 0 and ceil_mode False would: returns (N, OC, POH, POW), the conv output never written. (Padded or
     ceil_mode pooling: call fused_pool2d after an unpooled fused_conv2d.)
     """
     _check(x, weight, bias, activation)
@@ -301,8 +312,6 @@ def fused_conv2d(
         raise ValueError(
             f"conv output is empty: input {H}x{W}, kernel {KH}x{KW}, stride {s}, padding {p}, dilation {d}"
         )
-    # torch's rule for the output's memory format: channels_last when x or the weight is. (An (N, 1, H, W)
-    # input is both; a channels_last weight then asks for NHWC outputs.)
     POOL, PKH, PKW, PSH, PSW = "none", 1, 1, 1, 1
     if pool is not None:
         if not isinstance(pool, (tuple, list)) or len(pool) not in (2, 3) or pool[0] not in ("max", "avg"):
@@ -315,6 +324,8 @@ def fused_conv2d(
         if OH < PKH or OW < PKW:
             raise ValueError(f"pooling {pool!r} leaves no output from the conv's {OH}x{OW}")
         OH, OW = (OH - PKH) // PSH + 1, (OW - PKW) // PSW + 1
+    # torch's rule for the output's memory format: channels_last when x or the weight is. (An (N, 1, H, W)
+    # input is both; a channels_last weight then asks for NHWC outputs.)
     channels_last = _channels_last(x)
     fmt = torch.channels_last if channels_last or _channels_last(weight) else torch.contiguous_format
     if out is None:
@@ -323,6 +334,7 @@ def fused_conv2d(
         want = f"({N}, {OC}, {OH}, {OW}) {x.dtype} tensor on {x.device}"
         raise ValueError(f"out must be a {want}; got {tuple(out.shape)} {out.dtype} on {out.device}")
     M = N * OH * OW
+    y_planes = out.stride()[1:] == (OH * OW, OW, 1)
     if M == 0:
         return out
     if allow_tf32 is None:
@@ -337,10 +349,10 @@ def fused_conv2d(
         grid = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(OC, meta["BLOCK_N"])
         return _conv2d_kernel[(grid,)](
             x, weight, bias if bias is not None else weight, out,
-            M, OC,
+            N, OC,
             *x.stride(), *weight.stride(), *out.stride(),
             float(negative_slope),
-            **shape, **fixed, CHANNELS_LAST=channels_last, **meta, **launch_options(fixed),
+            **shape, **fixed, CHANNELS_LAST=channels_last, Y_PLANES=y_planes, **meta, **launch_options(fixed),
         )  # fmt: skip
 
     if interpreting():
@@ -348,7 +360,7 @@ def fused_conv2d(
         return out
     bucket = m_bucket(M)
     signature = (tuple(weight.shape), x.shape[1:], x.stride()[1:], x.dtype, s, p, d, activation, bias is not None,
-                 fixed["INPUT_PRECISION"], channels_last, bucket, POOL, PKH, PKW, PSH, PSW)  # fmt: skip
+                 fixed["INPUT_PRECISION"], channels_last, y_planes, bucket, POOL, PKH, PKW, PSH, PSW)  # fmt: skip
     config = _configs.get(signature)
     if config is None:
         key = (

@@ -53,7 +53,7 @@ def _window_divisor(start, size, K: tl.constexpr, P: tl.constexpr, COUNT_INCLUDE
     return tl.maximum(end - start, 1).to(tl.float32)  # >= 1 in every stored window; masked lanes: no 0 / 0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # R grows with the batch: one compiled kernel for every batch size
 def _pool_rows_kernel(
     # pointers
     x_ptr, y_ptr,
@@ -125,6 +125,8 @@ def _pool_rows_kernel(
         div_h = _window_divisor(h0, H, KH, PH, COUNT_INCLUDE_PAD)
         div_w = _window_divisor(ow * SW - PW, W, KW, PW, COUNT_INCLUDE_PAD)
         out = out / (div_h[:, None] * div_w[None, :])
+    else:  # lanes past the edges hold -inf, which gelu & co. would turn into NaN: harmless (never stored), but noisy
+        out = tl.where((rows < R)[:, None] & (ow < OW)[None, :], out, 0.0)
     out = apply_activation(out, ACTIVATION, negative_slope)
     if ROUND_BF16:
         out = round_to_bf16(out)
@@ -133,7 +135,7 @@ def _pool_rows_kernel(
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(rows < R)[:, None] & (ow < OW)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _pool_channels_kernel(
     # pointers
     x_ptr, y_ptr,
@@ -183,6 +185,8 @@ def _pool_channels_kernel(
     if not IS_MAX:
         div = _window_divisor(h0, H, KH, PH, COUNT_INCLUDE_PAD) * _window_divisor(w0, W, KW, PW, COUNT_INCLUDE_PAD)
         out = out / div[:, None]
+    else:
+        out = tl.where(pos_ok[:, None] & ch_ok[None, :], out, 0.0)
     out = apply_activation(out, ACTIVATION, negative_slope)
     if ROUND_BF16:
         out = round_to_bf16(out)
@@ -358,15 +362,18 @@ def fused_pool2d(
             config = _channels_config(count, C, 4096, 4)
         run(config)
         return out
-    signature = (layout, tuple(x.shape), x.stride(), x.dtype, kind, k, s, p, ceil_mode, count_include_pad, activation)
+    # Batches share a tuned config by power-of-two bucket of rows (or positions), as the GEMMs' do.
+    bucket = 1 << max(count - 1, 0).bit_length()
+    signature = (layout, x.shape[1:], x.stride()[1:], x.dtype, kind, k, s, p, ceil_mode, count_include_pad, activation,
+                 bucket)  # fmt: skip
     config = _configs.get(signature)
     if config is None:
         key = (
-            f"{layout}|N{N}|C{C}|H{H}|W{W}|{x.dtype}|{kind}|k{k}|s{s}|p{p}|ceil={ceil_mode}"
-            f"|cip={count_include_pad}|{activation}"
+            f"{layout}|C{C}|H{H}|W{W}|{x.dtype}|{kind}|k{k}|s{s}|p{p}|ceil={ceil_mode}"
+            f"|cip={count_include_pad}|{activation}|n{bucket}"
         )
         scope = scope_for("pool", kernel, apply_activation)
-        config = tune(scope, key, cuda_configs(layout, count, inner, s[1], span), run)
+        config = tune(scope, key, cuda_configs(layout, bucket, inner, s[1], span), run)
         _configs[signature] = config
     run(config)
     return out

@@ -214,7 +214,7 @@ GPU_CASES = AWKWARD + [
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gpu_every_dtype_and_activation(untuned, dtype, activation):
-    for case in (GPU_CASES[1], GPU_CASES[7], GPU_CASES[9]):  # awkward, digits, wider
+    for case in (GPU_CASES[1], GPU_CASES[9]):  # awkward (flat K), wider (per tap)
         _check(case, dtype, activation, "cuda")
 
 
@@ -223,8 +223,10 @@ def test_gpu_every_dtype_and_activation(untuned, dtype, activation):
 @pytest.mark.parametrize("case", GPU_CASES, ids=_ids)
 def test_gpu_shapes_layouts_and_no_bias(untuned, case, channels_last):
     _check(case, torch.float16, "relu", "cuda", channels_last=channels_last)
-    _check(case, torch.bfloat16, "gelu_tanh", "cuda", bias=False, channels_last=channels_last)
-    _check(case, torch.float32, "silu", "cuda", channels_last=channels_last)
+    if channels_last:
+        _check(case, torch.bfloat16, "gelu_tanh", "cuda", bias=False, channels_last=True)
+    else:
+        _check(case, torch.float32, "silu", "cuda")
 
 
 @pytest.mark.gpu
@@ -245,10 +247,10 @@ def test_gpu_tf32(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_gpu_every_candidate(monkeypatch, dtype):
     """Each config the tuner may pick, forced, on a narrow and a wide layer in both layouts (fp32 in full
-    precision here, so its CUDA-core candidates)."""
+    precision here, so its CUDA-core candidates; bf16 takes fp16's candidates and is checked above)."""
     fma = dtype == torch.float32
     for case in [(7, 1, 8, 8, 16, 3, 1, 1, 1), (3, 72, 9, 11, 100, 3, 1, 1, 1)]:
         N, C, H, W, OC = case[:5]
@@ -260,8 +262,7 @@ def test_gpu_every_candidate(monkeypatch, dtype):
         for config in conv_mod.cuda_configs(conv_mod.m_bucket(N * H * W // 4), OC, C, C * 9, fma, pooled=True):
             monkeypatch.setattr(conv_mod, "tune", lambda *a, config=config, **kw: config)
             conv_mod._configs.clear()
-            for channels_last in (False, True):
-                _check_pooled(case, ("max", 2), dtype, "silu", "cuda", channels_last=channels_last)
+            _check_pooled(case, ("max", 2), dtype, "silu", "cuda", channels_last=True)
     conv_mod._configs.clear()
 
 
@@ -296,7 +297,7 @@ layers = [(1, 8, 8, 16, False, "none"), (16, 4, 4, 32, True, "none"), (64, 32, 3
 for C, H, W, O, nhwc, pool in layers:
     pk = 2 if pool != "none" else 1
     units = ["stride_xc", "stride_yc", "stride_wc"] if nhwc else ["stride_xw", "stride_yw", "stride_ww"]
-    runtime = {"x_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "y_ptr": ptr, "M": "i32", "OC": "i32"}
+    runtime = {"x_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "y_ptr": ptr, "NB": "i32", "OC": "i32"}
     runtime["negative_slope"] = "fp32"
     runtime.update({s: "i32" for s in strides if s not in units})
     fma = ptr == "*fp32" and precision == "ieee"
@@ -304,7 +305,7 @@ for C, H, W, O, nhwc, pool in layers:
         meta = dict(C=C, H=H, W=W, OH=H // pk, OW=W // pk, KH=3, KW=3, SH=1, SW=1, PH=1, PW=1, DH=1, DW=1,
                     POOL=pool, PKH=pk, PKW=pk, PSH=pk, PSW=pk, HAS_BIAS=True,
                     ACTIVATION="relu", INPUT_PRECISION=precision, UPCAST_DOT=False, ROUND_BF16=False, PDL=True,
-                    CHANNELS_LAST=nhwc, **{u: 1 for u in units}, **dict(cfg.kwargs))
+                    CHANNELS_LAST=nhwc, Y_PLANES=not nhwc, **{u: 1 for u in units}, **dict(cfg.kwargs))
         odd = ("stride_wo", "stride_wh")  # 9 * C and 3 * C (NHWC weight), 9 * C and 3 (NCHW): not multiples of 16
         divisible = ("OC",) + tuple(s for s in runtime if s.startswith("stride") and s not in odd)
         ptx, usage = compile_sm90(conv._conv2d_kernel, runtime, meta, 4, cfg.num_warps, cfg.num_stages, divisible)
@@ -317,7 +318,7 @@ for C, H, W, O, nhwc, pool in layers:
 @pytest.mark.parametrize("ptr,precision", [("*fp16", "ieee"), ("*fp32", "tf32"), ("*fp32", "ieee")])
 def test_conv_candidates_compile_for_sm90_without_spills(ptr, precision):
     """Every candidate of the digits and the wider CNN's layers compiles for sm_90: warpgroup MMA, no spills,
-    PDL's wait; NHWC layers gather with 16-byte cp.async and store 16-byte vectors."""
+    PDL's wait, y stored in 16-byte vectors (NCHW and NHWC); NHWC layers gather with 16-byte cp.async."""
     from tests.test_kernels_compile import _compiled
 
     results = _compiled(_COMPILE_CONV.replace("sys.argv[2]", repr(precision)), ptr)
@@ -325,8 +326,9 @@ def test_conv_candidates_compile_for_sm90_without_spills(ptr, precision):
     for r in results:
         assert r["STACK"] == 0, f"spills: {r}"
         assert r["wgmma"] == (precision != "ieee" or ptr != "*fp32") and r["waits"] == 1, r  # fp32 ieee: FMA
+        assert r["st_v4"], f"y not stored in 16-byte vectors: {r}"  # NCHW too: the batch mask (kernel)
         if r["layer"][1] >= 16 and r["layer"][4]:
-            assert r["cp16"] and r["st_v4"], f"NHWC layer not vectorized: {r}"
+            assert r["cp16"], f"NHWC layer's gathers not 16-byte: {r}"
 
 
 # ---- conv + bias + activation + pooling in one kernel (fused_conv2d(..., pool=...)) ----
@@ -380,7 +382,7 @@ def test_conv_pool_is_checked():
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gpu_conv_act_pool_every_dtype_and_activation(untuned, dtype, activation):
-    for case, pool in POOLED[:2]:
+    for case, pool in POOLED[:1]:
         _check_pooled(case, pool, dtype, activation, "cuda")
 
 

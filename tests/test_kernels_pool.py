@@ -200,15 +200,14 @@ def test_gpu_torch_semantics(untuned, case, kind, cip, channels_last):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize(
-    "shape,k",
-    [((1, 1, 4096, 4096), 2), ((1, 1, 4096, 4096), 8), ((4, 3, 1000, 1030), 2), ((64, 32, 33, 31), 3)],
-    ids=str,
+    "shape,k", [((1, 1, 4096, 4096), 2), ((1, 1, 4096, 4096), 8), ((4, 3, 1000, 1030), 2)], ids=str
 )
 def test_gpu_large(shape, k, dtype):
-    """The bench's sizes (and odd ones), NCHW and channels_last, through the tuner."""
-    for kind in ("avg", "max"):
-        _check(shape, kind, k, k, 0, True, dtype, "relu", "cuda")
-        _check(shape, kind, k, k, 0, True, dtype, "relu", "cuda", channels_last=True)
+    """The bench's sizes (and an odd one) through the tuner: avg (the bench's) on NCHW and channels_last, max
+    on NCHW. (Every candidate is compiled for its window, kind, dtype and layout: a few seconds each time.)"""
+    _check(shape, "avg", k, k, 0, True, dtype, "relu", "cuda")
+    _check(shape, "avg", k, k, 0, True, dtype, "relu", "cuda", channels_last=True)
+    _check(shape, "max", k, k, 0, True, dtype, "relu", "cuda")
 
 
 @pytest.mark.gpu
