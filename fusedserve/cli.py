@@ -20,6 +20,7 @@ from service import cli as service_cli
 BENCHMARKS = {
     "kernels": "bench.kernels",
     "serve": "bench.serve",
+    "pool": "bench.pool",
 }
 
 

@@ -7,8 +7,10 @@ from .runtime import choose_backend, interpreting
 choose_backend()
 
 from .activations import ACTIVATIONS, DEFAULT_NEGATIVE_SLOPE  # noqa: E402
+from .conv import fused_conv2d  # noqa: E402
 from .elementwise import fused_activation  # noqa: E402
 from .linear import SUPPORTED_DTYPES, FusedLinear, fused_linear  # noqa: E402
+from .pool import fused_pool2d  # noqa: E402
 
 __all__ = [
     "ACTIVATIONS",
@@ -16,6 +18,8 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "FusedLinear",
     "fused_activation",
+    "fused_conv2d",
     "fused_linear",
+    "fused_pool2d",
     "interpreting",
 ]

@@ -43,11 +43,11 @@ def test_plan_defaults_and_quick():
 
 
 def test_cases_leave_out_the_huge_ones():
-    from bench.pool_run import _cases
+    from bench.pool_run import MAX_ELEMENTS, _cases
 
     plan = bench_pool.plan_of(_args())
     cases = list(_cases(plan))
-    assert all(c["n"] * c["c"] * c["size"] ** 2 <= bench_pool.MAX_ELEMENTS for c in cases)
+    assert all(c["n"] * c["c"] * c["size"] ** 2 <= MAX_ELEMENTS for c in cases)
     assert {"dtype": "float32", "k": 2, "n": 1, "c": 1, "size": 8192} in cases
     assert not any(c["n"] == 32 and c["size"] > 512 for c in cases)
 

@@ -80,7 +80,6 @@ KINDS = {
     "bench-smoke": rf"^{FUSEDSERVE} bench kernels --device cpu --quick --out \S+$",
     "gpu": rf"^(?:{_ENV}bash bench/gpu_session\.sh.*|{FUSEDSERVE} bench (?:kernels|serve)(?! --device cpu).*)$",
     "probe": r"^\.venv/bin/python -m bench\.probes\.\w+(?: --out \S+)?$",
-    "probe-script": rf"^{_ENV}bash bench/probes/\w+\.sh$",
     "report": r"^\.venv/bin/python -m bench\.kernel_report \S+$",
     "docker": r"^docker compose (?:--profile \w+ )?up --build$",
     "git": r"^git show [0-9a-f]{7,40}:\S+$",
@@ -258,11 +257,6 @@ def test_probe_commands_name_importable_probes():
     for cmd in _commands("probe"):
         module = shlex.split(cmd)[2]
         assert hasattr(importlib.import_module(module), "main"), cmd
-
-
-def test_probe_scripts_parse():
-    for cmd in _commands("probe-script"):
-        assert _run(["bash", "-n", shlex.split(cmd)[-1]], REPO).returncode == 0, cmd
 
 
 def test_report_command_rerenders_the_committed_results(tmp_path):

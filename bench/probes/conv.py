@@ -15,7 +15,7 @@ reads before each replay: kernels/cold_timing.py) and hot (replays back to back)
 The targets: the wider CNN's conv layers within 10% of cuDNN's conv + bias + activation; the digits CNN no
 slower than torch.compile and cuDNN at any batch.
 
-    python3 -m bench.probe_conv --out $OUT            # ~3-4 minutes on an H100/H200; --no-compile: ~1
+    python3 -m bench.probes.conv --out $OUT            # ~3-4 minutes on an H100/H200; --no-compile: ~1
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ WIDER_BATCHES = (1, 32, 256)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.probe_conv", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.conv", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--no-compile", action="store_true", help="leave out torch.compile (a compile per shape)")
     p.add_argument("--quick", action="store_true", help="one batch per model")
