@@ -69,9 +69,12 @@ def frontend_main(settings: Settings, model, endpoints: list[str], states: list,
 
     engines = EngineClient(endpoints, states, model.output_features)
     app = create_app(settings, model, engines, Path(run_dir))
+    from .predict import PredictFastPath
+
+    served = PredictFastPath(app, app.state.fusedserve)  # POST /predict ahead of FastAPI's routing
     sock = listen_socket(settings.host, settings.port)
     config = uvicorn.Config(
-        app,
+        served,
         log_level=settings.log_level,
         access_log=False,
         timeout_graceful_shutdown=settings.shutdown_grace_s,

@@ -1,0 +1,174 @@
+"""POST /predict at the ASGI level: read and validate the body, hand the rows to an engine, answer.
+
+`PredictFastPath` wraps the FastAPI app and serves POST /predict itself; every other route goes to FastAPI,
+and FastAPI's own /predict route (kept for the OpenAPI schema and for any caller that mounts the router
+alone) calls the same `handle_predict`. Why: FastAPI's per-request machinery (routing, dependency
+solving, exit stacks, exception middlewares, Request and Response objects) is most of a request's
+Python time in a front end; an empty FastAPI route answers a third as many requests per core as a raw
+ASGI app on the same host (7,880 against 24,900 req/s on the H100 host). The route does the same
+things either way: the same checks, errors, metrics and engine link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+import orjson
+
+from . import wire
+from .engine_client import EngineError, EngineGone
+from .inputs import InputError, parse_rows
+from .state import FrontendState
+
+log = logging.getLogger("fusedserve.api")
+
+# A request not answered this long starts watching for its client leaving. Below it no watcher exists: a task
+# per request would cost more than the whole forward of a small model, and a request answered within 50 ms
+# gains nothing from being dropped.
+WATCH_AFTER_S = 0.05
+_STATUS_OF = {
+    wire.OVERLOADED: (503, "overloaded", "server overloaded: "),
+    wire.TIMEOUT: (504, "timeout", "request waited longer than its timeout in the queue: "),
+    wire.FAILED: (500, "error", "inference failed: "),
+    wire.SHUTTING_DOWN: (503, "overloaded", "server is shutting down: "),
+}
+_JSON = (b"content-type", b"application/json")
+_RETRY = (b"retry-after", b"1")
+_CLOSE = (b"connection", b"close")
+
+Answer = tuple[int, bytes, list[tuple[bytes, bytes]]]
+
+
+class ClientGone(Exception):
+    pass
+
+
+def _answer(status: int, doc: object, *extra: tuple[bytes, bytes]) -> Answer:
+    body = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    return status, body, [_JSON, (b"content-length", str(len(body)).encode()), *extra]
+
+
+def _error(status: int, message: str, *extra: tuple[bytes, bytes]) -> Answer:
+    return _answer(status, {"detail": message}, *extra)
+
+
+def _content_length(scope: dict) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
+
+
+async def _read_body(receive, limit: int) -> bytes | None:
+    """The request body, or None when the client left before sending it all; InputError past `limit` bytes,
+    counted as they arrive (the rest is not read)."""
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise InputError(413, f"body is more than {limit} bytes; at most {limit}", "too_large")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _watch_disconnect(receive, fut: asyncio.Future) -> None:
+    # After the body is read, the next ASGI message for this request is http.disconnect: the client went away
+    # (or the response finished, by which time this task is cancelled).
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not fut.done():
+                fut.set_exception(ClientGone())
+            return
+
+
+async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
+    """{"inputs": [[...], ...]} -> {"outputs", "predictions", "model", "mode"}, as (status, body, headers)."""
+    started = time.perf_counter()
+    metrics = state.metrics
+    engines = state.engines
+    if not engines.ready():
+        metrics.observe_request("overloaded")
+        return _error(503, f"model is not ready ({state.status}); retry shortly", _RETRY)
+    # While draining (SIGTERM), requests are still answered, each answer closing its connection.
+    extra = (_CLOSE,) if state.draining else ()
+    limit = state.max_body_bytes
+    length = _content_length(scope)
+    if length is not None and length > limit:
+        metrics.observe_request("too_large")
+        return _error(413, f"body is {length} bytes; at most {limit}")
+    try:
+        body = await _read_body(receive, limit)
+        if body is None:
+            metrics.observe_request("cancelled")
+            return _error(499, "client closed the request")
+        rows = parse_rows(body, state.model.input_shape, state.settings.max_rows_per_request)
+    except InputError as e:
+        metrics.observe_request(e.outcome)
+        return _error(e.status, e.message)
+
+    deadline = time.monotonic() + state.settings.request_timeout_ms / 1e3
+    rid, fut = engines.submit(rows, deadline)
+    loop = asyncio.get_running_loop()
+    watcher: list[asyncio.Task] = []
+
+    def watch() -> None:
+        if not fut.done():
+            watcher.append(loop.create_task(_watch_disconnect(receive, fut)))
+
+    timer = loop.call_later(WATCH_AFTER_S, watch)
+    try:
+        outputs = await fut
+    except ClientGone:
+        engines.cancel(rid)  # dropped before its forward if it is still queued
+        metrics.observe_request("cancelled")
+        return _error(499, "client closed the request")
+    except EngineGone as e:
+        metrics.observe_request("overloaded")
+        return _error(503, f"engine unavailable: {e.message}", _RETRY)
+    except EngineError as e:
+        status, outcome, prefix = _STATUS_OF[e.status]
+        metrics.observe_request(outcome)
+        return _error(status, prefix + e.message, *((_RETRY,) if status == 503 else ()))
+    except Exception as e:  # a bug, not a bad request: count it and say so, never an uncounted 500
+        log.exception("unexpected error serving /predict")
+        metrics.observe_request("error")
+        return _error(500, f"internal error: {type(e).__name__}: {e}")
+    finally:
+        timer.cancel()
+        if watcher:
+            watcher[0].cancel()
+    doc = {
+        "outputs": outputs,
+        "predictions": state.predictions(np.argmax(outputs, axis=1)),
+        "model": state.model.name,
+        "mode": state.settings.mode,
+    }
+    answer = _answer(200, doc, *extra)
+    metrics.observe_request("ok", time.perf_counter() - started)
+    return answer
+
+
+class PredictFastPath:
+    """ASGI wrapper: POST /predict is served by handle_predict directly, everything else by `app`."""
+
+    def __init__(self, app, state: FrontendState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/predict" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        status, body, headers = await handle_predict(self.state, scope, receive)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
