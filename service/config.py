@@ -35,7 +35,9 @@ class Settings(BaseSettings):
         "auto", description="compute dtype; weights are cast at load. auto: float16 on CUDA, float32 on the CPU"
     )
     allow_tf32: bool = Field(False, description="let float32 matmuls use TF32 on GPU (both modes alike)")
-    max_batch_size: int = Field(256, ge=1, le=65536, description="most rows merged into one forward")
+    # 1024: with 64-row requests under load a 256-row batch held 4 requests and the engine's ~0.1 ms of host
+    # work per batch capped it near 0.9M rows/s (H100 host); the digits MLP's kernel takes ~9 us at 1024 rows.
+    max_batch_size: int = Field(1024, ge=1, le=65536, description="most rows merged into one forward")
     max_delay_ms: float = Field(
         0.0,
         ge=0,

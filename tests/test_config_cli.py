@@ -53,9 +53,9 @@ def test_defaults():
     assert s.dtype == "auto"
     assert s.compute_dtype("cuda") == "float16" and s.compute_dtype("cpu") == "float32"
     assert s.allow_tf32 is False
-    assert s.max_batch_size == 256
+    assert s.max_batch_size == 1024
     assert s.max_delay_ms == 0.0
-    assert s.max_rows_per_request == 256  # defaults to max_batch_size
+    assert s.max_rows_per_request == 1024  # defaults to max_batch_size
     assert s.max_queue_requests == 1024
     assert s.request_timeout_ms == 30_000
     assert s.kernel_timing_every == 16
