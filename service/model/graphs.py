@@ -64,13 +64,14 @@ class GraphedExecutor:
             self.capture(b)
 
     @torch.inference_mode()  # the static buffers are inference tensors (made in capture): copy_ needs the mode
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
         """x: (rows, *input_shape), on the host or the device. Returns a view of the bucket's static output:
-        valid until the next forward, so copy or consume it first."""
-        return self.replay(self.stage(x))
+        valid until the next forward, so copy or consume it first. `non_blocking` with a pinned `x`: the copy
+        in is queued on the stream, not waited for."""
+        return self.replay(self.stage(x, non_blocking))
 
     @torch.inference_mode()
-    def stage(self, x: torch.Tensor) -> int:
+    def stage(self, x: torch.Tensor, non_blocking: bool = False) -> int:
         """Copy x into its bucket's graph input and return its row count. One copy: from the host it is the
         batch's H2D transfer itself (x already in the executor's dtype, cast on the host), on the device a
         copy kernel that also casts. The graph then holds only the model's kernels: for the digits MLP a
@@ -79,7 +80,7 @@ class GraphedExecutor:
         bucket = self.bucket_for(rows)
         if bucket not in self._graphs:
             self.capture(bucket)
-        self._graphs[bucket][1][:rows].copy_(x)
+        self._graphs[bucket][1][:rows].copy_(x, non_blocking=non_blocking)
         return rows
 
     def replay(self, rows: int) -> torch.Tensor:
