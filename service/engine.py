@@ -286,7 +286,9 @@ def engine_main(
         model = load_model(settings.model_path())
         dtype = settings.compute_dtype(device.type)
         label = str(index)
-        metrics = EngineMetrics(model.name, settings.mode, str(device), dtype, engine=label)
+        # The device as the host names it: each engine sees only its own GPU, as cuda:0.
+        where = f"cuda:{visible_device}" if device.type == "cuda" and visible_device is not None else str(device)
+        metrics = EngineMetrics(model.name, settings.mode, where, dtype, engine=label)
         runner = build_runner(settings, device, dtype, model, metrics)
         listener = link.new_socket()
         listener.bind(endpoint)

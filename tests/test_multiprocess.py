@@ -202,3 +202,29 @@ def test_sigterm_answers_every_accepted_request_and_exits_0_within_the_grace():
         assert code == 0, f"exit {code}\n{server.log()}"
         assert elapsed < grace, f"stopping took {elapsed:.1f} s"
         assert "fusedserve stopped (exit 0)" in server.log()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_one_engine_per_gpu_shares_the_traffic():
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    env = {"workers": 2, "max_batch_size": 64}
+    with running_servers({"s": ("fused", env)}, timeout_s=280) as servers:
+        url = servers["s"].url
+        gpus = torch.cuda.device_count()
+        names = children(servers["s"].process.proc.pid)
+        assert {f"fs-engine-{i}" for i in range(gpus)} <= set(names), names
+        responses = asyncio.run(post_many(url, [{"inputs": rows(4, i)} for i in range(200)], connections=32))
+        assert all(not isinstance(r, Exception) and r.status_code == 200 for r in responses)
+        fam = scrape(url)
+        per_engine = {
+            s.labels["engine"]: s.value
+            for s in fam["fusedserve_batch_rows"].samples
+            if s.name == "fusedserve_batch_rows_sum"
+        }
+        assert sum(per_engine.values()) == 800 and len(per_engine) == gpus and min(per_engine.values()) > 0
+        devices = sorted(s.labels["device"] for s in fam["fusedserve_model_info"].samples)
+        assert devices == [f"cuda:{i}" for i in range(gpus)], devices
