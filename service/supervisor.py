@@ -198,27 +198,26 @@ class Supervisor:
     def _shutdown(self, code: int) -> int:
         """Front ends first (they stop accepting and answer what they accepted), then the engines."""
         deadline = time.monotonic() + self.settings.shutdown_grace_s
-        for p in self.frontends:
-            _signal(p, signal.SIGTERM)
-        for p in self.frontends:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                log.error("front end %s did not stop within the grace period; killing it", p.name)
-                _signal(p, signal.SIGKILL)
-                p.join(1.0)
-                code = code or 1
-        for p in self.engines:
-            _signal(p, signal.SIGTERM)
-        engine_deadline = max(deadline, time.monotonic() + ENGINE_STOP_MIN_S)
-        for p in self.engines:
-            p.join(max(0.0, engine_deadline - time.monotonic()))
-            if p.is_alive():
-                log.error("%s did not stop in time; killing it", p.name)
-                _signal(p, signal.SIGKILL)
-                p.join(1.0)
-                code = code or 1
+        clean = _stop(self.frontends, deadline)
+        clean = _stop(self.engines, max(deadline, time.monotonic() + ENGINE_STOP_MIN_S)) and clean
+        code = code or (0 if clean else 1)
         log.info("fusedserve stopped (exit %d)", code)
         return code
+
+
+def _stop(procs, deadline: float) -> bool:
+    """SIGTERM every process, wait for each until `deadline`, kill what is left; False if any had to be killed."""
+    for p in procs:
+        _signal(p, signal.SIGTERM)
+    clean = True
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            log.error("%s did not stop in time; killing it", p.name)
+            _signal(p, signal.SIGKILL)
+            p.join(1.0)
+            clean = False
+    return clean
 
 
 def _signal(p, sig: int) -> None:
