@@ -727,4 +727,5 @@ def test_check_model_cli_on_shipped_cnn(capsys):
     assert main(["check-model", str(SHIPPED_CNN)]) == 0
     out = capsys.readouterr().out
     assert "digits-cnn: input (1, 8, 8) -> 10 outputs; 9 ops" in out
-    assert "conv2d_0_relu, conv2d_1_relu, maxpool2d_0, linear_0_relu, linear_1" in out
+    # the plan the executors run: the max pool rides in the second conv's kernel, the MLP tail is one kernel
+    assert "fused plan (3 kernels): conv2d_0_relu, conv2d_1_relu_maxpool2d_0, mlp_0_1" in out
