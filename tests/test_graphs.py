@@ -154,3 +154,31 @@ def test_gpu_cnn_runner_warms_replays_and_times_steps(mode):
     names = ["conv2d_0_relu", "conv2d_1_relu_maxpool2d_0", "mlp_0_1"]
     assert [n for n, _ in kernels] == names * 2
     assert all(0 < s < 0.05 for _, s in kernels), kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_gpu_runner_copies_inside_the_graph_serve_every_dtype(tmp_path, mode, dtype):
+    """The runner's graphs copy the batch in and out themselves (host_io): every dtype answers as launching each
+    step does, pad rows left by bigger batches do not leak, and each answer is a copy of the pinned buffer
+    that the next batch overwrites."""
+    dt = getattr(torch, dtype)
+    for model in [*_models(tmp_path), load_model(SHIPPED_CNN)]:
+        runner = ModelRunner(model, mode, torch.device("cuda"), dtype, kernel_timing_every=0, max_batch_size=64)
+        runner.warmup(64)
+        assert runner.graphs.host_in is not None and runner.graphs.host_in.is_pinned()
+        eager = runner.executor
+        rng = np.random.default_rng(1)
+        answers = []
+        for rows in (64, 1, 33, 5, 64, 2):  # bigger batches first: their rows stay in the pad of later ones
+            x = (rng.random((rows, *model.input_shape), dtype=np.float32) * 16).astype(np.float32)
+            got = runner.run(x)
+            want = eager.forward(torch.from_numpy(x).cuda().to(dt)).float().cpu().numpy()
+            assert got.dtype == np.float32 and got.shape == (rows, model.output_features)
+            tol = RTOL[dt] if mode == "unfused" else {"float32": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}[dtype]
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol * float(np.abs(want).max()),
+                                       err_msg=f"{model.name} {mode} {dtype} rows={rows}")  # fmt: skip
+            answers.append((got, got.copy()))
+        for got, kept in answers:  # later batches reused the pinned buffer; earlier answers are their own memory
+            np.testing.assert_array_equal(got, kept)

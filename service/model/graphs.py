@@ -9,6 +9,11 @@ rows of an MLP are independent, and so are the images of a CNN (conv and pool ne
 rows (left over from earlier batches, always finite) change no real row. Capture happens at warm-up for
 every bucket; the first forward of a bucket not yet captured captures it then. Kernel tuning runs before
 capture, outside the graph, on a side stream as torch.cuda.graph requires.
+
+With `host_io`, each bucket's graph also holds the batch's copies: pinned host input -> graph input, the
+kernels, graph output -> pinned host output. A batch is then one host cast into `host_in`, one replay and
+one synchronisation, where copies issued from Python are two more torch calls and two more submissions
+to the GPU, each waited on in turn. Those copies move whole buckets (at most twice the batch's rows).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ def graph_buckets(max_batch_size: int) -> list[int]:
 class GraphedExecutor:
     """Runs an Executor's forward through captured CUDA graphs, one per batch bucket."""
 
-    def __init__(self, executor: Executor, max_batch_size: int):
+    def __init__(self, executor: Executor, max_batch_size: int, *, host_io: bool = False):
         if executor.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA executor; this one runs on {executor.device}")
         self.executor = executor
@@ -40,6 +45,14 @@ class GraphedExecutor:
         self.buckets = graph_buckets(max_batch_size)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle()  # one memory pool: buckets never run at once
+        # host_io: pinned staging that every bucket's graph copies from and to (buckets never run at once). The
+        # input starts as zeros: pad rows are whatever earlier batches left, always finite.
+        self.host_in: torch.Tensor | None = None
+        self.host_out: torch.Tensor | None = None
+        if host_io:
+            model, dt = executor.model, executor.dtype
+            self.host_in = torch.zeros((max_batch_size, *model.input_shape), dtype=dt, pin_memory=True)
+            self.host_out = torch.empty((max_batch_size, model.output_features), dtype=dt, pin_memory=True)
 
     def bucket_for(self, rows: int) -> int:
         for b in self.buckets:
@@ -55,8 +68,22 @@ class GraphedExecutor:
         ex = self.executor
         gen = torch.Generator(device=ex.device).manual_seed(rows)
         static_in = torch.randn((rows, *ex.model.input_shape), generator=gen, device=ex.device).to(ex.dtype)
+        if self.host_in is None:
+
+            def step():
+                return ex.forward(static_in)
+
+        else:
+            host_in, host_out = self.host_in[:rows], self.host_out[:rows]
+
+            def step():
+                static_in.copy_(host_in, non_blocking=True)
+                out = ex.forward(static_in)
+                host_out.copy_(out, non_blocking=True)
+                return out
+
         # 2 warm-ups: they compile, tune (or read the tuning cache) and allocate workspaces
-        graph, static_out = capture(lambda: ex.forward(static_in), warmups=2, device=ex.device, pool=self._pool)
+        graph, static_out = capture(step, warmups=2, device=ex.device, pool=self._pool)
         self._graphs[rows] = (graph, static_in, static_out)
 
     def capture_all(self) -> None:
@@ -76,6 +103,8 @@ class GraphedExecutor:
         batch's H2D transfer itself (x already in the executor's dtype, cast on the host), on the device a
         copy kernel that also casts. The graph then holds only the model's kernels: for the digits MLP a
         single launch, where a copy kernel inside or before it would double the forward's device time."""
+        if self.host_in is not None:
+            raise RuntimeError("a host_io graph copies its input from host_in: fill that and call replay_host")
         rows = x.shape[0]
         bucket = self.bucket_for(rows)
         if bucket not in self._graphs:
@@ -88,3 +117,12 @@ class GraphedExecutor:
         graph, _, static_out = self._graphs[self.bucket_for(rows)]
         graph.replay()
         return static_out[:rows]
+
+    def replay_host(self, rows: int) -> torch.Tensor:
+        """host_io only: replay the bucket of `rows` on the first `rows` rows of `host_in`; returns the view of
+        `host_out` that holds their outputs once the stream is synchronised (queued, not waited for)."""
+        bucket = self.bucket_for(rows)
+        if bucket not in self._graphs:
+            self.capture(bucket)
+        self._graphs[bucket][0].replay()
+        return self.host_out[:rows]
