@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything one lent-GPU call should do, in order: GPU facts, the test suite on CUDA (gpu-marked
 # tests included), the kernel benchmark (fusedserve bench kernels), one-off probes, and a real service
-# smoke test in both modes. Choose steps with STEPS (default "tests bench smoke").
+# smoke test in both modes; `serve` adds the end-to-end load benchmark. Choose steps with STEPS (default
+# "tests bench smoke").
 # On a cold Triton cache the suite takes ~135 s with 16 workers and the whole benchmark ~545 s on an H200
 # (torch.compile max-autotune is most of it), so they go in separate 600 s calls: STEPS="tests probe",
 # then STEPS=bench (BENCH_LIMIT, default 535 s, bounds the benchmark).
@@ -43,6 +44,13 @@ if [[ $steps == *" probe "* ]]; then
       || status=1
     grep -v -i "warning" "$out/probe_$probe.txt" | tail -n 40
   done
+fi
+
+if [[ $steps == *" serve "* ]]; then
+  # The end-to-end load benchmark (fusedserve bench serve); SERVE_BUDGET bounds it, SERVE_ARGS narrows it.
+  timeout $(( ${SERVE_BUDGET:-510} + 60 )) python3 -m bench.serve --time-budget "${SERVE_BUDGET:-510}" --out "$out" \
+    ${SERVE_ARGS:-} > "$out/serve.log" 2>&1 || status=1
+  tail -n 30 "$out/serve.log"
 fi
 
 if [[ $steps == *" smoke "* ]]; then
