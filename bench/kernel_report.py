@@ -2,7 +2,8 @@
 printed last (the device call returns only the last 12,000 characters), and the plot (kernel_plot).
 
 A provider's result: {"plain": cell, "graph": cell, "compile_s", "seconds"} or {"na" | "error" |
-"skipped": why}; a cell: {"device_us", "wall_us", "err", "finite", "bad"} or {"error": why}.
+"skipped": why}; a cell: {"device_us", "wall_us", "err", "finite", "bad"} or {"error": why}; a graph
+cell on CUDA also {"hot_us", "hot_replays", "hot_host_bound"} (kernel_timing, "hot").
 """
 
 from __future__ import annotations
@@ -13,15 +14,17 @@ import re
 from pathlib import Path
 
 from .kernel_plot import plot
-from .kernel_results import ANCHORS, best_anchor, primary, us, wall
+from .kernel_results import ANCHORS, best_anchor, hot, primary, us, wall
 from .kernel_targets import checks
 from .kernel_targets import table as targets_table
 
 
 def slug_of(gpu_name: str) -> str:
-    """'NVIDIA H200' -> 'h200'; 'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'."""
+    """'NVIDIA H200' -> 'h200'; 'NVIDIA H100 80GB HBM3' -> 'h100' (the results' names: kernels_h100.md);
+    a name without a model number like those: its words joined by dashes."""
     s = re.sub(r"^nvidia\s+", "", gpu_name.strip().lower())
-    return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu"
+    m = re.match(r"([a-z]+\d+[a-z]*)\b", s)
+    return m.group(1) if m else (re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu")
 
 
 def _cells(res: dict) -> list[dict]:
@@ -101,7 +104,8 @@ def _cell_text(name: str, res: dict, fields: list, notes: _Notes) -> str:
         elif "na" in cell:
             parts.append("n/a" + notes.ref(f"{name} ({variant}): {cell['na']}"))
         else:
-            parts.append(us(cell.get(key)))
+            host = key == "hot_us" and cell.get("hot_host_bound")
+            parts.append(us(cell.get(key)) + (" **host**" if host else ""))
     bad = any(c.get("bad") for c in _cells(res))
     return " / ".join(parts) + (" **!**" if bad else "")
 
@@ -150,9 +154,19 @@ def markdown(results: dict) -> str:
             device = "median, L2 cleared by reading 256 MB before every rep (kernels/cold_timing.py)"
         else:
             device = "median of `triton.testing.do_bench` (L2 flushed by zeroing 256 MB before every rep)"
+        hot_text = ""
+        if meta.get("timing", {}).get("hot"):
+            h = meta["timing"]["hot"]
+            hot_text = (
+                f"Hot: the same graph replayed back to back, weights warm in L2, as a busy server runs it: "
+                f"N replays between two events (N so a window lasts >= {h['window_us'] / 1e3:.0f} ms, "
+                f"{h['min_replays']} to {h['max_replays']}), median of {h['windows']} windows, a spin kernel "
+                "queued first so that the host's launch gaps stay hidden (**host** marks a cell where they did not). "
+            )
         lines.append(
-            f"Device time: {device}; graph: the call "
-            "captured once into a CUDA graph and replayed. Wall: host time per call, calls back-to-back from "
+            f"Device time (cold): {device}; graph: the call "
+            f"captured once into a CUDA graph and replayed. {hot_text}"
+            "Wall: host time per call, calls back-to-back from "
             f"Python, one synchronize at the end, {wall}. "
             "Floor: max(bytes / copy bandwidth, flops / matmul rate), bytes = inputs and weights read once, "
             "output written once. Error: ||y - ref|| / ||ref|| vs "
@@ -170,7 +184,7 @@ def markdown(results: dict) -> str:
     if results["layers"]:
         lines += ["", *_layer_table(results["layers"], cuda, notes)]
     if results["models"]:
-        lines += ["", *_model_table(results["models"], cuda, notes, meta.get("model_dtype", ""))]
+        lines += ["", *_model_tables(results["models"], cuda, notes, meta.get("model_dtype", ""))]
     if notes.items:
         lines += ["", "## Notes", "", *notes.lines()]
     providers = [res for sec in ("layers", "models") for case in results[sec] for res in case["providers"].values()]
@@ -181,10 +195,11 @@ def markdown(results: dict) -> str:
 
 def _layer_table(cases: list[dict], cuda: bool, notes: _Notes) -> list[str]:
     providers = list(dict.fromkeys(p for case in cases for p in case["providers"]))
-    fields = [("graph", "device_us"), ("plain", "device_us"), ("plain", "wall_us")] if cuda else [("plain", "wall_us")]
-    legend = "graph device / plain device / wall" if cuda else "wall"
+    fields = [("graph", "device_us"), ("graph", "hot_us"), ("plain", "device_us"), ("plain", "wall_us")]
+    fields = fields if cuda else [("plain", "wall_us")]
+    legend = "graph cold / graph hot / plain cold / wall" if cuda else "wall"
     head = ["M×K×N", "dtype", "act", "floor µs", *providers]
-    head += ["eager wall / ours wall", "ours / cublaslt (device)", "ours % floor", "max err"]
+    head += ["eager wall / ours wall", "ours / cublaslt (device)", "ours / cublaslt (hot)", "ours % floor", "max err"]
     lines = [
         "## Layers: y = act(x @ W^T + b)",
         "",
@@ -201,6 +216,7 @@ def _layer_table(cases: list[dict], cuda: bool, notes: _Notes) -> list[str]:
         ours = ps.get("ours")
         row.append(_ratio(wall(ps["eager"]) if "eager" in ps else None, wall(ours) if ours else None))
         row.append(_ratio(primary(ours) if ours else None, primary(ps["cublaslt"]) if "cublaslt" in ps else None))
+        row.append(_ratio(hot(ours) if ours else None, hot(ps["cublaslt"]) if "cublaslt" in ps else None))
         row += [_pct_floor(case, ours), _err_text(case)]
         lines.append("| " + " | ".join(row) + " |")
     return lines
@@ -208,10 +224,12 @@ def _layer_table(cases: list[dict], cuda: bool, notes: _Notes) -> list[str]:
 
 def _model_table(cases: list[dict], cuda: bool, notes: _Notes, dtype: str) -> list[str]:
     providers = list(dict.fromkeys(p for case in cases for p in case["providers"]))
-    fields = [("graph", "device_us"), ("any", "wall_us")] if cuda else [("any", "wall_us")]
-    legend = "graph device / wall" if cuda else "wall"
+    fields = [("graph", "device_us"), ("graph", "hot_us"), ("any", "wall_us")] if cuda else [("any", "wall_us")]
+    legend = "graph cold / graph hot / wall" if cuda else "wall"
     head = ["model", "batch", "floor µs", *providers]
-    head += ["best anchor", "ours / best", "eager wall / ours wall", "ours % floor", "max err"]
+    head += ["best anchor", "ours / best"]
+    head += ["best anchor (hot)", "ours / best (hot)"] if cuda else []
+    head += ["eager wall / ours wall", "ours % floor", "max err"]
     ours_name = "ours" if cuda else "ours-eager"  # no graphs on the CPU
     lines = [
         f"## Models: whole forward, {dtype}",
@@ -219,7 +237,7 @@ def _model_table(cases: list[dict], cuda: bool, notes: _Notes, dtype: str) -> li
         f"Each provider's cell: {legend} µs per call (ours and ours-unfused-graph: one replay of "
         "the GraphedExecutor's graph for the bucket, the batch already in the graph's input, where the service's "
         "H2D copy puts it). Best anchor: the fastest of "
-        f"{', '.join(ANCHORS)}; ours / best < 1 means ours is faster.",
+        f"{', '.join(ANCHORS)} (cold, and separately hot); ours / best < 1 means ours is faster.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join(["---", "---:"] + ["---:"] * (len(head) - 2)) + "|",
@@ -228,13 +246,25 @@ def _model_table(cases: list[dict], cuda: bool, notes: _Notes, dtype: str) -> li
         ps = case["providers"]
         row = [case["model"], str(case["batch"]), us(case.get("floor_us"))]
         row += [_cell_text(p, ps[p], fields, notes) if p in ps else "—" for p in providers]
-        best, t_best = best_anchor(case)
         ours = ps.get(ours_name)
-        row.append(f"{best} {us(t_best)}" if best else "—")
-        row.append(_ratio(primary(ours) if ours else None, t_best))
+        times = ((primary, "cold"), (hot, "hot")) if cuda else ((primary, "cold"),)
+        for time, _ in times:
+            best, t_best = best_anchor(case, time)
+            row.append(f"{best} {us(t_best)}" if best else "—")
+            row.append(_ratio(time(ours) if ours else None, t_best))
         row.append(_ratio(wall(ps["eager"]) if "eager" in ps else None, wall(ours) if ours else None))
         row += [_pct_floor(case, ours) if "floor_us" in case else "—", _err_text(case) if ps else "—"]
         lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _model_tables(cases: list[dict], cuda: bool, notes: _Notes, default_dtype: str) -> list[str]:
+    """One table per model dtype (the digits MLP runs in fp16 and bf16), in the order the run met them."""
+    dtypes = list(dict.fromkeys(c.get("dtype", default_dtype) for c in cases))
+    lines: list[str] = []
+    for dtype in dtypes:
+        group = [c for c in cases if c.get("dtype", default_dtype) == dtype]
+        lines += ([""] if lines else []) + _model_table(group, cuda, notes, dtype)
     return lines
 
 
@@ -247,7 +277,7 @@ def summary(results: dict) -> str:
         out += [f"== layers ({what}; ours/cublaslt < 1 and eager/ours wall > 1: ours faster) =="]
         out.append(
             f"{'case':34s} {'floor':>7s} {'eager':>7s} {'cublaslt':>8s} {'ours':>7s} "
-            f"{'ours/lt':>7s} {'eag/ours wall':>13s} {'%floor':>6s}  err"
+            f"{'ours/lt':>7s} {'hot o/lt':>8s} {'eag/ours wall':>13s} {'%floor':>6s}  err"
         )
         for case in results["layers"]:
             ps = case["providers"]
@@ -256,26 +286,29 @@ def summary(results: dict) -> str:
             label = f"{case['M']}x{case['K']}x{case['N']} {case['dtype']} {case['act']}"
             out.append(
                 f"{label:34s} {us(case['floor_us']):>7s} {us(primary(eager)):>7s} {us(primary(lt)):>8s} "
-                f"{us(primary(ours)):>7s} {_ratio(primary(ours), primary(lt)):>7s} "
+                f"{us(primary(ours)):>7s} {_ratio(primary(ours), primary(lt)):>7s} {_ratio(hot(ours), hot(lt)):>8s} "
                 f"{_ratio(wall(eager), wall(ours)):>13s} {_pct_floor(case, ours):>6s}  "
                 f"{'-' if m is None else f'{m:.0e}'}{' BAD: ' + ','.join(bad) if bad else ''}"
             )
     if results["models"]:
         ours_name = "ours" if cuda else "ours-eager"
-        out += ["", f"== models, {results['meta'].get('model_dtype')} ({what}; {ours_name} / best < 1: ours faster) =="]
+        out += ["", f"== models ({what}, cold then hot; {ours_name} / best < 1: ours faster) =="]
         out.append(
-            f"{'model':12s} {'batch':>5s} {'floor':>7s} {'best anchor':>20s} {ours_name:>10s} "
-            f"{'ours/best':>9s} {'eag/ours wall':>13s} {'%floor':>6s}  err"
+            f"{'model':12s} {'dtype':>8s} {'batch':>5s} {'floor':>7s} {'best anchor':>20s} {ours_name:>10s} "
+            f"{'ours/best':>9s} {'hot best':>8s} {'hot ours':>8s} {'hot o/b':>7s} {'eag/ours wall':>13s} "
+            f"{'%floor':>6s}  err"
         )
         for case in results["models"]:
             ps = case["providers"]
             ours, eager = ps.get(ours_name) or {}, ps.get("eager") or {}
             best, t_best = best_anchor(case)
+            _, h_best = best_anchor(case, hot)
             m, bad = max_error(case)
             anchor = f"{best} {us(t_best)}" if best else "-"
             out.append(
-                f"{case['model']:12s} {case['batch']:>5d} {us(case.get('floor_us')):>7s} {anchor:>20s} "
-                f"{us(primary(ours)):>10s} {_ratio(primary(ours), t_best):>9s} "
+                f"{case['model']:12s} {case.get('dtype', ''):>8s} {case['batch']:>5d} {us(case.get('floor_us')):>7s} "
+                f"{anchor:>20s} {us(primary(ours)):>10s} {_ratio(primary(ours), t_best):>9s} "
+                f"{us(h_best):>8s} {us(hot(ours)):>8s} {_ratio(hot(ours), h_best):>7s} "
                 f"{_ratio(wall(eager), wall(ours)):>13s} "
                 f"{_pct_floor(case, ours) if 'floor_us' in case else '-':>6s}  "
                 f"{'-' if m is None else f'{m:.0e}'}{' BAD: ' + ','.join(bad) if bad else ''}"

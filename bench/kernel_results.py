@@ -18,6 +18,12 @@ def primary(res: dict) -> float | None:
     return None
 
 
+def hot(res: dict) -> float | None:
+    """Device time per call of back-to-back graph replays (weights warm in L2), or None (no graph cell:
+    ours-eager, or the CPU)."""
+    return (res.get("graph") or {}).get("hot_us")
+
+
 def wall(res: dict) -> float | None:
     """Host time per call as the provider is run from Python: plain, or the graphed executor's own call."""
     p, g = res.get("plain") or {}, res.get("graph") or {}
@@ -30,8 +36,9 @@ def us(v: float | None) -> str:
     return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 100 else f"{v:.0f}"
 
 
-def best_anchor(case: dict) -> tuple[str | None, float | None]:
-    times = {p: primary(r) for p, r in case["providers"].items() if p in ANCHORS}
+def best_anchor(case: dict, time=primary) -> tuple[str | None, float | None]:
+    """The fastest anchor of the case by `time` (primary: cold; or hot) and its time."""
+    times = {p: time(r) for p, r in case["providers"].items() if p in ANCHORS}
     times = {p: t for p, t in times.items() if t is not None}
     if not times:
         return None, None

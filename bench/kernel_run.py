@@ -29,6 +29,11 @@ from .kernel_results import primary
 from .kernel_timing import (
     DTYPES,
     ELEMENT_BYTES,
+    HOT_MAX_REPLAYS,
+    HOT_MIN_REPLAYS,
+    HOT_SPIN_MARGIN,
+    HOT_WINDOW_US,
+    HOT_WINDOWS,
     WALL_ROUNDS,
     Prepared,
     Timing,
@@ -109,6 +114,10 @@ def _execute(plan, command: str, device: torch.device, tf32: bool, settings: dic
             "timing": {
                 "warmup_ms": timing.warmup_ms, "rep_ms": timing.rep_ms, "wall_target_s": timing.wall_target_s,
                 "wall_rounds": WALL_ROUNDS, "wall_interleaved": True, "l2_clear": "read",
+                "hot": {
+                    "window_us": HOT_WINDOW_US, "windows": HOT_WINDOWS, "min_replays": HOT_MIN_REPLAYS,
+                    "max_replays": HOT_MAX_REPLAYS, "spin_margin": HOT_SPIN_MARGIN,
+                },
             },
             "inductor_settings": settings, "ceilings": ceilings, "model_dtype": plan.model_dtype,
             "tuning_cache": _tuning_cache(),

@@ -187,8 +187,11 @@ def test_budget_drops_compile_max_before_compile():
 
 
 def test_gpu_slug():
+    # The results are named by GPU model alone: kernels_h100.md, as serve_h100.md and pool_h100.md.
     assert slug_of("NVIDIA H200") == "h200"
-    assert slug_of("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert slug_of("NVIDIA H100 80GB HBM3") == "h100"
+    assert slug_of("NVIDIA H100 PCIe") == "h100"
+    assert slug_of("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"
 
 
 @pytest.mark.gpu
@@ -461,3 +464,118 @@ def test_budget_estimates_each_section_from_its_own_costs():
     assert "--time-limit" in b.skip_reason("compile-max", 15)
     b.record("base", 20.0)
     assert b.estimate("base") == 20.0  # measured in this section, not averaged with the layers' 2 s
+
+
+# Hot timing (bench/kernel_timing.py, "hot") on a simulated GPU: a stream that runs queued work in order, each
+# item starting when it was launched or when the one before it ended, whichever is later.
+class _FakeGPU:
+    def __init__(self, host_us: float, device_us: float, ghz: float = 2.0):
+        self.host_us, self.device_us, self.cycles_per_us = host_us, device_us, ghz * 1e3
+        self.host = 0.0  # us: the host's clock
+        self.done = 0.0  # us: when the last queued item ends on the device
+        self.replays = 0
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self):
+                self.t = gpu._enqueue(0.0)
+
+            def query(self):
+                return self.t <= gpu.host
+
+            def elapsed_time(self, end):
+                return (end.t - self.t) / 1e3  # ms, as CUDA events
+
+        self.Event = Event
+
+    def _enqueue(self, us: float) -> float:
+        self.done = max(self.done, self.host) + us
+        return self.done
+
+    def _sleep(self, cycles: int) -> None:
+        self._enqueue(cycles / self.cycles_per_us)
+
+    def synchronize(self) -> None:
+        self.host = max(self.host, self.done)
+
+    def clock(self) -> float:
+        return self.host / 1e6
+
+    def replay(self) -> None:
+        self.host += self.host_us  # the launch costs the host this much, then the replay is queued
+        self._enqueue(self.device_us)
+        self.replays += 1
+
+
+def test_hot_replays_fill_a_window_within_bounds():
+    from bench.kernel_timing import HOT_MAX_REPLAYS, HOT_MIN_REPLAYS, hot_replays, spin_cycles
+
+    assert hot_replays(2.0) == 500  # 1 ms / 2 us
+    assert hot_replays(0.1) == HOT_MAX_REPLAYS == 1000 and hot_replays(0.0) == HOT_MAX_REPLAYS
+    assert hot_replays(300.0) == HOT_MIN_REPLAYS == 10  # 1 ms / 300 us is 4: too few
+    assert spin_cycles(1000.0, 2000.0) == int((1.5 * 1000 + 50) * 2000)
+
+
+def test_hot_time_is_device_time_even_when_the_host_launches_slower():
+    from bench.kernel_timing import HotTimer
+
+    # The digits MLP's case: a replay costs the host 3 us and the device 2. Back to back without a spin
+    # kernel the device would wait for the host (3 us a replay); with it, every replay is queued in time.
+    gpu = _FakeGPU(host_us=3.0, device_us=2.0)
+    timer = HotTimer(cuda=gpu, clock=gpu.clock)
+    res = timer(gpu.replay)
+    assert timer.cycles_per_us() == pytest.approx(2000.0)  # measured from the fake's 2 GHz spin
+    assert res["hot_replays"] == 500  # 1 ms at the first estimate's 2 us
+    assert res["hot_us"] == pytest.approx(2.0) and res["hot_host_bound"] is False
+    assert gpu.replays == 3 + 10 + 5 * 500  # warm-up, estimate, 5 windows
+
+
+def test_hot_time_says_when_the_host_set_the_pace(monkeypatch):
+    from bench import kernel_timing
+    from bench.kernel_timing import HotTimer
+
+    monkeypatch.setattr(kernel_timing, "HOT_SPIN_MARGIN", 0.0)  # no spin before the windows
+    monkeypatch.setattr(kernel_timing, "HOT_SPIN_EXTRA_US", 0.0)
+    gpu = _FakeGPU(host_us=3.0, device_us=2.0)
+    res = HotTimer(cuda=gpu, clock=gpu.clock)(gpu.replay)
+    assert res["hot_us"] == pytest.approx(3.0, rel=0.01) and res["hot_host_bound"] is True
+    # A device slower than the host needs no spin: the queue stays ahead by itself.
+    gpu = _FakeGPU(host_us=3.0, device_us=20.0)
+    res = HotTimer(cuda=gpu, clock=gpu.clock)(gpu.replay)
+    assert res["hot_us"] == pytest.approx(20.0, rel=0.01) and res["hot_replays"] == 50
+    assert res["hot_host_bound"] is False
+
+
+def _hot_results() -> dict:
+    """A CUDA run's results with hot times: ours 4 us cold / 2 hot, cuBLASLt 5 / 4, eager 9 / 7 (host-bound)."""
+    results = _fake_results(1e-3)
+    results["meta"]["timing"] = {
+        "l2_clear": "read", "wall_interleaved": True,
+        "hot": {"window_us": 1000.0, "windows": 5, "min_replays": 10, "max_replays": 1000, "spin_margin": 1.5},
+    }  # fmt: skip
+
+    def res(cold, hot, host_bound=False):
+        graph = {"device_us": cold, "hot_us": hot, "hot_host_bound": host_bound, "wall_us": 30.0}
+        graph.update(err=1e-4, finite=True, bad=False)
+        return {"graph": graph, "plain": dict(graph, device_us=cold + 1, hot_us=None)}
+
+    results["layers"][0]["providers"] = {"eager": res(9.0, 7.0, True), "cublaslt": res(5.0, 4.0), "ours": res(4.0, 2.0)}
+    return results
+
+
+def test_report_shows_hot_beside_cold():
+    results = _hot_results()
+    md = markdown(results)
+    assert "Hot: the same graph replayed back to back" in md and "median of 5 windows" in md
+    head = next(line for line in md.splitlines() if line.startswith("| M×K×N"))
+    assert "| ours / cublaslt (device) | ours / cublaslt (hot) |" in head
+    row = next(line for line in md.splitlines() if line.startswith("| 64×256×128"))
+    assert "| 4.00 / 2.00 / 5.00 / 30.0 |" in row  # ours: graph cold / graph hot / plain cold / wall
+    assert "| 9.00 / 7.00 **host** / 10.0 / 30.0 |" in row  # eager's hot window was paced by the host
+    assert "| 0.80x | 0.50x |" in row  # 4 / 5 cold, 2 / 4 hot
+    assert "hot o/lt" in summary(results) and " 0.50x " in summary(results)
+    results["meta"]["timing"].pop("hot")  # written before hot timing: no Hot sentence
+    assert "Hot:" not in markdown(results)
