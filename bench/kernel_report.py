@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from .kernel_plot import plot
-from .kernel_results import ANCHORS, best_anchor, hot, primary, us, wall
+from .kernel_results import ANCHORS, best_anchor, best_cudnn, hot, primary, us, wall
 from .kernel_targets import checks
 from .kernel_targets import table as targets_table
 
@@ -35,8 +35,8 @@ def ours_failed(results: dict) -> bool:
     """True when one of ours computed a wrong or non-finite result anywhere."""
     return any(
         c.get("bad")
-        for section in ("layers", "models")
-        for case in results[section]
+        for section in ("layers", "models", "convs")
+        for case in results.get(section, [])
         for name, res in case["providers"].items()
         if name.startswith("ours")
         for c in _cells(res)
@@ -185,9 +185,16 @@ def markdown(results: dict) -> str:
         lines += ["", *_layer_table(results["layers"], cuda, notes)]
     if results["models"]:
         lines += ["", *_model_tables(results["models"], cuda, notes, meta.get("model_dtype", ""))]
+    if results.get("convs"):
+        lines += ["", *_conv_table(results["convs"], cuda, notes)]
     if notes.items:
         lines += ["", "## Notes", "", *notes.lines()]
-    providers = [res for sec in ("layers", "models") for case in results[sec] for res in case["providers"].values()]
+    providers = [
+        res
+        for sec in ("layers", "models", "convs")
+        for case in results.get(sec, [])
+        for res in case["providers"].values()
+    ]
     if any("skipped" in res for res in providers):
         lines += ["", f"skip: left out to stay within --time-limit ({meta['time_limit_s']:.0f} s); the JSON says why."]
     return "\n".join(lines) + "\n"
@@ -268,6 +275,36 @@ def _model_tables(cases: list[dict], cuda: bool, notes: _Notes, default_dtype: s
     return lines
 
 
+def _conv_table(cases: list[dict], cuda: bool, notes: _Notes) -> list[str]:
+    providers = list(dict.fromkeys(p for case in cases for p in case["providers"]))
+    fields = [("graph", "device_us"), ("graph", "hot_us"), ("plain", "wall_us")] if cuda else [("plain", "wall_us")]
+    legend = "graph cold / graph hot / wall" if cuda else "wall"
+    head = ["layer C→OC H×W", "batch", "floor µs", *providers, "best cuDNN", "ours / cuDNN"]
+    head += ["best cuDNN (hot)", "ours / cuDNN (hot)"] if cuda else []
+    head += ["ours % floor", "max err"]
+    lines = [
+        f"## Conv layers of the wider CNN: relu(conv2d(x, W) + b), 3×3, padding 1, NCHW, {cases[0]['dtype']}",
+        "",
+        f"Each provider's cell: {legend} µs per call. Best cuDNN: the faster of cudnn (F.conv2d with its bias, "
+        "then ReLU) and cudnn-fused (torch.cudnn_convolution_add_relu); ours / cuDNN <= 1.10 is issue 20's target.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join(["---", "---:"] + ["---:"] * (len(head) - 2)) + "|",
+    ]
+    for case in cases:
+        ps = case["providers"]
+        row = [case["layer"], str(case["batch"]), us(case.get("floor_us"))]
+        row += [_cell_text(p, ps[p], fields, notes) if p in ps else "—" for p in providers]
+        ours = ps.get("ours")
+        for time in (primary, hot) if cuda else (primary,):
+            best, t_best = best_cudnn(case, time)
+            row.append(f"{best} {us(t_best)}" if best else "—")
+            row.append(_ratio(time(ours) if ours else None, t_best))
+        row += [_pct_floor(case, ours), _err_text(case)]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
 def summary(results: dict) -> str:
     """A short fixed-width table for the end of the output."""
     cuda = results["meta"]["device"] == "cuda"
@@ -314,6 +351,24 @@ def summary(results: dict) -> str:
                 f"{'-' if m is None else f'{m:.0e}'}{' BAD: ' + ','.join(bad) if bad else ''}"
             )
 
+    if results.get("convs"):
+        out += ["", f"== wider CNN's convs ({what}, cold then hot; ours / cuDNN <= 1.10: the target) =="]
+        out.append(
+            f"{'layer':16s} {'batch':>5s} {'floor':>7s} {'best cuDNN':>18s} {'ours':>7s} {'o/cuDNN':>7s} "
+            f"{'hot cuDNN':>9s} {'hot ours':>8s} {'hot o/c':>7s}  err"
+        )
+        for case in results["convs"]:
+            ours = case["providers"].get("ours") or {}
+            best, t_best = best_cudnn(case)
+            _, h_best = best_cudnn(case, hot)
+            m, bad = max_error(case)
+            anchor = f"{best} {us(t_best)}" if best else "-"
+            out.append(
+                f"{case['layer']:16s} {case['batch']:>5d} {us(case.get('floor_us')):>7s} {anchor:>18s} "
+                f"{us(primary(ours)):>7s} {_ratio(primary(ours), t_best):>7s} {us(h_best):>9s} "
+                f"{us(hot(ours)):>8s} {_ratio(hot(ours), h_best):>7s}  "
+                f"{'-' if m is None else f'{m:.0e}'}{' BAD: ' + ','.join(bad) if bad else ''}"
+            )
     targets = checks(results)
     if targets:
         missed = [c for c in targets if c.met is not True]

@@ -88,6 +88,16 @@ def test_cpu_quick_run_writes_tables_json_and_plot(cpu_run, capsys):
         cell = case["providers"]["ours-eager"]["plain"]
         assert cell["finite"] and cell["err"] < 1e-5
         assert "na" in case["providers"]["ours"]  # CUDA graphs need CUDA
+    # --quick's convs section: the wider CNN's last conv (128 -> 128 at 8x8) at batch 1
+    assert "## Conv layers of the wider CNN" in md and "| 128→128 8×8 | 1 |" in md
+    [conv] = data["convs"]
+    assert (conv["C"], conv["H"], conv["OC"], conv["batch"]) == (128, 8, 128, 1)
+    assert conv["flops"] == 2 * 64 * 128 * 128 * 9
+    assert set(conv["providers"]) == {"cudnn", "cudnn-fused", "ours"} and "na" in conv["providers"]["cudnn-fused"]
+    for name in ("cudnn", "ours"):
+        cell = conv["providers"][name]["plain"]
+        assert cell["finite"] and cell["err"] < 1e-5 and cell["wall_us"] > 0, (name, cell)
+    assert "hot_us" not in json.dumps(data)  # hot needs CUDA graphs
     if HAS_MATPLOTLIB:
         assert (out / "kernels_cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -115,7 +125,17 @@ def test_quick_and_filters_resolve():
     assert full.shapes == SHAPES and full.dtypes == ("float16", "bfloat16", "float32")
     assert "compile-max" in full.layer_providers and full.batches == (1, 8, 32, 256, 4096)
     assert full.tf32 and full.model_dtype == "float16"
+    # Issue 19: the digits MLP runs in fp16 and bf16, the other models in fp16; then the convs section.
+    assert full.model_runs == (
+        ("digits", "float16"), ("digits", "bfloat16"), ("wide", "float16"), ("digits-cnn", "float16"),
+        ("wide-cnn", "float16"),
+    )  # fmt: skip
+    assert full.sections == ("layers", "models", "convs") and full.conv_layers == (0, 1, 2, 3)
+    assert full.conv_providers == ("cudnn", "cudnn-fused", "compile", "ours") and full.conv_batches == (1, 32, 256)
+    both = resolve(_args("--model-dtype", "bfloat16,float16", "--models", "wide-cnn"))
+    assert both.model_runs == (("wide-cnn", "bfloat16"), ("wide-cnn", "float16")) and both.model_dtype == "bfloat16"
     quick = resolve(_args("--quick"))
+    assert quick.model_runs == (("digits", "float16"),) and quick.conv_layers == (3,) and quick.conv_batches == (1,)
     assert quick.shapes == ((64, 256, 128),) and quick.dtypes == ("float16",)
     assert "compile-max" not in quick.layer_providers + quick.model_providers
     assert quick.models == ("digits",)
@@ -223,9 +243,11 @@ def test_gpu_quick_run(tmp_path):
     assert (tmp_path / f"kernels_{slug}.md").exists()
 
 
-def _cell(device_us: float, wall_us: float) -> dict:
+def _cell(device_us: float, wall_us: float, hot_us: float | None = None) -> dict:
     graph = {"device_us": device_us, "wall_us": wall_us, "err": 1e-4, "finite": True, "bad": False}
-    return {"graph": graph, "plain": dict(graph, device_us=device_us + 1)}
+    if hot_us is not None:
+        graph["hot_us"] = hot_us
+    return {"graph": graph, "plain": dict(graph, device_us=device_us + 1, hot_us=None)}
 
 
 def test_targets_say_met_or_how_far():
@@ -249,24 +271,27 @@ def test_targets_say_met_or_how_far():
     results["models"] = [
         {"model": m, "batch": b, "dtype": "float16", "floor_us": 11.8, "providers": ps} for (m, b), ps in models.items()
     ]
-    assert len(checks(results)) == 2 * 2 + 2 * 2 + 2
-    wall = next(c for c in checks(results) if c.target.endswith("ours wall") and c.case.startswith("64x"))
+    issue3 = [c for c in checks(results) if not c.target.startswith(("hot", "cold"))]
+    assert len(issue3) == 2 * 2 + 2 * 2 + 2
+    hot_rows = [c for c in checks(results) if c.target.startswith("hot")]  # issue 19: one per MLP case
+    assert len(hot_rows) == 5 and all(c.met is None for c in hot_rows)  # no hot times in these fakes
+    wall = next(c for c in issue3 if c.target.endswith("ours wall") and c.case.startswith("64x"))
     # eager wall / ours wall = 30 / 20 = 1.5 < 2: needs 2 / 1.5 = 1.33x; device 5 <= cuBLASLt 6: met
     assert wall.met is False and wall.gap == "needs 1.33x"
-    device = [c for c in checks(results) if c.target.endswith("vs cuBLASLt") and c.case.startswith("64x")][0]
+    device = [c for c in issue3 if c.target.endswith("vs cuBLASLt") and c.case.startswith("64x")][0]
     assert device.met is True and device.gap == ""
-    assert [c.met for c in checks(results) if c.case.startswith("128x256x256")] == [None, None]  # ours missing
-    digits = [c for c in checks(results) if c.case.startswith("digits-mlp batch 1 ")]
+    assert [c.met for c in issue3 if c.case.startswith("128x256x256")] == [None, None]  # ours missing
+    digits = [c for c in issue3 if c.case.startswith("digits-mlp batch 1 ")]
     assert [c.met for c in digits] == [True, True]  # 5.5 <= 6 us; best anchor 12 / 5.5 = 2.2x
-    digits256 = [c for c in checks(results) if c.case.startswith("digits-mlp batch 256")]
+    digits256 = [c for c in issue3 if c.case.startswith("digits-mlp batch 256")]
     assert [(c.met, c.gap) for c in digits256] == [(False, "needs 1.33x"), (False, "needs 1.33x")]
-    wide1 = next(c for c in checks(results) if c.case.startswith("wide-mlp batch 1 "))
+    wide1 = next(c for c in issue3 if c.case.startswith("wide-mlp batch 1 "))
     assert wide1.met is True and wide1.measured == "79%"  # 11.8 / 15
-    wide4096 = next(c for c in checks(results) if c.case.startswith("wide-mlp batch 4096"))
+    wide4096 = next(c for c in issue3 if c.case.startswith("wide-mlp batch 4096"))
     assert wide4096.met is False and wide4096.gap == "needs 1.21x"  # 400 / 330
     md = markdown(results)
-    assert "## Targets (issue 3)" in md and "4 met, 4 not met, 2 not measured" in md
-    assert "== targets: 4 of 10 met ==" in summary(results)
+    assert "## Targets (issues 3, 19, 20)" in md and "4 met, 4 not met, 7 not measured" in md
+    assert "== targets: 4 of 15 met ==" in summary(results)
     cpu = dict(results, meta=dict(results["meta"], device="cpu"))
     assert checks(cpu) == [] and "## Targets" not in markdown(cpu)
 
@@ -579,3 +604,132 @@ def test_report_shows_hot_beside_cold():
     assert "hot o/lt" in summary(results) and " 0.50x " in summary(results)
     results["meta"]["timing"].pop("hot")  # written before hot timing: no Hot sentence
     assert "Hot:" not in markdown(results)
+
+
+def test_hot_and_cnn_targets():
+    """Issue 19 (hot: digits MLP >= 1.3x the best anchor, wide MLP >= 1x and 1.5x at batch 1) and issue 20
+    (digits CNN >= 2x eager and >= the best anchor, cold and hot; the wider CNN's convs <= 1.10x cuDNN)."""
+    from bench.kernel_targets import checks
+
+    results = _fake_results(1e-3)
+    results["layers"] = []
+    skipped = {"skipped": "skipped: --time-limit"}
+    models = {
+        # hot: best anchor compile 13 / ours 10 = 1.3: met (exactly); compile-max was skipped: named
+        ("digits-mlp", 1, "float16"): {"compile": _cell(15, 60, 13), "compile-max": skipped, "ours": _cell(8, 7, 10)},
+        ("digits-mlp", 1, "bfloat16"): {"linear": _cell(16, 50, 12), "ours": _cell(8, 7, 10)},  # 1.2: not met
+        ("wide-mlp", 1, "float16"): {"linear": _cell(33, 80, 30), "ours": _cell(21, 18, 21)},  # 1.43 < 1.5
+        ("wide-mlp", 256, "float16"): {"linear": _cell(42, 60, 40), "ours": _cell(44, 43, 40)},  # 1.0: met
+        # cold: eager 30 / ours 12 = 2.5, anchor linear 20 / 12; hot: eager 20 / 11 = 1.82 < 2, linear 9 / 11 < 1
+        ("digits-cnn", 32, "float16"): {
+            "eager": _cell(30, 90, 20), "linear": _cell(20, 80, 9), "ours": _cell(12, 10, 11),
+        },
+    }  # fmt: skip
+    results["models"] = [
+        {"model": m, "batch": b, "dtype": d, "floor_us": 1.0, "providers": ps} for (m, b, d), ps in models.items()
+    ]
+    results["convs"] = [
+        {
+            "layer": "64→64 32×32", "batch": 32, "dtype": "float16", "floor_us": 5.0,
+            # cold: the faster cuDNN is cudnn-fused 20, ours 21.5 <= 22: met; hot: cudnn 10, ours 12 > 11: not met
+            "providers": {"cudnn": _cell(25, 40, 10), "cudnn-fused": _cell(20, 40, 15), "ours": _cell(21.5, 40, 12)},
+        }
+    ]  # fmt: skip
+    rows = {(c.target, c.case): c for c in checks(results)}
+    d16 = rows[("hot, digits MLP: best anchor (compile) / ours", "digits-mlp batch 1 float16 (without compile-max: "
+                "not measured)")]  # fmt: skip
+    assert d16.met is True and d16.measured == "1.30x"
+    d16b = rows[("hot, digits MLP: best anchor (linear) / ours", "digits-mlp batch 1 bfloat16")]
+    assert d16b.met is False and d16b.gap == "needs 1.08x"  # 1.3 / 1.2
+    w1 = rows[("hot, wide MLP: best anchor (linear) / ours", "wide-mlp batch 1 float16")]
+    assert w1.met is False and w1.goal == ">= 1.50x"
+    w256 = rows[("hot, wide MLP: best anchor (linear) / ours", "wide-mlp batch 256 float16")]
+    assert w256.met is True and w256.goal == ">= 1.00x"
+    cnn = "digits-cnn batch 32 float16"
+    assert rows[("cold, digits CNN: eager / ours", cnn)].measured == "2.50x"
+    assert rows[("cold, digits CNN: eager / ours", cnn)].met is True
+    assert rows[("hot, digits CNN: eager / ours", cnn)].met is False
+    assert rows[("cold, digits CNN: best anchor (linear) / ours", cnn)].met is True
+    assert rows[("hot, digits CNN: best anchor (linear) / ours", cnn)].met is False
+    conv = "wider CNN conv 64→64 32×32 batch 32 float16"
+    cold_conv = rows[("cold, wider CNN conv vs cuDNN", conv)]
+    assert cold_conv.met is True and cold_conv.goal == "<= 22.0 us (1.10x cudnn-fused)"
+    hot_conv = rows[("hot, wider CNN conv vs cuDNN", conv)]
+    assert hot_conv.met is False and hot_conv.gap == "needs 1.09x"  # 12 / 11
+    assert len([t for t, _ in rows if t.startswith(("hot", "cold"))]) == 4 + 4 + 2  # issues 19 and 20
+
+
+def test_cold_times_are_compared_with_an_earlier_run():
+    from bench.kernel_targets import compare_cold
+
+    old = _fake_results(1e-3)
+    old["layers"][0]["providers"] = {"ours": _cell(10.0, 20.0)}
+    old["models"] = [{"model": "digits-mlp", "batch": 1, "dtype": "float16", "providers": {"ours": _cell(8.0, 7.0)}}]
+    new = _fake_results(1e-3)
+    new["layers"][0]["providers"] = {"ours": _cell(10.3, 20.0)}  # +3%: still met
+    new["models"] = [
+        {"model": "digits-mlp", "batch": 1, "dtype": "float16", "providers": {"ours": _cell(8.4, 7.0)}},  # +5%
+        {"model": "digits-mlp", "batch": 1, "dtype": "bfloat16", "providers": {"ours": _cell(9.0, 7.0)}},  # new
+    ]
+    rows = compare_cold(new, old)
+    assert [(c.case, c.met) for c in rows] == [
+        ("64 256 128 float16 relu", True),
+        ("digits-mlp 1 float16", False),
+    ]
+    assert rows[1].gap == "needs 1.02x"  # 8.4 / (8 * 1.03)
+
+
+def test_cnn_models_are_built_measured_and_run_like_the_service(tmp_path):
+    """The digits CNN (shipped) and the wider CNN (built here, fixed seed): dims, floor terms, and every CPU
+    provider's forward against the float64 reference; ours-eager is the fused Executor (interpreted)."""
+    from bench.kernel_models import (
+        ModelProviders,
+        bound_steps,
+        bytes_and_flops,
+        forward,
+        load_named,
+        model_dims,
+        reference_forward,
+    )
+    from bench.kernel_timing import normwise_error
+
+    cpu = torch.device("cpu")
+    digits = load_named("digits-cnn", tmp_path, 0)
+    assert model_dims(digits) == [[1, 8, 8], [16, 8, 8], [16, 8, 8], [16, 4, 4], 64, 10]
+    # conv 16x1x9 and 16x16x9 weights at 8x8 outputs, then 256 -> 64 -> 10: 173,696 multiply-adds an image
+    assert bytes_and_flops(digits, 1, "float16")[1] == 2 * (144 * 64 + 2304 * 64 + 256 * 64 + 640)
+    wide = load_named("wide-cnn", tmp_path, 0)
+    assert model_dims(wide)[:4] == [[3, 32, 32], [64, 32, 32], [64, 32, 32], [64, 16, 16]]
+    assert model_dims(wide)[-3:] == [[128, 4, 4], 256, 10]
+    nbytes, flops = bytes_and_flops(wide, 64, "float16")
+    assert 130e6 < flops / 64 < 140e6 and 1.5e6 < nbytes - 2 * 64 * (3 * 32 * 32 + 10) < 1.7e6
+    again = load_named("wide-cnn", tmp_path / "again", 0)  # fixed seed: the same weights every run
+    assert all(torch.equal(wide.tensors[k], again.tensors[k]) for k in wide.tensors)
+
+    gen = torch.Generator().manual_seed(5)
+    for model, batch in ((digits, 3), (wide, 1)):
+        steps = bound_steps(model, cpu, torch.float32)
+        x = torch.randn((batch, *model.input_shape), generator=gen)
+        ref = reference_forward(steps, x)
+        for how in ("eager", "linear"):
+            err, finite = normwise_error(forward(steps, x, how), ref)
+            assert finite and err < 1e-5, (model.name, how, err)
+        prep = ModelProviders(model, cpu, torch.float32, max_batch_size=4).prepare("ours-eager", x)
+        err, finite = normwise_error(prep.fn(), ref)
+        assert finite and err < 1e-5, (model.name, "ours-eager", err)
+        assert prep.plain_only and prep.compile_s > 0
+
+
+def test_sections_share_the_time_by_what_their_cases_cost():
+    from bench.kernel_budget import SECTION_CASE_S, section_shares
+
+    shares = section_shares({"layers": 36, "models": 25, "convs": 12})
+    cost = {"layers": 36 * SECTION_CASE_S["layers"], "models": 25 * SECTION_CASE_S["models"]}
+    cost["convs"] = 12 * SECTION_CASE_S["convs"]
+    # Each share is of the time left when the section starts: the last section takes all of the rest.
+    assert shares["layers"] == pytest.approx(cost["layers"] / sum(cost.values()))
+    assert shares["models"] == pytest.approx(cost["models"] / (cost["models"] + cost["convs"]))
+    assert shares["convs"] == 1.0
+    assert section_shares({"layers": 36, "models": 0, "convs": 0}) == {"layers": 1.0, "models": 0.0, "convs": 0.0}
+    # The 2026-11-23 split, layers then 10 model cases, comes back: 252 / (252 + 270) = 48% (was 0.47).
+    assert section_shares({"layers": 36, "models": 10, "convs": 0})["layers"] == pytest.approx(0.483, abs=1e-3)
