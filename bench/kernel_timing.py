@@ -119,6 +119,7 @@ class HotTimer:
     def cycles_per_us(self) -> float:
         if self._cycles_per_us is None:
             cycles = 1_000_000
+            self.cuda._sleep(1000)  # the spin kernel's first launch loads its module: not in the measurement
             start, end = self._events()
             start.record()
             self.cuda._sleep(cycles)
@@ -167,6 +168,20 @@ class HotTimer:
             "hot_replays": n,
             "hot_host_bound": any(w[2] for w in windows),
         }
+
+
+    def single(self, replay: Callable[[], object], reps: int = 21) -> float:
+        """Median device time (us) of one replay alone: the device idle before it (a synchronize between
+        reps) and the launch queued behind a spin, so neither the host's launch nor a neighbour counts; L2
+        is not cleared (what the replay before left there stays). tests/test_hot_replays.py holds back-to-
+        back replays against this."""
+        for _ in range(3):
+            replay()
+        self.cuda.synchronize()
+        rate = self.cycles_per_us()
+        _, host_us, _ = self.window(replay, 1, int(2000 * rate))
+        spin = spin_cycles(host_us, rate)
+        return statistics.median(self.window(replay, 1, spin)[0] for _ in range(reps))
 
 
 _hot_timer: HotTimer | None = None

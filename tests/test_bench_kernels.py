@@ -240,6 +240,18 @@ def test_gpu_quick_run(tmp_path):
                     cell = res[variant]
                     assert cell.get("device_us", 0) > 0 and cell.get("finite") and not cell.get("bad"), (name, cell)
         assert "plain" not in case["providers"]["ours"] and "graph" not in case["providers"]["ours-eager"]
+        # hot: every graph cell, back-to-back replays; never slower than a cold replay by much (L2 is warm)
+        for name in ("eager", "linear", "compile", "ours", "ours-unfused-graph"):
+            cell = case["providers"][name]["graph"]
+            assert cell["hot_us"] > 0 and cell["hot_replays"] >= 10, (name, cell)
+            assert cell["hot_us"] < 1.5 * cell["device_us"], (name, cell)
+    for case in data["layers"]:
+        assert all(case["providers"][p]["graph"]["hot_us"] > 0 for p in ("eager", "ours")), case
+        assert "hot_us" not in case["providers"]["ours"]["plain"]  # hot is a graph replay's
+    [conv] = data["convs"]  # --quick: the wider CNN's last conv at batch 1
+    for name in ("cudnn", "compile", "ours"):
+        cell = conv["providers"][name]["graph"]
+        assert cell["device_us"] > 0 and cell["hot_us"] > 0 and not cell["bad"], (name, cell)
     assert (tmp_path / f"kernels_{slug}.md").exists()
 
 
@@ -733,3 +745,12 @@ def test_sections_share_the_time_by_what_their_cases_cost():
     assert section_shares({"layers": 36, "models": 0, "convs": 0}) == {"layers": 1.0, "models": 0.0, "convs": 0.0}
     # The 2026-11-23 split, layers then 10 model cases, comes back: 252 / (252 + 270) = 48% (was 0.47).
     assert section_shares({"layers": 36, "models": 10, "convs": 0})["layers"] == pytest.approx(0.483, abs=1e-3)
+
+
+def test_a_single_replay_is_timed_alone():
+    from bench.kernel_timing import HotTimer
+
+    gpu = _FakeGPU(host_us=30.0, device_us=2.0)  # a slow host: the spin still hides the launch
+    timer = HotTimer(cuda=gpu, clock=gpu.clock)
+    assert timer.single(gpu.replay, reps=5) == pytest.approx(2.0)
+    assert gpu.replays == 3 + 1 + 5
