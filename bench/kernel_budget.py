@@ -6,7 +6,7 @@ time a dtype/act/bucket is seen); torch.compile 2-5 s a case; max-autotune 10-30
 shape (less for the second activation of a shape: inductor's autotune cache keys on the GEMM, not the
 epilogue). 36 layer cases and 10 model cases with max-autotune everywhere would take 10-15 minutes, so:
 
-- each section (layers, models, convs) gets a share of the time left when it starts, in proportion to
+- each section (layers, convs, models, in that order) gets a share of the time left when it starts, in proportion to
   what its cases cost with every provider (`section_shares`: a layer case ~7 s, a model case ~27 s, as the
   2026-11-23 H200 run spent them; a conv case ~8 s, not yet measured);
 - non-compile providers always run (they are the comparison) until the section's hard limit: its share
@@ -39,13 +39,14 @@ HARD_GRACE = 0.15  # of the whole time limit: how far a section may run past its
 
 
 def section_shares(counts: dict[str, int]) -> dict[str, float]:
-    """Each section's share of the time left when it starts, from its case count times SECTION_CASE_S.
-    A section takes its share of what is left then, so the shares of the sections still to come are
-    renormalised: with 36 layer, 25 model and 12 conv cases, 252 : 675 : 96 s, the layers get 25% of the
-    limit, the models 675 / 771 = 88% of what is left after them, the convs all of the rest."""
+    """Each section's share of the time left when it starts, from its case count times SECTION_CASE_S, the
+    sections in run order (the order of `counts`). A section takes its share of what is left then, so the
+    shares of the sections still to come are renormalised: with 36 layer, 12 conv and 25 model cases,
+    252 : 96 : 675 s, the layers get 25% of the limit, the convs 96 / 771 = 12% of what is left after them,
+    the models all of the rest."""
     cost = {k: n * SECTION_CASE_S[k] for k, n in counts.items() if n}
     shares, left = {}, sum(cost.values())
-    for k, c in cost.items():  # in run order: layers, models, convs
+    for k, c in cost.items():
         shares[k] = c / left if left else 1.0
         left -= c
     return {k: shares.get(k, 0.0) for k in counts}

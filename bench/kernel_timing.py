@@ -169,7 +169,6 @@ class HotTimer:
             "hot_host_bound": any(w[2] for w in windows),
         }
 
-
     def single(self, replay: Callable[[], object], reps: int = 21) -> float:
         """Median device time (us) of one replay alone: the device idle before it (a synchronize between
         reps) and the launch queued behind a spin, so neither the host's launch nor a neighbour counts; L2

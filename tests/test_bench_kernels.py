@@ -735,13 +735,13 @@ def test_cnn_models_are_built_measured_and_run_like_the_service(tmp_path):
 def test_sections_share_the_time_by_what_their_cases_cost():
     from bench.kernel_budget import SECTION_CASE_S, section_shares
 
-    shares = section_shares({"layers": 36, "models": 25, "convs": 12})
-    cost = {"layers": 36 * SECTION_CASE_S["layers"], "models": 25 * SECTION_CASE_S["models"]}
-    cost["convs"] = 12 * SECTION_CASE_S["convs"]
+    shares = section_shares({"layers": 36, "convs": 12, "models": 25})  # the run's order
+    cost = {"layers": 36 * SECTION_CASE_S["layers"], "convs": 12 * SECTION_CASE_S["convs"]}
+    cost["models"] = 25 * SECTION_CASE_S["models"]
     # Each share is of the time left when the section starts: the last section takes all of the rest.
     assert shares["layers"] == pytest.approx(cost["layers"] / sum(cost.values()))
-    assert shares["models"] == pytest.approx(cost["models"] / (cost["models"] + cost["convs"]))
-    assert shares["convs"] == 1.0
+    assert shares["convs"] == pytest.approx(cost["convs"] / (cost["models"] + cost["convs"]))
+    assert shares["models"] == 1.0
     assert section_shares({"layers": 36, "models": 0, "convs": 0}) == {"layers": 1.0, "models": 0.0, "convs": 0.0}
     # The 2026-11-23 split, layers then 10 model cases, comes back: 252 / (252 + 270) = 48% (was 0.47).
     assert section_shares({"layers": 36, "models": 10, "convs": 0})["layers"] == pytest.approx(0.483, abs=1e-3)
