@@ -403,16 +403,49 @@ def write_report(results: dict, out_dir: Path, slug: str, *, png: bool) -> list[
     return paths
 
 
+SECTIONS = ("layers", "models", "convs")
+
+
+def merge(parts: list[dict]) -> dict:
+    """One results dict from runs of the same GPU that split the sections between them (each run ran
+    with its own --sections, e.g. in two device calls when one cannot hold everything): the cases of every
+    section in the order given, the first run's meta, with each run's command, start and seconds kept under
+    "merged_from" and "elapsed_s" their sum. Refuses runs of different GPUs, TF32 settings or versions."""
+    if not parts:
+        raise ValueError("nothing to merge")
+    first = parts[0]["meta"]
+    for p in parts[1:]:
+        m = p["meta"]
+        for key in ("gpu", "device", "tf32", "torch", "triton"):
+            if m.get(key) != first.get(key):
+                raise ValueError(f"cannot merge runs whose {key} differs: {first.get(key)!r} and {m.get(key)!r}")
+    meta = dict(first)
+    meta["merged_from"] = [
+        {k: p["meta"].get(k) for k in ("command", "started_utc", "elapsed_s", "time_limit_s")} for p in parts
+    ]
+    meta["elapsed_s"] = round(sum(p["meta"].get("elapsed_s", 0) for p in parts), 1)
+    merged = {"meta": meta}
+    for section in SECTIONS:
+        merged[section] = [case for p in parts for case in p.get(section, [])]
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Re-render a run's markdown (and plot) from its JSON, e.g. after the report gained a section."""
+    """Re-render a run's markdown (and plot) from its JSON, e.g. after the report gained a section; with
+    several JSON files of one GPU, merge them first (see `merge`) and write the merged report to --out."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m bench.kernel_report", description=main.__doc__)
-    parser.add_argument("json", type=Path, help="a kernels_<gpu>.json written by `fusedserve bench kernels`")
+    parser.add_argument(
+        "json", type=Path, nargs="+", help="kernels_<gpu>.json files written by `fusedserve bench kernels`"
+    )
     parser.add_argument("--png", action="store_true", help="redraw the plot too (needs matplotlib)")
+    parser.add_argument("--out", type=Path, help="where to write [the first JSON's directory]")
     args = parser.parse_args(argv)
-    results = json.loads(args.json.read_text())
-    for path in write_report(results, args.json.parent, results["meta"]["slug"], png=args.png):
+    parts = [json.loads(path.read_text()) for path in args.json]
+    results = merge(parts) if len(parts) > 1 else parts[0]
+    out = args.out or args.json[0].parent
+    for path in write_report(results, out, results["meta"]["slug"], png=args.png):
         print(f"wrote {path}")
     return 0
 

@@ -754,3 +754,36 @@ def test_a_single_replay_is_timed_alone():
     timer = HotTimer(cuda=gpu, clock=gpu.clock)
     assert timer.single(gpu.replay, reps=5) == pytest.approx(2.0)
     assert gpu.replays == 3 + 1 + 5
+
+
+def test_runs_that_split_the_sections_merge_into_one_report(tmp_path):
+    from bench.kernel_report import main as rerender
+    from bench.kernel_report import merge
+
+    layers = _hot_results()
+    layers["meta"].update(slug="h100", command="bench --sections layers", elapsed_s=300.0, started_utc="t0")
+    models = _hot_results()
+    models["layers"] = []
+    models["meta"].update(slug="h100", command="bench --sections convs,models", elapsed_s=250.0, started_utc="t1")
+    models["models"] = [
+        {"model": "digits-mlp", "batch": 1, "dtype": "float16", "floor_us": 0.04, "error_bound": 1e-2,
+         "providers": {"linear": _cell(16, 50, 12), "ours": _cell(8, 7, 6)}},
+    ]  # fmt: skip
+    models["convs"] = []
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "kernels_h100.json").write_text(json.dumps(layers))
+    (tmp_path / "b" / "kernels_h100.json").write_text(json.dumps(models))
+    out = tmp_path / "merged"
+    assert rerender([str(tmp_path / d / "kernels_h100.json") for d in ("a", "b")] + ["--out", str(out)]) == 0
+    merged = json.loads((out / "kernels_h100.json").read_text())
+    assert len(merged["layers"]) == 1 and len(merged["models"]) == 1 and merged["meta"]["elapsed_s"] == 550.0
+    assert [m["command"] for m in merged["meta"]["merged_from"]] == [
+        "bench --sections layers",
+        models["meta"]["command"],
+    ]
+    md = (out / "kernels_h100.md").read_text()
+    assert "| 64×256×128 |" in md and "| digits-mlp | 1 |" in md
+    models["meta"]["gpu"] = "NVIDIA H100 80GB HBM3"  # the fakes say H200
+    with pytest.raises(ValueError, match="gpu differs"):
+        merge([layers, models])
