@@ -164,7 +164,7 @@ def markdown(results: dict) -> str:
                 "queued first so that the host's launch gaps stay hidden (**host** marks a cell where they did not). "
             )
         lines.append(
-            f"Device time (cold): {device}; graph: the call "
+            f"Device time{' (cold)' if hot_text else ''}: {device}; graph: the call "
             f"captured once into a CUDA graph and replayed. {hot_text}"
             "Wall: host time per call, calls back-to-back from "
             f"Python, one synchronize at the end, {wall}. "
@@ -181,10 +181,12 @@ def markdown(results: dict) -> str:
     targets = targets_table(results)
     if targets:
         lines += ["", *targets]
+    # Results written before hot timing (no timing "hot") keep their own tables: no hot in them.
+    with_hot = cuda and bool(meta.get("timing", {}).get("hot"))
     if results["layers"]:
-        lines += ["", *_layer_table(results["layers"], cuda, notes)]
+        lines += ["", *_layer_table(results["layers"], cuda, notes, with_hot)]
     if results["models"]:
-        lines += ["", *_model_tables(results["models"], cuda, notes, meta.get("model_dtype", ""))]
+        lines += ["", *_model_tables(results["models"], cuda, notes, meta.get("model_dtype", ""), with_hot)]
     if results.get("convs"):
         lines += ["", *_conv_table(results["convs"], cuda, notes)]
     if notes.items:
@@ -200,13 +202,19 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _layer_table(cases: list[dict], cuda: bool, notes: _Notes) -> list[str]:
+def _layer_table(cases: list[dict], cuda: bool, notes: _Notes, with_hot: bool = True) -> list[str]:
     providers = list(dict.fromkeys(p for case in cases for p in case["providers"]))
-    fields = [("graph", "device_us"), ("graph", "hot_us"), ("plain", "device_us"), ("plain", "wall_us")]
-    fields = fields if cuda else [("plain", "wall_us")]
-    legend = "graph cold / graph hot / plain cold / wall" if cuda else "wall"
+    if with_hot:
+        fields = [("graph", "device_us"), ("graph", "hot_us"), ("plain", "device_us"), ("plain", "wall_us")]
+        legend = "graph cold / graph hot / plain cold / wall"
+    elif cuda:
+        fields = [("graph", "device_us"), ("plain", "device_us"), ("plain", "wall_us")]
+        legend = "graph device / plain device / wall"
+    else:
+        fields, legend = [("plain", "wall_us")], "wall"
     head = ["M×K×N", "dtype", "act", "floor µs", *providers]
-    head += ["eager wall / ours wall", "ours / cublaslt (device)", "ours / cublaslt (hot)", "ours % floor", "max err"]
+    head += ["eager wall / ours wall", "ours / cublaslt (device)", *(["ours / cublaslt (hot)"] if with_hot else [])]
+    head += ["ours % floor", "max err"]
     lines = [
         "## Layers: y = act(x @ W^T + b)",
         "",
@@ -223,19 +231,27 @@ def _layer_table(cases: list[dict], cuda: bool, notes: _Notes) -> list[str]:
         ours = ps.get("ours")
         row.append(_ratio(wall(ps["eager"]) if "eager" in ps else None, wall(ours) if ours else None))
         row.append(_ratio(primary(ours) if ours else None, primary(ps["cublaslt"]) if "cublaslt" in ps else None))
-        row.append(_ratio(hot(ours) if ours else None, hot(ps["cublaslt"]) if "cublaslt" in ps else None))
+        if with_hot:
+            row.append(_ratio(hot(ours) if ours else None, hot(ps["cublaslt"]) if "cublaslt" in ps else None))
         row += [_pct_floor(case, ours), _err_text(case)]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
 
-def _model_table(cases: list[dict], cuda: bool, notes: _Notes, dtype: str) -> list[str]:
+def _model_table(cases: list[dict], cuda: bool, notes: _Notes, dtype: str, with_hot: bool = True) -> list[str]:
     providers = list(dict.fromkeys(p for case in cases for p in case["providers"]))
-    fields = [("graph", "device_us"), ("graph", "hot_us"), ("any", "wall_us")] if cuda else [("any", "wall_us")]
-    legend = "graph cold / graph hot / wall" if cuda else "wall"
+    if with_hot:
+        fields, legend = (
+            [("graph", "device_us"), ("graph", "hot_us"), ("any", "wall_us")],
+            "graph cold / graph hot / wall",
+        )
+    elif cuda:
+        fields, legend = [("graph", "device_us"), ("any", "wall_us")], "graph device / wall"
+    else:
+        fields, legend = [("any", "wall_us")], "wall"
     head = ["model", "batch", "floor µs", *providers]
     head += ["best anchor", "ours / best"]
-    head += ["best anchor (hot)", "ours / best (hot)"] if cuda else []
+    head += ["best anchor (hot)", "ours / best (hot)"] if with_hot else []
     head += ["eager wall / ours wall", "ours % floor", "max err"]
     ours_name = "ours" if cuda else "ours-eager"  # no graphs on the CPU
     lines = [
@@ -244,7 +260,8 @@ def _model_table(cases: list[dict], cuda: bool, notes: _Notes, dtype: str) -> li
         f"Each provider's cell: {legend} µs per call (ours and ours-unfused-graph: one replay of "
         "the GraphedExecutor's graph for the bucket, the batch already in the graph's input, where the service's "
         "H2D copy puts it). Best anchor: the fastest of "
-        f"{', '.join(ANCHORS)} (cold, and separately hot); ours / best < 1 means ours is faster.",
+        f"{', '.join(ANCHORS)}{' (cold, and separately hot)' if with_hot else ''}; ours / best < 1 means ours is "
+        "faster.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join(["---", "---:"] + ["---:"] * (len(head) - 2)) + "|",
@@ -254,8 +271,7 @@ def _model_table(cases: list[dict], cuda: bool, notes: _Notes, dtype: str) -> li
         row = [case["model"], str(case["batch"]), us(case.get("floor_us"))]
         row += [_cell_text(p, ps[p], fields, notes) if p in ps else "—" for p in providers]
         ours = ps.get(ours_name)
-        times = ((primary, "cold"), (hot, "hot")) if cuda else ((primary, "cold"),)
-        for time, _ in times:
+        for time in (primary, hot) if with_hot else (primary,):
             best, t_best = best_anchor(case, time)
             row.append(f"{best} {us(t_best)}" if best else "—")
             row.append(_ratio(time(ours) if ours else None, t_best))
@@ -265,13 +281,13 @@ def _model_table(cases: list[dict], cuda: bool, notes: _Notes, dtype: str) -> li
     return lines
 
 
-def _model_tables(cases: list[dict], cuda: bool, notes: _Notes, default_dtype: str) -> list[str]:
+def _model_tables(cases: list[dict], cuda: bool, notes: _Notes, default_dtype: str, with_hot: bool = True) -> list[str]:
     """One table per model dtype (the digits MLP runs in fp16 and bf16), in the order the run met them."""
     dtypes = list(dict.fromkeys(c.get("dtype", default_dtype) for c in cases))
     lines: list[str] = []
     for dtype in dtypes:
         group = [c for c in cases if c.get("dtype", default_dtype) == dtype]
-        lines += ([""] if lines else []) + _model_table(group, cuda, notes, dtype)
+        lines += ([""] if lines else []) + _model_table(group, cuda, notes, dtype, with_hot)
     return lines
 
 

@@ -285,8 +285,7 @@ def test_targets_say_met_or_how_far():
     ]
     issue3 = [c for c in checks(results) if not c.target.startswith(("hot", "cold"))]
     assert len(issue3) == 2 * 2 + 2 * 2 + 2
-    hot_rows = [c for c in checks(results) if c.target.startswith("hot")]  # issue 19: one per MLP case
-    assert len(hot_rows) == 5 and all(c.met is None for c in hot_rows)  # no hot times in these fakes
+    assert len(checks(results)) == len(issue3)  # a run from before hot timing is judged by issue 3 alone
     wall = next(c for c in issue3 if c.target.endswith("ours wall") and c.case.startswith("64x"))
     # eager wall / ours wall = 30 / 20 = 1.5 < 2: needs 2 / 1.5 = 1.33x; device 5 <= cuBLASLt 6: met
     assert wall.met is False and wall.gap == "needs 1.33x"
@@ -301,6 +300,12 @@ def test_targets_say_met_or_how_far():
     assert wide1.met is True and wide1.measured == "79%"  # 11.8 / 15
     wide4096 = next(c for c in issue3 if c.case.startswith("wide-mlp batch 4096"))
     assert wide4096.met is False and wide4096.gap == "needs 1.21x"  # 400 / 330
+    md = markdown(results)
+    assert "## Targets (issue 3)" in md and "4 met, 4 not met, 2 not measured" in md
+    assert "== targets: 4 of 10 met ==" in summary(results)
+    results["meta"]["timing"] = _hot_results()["meta"]["timing"]  # a run with hot times: issue 19's rows too
+    hot_rows = [c for c in checks(results) if c.target.startswith("hot")]  # one per MLP case
+    assert len(hot_rows) == 5 and all(c.met is None for c in hot_rows)  # these fakes have no hot times
     md = markdown(results)
     assert "## Targets (issues 3, 19, 20)" in md and "4 met, 4 not met, 7 not measured" in md
     assert "== targets: 4 of 15 met ==" in summary(results)
@@ -614,8 +619,10 @@ def test_report_shows_hot_beside_cold():
     assert "| 9.00 / 7.00 **host** / 10.0 / 30.0 |" in row  # eager's hot window was paced by the host
     assert "| 0.80x | 0.50x |" in row  # 4 / 5 cold, 2 / 4 hot
     assert "hot o/lt" in summary(results) and " 0.50x " in summary(results)
-    results["meta"]["timing"].pop("hot")  # written before hot timing: no Hot sentence
-    assert "Hot:" not in markdown(results)
+    results["meta"]["timing"].pop("hot")  # written before hot timing: its tables as they were then
+    md = markdown(results)
+    assert "Hot:" not in md and "(hot)" not in md and "Device time: median" in md
+    assert "graph device / plain device / wall" in md and "| 4.00 / 5.00 / 30.0 |" in md
 
 
 def test_hot_and_cnn_targets():
@@ -623,7 +630,7 @@ def test_hot_and_cnn_targets():
     (digits CNN >= 2x eager and >= the best anchor, cold and hot; the wider CNN's convs <= 1.10x cuDNN)."""
     from bench.kernel_targets import checks
 
-    results = _fake_results(1e-3)
+    results = _hot_results()
     results["layers"] = []
     skipped = {"skipped": "skipped: --time-limit"}
     models = {
