@@ -41,9 +41,9 @@ HARD_GRACE = 0.15  # of the whole time limit: how far a section may run past its
 def section_shares(counts: dict[str, int]) -> dict[str, float]:
     """Each section's share of the time left when it starts, from its case count times SECTION_CASE_S, the
     sections in run order (the order of `counts`). A section takes its share of what is left then, so the
-    shares of the sections still to come are renormalised: with 36 layer, 12 conv and 25 model cases,
-    252 : 96 : 675 s, the layers get 25% of the limit, the convs 96 / 771 = 12% of what is left after them,
-    the models all of the rest."""
+    shares of the sections still to come are renormalised: with 36 layer, 12 conv and 23 model cases (the
+    default run), 252 : 96 : 621 s, the layers get 26% of the limit, the convs 96 / 717 = 13% of what is
+    left after them, the models all of the rest."""
     cost = {k: n * SECTION_CASE_S[k] for k, n in counts.items() if n}
     shares, left = {}, sum(cost.values())
     for k, c in cost.items():

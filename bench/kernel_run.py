@@ -95,14 +95,14 @@ def _execute(plan, command: str, device: torch.device, tf32: bool, settings: dic
     name = torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})"
     slug = slug_of(name) if cuda else "cpu"
     n_layers = len(plan.dtypes) * len(plan.shapes) * len(plan.acts) if "layers" in plan.sections else 0
-    n_models = len(plan.model_runs) * len(plan.batches) if "models" in plan.sections else 0
+    n_models = sum(len(b) for _, _, b in plan.model_runs) if "models" in plan.sections else 0
     n_convs = len(plan.conv_layers) * len(plan.conv_batches) if "convs" in plan.sections else 0
     limit = f"{plan.time_limit:.0f} s" if plan.time_limit > 0 else "none"
     counts = f"{n_layers} layer cases, {n_models} model cases, {n_convs} conv cases"
     _say(budget, f"{name}: {counts}; time limit {limit}; command: {command}")
 
     needed = {*plan.dtypes} if n_layers else set()
-    needed |= {d for _, d in plan.model_runs} if n_models else set()
+    needed |= {d for _, d, _ in plan.model_runs} if n_models else set()
     needed = sorted(needed | ({plan.model_dtype} if n_convs else set()))
     ceilings = measure_ceilings(device, needed, timing)
     rates = ", ".join(f"{k} {v / 1e12:.1f}" for k, v in ceilings["matmul_rate"].items())
@@ -204,16 +204,16 @@ def _models(ctx: _Ctx, out: list) -> None:
     from .kernel_models import ModelProviders, load_named
 
     plan, device = ctx.plan, ctx.device
-    total = len(plan.model_runs) * len(plan.batches)
+    total = sum(len(b) for _, _, b in plan.model_runs)
     done = 0
     with tempfile.TemporaryDirectory(prefix="fusedserve-bench-") as tmp:
-        for name, dtype in plan.model_runs:
+        for name, dtype, batches in plan.model_runs:
             try:
                 model = load_named(name, Path(tmp), plan.seed)
-                providers = ModelProviders(model, device, DTYPES[dtype], max(plan.batches))
+                providers = ModelProviders(model, device, DTYPES[dtype], max(batches))
             except Exception as e:  # every batch of this model reports it; the other models still run
                 model, providers, failure = None, None, describe(e)
-            for batch in plan.batches:
+            for batch in batches:
                 done += 1
                 if providers is None:
                     case = {"model": name, "batch": batch, "dtype": dtype, "providers": {}}

@@ -7,7 +7,7 @@
 
 Sections: `layers` (y = act(x @ W^T + b) for 6 shapes x 3 dtypes x relu/gelu_tanh; providers eager,
 linear, cublaslt, compile, compile-max, ours), `models` (the shipped digits MLP and CNN, a wide
-1024-4096-4096-1024 MLP and a wider 3x32x32 CNN at batch 1..4096, fp16, the digits MLP in bf16 too;
+1024-4096-4096-1024 MLP at batch 1..4096 and a wider 3x32x32 CNN at 1, 32, 256; fp16, the digits MLP in bf16 too;
 providers eager, linear, compile, compile-max, and the service's executors) and `convs` (the wider CNN's
 conv layers alone: ours against cuDNN's conv + bias + ReLU, plain and fused, and torch.compile). Every
 provider plain and under a CUDA graph; every graph timed cold (L2 cleared) and hot (replays back to back).
@@ -40,6 +40,9 @@ CONV_PROVIDERS = ("cudnn", "cudnn-fused", "compile", "ours")  # mirror of kernel
 # Issue 19 judges the digits MLP in fp16 and bf16: by default it runs in both, the other models in fp16.
 EXTRA_MODEL_DTYPES = {"digits": ("bfloat16",)}
 CONV_BATCHES = (1, 32, 256)  # the wider CNN's conv layers alone (bench/probes/conv.py's batches)
+# The wider CNN's whole forward carries no target (its convs do, in the convs section) and costs the most
+# per case (at 4096: 560 GFLOP, ~1-5 ms a call, a float64 reference of GBs): by default the convs' batches.
+MODEL_BATCHES = {"wide-cnn": CONV_BATCHES}
 N_CONV_LAYERS = 4  # len(kernel_convs.wide_cnn_convs())
 QUICK_SHAPE = (64, 256, 128)
 TIMING = (10, 50, 0.02)  # do_bench warmup ms, rep ms; seconds per wall-time run
@@ -63,7 +66,7 @@ class Plan:
     conv_batches: tuple[int, ...]
     conv_layers: tuple[int, ...]  # indices into kernel_convs.wide_cnn_convs()
     model_dtype: str  # the first of the models' dtypes (the report's default)
-    model_runs: tuple[tuple[str, str], ...]  # (model, dtype) in run order
+    model_runs: tuple[tuple[str, str, tuple[int, ...]], ...]  # (model, dtype, batches) in run order
     tf32: bool
     quick: bool
     time_limit: float
@@ -135,7 +138,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--models", type=_names(MODELS, "model"), help="digits,wide,digits-cnn,wide-cnn [all; --quick: digits]"
     )
-    p.add_argument("--batches", type=_batches, help="model batch sizes [1,8,32,256,4096; --quick: 1,32]")
+    p.add_argument(
+        "--batches",
+        type=_batches,
+        help="model batch sizes, every model [1,8,32,256,4096, the wider CNN 1,32,256; --quick: 1,32]",
+    )
     p.add_argument("--conv-batches", type=_batches, help="batch sizes of the convs section [1,32,256; --quick: 1]")
     p.add_argument(
         "--model-dtype",
@@ -178,10 +185,13 @@ def resolve(args: argparse.Namespace) -> Plan:
     models = args.models or (("digits",) if quick else MODELS)
     if args.model_dtypes:
         model_dtypes = tuple(dict.fromkeys(d for group in args.model_dtypes for d in group))
-        model_runs = tuple((m, d) for m in models for d in model_dtypes)
+        pairs = [(m, d) for m in models for d in model_dtypes]
     else:
         extra = {} if (cpu or quick) else EXTRA_MODEL_DTYPES
-        model_runs = tuple((m, d) for m in models for d in (default_dtype, *extra.get(m, ())))
+        pairs = [(m, d) for m in models for d in (default_dtype, *extra.get(m, ()))]
+    batches = args.batches or ((1, 32) if quick else BATCHES)
+    own = {} if (args.batches or quick) else MODEL_BATCHES  # --batches: every model at those
+    model_runs = tuple((m, d, own.get(m, batches)) for m, d in pairs)
     return Plan(
         device=args.device,
         sections=args.sections,
@@ -192,7 +202,7 @@ def resolve(args: argparse.Namespace) -> Plan:
         model_providers=tuple(p for p in MODEL_PROVIDERS if p in providers),
         conv_providers=tuple(p for p in CONV_PROVIDERS if p in providers),
         models=models,
-        batches=args.batches or ((1, 32) if quick else BATCHES),
+        batches=batches,
         conv_batches=args.conv_batches or ((1,) if quick else CONV_BATCHES),
         # --quick: only the last conv (128 -> 128 at 8x8: the fewest output pixels, cheap interpreted)
         conv_layers=(N_CONV_LAYERS - 1,) if quick else tuple(range(N_CONV_LAYERS)),

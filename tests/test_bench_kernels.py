@@ -126,16 +126,19 @@ def test_quick_and_filters_resolve():
     assert "compile-max" in full.layer_providers and full.batches == (1, 8, 32, 256, 4096)
     assert full.tf32 and full.model_dtype == "float16"
     # Issue 19: the digits MLP runs in fp16 and bf16, the other models in fp16; then the convs section.
+    every = (1, 8, 32, 256, 4096)
     assert full.model_runs == (
-        ("digits", "float16"), ("digits", "bfloat16"), ("wide", "float16"), ("digits-cnn", "float16"),
-        ("wide-cnn", "float16"),
+        ("digits", "float16", every), ("digits", "bfloat16", every), ("wide", "float16", every),
+        ("digits-cnn", "float16", every), ("wide-cnn", "float16", (1, 32, 256)),
     )  # fmt: skip
     assert full.sections == ("layers", "models", "convs") and full.conv_layers == (0, 1, 2, 3)
     assert full.conv_providers == ("cudnn", "cudnn-fused", "compile", "ours") and full.conv_batches == (1, 32, 256)
-    both = resolve(_args("--model-dtype", "bfloat16,float16", "--models", "wide-cnn"))
-    assert both.model_runs == (("wide-cnn", "bfloat16"), ("wide-cnn", "float16")) and both.model_dtype == "bfloat16"
+    both = resolve(_args("--model-dtype", "bfloat16,float16", "--models", "wide-cnn", "--batches", "2,4096"))
+    assert both.model_runs == (("wide-cnn", "bfloat16", (2, 4096)), ("wide-cnn", "float16", (2, 4096)))
+    assert both.model_dtype == "bfloat16"
     quick = resolve(_args("--quick"))
-    assert quick.model_runs == (("digits", "float16"),) and quick.conv_layers == (3,) and quick.conv_batches == (1,)
+    assert quick.model_runs == (("digits", "float16", (1, 32)),)
+    assert quick.conv_layers == (3,) and quick.conv_batches == (1,)
     assert quick.shapes == ((64, 256, 128),) and quick.dtypes == ("float16",)
     assert "compile-max" not in quick.layer_providers + quick.model_providers
     assert quick.models == ("digits",)
