@@ -25,7 +25,7 @@ from kernels.activations import torch_activation
 from .kernel_budget import CONV_START_ESTIMATE_S, MODEL_START_ESTIMATE_S, Budget, section_shares
 from .kernel_providers import COMPILE_MODES, NotAvailable, inductor_settings, layer_provider
 from .kernel_report import ours_failed, slug_of, summary, write_report
-from .kernel_results import primary
+from .kernel_results import hot, primary
 from .kernel_timing import (
     DTYPES,
     ELEMENT_BYTES,
@@ -336,16 +336,18 @@ def _run_case(
 
 
 def _progress(case: dict) -> str:
-    """One line: each provider's primary time (graph device us; wall on the CPU), compile seconds, max error."""
+    """One line: each provider's primary time (graph device us; wall on the CPU) and, after a slash, its hot
+    time where it has one; compile seconds; max error."""
     parts, comp, errs = [], [], []
     for name, res in case["providers"].items():
-        v = primary(res)
+        v, h = primary(res), hot(res)
         tag = "skip" if "skipped" in res else "n/a" if "na" in res else "ERR" if "error" in res else "-"
-        parts.append(f"{name} {v:.1f}" if v is not None else f"{name} {tag}")
+        parts.append((f"{name} {v:.1f}" + (f"/{h:.1f}" if h is not None else "")) if v is not None else f"{name} {tag}")
         if res.get("compile_s") is not None:
             comp.append(f"{name} {res['compile_s']:.1f}s")
         errs += [c["err"] for c in res.values() if isinstance(c, dict) and c.get("err") is not None]
         if any(isinstance(c, dict) and c.get("bad") for c in res.values()):
             parts[-1] += "(BAD)"
     err = f"max err {max(errs):.1e}" if errs else "no error measured"
-    return "  ".join(parts) + " us | " + err + (" | first calls: " + ", ".join(comp) if comp else "")
+    unit = " us (cold/hot)" if any(hot(res) is not None for res in case["providers"].values()) else " us"
+    return "  ".join(parts) + unit + " | " + err + (" | first calls: " + ", ".join(comp) if comp else "")
