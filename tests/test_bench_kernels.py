@@ -797,3 +797,44 @@ def test_runs_that_split_the_sections_merge_into_one_report(tmp_path):
     models["meta"]["gpu"] = "NVIDIA H100 80GB HBM3"  # the fakes say H200
     with pytest.raises(ValueError, match="gpu differs"):
         merge([layers, models])
+
+
+def test_every_graph_cell_and_only_those_get_a_hot_time(monkeypatch):
+    """measure() on "cuda" with the device parts faked: plain cells get cold and wall, graph cells (captured
+    here, or the provider's own graph) also hot, timed on the replay; plain-only providers no graph at all."""
+    from bench import kernel_timing
+    from bench.kernel_timing import Prepared, Timing, measure
+
+    hot_calls: list = []
+
+    class Graph:
+        def __init__(self, out):
+            self.out = out
+
+        def replay(self):  # writes the output, as a real replay would after the NaN poisoning
+            self.out.fill_(1.0)
+
+    def fake_capture(fn):
+        out = fn()
+        return Graph(out), out
+
+    monkeypatch.setattr(kernel_timing, "capture", fake_capture)
+    monkeypatch.setattr(kernel_timing, "device_us", lambda fn, timing: 7.0)
+    monkeypatch.setattr(kernel_timing, "synchronize", lambda device: None)
+    monkeypatch.setattr(kernel_timing, "hot_us", lambda fn: hot_calls.append(fn) or {"hot_us": 3.0, "hot_replays": 10})
+    cuda, ref = torch.device("cuda"), torch.ones(2, 2, dtype=torch.float64)
+
+    def run(prep):
+        return measure(prep, ref, cuda, Timing(0, 0, 0.0), 1e-2, defer=[])
+
+    plain_and_graph = run(Prepared(lambda: torch.ones(2, 2)))
+    assert plain_and_graph["plain"]["device_us"] == 7.0 and "hot_us" not in plain_and_graph["plain"]
+    assert plain_and_graph["graph"]["hot_us"] == 3.0 and plain_and_graph["graph"]["hot_replays"] == 10
+    assert not plain_and_graph["graph"]["bad"] and plain_and_graph["graph"]["err"] == 0.0
+    assert len(hot_calls) == 1 and getattr(hot_calls[0], "__self__", None).__class__ is Graph  # graph.replay
+
+    graphed = run(Prepared(lambda: torch.ones(2, 2), graphed=True))  # ours: the GraphedExecutor's replay
+    assert set(graphed) == {"graph"} and graphed["graph"]["hot_us"] == 3.0
+    plain_only = run(Prepared(lambda: torch.ones(2, 2), plain_only=True))  # ours-eager
+    assert set(plain_only) == {"plain"} and "hot_us" not in plain_only["plain"]
+    assert len(hot_calls) == 2
