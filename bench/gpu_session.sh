@@ -5,7 +5,8 @@
 # "tests bench smoke").
 # On a cold Triton cache the suite takes ~135 s with 16 workers and the whole benchmark ~545 s on an H200
 # (torch.compile max-autotune is most of it), so they go in separate 600 s calls: STEPS="tests probe",
-# then STEPS=bench (BENCH_LIMIT, default 535 s, bounds the benchmark).
+# then STEPS=bench (BENCH_LIMIT, default 535 s, bounds the benchmark; BENCH_ARGS adds flags, e.g.
+# BENCH_ARGS="--sections models" for one part of a run split over two calls: bench/README.md, "Hot and cold").
 # STEPS=probe runs `python -m bench.probes.P` for each P in $PROBE (space-separated; dashes or underscores;
 # default digits-floor): bench/probes/README.md lists them.
 # Usage on the device machine (after the wheel prologue of ../shared/gpu/README.md):
@@ -34,7 +35,7 @@ fi
 if [[ $steps == *" bench "* ]]; then
   # The tuning cache goes to $OUT: it comes back, and says which config each shape got.
   FUSEDSERVE_TUNING_CACHE="$out/tuning.json" timeout $(( ${BENCH_LIMIT:-535} + 30 )) \
-    python3 -m bench.kernels --time-limit "${BENCH_LIMIT:-535}" --out "$out" > "$out/bench.log" 2>&1 || status=1
+    python3 -m bench.kernels --time-limit "${BENCH_LIMIT:-535}" --out "$out" ${BENCH_ARGS:-} > "$out/bench.log" 2>&1 || status=1
   tail -n 45 "$out/bench.log"
 fi
 

@@ -6,6 +6,9 @@ time a dtype/act/bucket is seen); torch.compile 2-5 s a case; max-autotune 10-30
 shape (less for the second activation of a shape: inductor's autotune cache keys on the GEMM, not the
 epilogue). 36 layer cases and 10 model cases with max-autotune everywhere would take 10-15 minutes, so:
 
+- each section (layers, convs, models, in that order) gets a share of the time left when it starts, in proportion to
+  what its cases cost with every provider (`section_shares`: a layer case ~7 s, a model case ~27 s, as the
+  2026-11-23 H200 run spent them; a conv case ~8 s, not yet measured);
 - non-compile providers always run (they are the comparison) until the section's hard limit: its share
   of the time plus 15% of the total (so slow layers cannot starve the models section);
 - `compile` runs when its expected cost still leaves room for the rest of the section;
@@ -26,7 +29,27 @@ import time
 START_ESTIMATE_S = {"base": 3.0, "compile": 5.0, "compile-max": 20.0}  # a layer case, H200
 # A model case (H200): base 9-17 s, compile 0.2-0.6 s, compile-max 16-29 s.
 MODEL_START_ESTIMATE_S = {"base": 12.0, "compile": 1.0, "compile-max": 25.0}
+# A conv case (the wider CNN's layers alone; not yet measured): ours tunes the layer's bucket (~10 configs),
+# cuDNN and its fused op are ready at once, compile and max-autotune as for a layer case.
+CONV_START_ESTIMATE_S = {"base": 4.0, "compile": 4.0, "compile-max": 20.0}
+# Seconds a case costs with every provider run (H200, 2026-11-23: 36 layer cases took 251 s of the 535, 10
+# model cases 275 s; a conv case guessed from a layer case plus ours's tuning of a conv layer).
+SECTION_CASE_S = {"layers": 7.0, "models": 27.0, "convs": 8.0}
 HARD_GRACE = 0.15  # of the whole time limit: how far a section may run past its share
+
+
+def section_shares(counts: dict[str, int]) -> dict[str, float]:
+    """Each section's share of the time left when it starts, from its case count times SECTION_CASE_S, the
+    sections in run order (the order of `counts`). A section takes its share of what is left then, so the
+    shares of the sections still to come are renormalised: with 36 layer, 12 conv and 23 model cases (the
+    default run), 252 : 96 : 621 s, the layers get 26% of the limit, the convs 96 / 717 = 13% of what is
+    left after them, the models all of the rest."""
+    cost = {k: n * SECTION_CASE_S[k] for k, n in counts.items() if n}
+    shares, left = {}, sum(cost.values())
+    for k, c in cost.items():
+        shares[k] = c / left if left else 1.0
+        left -= c
+    return {k: shares.get(k, 0.0) for k in counts}
 
 
 class Budget:

@@ -1,5 +1,6 @@
-"""kernels_<gpu>.png: top row, one panel per model (time vs batch, log-log, a line per provider, ours
-highlighted, the floor dashed); bottom row, one panel per layer dtype (ours vs cuBLASLt vs eager per case).
+"""kernels_<gpu>.png: top row, one panel per model and dtype (cold time vs batch, log-log, a line per
+provider, ours highlighted and ours hot dotted, the floor dashed); bottom row, one panel per layer dtype
+(ours vs cuBLASLt vs eager per case).
 
 matplotlib is optional (the `tools` extra): without it the plot is skipped with a message and the
 markdown and JSON are still written.
@@ -36,7 +37,7 @@ def plot(results: dict, path: Path) -> Path | None:
         return None
     cuda = results["meta"]["device"] == "cuda"
     ylabel = "device µs per call (graph replay)" if cuda else "wall µs per call (CPU)"
-    models = list(dict.fromkeys(c["model"] for c in results["models"]))
+    models = list(dict.fromkeys((c["model"], c["dtype"]) for c in results["models"]))  # digits MLP: fp16, bf16
     dtypes = list(dict.fromkeys(c["dtype"] for c in results["layers"]))
     rows = [r for r in (models, dtypes) if r]
     if not rows:
@@ -47,8 +48,9 @@ def plot(results: dict, path: Path) -> Path | None:
         ax.set_visible(False)
     r = 0
     if models:
-        for ax, model in zip(axes[r], models, strict=False):
-            _model_panel(ax, [c for c in results["models"] if c["model"] == model], model, ylabel)
+        for ax, (model, dtype) in zip(axes[r], models, strict=False):
+            cases = [c for c in results["models"] if (c["model"], c["dtype"]) == (model, dtype)]
+            _model_panel(ax, cases, model, ylabel)
         r += 1
     if dtypes:
         for ax, dtype in zip(axes[r], dtypes, strict=False):
@@ -69,6 +71,10 @@ def _model_panel(ax, cases: list[dict], model: str, ylabel: str) -> None:
         if pts:
             style = MODEL_STYLES.get(p, {})
             ax.plot(*zip(*pts, strict=True), marker="o", markersize=3, label=p, **style)
+    hot = [(c["batch"], (c["providers"].get("ours", {}).get("graph") or {}).get("hot_us")) for c in cases]
+    hot = [(b, t) for b, t in hot if t is not None]
+    if hot:  # ours back to back (weights warm in L2): what a busy server gets
+        ax.plot(*zip(*hot, strict=True), color="tab:red", linestyle=":", linewidth=2, label="ours hot")
     floor = [(c["batch"], c["floor_us"]) for c in cases if c.get("floor_us")]
     if floor:
         ax.plot(*zip(*floor, strict=True), "k--", linewidth=1, label="floor")

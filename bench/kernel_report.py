@@ -2,7 +2,8 @@
 printed last (the device call returns only the last 12,000 characters), and the plot (kernel_plot).
 
 A provider's result: {"plain": cell, "graph": cell, "compile_s", "seconds"} or {"na" | "error" |
-"skipped": why}; a cell: {"device_us", "wall_us", "err", "finite", "bad"} or {"error": why}.
+"skipped": why}; a cell: {"device_us", "wall_us", "err", "finite", "bad"} or {"error": why}; a graph
+cell on CUDA also {"hot_us", "hot_replays", "hot_host_bound"} (kernel_timing, "hot").
 """
 
 from __future__ import annotations
@@ -13,15 +14,17 @@ import re
 from pathlib import Path
 
 from .kernel_plot import plot
-from .kernel_results import ANCHORS, best_anchor, primary, us, wall
+from .kernel_results import ANCHORS, best_anchor, best_cudnn, hot, primary, us, wall
 from .kernel_targets import checks
 from .kernel_targets import table as targets_table
 
 
 def slug_of(gpu_name: str) -> str:
-    """'NVIDIA H200' -> 'h200'; 'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'."""
+    """'NVIDIA H200' -> 'h200'; 'NVIDIA H100 80GB HBM3' -> 'h100' (the results' names: kernels_h100.md);
+    a name without a model number like those: its words joined by dashes."""
     s = re.sub(r"^nvidia\s+", "", gpu_name.strip().lower())
-    return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu"
+    m = re.match(r"([a-z]+\d+[a-z]*)\b", s)
+    return m.group(1) if m else (re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu")
 
 
 def _cells(res: dict) -> list[dict]:
@@ -32,8 +35,8 @@ def ours_failed(results: dict) -> bool:
     """True when one of ours computed a wrong or non-finite result anywhere."""
     return any(
         c.get("bad")
-        for section in ("layers", "models")
-        for case in results[section]
+        for section in ("layers", "models", "convs")
+        for case in results.get(section, [])
         for name, res in case["providers"].items()
         if name.startswith("ours")
         for c in _cells(res)
@@ -101,7 +104,8 @@ def _cell_text(name: str, res: dict, fields: list, notes: _Notes) -> str:
         elif "na" in cell:
             parts.append("n/a" + notes.ref(f"{name} ({variant}): {cell['na']}"))
         else:
-            parts.append(us(cell.get(key)))
+            host = key == "hot_us" and cell.get("hot_host_bound")
+            parts.append(us(cell.get(key)) + (" **host**" if host else ""))
     bad = any(c.get("bad") for c in _cells(res))
     return " / ".join(parts) + (" **!**" if bad else "")
 
@@ -150,9 +154,19 @@ def markdown(results: dict) -> str:
             device = "median, L2 cleared by reading 256 MB before every rep (kernels/cold_timing.py)"
         else:
             device = "median of `triton.testing.do_bench` (L2 flushed by zeroing 256 MB before every rep)"
+        hot_text = ""
+        if meta.get("timing", {}).get("hot"):
+            h = meta["timing"]["hot"]
+            hot_text = (
+                f"Hot: the same graph replayed back to back, weights warm in L2, as a busy server runs it: "
+                f"N replays between two events (N so a window lasts >= {h['window_us'] / 1e3:.0f} ms, "
+                f"{h['min_replays']} to {h['max_replays']}), median of {h['windows']} windows, a spin kernel "
+                "queued first so that the host's launch gaps stay hidden (**host** marks a cell where they did not). "
+            )
         lines.append(
-            f"Device time: {device}; graph: the call "
-            "captured once into a CUDA graph and replayed. Wall: host time per call, calls back-to-back from "
+            f"Device time{' (cold)' if hot_text else ''}: {device}; graph: the call "
+            f"captured once into a CUDA graph and replayed. {hot_text}"
+            "Wall: host time per call, calls back-to-back from "
             f"Python, one synchronize at the end, {wall}. "
             "Floor: max(bytes / copy bandwidth, flops / matmul rate), bytes = inputs and weights read once, "
             "output written once. Error: ||y - ref|| / ||ref|| vs "
@@ -167,24 +181,40 @@ def markdown(results: dict) -> str:
     targets = targets_table(results)
     if targets:
         lines += ["", *targets]
+    # Results written before hot timing (no timing "hot") keep their own tables: no hot in them.
+    with_hot = cuda and bool(meta.get("timing", {}).get("hot"))
     if results["layers"]:
-        lines += ["", *_layer_table(results["layers"], cuda, notes)]
+        lines += ["", *_layer_table(results["layers"], cuda, notes, with_hot)]
     if results["models"]:
-        lines += ["", *_model_table(results["models"], cuda, notes, meta.get("model_dtype", ""))]
+        lines += ["", *_model_tables(results["models"], cuda, notes, meta.get("model_dtype", ""), with_hot)]
+    if results.get("convs"):
+        lines += ["", *_conv_table(results["convs"], cuda, notes)]
     if notes.items:
         lines += ["", "## Notes", "", *notes.lines()]
-    providers = [res for sec in ("layers", "models") for case in results[sec] for res in case["providers"].values()]
+    providers = [
+        res
+        for sec in ("layers", "models", "convs")
+        for case in results.get(sec, [])
+        for res in case["providers"].values()
+    ]
     if any("skipped" in res for res in providers):
         lines += ["", f"skip: left out to stay within --time-limit ({meta['time_limit_s']:.0f} s); the JSON says why."]
     return "\n".join(lines) + "\n"
 
 
-def _layer_table(cases: list[dict], cuda: bool, notes: _Notes) -> list[str]:
+def _layer_table(cases: list[dict], cuda: bool, notes: _Notes, with_hot: bool = True) -> list[str]:
     providers = list(dict.fromkeys(p for case in cases for p in case["providers"]))
-    fields = [("graph", "device_us"), ("plain", "device_us"), ("plain", "wall_us")] if cuda else [("plain", "wall_us")]
-    legend = "graph device / plain device / wall" if cuda else "wall"
+    if with_hot:
+        fields = [("graph", "device_us"), ("graph", "hot_us"), ("plain", "device_us"), ("plain", "wall_us")]
+        legend = "graph cold / graph hot / plain cold / wall"
+    elif cuda:
+        fields = [("graph", "device_us"), ("plain", "device_us"), ("plain", "wall_us")]
+        legend = "graph device / plain device / wall"
+    else:
+        fields, legend = [("plain", "wall_us")], "wall"
     head = ["M×K×N", "dtype", "act", "floor µs", *providers]
-    head += ["eager wall / ours wall", "ours / cublaslt (device)", "ours % floor", "max err"]
+    head += ["eager wall / ours wall", "ours / cublaslt (device)", *(["ours / cublaslt (hot)"] if with_hot else [])]
+    head += ["ours % floor", "max err"]
     lines = [
         "## Layers: y = act(x @ W^T + b)",
         "",
@@ -201,17 +231,28 @@ def _layer_table(cases: list[dict], cuda: bool, notes: _Notes) -> list[str]:
         ours = ps.get("ours")
         row.append(_ratio(wall(ps["eager"]) if "eager" in ps else None, wall(ours) if ours else None))
         row.append(_ratio(primary(ours) if ours else None, primary(ps["cublaslt"]) if "cublaslt" in ps else None))
+        if with_hot:
+            row.append(_ratio(hot(ours) if ours else None, hot(ps["cublaslt"]) if "cublaslt" in ps else None))
         row += [_pct_floor(case, ours), _err_text(case)]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
 
-def _model_table(cases: list[dict], cuda: bool, notes: _Notes, dtype: str) -> list[str]:
+def _model_table(cases: list[dict], cuda: bool, notes: _Notes, dtype: str, with_hot: bool = True) -> list[str]:
     providers = list(dict.fromkeys(p for case in cases for p in case["providers"]))
-    fields = [("graph", "device_us"), ("any", "wall_us")] if cuda else [("any", "wall_us")]
-    legend = "graph device / wall" if cuda else "wall"
+    if with_hot:
+        fields, legend = (
+            [("graph", "device_us"), ("graph", "hot_us"), ("any", "wall_us")],
+            "graph cold / graph hot / wall",
+        )
+    elif cuda:
+        fields, legend = [("graph", "device_us"), ("any", "wall_us")], "graph device / wall"
+    else:
+        fields, legend = [("any", "wall_us")], "wall"
     head = ["model", "batch", "floor µs", *providers]
-    head += ["best anchor", "ours / best", "eager wall / ours wall", "ours % floor", "max err"]
+    head += ["best anchor", "ours / best"]
+    head += ["best anchor (hot)", "ours / best (hot)"] if with_hot else []
+    head += ["eager wall / ours wall", "ours % floor", "max err"]
     ours_name = "ours" if cuda else "ours-eager"  # no graphs on the CPU
     lines = [
         f"## Models: whole forward, {dtype}",
@@ -219,7 +260,8 @@ def _model_table(cases: list[dict], cuda: bool, notes: _Notes, dtype: str) -> li
         f"Each provider's cell: {legend} µs per call (ours and ours-unfused-graph: one replay of "
         "the GraphedExecutor's graph for the bucket, the batch already in the graph's input, where the service's "
         "H2D copy puts it). Best anchor: the fastest of "
-        f"{', '.join(ANCHORS)}; ours / best < 1 means ours is faster.",
+        f"{', '.join(ANCHORS)}{' (cold, and separately hot)' if with_hot else ''}; ours / best < 1 means ours is "
+        "faster.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join(["---", "---:"] + ["---:"] * (len(head) - 2)) + "|",
@@ -228,12 +270,53 @@ def _model_table(cases: list[dict], cuda: bool, notes: _Notes, dtype: str) -> li
         ps = case["providers"]
         row = [case["model"], str(case["batch"]), us(case.get("floor_us"))]
         row += [_cell_text(p, ps[p], fields, notes) if p in ps else "—" for p in providers]
-        best, t_best = best_anchor(case)
         ours = ps.get(ours_name)
-        row.append(f"{best} {us(t_best)}" if best else "—")
-        row.append(_ratio(primary(ours) if ours else None, t_best))
+        for time in (primary, hot) if with_hot else (primary,):
+            best, t_best = best_anchor(case, time)
+            row.append(f"{best} {us(t_best)}" if best else "—")
+            row.append(_ratio(time(ours) if ours else None, t_best))
         row.append(_ratio(wall(ps["eager"]) if "eager" in ps else None, wall(ours) if ours else None))
         row += [_pct_floor(case, ours) if "floor_us" in case else "—", _err_text(case) if ps else "—"]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _model_tables(cases: list[dict], cuda: bool, notes: _Notes, default_dtype: str, with_hot: bool = True) -> list[str]:
+    """One table per model dtype (the digits MLP runs in fp16 and bf16), in the order the run met them."""
+    dtypes = list(dict.fromkeys(c.get("dtype", default_dtype) for c in cases))
+    lines: list[str] = []
+    for dtype in dtypes:
+        group = [c for c in cases if c.get("dtype", default_dtype) == dtype]
+        lines += ([""] if lines else []) + _model_table(group, cuda, notes, dtype, with_hot)
+    return lines
+
+
+def _conv_table(cases: list[dict], cuda: bool, notes: _Notes) -> list[str]:
+    providers = list(dict.fromkeys(p for case in cases for p in case["providers"]))
+    fields = [("graph", "device_us"), ("graph", "hot_us"), ("plain", "wall_us")] if cuda else [("plain", "wall_us")]
+    legend = "graph cold / graph hot / wall" if cuda else "wall"
+    head = ["layer C→OC H×W", "batch", "floor µs", *providers, "best cuDNN", "ours / cuDNN"]
+    head += ["best cuDNN (hot)", "ours / cuDNN (hot)"] if cuda else []
+    head += ["ours % floor", "max err"]
+    lines = [
+        f"## Conv layers of the wider CNN: relu(conv2d(x, W) + b), 3×3, padding 1, NCHW, {cases[0]['dtype']}",
+        "",
+        f"Each provider's cell: {legend} µs per call. Best cuDNN: the faster of cudnn (F.conv2d with its bias, "
+        "then ReLU) and cudnn-fused (torch.cudnn_convolution_add_relu); ours / cuDNN <= 1.10 is issue 20's target.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join(["---", "---:"] + ["---:"] * (len(head) - 2)) + "|",
+    ]
+    for case in cases:
+        ps = case["providers"]
+        row = [case["layer"], str(case["batch"]), us(case.get("floor_us"))]
+        row += [_cell_text(p, ps[p], fields, notes) if p in ps else "—" for p in providers]
+        ours = ps.get("ours")
+        for time in (primary, hot) if cuda else (primary,):
+            best, t_best = best_cudnn(case, time)
+            row.append(f"{best} {us(t_best)}" if best else "—")
+            row.append(_ratio(time(ours) if ours else None, t_best))
+        row += [_pct_floor(case, ours), _err_text(case)]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -247,7 +330,7 @@ def summary(results: dict) -> str:
         out += [f"== layers ({what}; ours/cublaslt < 1 and eager/ours wall > 1: ours faster) =="]
         out.append(
             f"{'case':34s} {'floor':>7s} {'eager':>7s} {'cublaslt':>8s} {'ours':>7s} "
-            f"{'ours/lt':>7s} {'eag/ours wall':>13s} {'%floor':>6s}  err"
+            f"{'ours/lt':>7s} {'hot o/lt':>8s} {'eag/ours wall':>13s} {'%floor':>6s}  err"
         )
         for case in results["layers"]:
             ps = case["providers"]
@@ -256,31 +339,52 @@ def summary(results: dict) -> str:
             label = f"{case['M']}x{case['K']}x{case['N']} {case['dtype']} {case['act']}"
             out.append(
                 f"{label:34s} {us(case['floor_us']):>7s} {us(primary(eager)):>7s} {us(primary(lt)):>8s} "
-                f"{us(primary(ours)):>7s} {_ratio(primary(ours), primary(lt)):>7s} "
+                f"{us(primary(ours)):>7s} {_ratio(primary(ours), primary(lt)):>7s} {_ratio(hot(ours), hot(lt)):>8s} "
                 f"{_ratio(wall(eager), wall(ours)):>13s} {_pct_floor(case, ours):>6s}  "
                 f"{'-' if m is None else f'{m:.0e}'}{' BAD: ' + ','.join(bad) if bad else ''}"
             )
     if results["models"]:
         ours_name = "ours" if cuda else "ours-eager"
-        out += ["", f"== models, {results['meta'].get('model_dtype')} ({what}; {ours_name} / best < 1: ours faster) =="]
+        out += ["", f"== models ({what}, cold then hot; {ours_name} / best < 1: ours faster) =="]
         out.append(
-            f"{'model':12s} {'batch':>5s} {'floor':>7s} {'best anchor':>20s} {ours_name:>10s} "
-            f"{'ours/best':>9s} {'eag/ours wall':>13s} {'%floor':>6s}  err"
+            f"{'model':12s} {'dtype':>8s} {'batch':>5s} {'floor':>7s} {'best anchor':>20s} {ours_name:>10s} "
+            f"{'ours/best':>9s} {'hot best':>8s} {'hot ours':>8s} {'hot o/b':>7s} {'eag/ours wall':>13s} "
+            f"{'%floor':>6s}  err"
         )
         for case in results["models"]:
             ps = case["providers"]
             ours, eager = ps.get(ours_name) or {}, ps.get("eager") or {}
             best, t_best = best_anchor(case)
+            _, h_best = best_anchor(case, hot)
             m, bad = max_error(case)
             anchor = f"{best} {us(t_best)}" if best else "-"
             out.append(
-                f"{case['model']:12s} {case['batch']:>5d} {us(case.get('floor_us')):>7s} {anchor:>20s} "
-                f"{us(primary(ours)):>10s} {_ratio(primary(ours), t_best):>9s} "
+                f"{case['model']:12s} {case.get('dtype', ''):>8s} {case['batch']:>5d} {us(case.get('floor_us')):>7s} "
+                f"{anchor:>20s} {us(primary(ours)):>10s} {_ratio(primary(ours), t_best):>9s} "
+                f"{us(h_best):>8s} {us(hot(ours)):>8s} {_ratio(hot(ours), h_best):>7s} "
                 f"{_ratio(wall(eager), wall(ours)):>13s} "
                 f"{_pct_floor(case, ours) if 'floor_us' in case else '-':>6s}  "
                 f"{'-' if m is None else f'{m:.0e}'}{' BAD: ' + ','.join(bad) if bad else ''}"
             )
 
+    if results.get("convs"):
+        out += ["", f"== wider CNN's convs ({what}, cold then hot; ours / cuDNN <= 1.10: the target) =="]
+        out.append(
+            f"{'layer':16s} {'batch':>5s} {'floor':>7s} {'best cuDNN':>18s} {'ours':>7s} {'o/cuDNN':>7s} "
+            f"{'hot cuDNN':>9s} {'hot ours':>8s} {'hot o/c':>7s}  err"
+        )
+        for case in results["convs"]:
+            ours = case["providers"].get("ours") or {}
+            best, t_best = best_cudnn(case)
+            _, h_best = best_cudnn(case, hot)
+            m, bad = max_error(case)
+            anchor = f"{best} {us(t_best)}" if best else "-"
+            out.append(
+                f"{case['layer']:16s} {case['batch']:>5d} {us(case.get('floor_us')):>7s} {anchor:>18s} "
+                f"{us(primary(ours)):>7s} {_ratio(primary(ours), t_best):>7s} {us(h_best):>9s} "
+                f"{us(hot(ours)):>8s} {_ratio(hot(ours), h_best):>7s}  "
+                f"{'-' if m is None else f'{m:.0e}'}{' BAD: ' + ','.join(bad) if bad else ''}"
+            )
     targets = checks(results)
     if targets:
         missed = [c for c in targets if c.met is not True]
@@ -315,16 +419,49 @@ def write_report(results: dict, out_dir: Path, slug: str, *, png: bool) -> list[
     return paths
 
 
+SECTIONS = ("layers", "models", "convs")
+
+
+def merge(parts: list[dict]) -> dict:
+    """One results dict from runs of the same GPU that split the sections between them (each run ran
+    with its own --sections, e.g. in two device calls when one cannot hold everything): the cases of every
+    section in the order given, the first run's meta, with each run's command, start and seconds kept under
+    "merged_from" and "elapsed_s" their sum. Refuses runs of different GPUs, TF32 settings or versions."""
+    if not parts:
+        raise ValueError("nothing to merge")
+    first = parts[0]["meta"]
+    for p in parts[1:]:
+        m = p["meta"]
+        for key in ("gpu", "device", "tf32", "torch", "triton"):
+            if m.get(key) != first.get(key):
+                raise ValueError(f"cannot merge runs whose {key} differs: {first.get(key)!r} and {m.get(key)!r}")
+    meta = dict(first)
+    meta["merged_from"] = [
+        {k: p["meta"].get(k) for k in ("command", "started_utc", "elapsed_s", "time_limit_s")} for p in parts
+    ]
+    meta["elapsed_s"] = round(sum(p["meta"].get("elapsed_s", 0) for p in parts), 1)
+    merged = {"meta": meta}
+    for section in SECTIONS:
+        merged[section] = [case for p in parts for case in p.get(section, [])]
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Re-render a run's markdown (and plot) from its JSON, e.g. after the report gained a section."""
+    """Re-render a run's markdown (and plot) from its JSON, e.g. after the report gained a section; with
+    several JSON files of one GPU, merge them first (see `merge`) and write the merged report to --out."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m bench.kernel_report", description=main.__doc__)
-    parser.add_argument("json", type=Path, help="a kernels_<gpu>.json written by `fusedserve bench kernels`")
+    parser.add_argument(
+        "json", type=Path, nargs="+", help="kernels_<gpu>.json files written by `fusedserve bench kernels`"
+    )
     parser.add_argument("--png", action="store_true", help="redraw the plot too (needs matplotlib)")
+    parser.add_argument("--out", type=Path, help="where to write [the first JSON's directory]")
     args = parser.parse_args(argv)
-    results = json.loads(args.json.read_text())
-    for path in write_report(results, args.json.parent, results["meta"]["slug"], png=args.png):
+    parts = [json.loads(path.read_text()) for path in args.json]
+    results = merge(parts) if len(parts) > 1 else parts[0]
+    out = args.out or args.json[0].parent
+    for path in write_report(results, out, results["meta"]["slug"], png=args.png):
         print(f"wrote {path}")
     return 0
 

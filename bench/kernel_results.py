@@ -6,6 +6,7 @@ time is printed. Shared by the report (kernel_report), the targets (kernel_targe
 from __future__ import annotations
 
 ANCHORS = ("eager", "linear", "compile", "compile-max")  # what a user could run instead of ours
+CUDNN = ("cudnn", "cudnn-fused")  # the conv rows' yardstick: the faster of cuDNN's two ways
 
 
 def primary(res: dict) -> float | None:
@@ -16,6 +17,12 @@ def primary(res: dict) -> float | None:
         if v is not None:
             return v
     return None
+
+
+def hot(res: dict) -> float | None:
+    """Device time per call of back-to-back graph replays (weights warm in L2), or None (no graph cell:
+    ours-eager, or the CPU)."""
+    return (res.get("graph") or {}).get("hot_us")
 
 
 def wall(res: dict) -> float | None:
@@ -30,8 +37,19 @@ def us(v: float | None) -> str:
     return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 100 else f"{v:.0f}"
 
 
-def best_anchor(case: dict) -> tuple[str | None, float | None]:
-    times = {p: primary(r) for p, r in case["providers"].items() if p in ANCHORS}
+def best_anchor(case: dict, time=primary) -> tuple[str | None, float | None]:
+    """The fastest anchor of the case by `time` (primary: cold; or hot) and its time."""
+    times = {p: time(r) for p, r in case["providers"].items() if p in ANCHORS}
+    times = {p: t for p, t in times.items() if t is not None}
+    if not times:
+        return None, None
+    p = min(times, key=times.get)
+    return p, times[p]
+
+
+def best_cudnn(case: dict, time=primary) -> tuple[str | None, float | None]:
+    """The faster of cuDNN's conv + bias + ReLU (two kernels, or its fused op) by `time`, and its time."""
+    times = {p: time(case["providers"][p]) for p in CUDNN if p in case["providers"]}
     times = {p: t for p, t in times.items() if t is not None}
     if not times:
         return None, None

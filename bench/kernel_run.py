@@ -1,4 +1,4 @@
-"""Runs `fusedserve bench kernels`: the ceilings, then the layer cases, then the model cases.
+"""Runs `fusedserve bench kernels`: the ceilings, then the layer cases, the conv cases, the model cases.
 
 The report is rewritten after every case (markdown + JSON, a few ms), so a run cut short by the device
 call's limit still leaves every finished case behind; the plot is drawn at the end of each section.
@@ -22,13 +22,18 @@ import torch
 
 from kernels.activations import torch_activation
 
-from .kernel_budget import MODEL_START_ESTIMATE_S, Budget
+from .kernel_budget import CONV_START_ESTIMATE_S, MODEL_START_ESTIMATE_S, Budget, section_shares
 from .kernel_providers import COMPILE_MODES, NotAvailable, inductor_settings, layer_provider
 from .kernel_report import ours_failed, slug_of, summary, write_report
-from .kernel_results import primary
+from .kernel_results import hot, primary
 from .kernel_timing import (
     DTYPES,
     ELEMENT_BYTES,
+    HOT_MAX_REPLAYS,
+    HOT_MIN_REPLAYS,
+    HOT_SPIN_MARGIN,
+    HOT_WINDOW_US,
+    HOT_WINDOWS,
     WALL_ROUNDS,
     Prepared,
     Timing,
@@ -45,9 +50,6 @@ if TYPE_CHECKING:
     from .kernel_models import ModelProviders
 
 TIME_UP = "skipped: --time-limit reached"
-# Of the time limit, when the models section follows: the 10 model cases take ~275 s with compile-max in 8 of
-# them (H200: 9-17 s base, 16-29 s compile-max each), 53% of the 535 s a full run gets.
-LAYERS_SHARE = 0.47
 
 
 @dataclass(frozen=True)
@@ -70,14 +72,16 @@ def execute(plan, command: str) -> int:
     """Run the plan (bench.kernels.Plan); 0 when done, 1 when one of ours gave a wrong or non-finite result."""
     device = torch.device(plan.device)
     tf32 = plan.tf32 and device.type == "cuda"
-    saved_tf32 = torch.backends.cuda.matmul.allow_tf32
+    saved_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = tf32  # every torch provider; ours gets allow_tf32=tf32 explicitly
+    # cuDNN's convs likewise; ours's convs follow this flag (fused_conv2d's allow_tf32=None).
+    torch.backends.cudnn.allow_tf32 = tf32
     settings = inductor_settings()
     try:
         with torch.inference_mode(), torch._inductor.config.patch(settings):
             return _execute(plan, command, device, tf32, settings)
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved_tf32
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
 
 
 def _execute(plan, command: str, device: torch.device, tf32: bool, settings: dict) -> int:
@@ -91,11 +95,15 @@ def _execute(plan, command: str, device: torch.device, tf32: bool, settings: dic
     name = torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})"
     slug = slug_of(name) if cuda else "cpu"
     n_layers = len(plan.dtypes) * len(plan.shapes) * len(plan.acts) if "layers" in plan.sections else 0
-    n_models = len(plan.models) * len(plan.batches) if "models" in plan.sections else 0
+    n_models = sum(len(b) for _, _, b in plan.model_runs) if "models" in plan.sections else 0
+    n_convs = len(plan.conv_layers) * len(plan.conv_batches) if "convs" in plan.sections else 0
     limit = f"{plan.time_limit:.0f} s" if plan.time_limit > 0 else "none"
-    _say(budget, f"{name}: {n_layers} layer cases, {n_models} model cases; time limit {limit}; command: {command}")
+    counts = f"{n_layers} layer cases, {n_models} model cases, {n_convs} conv cases"
+    _say(budget, f"{name}: {counts}; time limit {limit}; command: {command}")
 
-    needed = sorted(({*plan.dtypes} if n_layers else set()) | ({plan.model_dtype} if n_models else set()))
+    needed = {*plan.dtypes} if n_layers else set()
+    needed |= {d for _, d, _ in plan.model_runs} if n_models else set()
+    needed = sorted(needed | ({plan.model_dtype} if n_convs else set()))
     ceilings = measure_ceilings(device, needed, timing)
     rates = ", ".join(f"{k} {v / 1e12:.1f}" for k, v in ceilings["matmul_rate"].items())
     _say(budget, f"ceilings: copy {ceilings['bandwidth'] / 1e9:.0f} GB/s; matmul TFLOP/s {rates}")
@@ -109,12 +117,17 @@ def _execute(plan, command: str, device: torch.device, tf32: bool, settings: dic
             "timing": {
                 "warmup_ms": timing.warmup_ms, "rep_ms": timing.rep_ms, "wall_target_s": timing.wall_target_s,
                 "wall_rounds": WALL_ROUNDS, "wall_interleaved": True, "l2_clear": "read",
+                "hot": {
+                    "window_us": HOT_WINDOW_US, "windows": HOT_WINDOWS, "min_replays": HOT_MIN_REPLAYS,
+                    "max_replays": HOT_MAX_REPLAYS, "spin_margin": HOT_SPIN_MARGIN,
+                },
             },
             "inductor_settings": settings, "ceilings": ceilings, "model_dtype": plan.model_dtype,
             "tuning_cache": _tuning_cache(),
         },
         "layers": [],
         "models": [],
+        "convs": [],
     }  # fmt: skip
 
     def save(png: bool = False) -> list[Path]:
@@ -122,12 +135,18 @@ def _execute(plan, command: str, device: torch.device, tf32: bool, settings: dic
         return write_report(results, plan.out, slug, png=png)
 
     ctx = _Ctx(plan, device, tf32, timing, budget, ceilings, save)
+    # The convs run before the models: 12 cases that carry issue 20's conv target, which the models' last
+    # cases (the wider CNN's, no target of their own) could otherwise squeeze out at the hard limit.
+    shares = section_shares({"layers": n_layers, "convs": n_convs, "models": n_models})
     if n_layers:
-        budget.start_section(LAYERS_SHARE if n_models else 1.0)
+        budget.start_section(shares["layers"])
         _layers(ctx, results["layers"])
         save(png=True)
+    if n_convs:
+        budget.start_section(shares["convs"], CONV_START_ESTIMATE_S)
+        _convs(ctx, results["convs"])
     if n_models:
-        budget.start_section(1.0, MODEL_START_ESTIMATE_S)
+        budget.start_section(shares["models"], MODEL_START_ESTIMATE_S)
         _models(ctx, results["models"])
     paths = save(png=True)
     print(summary(results), flush=True)
@@ -185,37 +204,71 @@ def _models(ctx: _Ctx, out: list) -> None:
     from .kernel_models import ModelProviders, load_named
 
     plan, device = ctx.plan, ctx.device
-    total = len(plan.models) * len(plan.batches)
+    total = sum(len(b) for _, _, b in plan.model_runs)
     done = 0
     with tempfile.TemporaryDirectory(prefix="fusedserve-bench-") as tmp:
-        for name in plan.models:
+        for name, dtype, batches in plan.model_runs:
             try:
                 model = load_named(name, Path(tmp), plan.seed)
-                providers = ModelProviders(model, device, DTYPES[plan.model_dtype], max(plan.batches))
-            except Exception as e:  # every batch of this model reports it; the other model still runs
+                providers = ModelProviders(model, device, DTYPES[dtype], max(batches))
+            except Exception as e:  # every batch of this model reports it; the other models still run
                 model, providers, failure = None, None, describe(e)
-            for batch in plan.batches:
+            for batch in batches:
                 done += 1
                 if providers is None:
-                    case = {"model": name, "batch": batch, "dtype": plan.model_dtype, "providers": {}}
+                    case = {"model": name, "batch": batch, "dtype": dtype, "providers": {}}
                     case["providers"] = {p: {"error": failure} for p in plan.model_providers}
                 else:
                     seed = plan.seed * 100_003 + 50_000 + done
-                    case = _model_case(ctx, providers, batch, seed, total - done)
+                    case = _model_case(ctx, providers, batch, dtype, seed, total - done)
                 out.append(case)
                 ctx.save()
-                label = f"{case['model']} batch {batch} {plan.model_dtype}"
+                label = f"{case['model']} batch {batch} {dtype}"
                 _say(ctx.budget, f"models {done}/{total} {label}: {_progress(case)}")
             providers = None  # frees this model's executors, graphs and weights before the next model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
 
-def _model_case(ctx: _Ctx, providers: ModelProviders, batch: int, seed: int, cases_after: int) -> dict:
+def _convs(ctx: _Ctx, out: list) -> None:
+    from .kernel_convs import conv_bytes_and_flops, conv_label, conv_provider, reference_conv, wide_cnn_convs
+
+    plan, device, budget = ctx.plan, ctx.device, ctx.budget
+    dtype = plan.model_dtype
+    layers = wide_cnn_convs()
+    cases = [(layers[i], n) for i in plan.conv_layers for n in plan.conv_batches]
+    for i, ((C, H, W, OC), batch) in enumerate(cases):
+        nbytes, flops = conv_bytes_and_flops(batch, C, H, W, OC, dtype)
+        case = {
+            "layer": conv_label(C, H, W, OC), "C": C, "H": H, "W": W, "OC": OC, "batch": batch, "dtype": dtype,
+            "bytes": nbytes, "flops": flops, "floor_us": ctx.floor_us(nbytes, flops, dtype),
+            "error_bound": error_bound(dtype, ctx.tf32), "providers": {},
+        }  # fmt: skip
+        if budget.expired():
+            case["providers"] = {p: {"skipped": TIME_UP} for p in plan.conv_providers}
+        else:
+            gen = torch.Generator(device=device).manual_seed(plan.seed * 100_003 + 90_000 + i)
+            dt = DTYPES[dtype]
+            # Unit-scale x, w scaled by 1/sqrt(9C): pre-activations ~N(0, 1), plus a bias of 0.5 scale.
+            x = torch.randn(batch, C, H, W, device=device, generator=gen).to(dt)
+            w = (torch.randn(OC, C, 3, 3, device=device, generator=gen) / math.sqrt(9 * C)).to(dt)
+            b = (0.5 * torch.randn(OC, device=device, generator=gen)).to(dt)
+            ref = reference_conv(x, w, b)
+            prepare = functools.partial(conv_provider, x=x, w=w, b=b, device=device)
+            _run_case(ctx, case, plan.conv_providers, prepare, ref, len(cases) - i - 1)
+            del x, w, b, ref, prepare
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        out.append(case)
+        ctx.save()
+        _say(budget, f"convs {i + 1}/{len(cases)} {case['layer']} batch {batch} {dtype}: {_progress(case)}")
+
+
+def _model_case(ctx: _Ctx, providers: ModelProviders, batch: int, dtype: str, seed: int, cases_after: int) -> dict:
     from .kernel_models import bytes_and_flops, model_dims, reference_forward
 
     plan, device = ctx.plan, ctx.device
-    model, dtype = providers.model, plan.model_dtype
+    model = providers.model
     nbytes, flops = bytes_and_flops(model, batch, dtype)
     case = {
         "model": model.name, "batch": batch, "dtype": dtype, "dims": model_dims(model), "bytes": nbytes,
@@ -283,16 +336,18 @@ def _run_case(
 
 
 def _progress(case: dict) -> str:
-    """One line: each provider's primary time (graph device us; wall on the CPU), compile seconds, max error."""
+    """One line: each provider's primary time (graph device us; wall on the CPU) and, after a slash, its hot
+    time where it has one; compile seconds; max error."""
     parts, comp, errs = [], [], []
     for name, res in case["providers"].items():
-        v = primary(res)
+        v, h = primary(res), hot(res)
         tag = "skip" if "skipped" in res else "n/a" if "na" in res else "ERR" if "error" in res else "-"
-        parts.append(f"{name} {v:.1f}" if v is not None else f"{name} {tag}")
+        parts.append((f"{name} {v:.1f}" + (f"/{h:.1f}" if h is not None else "")) if v is not None else f"{name} {tag}")
         if res.get("compile_s") is not None:
             comp.append(f"{name} {res['compile_s']:.1f}s")
         errs += [c["err"] for c in res.values() if isinstance(c, dict) and c.get("err") is not None]
         if any(isinstance(c, dict) and c.get("bad") for c in res.values()):
             parts[-1] += "(BAD)"
     err = f"max err {max(errs):.1e}" if errs else "no error measured"
-    return "  ".join(parts) + " us | " + err + (" | first calls: " + ", ".join(comp) if comp else "")
+    unit = " us (cold/hot)" if any(hot(res) is not None for res in case["providers"].values()) else " us"
+    return "  ".join(parts) + unit + " | " + err + (" | first calls: " + ", ".join(comp) if comp else "")

@@ -6,10 +6,13 @@
     python -m bench.kernels ...                   # the same, without the console script
 
 Sections: `layers` (y = act(x @ W^T + b) for 6 shapes x 3 dtypes x relu/gelu_tanh; providers eager,
-linear, cublaslt, compile, compile-max, ours) and `models` (the shipped digits MLP and a wide
-1024-4096-4096-1024 MLP at batch 1..4096; providers eager, linear, compile, compile-max, and the
-service's executors). Every provider plain and under a CUDA graph. Writes kernels_<gpu>.md, .json and
-.png under --out and prints a summary last. How it measures: bench/kernel_timing.py.
+linear, cublaslt, compile, compile-max, ours), `models` (the shipped digits MLP and CNN, a wide
+1024-4096-4096-1024 MLP at batch 1..4096 and a wider 3x32x32 CNN at 1, 32, 256; fp16, the digits MLP in bf16 too;
+providers eager, linear, compile, compile-max, and the service's executors) and `convs` (the wider CNN's
+conv layers alone: ours against cuDNN's conv + bias + ReLU, plain and fused, and torch.compile). Every
+provider plain and under a CUDA graph; every graph timed cold (L2 cleared) and hot (replays back to back).
+Writes kernels_<gpu>.md, .json and .png under --out and prints a summary last. How it measures:
+bench/kernel_timing.py.
 """
 
 # This module only parses arguments: the `fusedserve` parser imports it for every command, so it
@@ -24,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-SECTIONS = ("layers", "models")
+SECTIONS = ("layers", "models", "convs")
 DTYPE_NAMES = ("float16", "bfloat16", "float32")
 ACTS = ("relu", "gelu_tanh")
 SHAPES = ((64, 256, 128), (128, 256, 256), (1024, 1024, 1024), (1, 4096, 4096), (16, 4096, 4096), (4096, 4096, 4096))
@@ -32,7 +35,15 @@ BATCHES = (1, 8, 32, 256, 4096)
 # Mirrors of kernel_providers.LAYER_PROVIDERS / kernel_models.MODEL_PROVIDERS / MODELS (those import torch).
 LAYER_PROVIDERS = ("eager", "linear", "cublaslt", "compile", "compile-max", "ours")
 MODEL_PROVIDERS = ("eager", "linear", "compile", "compile-max", "ours-unfused-graph", "ours-eager", "ours")
-MODELS = ("digits", "wide")
+MODELS = ("digits", "wide", "digits-cnn", "wide-cnn")
+CONV_PROVIDERS = ("cudnn", "cudnn-fused", "compile", "ours")  # mirror of kernel_convs.CONV_PROVIDERS
+# Issue 19 judges the digits MLP in fp16 and bf16: by default it runs in both, the other models in fp16.
+EXTRA_MODEL_DTYPES = {"digits": ("bfloat16",)}
+CONV_BATCHES = (1, 32, 256)  # the wider CNN's conv layers alone (bench/probes/conv.py's batches)
+# The wider CNN's whole forward carries no target (its convs do, in the convs section) and costs the most
+# per case (at 4096: 560 GFLOP, ~1-5 ms a call, a float64 reference of GBs): by default the convs' batches.
+MODEL_BATCHES = {"wide-cnn": CONV_BATCHES}
+N_CONV_LAYERS = 4  # len(kernel_convs.wide_cnn_convs())
 QUICK_SHAPE = (64, 256, 128)
 TIMING = (10, 50, 0.02)  # do_bench warmup ms, rep ms; seconds per wall-time run
 QUICK_TIMING = (5, 20, 0.01)
@@ -49,9 +60,13 @@ class Plan:
     acts: tuple[str, ...]
     layer_providers: tuple[str, ...]
     model_providers: tuple[str, ...]
+    conv_providers: tuple[str, ...]
     models: tuple[str, ...]
     batches: tuple[int, ...]
-    model_dtype: str
+    conv_batches: tuple[int, ...]
+    conv_layers: tuple[int, ...]  # indices into kernel_convs.wide_cnn_convs()
+    model_dtype: str  # the first of the models' dtypes (the report's default)
+    model_runs: tuple[tuple[str, str, tuple[int, ...]], ...]  # (model, dtype, batches) in run order
     tf32: bool
     quick: bool
     time_limit: float
@@ -93,7 +108,7 @@ def _batches(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    all_providers = tuple(dict.fromkeys(LAYER_PROVIDERS + MODEL_PROVIDERS))
+    all_providers = tuple(dict.fromkeys(LAYER_PROVIDERS + MODEL_PROVIDERS + CONV_PROVIDERS))
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="output directory [bench/results]")
     p.add_argument(
         "--device",
@@ -101,7 +116,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="cuda",
         help="cuda (default; exits 2 without one), or cpu: smoke run, wall time, ours interpreted",
     )
-    p.add_argument("--sections", type=_names(SECTIONS, "section"), default=SECTIONS, help="layers,models [both]")
+    p.add_argument(
+        "--sections", type=_names(SECTIONS, "section"), default=SECTIONS, help="layers,models,convs [all three]"
+    )
     p.add_argument(
         "--dtype",
         type=_names(DTYPE_NAMES, "dtype"),
@@ -118,9 +135,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_names(all_providers, "provider"),
         help=f"keep only these of {', '.join(all_providers)} [all; --quick: no compile-max]",
     )
-    p.add_argument("--models", type=_names(MODELS, "model"), help="digits,wide [both; --quick: digits]")
-    p.add_argument("--batches", type=_batches, help="model batch sizes [1,8,32,256,4096; --quick: 1,32]")
-    p.add_argument("--model-dtype", choices=DTYPE_NAMES, help="dtype of the models section [float16; cpu: float32]")
+    p.add_argument(
+        "--models", type=_names(MODELS, "model"), help="digits,wide,digits-cnn,wide-cnn [all; --quick: digits]"
+    )
+    p.add_argument(
+        "--batches",
+        type=_batches,
+        help="model batch sizes, every model [1,8,32,256,4096, the wider CNN 1,32,256; --quick: 1,32]",
+    )
+    p.add_argument("--conv-batches", type=_batches, help="batch sizes of the convs section [1,32,256; --quick: 1]")
+    p.add_argument(
+        "--model-dtype",
+        type=_names(DTYPE_NAMES, "dtype"),
+        action="append",
+        dest="model_dtypes",
+        help="dtypes of the models section, every model in each [float16, and the digits MLP also in "
+        "bfloat16; --quick: float16; cpu: float32]; the convs section runs in the first",
+    )
     p.add_argument(
         "--tf32",
         action=argparse.BooleanOptionalAction,
@@ -150,7 +181,17 @@ def resolve(args: argparse.Namespace) -> Plan:
         drop = {"compile-max"} if quick else set()
         if cpu:
             drop |= {"compile", "compile-max"}  # inductor on the CPU builds C++ (minutes); ask for it by name
-        providers = tuple(p for p in dict.fromkeys(LAYER_PROVIDERS + MODEL_PROVIDERS) if p not in drop)
+        providers = tuple(p for p in dict.fromkeys(LAYER_PROVIDERS + MODEL_PROVIDERS + CONV_PROVIDERS) if p not in drop)
+    models = args.models or (("digits",) if quick else MODELS)
+    if args.model_dtypes:
+        model_dtypes = tuple(dict.fromkeys(d for group in args.model_dtypes for d in group))
+        pairs = [(m, d) for m in models for d in model_dtypes]
+    else:
+        extra = {} if (cpu or quick) else EXTRA_MODEL_DTYPES
+        pairs = [(m, d) for m in models for d in (default_dtype, *extra.get(m, ()))]
+    batches = args.batches or ((1, 32) if quick else BATCHES)
+    own = {} if (args.batches or quick) else MODEL_BATCHES  # --batches: every model at those
+    model_runs = tuple((m, d, own.get(m, batches)) for m, d in pairs)
     return Plan(
         device=args.device,
         sections=args.sections,
@@ -159,9 +200,14 @@ def resolve(args: argparse.Namespace) -> Plan:
         acts=args.acts or ACTS,
         layer_providers=tuple(p for p in LAYER_PROVIDERS if p in providers),
         model_providers=tuple(p for p in MODEL_PROVIDERS if p in providers),
-        models=args.models or (("digits",) if quick else MODELS),
-        batches=args.batches or ((1, 32) if quick else BATCHES),
-        model_dtype=args.model_dtype or default_dtype,
+        conv_providers=tuple(p for p in CONV_PROVIDERS if p in providers),
+        models=models,
+        batches=batches,
+        conv_batches=args.conv_batches or ((1,) if quick else CONV_BATCHES),
+        # --quick: only the last conv (128 -> 128 at 8x8: the fewest output pixels, cheap interpreted)
+        conv_layers=(N_CONV_LAYERS - 1,) if quick else tuple(range(N_CONV_LAYERS)),
+        model_dtype=model_runs[0][1] if model_runs else default_dtype,
+        model_runs=model_runs,
         tf32=args.tf32,
         quick=quick,
         time_limit=args.time_limit,

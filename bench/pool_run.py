@@ -301,7 +301,7 @@ def execute(plan: dict, command: str) -> int:
     torch.manual_seed(plan["seed"])
     cuda = plan["device"] == "cuda"
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
-    slug = slug_of(gpu) if cuda else "cpu"  # the kernel benchmark's names: "h200", "h100-80gb-hbm3"
+    slug = slug_of(gpu) if cuda else "cpu"  # the kernel benchmark's names: "h200", "h100"
     started = time.perf_counter()
     bandwidth = _copy_bandwidth() if cuda else None
     if cuda:

@@ -88,6 +88,16 @@ def test_cpu_quick_run_writes_tables_json_and_plot(cpu_run, capsys):
         cell = case["providers"]["ours-eager"]["plain"]
         assert cell["finite"] and cell["err"] < 1e-5
         assert "na" in case["providers"]["ours"]  # CUDA graphs need CUDA
+    # --quick's convs section: the wider CNN's last conv (128 -> 128 at 8x8) at batch 1
+    assert "## Conv layers of the wider CNN" in md and "| 128→128 8×8 | 1 |" in md
+    [conv] = data["convs"]
+    assert (conv["C"], conv["H"], conv["OC"], conv["batch"]) == (128, 8, 128, 1)
+    assert conv["flops"] == 2 * 64 * 128 * 128 * 9
+    assert set(conv["providers"]) == {"cudnn", "cudnn-fused", "ours"} and "na" in conv["providers"]["cudnn-fused"]
+    for name in ("cudnn", "ours"):
+        cell = conv["providers"][name]["plain"]
+        assert cell["finite"] and cell["err"] < 1e-5 and cell["wall_us"] > 0, (name, cell)
+    assert "hot_us" not in json.dumps(data)  # hot needs CUDA graphs
     if HAS_MATPLOTLIB:
         assert (out / "kernels_cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -115,7 +125,20 @@ def test_quick_and_filters_resolve():
     assert full.shapes == SHAPES and full.dtypes == ("float16", "bfloat16", "float32")
     assert "compile-max" in full.layer_providers and full.batches == (1, 8, 32, 256, 4096)
     assert full.tf32 and full.model_dtype == "float16"
+    # Issue 19: the digits MLP runs in fp16 and bf16, the other models in fp16; then the convs section.
+    every = (1, 8, 32, 256, 4096)
+    assert full.model_runs == (
+        ("digits", "float16", every), ("digits", "bfloat16", every), ("wide", "float16", every),
+        ("digits-cnn", "float16", every), ("wide-cnn", "float16", (1, 32, 256)),
+    )  # fmt: skip
+    assert full.sections == ("layers", "models", "convs") and full.conv_layers == (0, 1, 2, 3)
+    assert full.conv_providers == ("cudnn", "cudnn-fused", "compile", "ours") and full.conv_batches == (1, 32, 256)
+    both = resolve(_args("--model-dtype", "bfloat16,float16", "--models", "wide-cnn", "--batches", "2,4096"))
+    assert both.model_runs == (("wide-cnn", "bfloat16", (2, 4096)), ("wide-cnn", "float16", (2, 4096)))
+    assert both.model_dtype == "bfloat16"
     quick = resolve(_args("--quick"))
+    assert quick.model_runs == (("digits", "float16", (1, 32)),)
+    assert quick.conv_layers == (3,) and quick.conv_batches == (1,)
     assert quick.shapes == ((64, 256, 128),) and quick.dtypes == ("float16",)
     assert "compile-max" not in quick.layer_providers + quick.model_providers
     assert quick.models == ("digits",)
@@ -187,8 +210,11 @@ def test_budget_drops_compile_max_before_compile():
 
 
 def test_gpu_slug():
+    # The results are named by GPU model alone: kernels_h100.md, as serve_h100.md and pool_h100.md.
     assert slug_of("NVIDIA H200") == "h200"
-    assert slug_of("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert slug_of("NVIDIA H100 80GB HBM3") == "h100"
+    assert slug_of("NVIDIA H100 PCIe") == "h100"
+    assert slug_of("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"
 
 
 @pytest.mark.gpu
@@ -217,12 +243,26 @@ def test_gpu_quick_run(tmp_path):
                     cell = res[variant]
                     assert cell.get("device_us", 0) > 0 and cell.get("finite") and not cell.get("bad"), (name, cell)
         assert "plain" not in case["providers"]["ours"] and "graph" not in case["providers"]["ours-eager"]
+        # hot: every graph cell, back-to-back replays; never slower than a cold replay by much (L2 is warm)
+        for name in ("eager", "linear", "compile", "ours", "ours-unfused-graph"):
+            cell = case["providers"][name]["graph"]
+            assert cell["hot_us"] > 0 and cell["hot_replays"] >= 10, (name, cell)
+            assert cell["hot_us"] < 1.5 * cell["device_us"], (name, cell)
+    for case in data["layers"]:
+        assert all(case["providers"][p]["graph"]["hot_us"] > 0 for p in ("eager", "ours")), case
+        assert "hot_us" not in case["providers"]["ours"]["plain"]  # hot is a graph replay's
+    [conv] = data["convs"]  # --quick: the wider CNN's last conv at batch 1
+    for name in ("cudnn", "compile", "ours"):
+        cell = conv["providers"][name]["graph"]
+        assert cell["device_us"] > 0 and cell["hot_us"] > 0 and not cell["bad"], (name, cell)
     assert (tmp_path / f"kernels_{slug}.md").exists()
 
 
-def _cell(device_us: float, wall_us: float) -> dict:
+def _cell(device_us: float, wall_us: float, hot_us: float | None = None) -> dict:
     graph = {"device_us": device_us, "wall_us": wall_us, "err": 1e-4, "finite": True, "bad": False}
-    return {"graph": graph, "plain": dict(graph, device_us=device_us + 1)}
+    if hot_us is not None:
+        graph["hot_us"] = hot_us
+    return {"graph": graph, "plain": dict(graph, device_us=device_us + 1, hot_us=None)}
 
 
 def test_targets_say_met_or_how_far():
@@ -246,24 +286,32 @@ def test_targets_say_met_or_how_far():
     results["models"] = [
         {"model": m, "batch": b, "dtype": "float16", "floor_us": 11.8, "providers": ps} for (m, b), ps in models.items()
     ]
-    assert len(checks(results)) == 2 * 2 + 2 * 2 + 2
-    wall = next(c for c in checks(results) if c.target.endswith("ours wall") and c.case.startswith("64x"))
+    issue3 = [c for c in checks(results) if not c.target.startswith(("hot", "cold"))]
+    assert len(issue3) == 2 * 2 + 2 * 2 + 2
+    assert len(checks(results)) == len(issue3)  # a run from before hot timing is judged by issue 3 alone
+    wall = next(c for c in issue3 if c.target.endswith("ours wall") and c.case.startswith("64x"))
     # eager wall / ours wall = 30 / 20 = 1.5 < 2: needs 2 / 1.5 = 1.33x; device 5 <= cuBLASLt 6: met
     assert wall.met is False and wall.gap == "needs 1.33x"
-    device = [c for c in checks(results) if c.target.endswith("vs cuBLASLt") and c.case.startswith("64x")][0]
+    device = [c for c in issue3 if c.target.endswith("vs cuBLASLt") and c.case.startswith("64x")][0]
     assert device.met is True and device.gap == ""
-    assert [c.met for c in checks(results) if c.case.startswith("128x256x256")] == [None, None]  # ours missing
-    digits = [c for c in checks(results) if c.case.startswith("digits-mlp batch 1 ")]
+    assert [c.met for c in issue3 if c.case.startswith("128x256x256")] == [None, None]  # ours missing
+    digits = [c for c in issue3 if c.case.startswith("digits-mlp batch 1 ")]
     assert [c.met for c in digits] == [True, True]  # 5.5 <= 6 us; best anchor 12 / 5.5 = 2.2x
-    digits256 = [c for c in checks(results) if c.case.startswith("digits-mlp batch 256")]
+    digits256 = [c for c in issue3 if c.case.startswith("digits-mlp batch 256")]
     assert [(c.met, c.gap) for c in digits256] == [(False, "needs 1.33x"), (False, "needs 1.33x")]
-    wide1 = next(c for c in checks(results) if c.case.startswith("wide-mlp batch 1 "))
+    wide1 = next(c for c in issue3 if c.case.startswith("wide-mlp batch 1 "))
     assert wide1.met is True and wide1.measured == "79%"  # 11.8 / 15
-    wide4096 = next(c for c in checks(results) if c.case.startswith("wide-mlp batch 4096"))
+    wide4096 = next(c for c in issue3 if c.case.startswith("wide-mlp batch 4096"))
     assert wide4096.met is False and wide4096.gap == "needs 1.21x"  # 400 / 330
     md = markdown(results)
     assert "## Targets (issue 3)" in md and "4 met, 4 not met, 2 not measured" in md
     assert "== targets: 4 of 10 met ==" in summary(results)
+    results["meta"]["timing"] = _hot_results()["meta"]["timing"]  # a run with hot times: issue 19's rows too
+    hot_rows = [c for c in checks(results) if c.target.startswith("hot")]  # one per MLP case
+    assert len(hot_rows) == 5 and all(c.met is None for c in hot_rows)  # these fakes have no hot times
+    md = markdown(results)
+    assert "## Targets (issues 3, 19, 20)" in md and "4 met, 4 not met, 7 not measured" in md
+    assert "== targets: 4 of 15 met ==" in summary(results)
     cpu = dict(results, meta=dict(results["meta"], device="cpu"))
     assert checks(cpu) == [] and "## Targets" not in markdown(cpu)
 
@@ -461,3 +509,332 @@ def test_budget_estimates_each_section_from_its_own_costs():
     assert "--time-limit" in b.skip_reason("compile-max", 15)
     b.record("base", 20.0)
     assert b.estimate("base") == 20.0  # measured in this section, not averaged with the layers' 2 s
+
+
+# Hot timing (bench/kernel_timing.py, "hot") on a simulated GPU: a stream that runs queued work in order, each
+# item starting when it was launched or when the one before it ended, whichever is later.
+class _FakeGPU:
+    def __init__(self, host_us: float, device_us: float, ghz: float = 2.0):
+        self.host_us, self.device_us, self.cycles_per_us = host_us, device_us, ghz * 1e3
+        self.host = 0.0  # us: the host's clock
+        self.done = 0.0  # us: when the last queued item ends on the device
+        self.replays = 0
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self):
+                self.t = gpu._enqueue(0.0)
+
+            def query(self):
+                return self.t <= gpu.host
+
+            def elapsed_time(self, end):
+                return (end.t - self.t) / 1e3  # ms, as CUDA events
+
+        self.Event = Event
+
+    def _enqueue(self, us: float) -> float:
+        self.done = max(self.done, self.host) + us
+        return self.done
+
+    def _sleep(self, cycles: int) -> None:
+        self._enqueue(cycles / self.cycles_per_us)
+
+    def synchronize(self) -> None:
+        self.host = max(self.host, self.done)
+
+    def clock(self) -> float:
+        return self.host / 1e6
+
+    def replay(self) -> None:
+        self.host += self.host_us  # the launch costs the host this much, then the replay is queued
+        self._enqueue(self.device_us)
+        self.replays += 1
+
+
+def test_hot_replays_fill_a_window_within_bounds():
+    from bench.kernel_timing import HOT_MAX_REPLAYS, HOT_MIN_REPLAYS, hot_replays, spin_cycles
+
+    assert hot_replays(2.0) == 500  # 1 ms / 2 us
+    assert hot_replays(0.1) == HOT_MAX_REPLAYS == 1000 and hot_replays(0.0) == HOT_MAX_REPLAYS
+    assert hot_replays(300.0) == HOT_MIN_REPLAYS == 10  # 1 ms / 300 us is 4: too few
+    assert spin_cycles(1000.0, 2000.0) == int((1.5 * 1000 + 50) * 2000)
+
+
+def test_hot_time_is_device_time_even_when_the_host_launches_slower():
+    from bench.kernel_timing import HotTimer
+
+    # The digits MLP's case: a replay costs the host 3 us and the device 2. Back to back without a spin
+    # kernel the device would wait for the host (3 us a replay); with it, every replay is queued in time.
+    gpu = _FakeGPU(host_us=3.0, device_us=2.0)
+    timer = HotTimer(cuda=gpu, clock=gpu.clock)
+    res = timer(gpu.replay)
+    assert timer.cycles_per_us() == pytest.approx(2000.0)  # measured from the fake's 2 GHz spin
+    assert res["hot_replays"] == 500  # 1 ms at the first estimate's 2 us
+    assert res["hot_us"] == pytest.approx(2.0) and res["hot_host_bound"] is False
+    assert gpu.replays == 3 + 10 + 5 * 500  # warm-up, estimate, 5 windows
+
+
+def test_hot_time_says_when_the_host_set_the_pace(monkeypatch):
+    from bench import kernel_timing
+    from bench.kernel_timing import HotTimer
+
+    monkeypatch.setattr(kernel_timing, "HOT_SPIN_MARGIN", 0.0)  # no spin before the windows
+    monkeypatch.setattr(kernel_timing, "HOT_SPIN_EXTRA_US", 0.0)
+    gpu = _FakeGPU(host_us=3.0, device_us=2.0)
+    res = HotTimer(cuda=gpu, clock=gpu.clock)(gpu.replay)
+    assert res["hot_us"] == pytest.approx(3.0, rel=0.01) and res["hot_host_bound"] is True
+    # A device slower than the host needs no spin: the queue stays ahead by itself.
+    gpu = _FakeGPU(host_us=3.0, device_us=20.0)
+    res = HotTimer(cuda=gpu, clock=gpu.clock)(gpu.replay)
+    assert res["hot_us"] == pytest.approx(20.0, rel=0.01) and res["hot_replays"] == 50
+    assert res["hot_host_bound"] is False
+
+
+def _hot_results() -> dict:
+    """A CUDA run's results with hot times: ours 4 us cold / 2 hot, cuBLASLt 5 / 4, eager 9 / 7 (host-bound)."""
+    results = _fake_results(1e-3)
+    results["meta"]["timing"] = {
+        "l2_clear": "read", "wall_interleaved": True,
+        "hot": {"window_us": 1000.0, "windows": 5, "min_replays": 10, "max_replays": 1000, "spin_margin": 1.5},
+    }  # fmt: skip
+
+    def res(cold, hot, host_bound=False):
+        graph = {"device_us": cold, "hot_us": hot, "hot_host_bound": host_bound, "wall_us": 30.0}
+        graph.update(err=1e-4, finite=True, bad=False)
+        return {"graph": graph, "plain": dict(graph, device_us=cold + 1, hot_us=None)}
+
+    results["layers"][0]["providers"] = {"eager": res(9.0, 7.0, True), "cublaslt": res(5.0, 4.0), "ours": res(4.0, 2.0)}
+    return results
+
+
+def test_report_shows_hot_beside_cold():
+    results = _hot_results()
+    md = markdown(results)
+    assert "Hot: the same graph replayed back to back" in md and "median of 5 windows" in md
+    head = next(line for line in md.splitlines() if line.startswith("| M×K×N"))
+    assert "| ours / cublaslt (device) | ours / cublaslt (hot) |" in head
+    row = next(line for line in md.splitlines() if line.startswith("| 64×256×128"))
+    assert "| 4.00 / 2.00 / 5.00 / 30.0 |" in row  # ours: graph cold / graph hot / plain cold / wall
+    assert "| 9.00 / 7.00 **host** / 10.0 / 30.0 |" in row  # eager's hot window was paced by the host
+    assert "| 0.80x | 0.50x |" in row  # 4 / 5 cold, 2 / 4 hot
+    assert "hot o/lt" in summary(results) and " 0.50x " in summary(results)
+    results["meta"]["timing"].pop("hot")  # written before hot timing: its tables as they were then
+    md = markdown(results)
+    assert "Hot:" not in md and "(hot)" not in md and "Device time: median" in md
+    assert "graph device / plain device / wall" in md and "| 4.00 / 5.00 / 30.0 |" in md
+
+
+def test_hot_and_cnn_targets():
+    """Issue 19 (hot: digits MLP >= 1.3x the best anchor, wide MLP >= 1x and 1.5x at batch 1) and issue 20
+    (digits CNN >= 2x eager and >= the best anchor, cold and hot; the wider CNN's convs <= 1.10x cuDNN)."""
+    from bench.kernel_targets import checks
+
+    results = _hot_results()
+    results["layers"] = []
+    skipped = {"skipped": "skipped: --time-limit"}
+    models = {
+        # hot: best anchor compile 13 / ours 10 = 1.3: met (exactly); compile-max was skipped: named
+        ("digits-mlp", 1, "float16"): {"compile": _cell(15, 60, 13), "compile-max": skipped, "ours": _cell(8, 7, 10)},
+        ("digits-mlp", 1, "bfloat16"): {"linear": _cell(16, 50, 12), "ours": _cell(8, 7, 10)},  # 1.2: not met
+        ("wide-mlp", 1, "float16"): {"linear": _cell(33, 80, 30), "ours": _cell(21, 18, 21)},  # 1.43 < 1.5
+        ("wide-mlp", 256, "float16"): {"linear": _cell(42, 60, 40), "ours": _cell(44, 43, 40)},  # 1.0: met
+        # cold: eager 30 / ours 12 = 2.5, anchor linear 20 / 12; hot: eager 20 / 11 = 1.82 < 2, linear 9 / 11 < 1
+        ("digits-cnn", 32, "float16"): {
+            "eager": _cell(30, 90, 20), "linear": _cell(20, 80, 9), "ours": _cell(12, 10, 11),
+        },
+    }  # fmt: skip
+    results["models"] = [
+        {"model": m, "batch": b, "dtype": d, "floor_us": 1.0, "providers": ps} for (m, b, d), ps in models.items()
+    ]
+    results["convs"] = [
+        {
+            "layer": "64→64 32×32", "batch": 32, "dtype": "float16", "floor_us": 5.0,
+            # cold: the faster cuDNN is cudnn-fused 20, ours 21.5 <= 22: met; hot: cudnn 10, ours 12 > 11: not met
+            "providers": {"cudnn": _cell(25, 40, 10), "cudnn-fused": _cell(20, 40, 15), "ours": _cell(21.5, 40, 12)},
+        }
+    ]  # fmt: skip
+    rows = {(c.target, c.case): c for c in checks(results)}
+    d16 = rows[("hot, digits MLP: best anchor (compile) / ours", "digits-mlp batch 1 float16 (without compile-max: "
+                "not measured)")]  # fmt: skip
+    assert d16.met is True and d16.measured == "1.30x"
+    d16b = rows[("hot, digits MLP: best anchor (linear) / ours", "digits-mlp batch 1 bfloat16")]
+    assert d16b.met is False and d16b.gap == "needs 1.08x"  # 1.3 / 1.2
+    w1 = rows[("hot, wide MLP: best anchor (linear) / ours", "wide-mlp batch 1 float16")]
+    assert w1.met is False and w1.goal == ">= 1.50x"
+    w256 = rows[("hot, wide MLP: best anchor (linear) / ours", "wide-mlp batch 256 float16")]
+    assert w256.met is True and w256.goal == ">= 1.00x"
+    cnn = "digits-cnn batch 32 float16"
+    assert rows[("cold, digits CNN: eager / ours", cnn)].measured == "2.50x"
+    assert rows[("cold, digits CNN: eager / ours", cnn)].met is True
+    assert rows[("hot, digits CNN: eager / ours", cnn)].met is False
+    assert rows[("cold, digits CNN: best anchor (linear) / ours", cnn)].met is True
+    assert rows[("hot, digits CNN: best anchor (linear) / ours", cnn)].met is False
+    conv = "wider CNN conv 64→64 32×32 batch 32 float16"
+    cold_conv = rows[("cold, wider CNN conv vs cuDNN", conv)]
+    assert cold_conv.met is True and cold_conv.goal == "<= 22.0 us (1.10x cudnn-fused)"
+    hot_conv = rows[("hot, wider CNN conv vs cuDNN", conv)]
+    assert hot_conv.met is False and hot_conv.gap == "needs 1.09x"  # 12 / 11
+    assert len([t for t, _ in rows if t.startswith(("hot", "cold"))]) == 4 + 4 + 2  # issues 19 and 20
+
+
+def test_cold_times_are_compared_with_an_earlier_run():
+    from bench.kernel_targets import compare_cold
+
+    old = _fake_results(1e-3)
+    old["layers"][0]["providers"] = {"ours": _cell(10.0, 20.0)}
+    old["models"] = [{"model": "digits-mlp", "batch": 1, "dtype": "float16", "providers": {"ours": _cell(8.0, 7.0)}}]
+    new = _fake_results(1e-3)
+    new["layers"][0]["providers"] = {"ours": _cell(10.3, 20.0)}  # +3%: still met
+    new["models"] = [
+        {"model": "digits-mlp", "batch": 1, "dtype": "float16", "providers": {"ours": _cell(8.4, 7.0)}},  # +5%
+        {"model": "digits-mlp", "batch": 1, "dtype": "bfloat16", "providers": {"ours": _cell(9.0, 7.0)}},  # new
+    ]
+    rows = compare_cold(new, old)
+    assert [(c.case, c.met) for c in rows] == [
+        ("64 256 128 float16 relu", True),
+        ("digits-mlp 1 float16", False),
+    ]
+    assert rows[1].gap == "needs 1.02x"  # 8.4 / (8 * 1.03)
+
+
+def test_cnn_models_are_built_measured_and_run_like_the_service(tmp_path):
+    """The digits CNN (shipped) and the wider CNN (built here, fixed seed): dims, floor terms, and every CPU
+    provider's forward against the float64 reference; ours-eager is the fused Executor (interpreted)."""
+    from bench.kernel_models import (
+        ModelProviders,
+        bound_steps,
+        bytes_and_flops,
+        forward,
+        load_named,
+        model_dims,
+        reference_forward,
+    )
+    from bench.kernel_timing import normwise_error
+
+    cpu = torch.device("cpu")
+    digits = load_named("digits-cnn", tmp_path, 0)
+    assert model_dims(digits) == [[1, 8, 8], [16, 8, 8], [16, 8, 8], [16, 4, 4], 64, 10]
+    # conv 16x1x9 and 16x16x9 weights at 8x8 outputs, then 256 -> 64 -> 10: 173,696 multiply-adds an image
+    assert bytes_and_flops(digits, 1, "float16")[1] == 2 * (144 * 64 + 2304 * 64 + 256 * 64 + 640)
+    wide = load_named("wide-cnn", tmp_path, 0)
+    assert model_dims(wide)[:4] == [[3, 32, 32], [64, 32, 32], [64, 32, 32], [64, 16, 16]]
+    assert model_dims(wide)[-3:] == [[128, 4, 4], 256, 10]
+    nbytes, flops = bytes_and_flops(wide, 64, "float16")
+    assert 130e6 < flops / 64 < 140e6 and 1.5e6 < nbytes - 2 * 64 * (3 * 32 * 32 + 10) < 1.7e6
+    again = load_named("wide-cnn", tmp_path / "again", 0)  # fixed seed: the same weights every run
+    assert all(torch.equal(wide.tensors[k], again.tensors[k]) for k in wide.tensors)
+
+    gen = torch.Generator().manual_seed(5)
+    for model, batch in ((digits, 3), (wide, 1)):
+        steps = bound_steps(model, cpu, torch.float32)
+        x = torch.randn((batch, *model.input_shape), generator=gen)
+        ref = reference_forward(steps, x)
+        for how in ("eager", "linear"):
+            err, finite = normwise_error(forward(steps, x, how), ref)
+            assert finite and err < 1e-5, (model.name, how, err)
+        prep = ModelProviders(model, cpu, torch.float32, max_batch_size=4).prepare("ours-eager", x)
+        err, finite = normwise_error(prep.fn(), ref)
+        assert finite and err < 1e-5, (model.name, "ours-eager", err)
+        assert prep.plain_only and prep.compile_s > 0
+
+
+def test_sections_share_the_time_by_what_their_cases_cost():
+    from bench.kernel_budget import SECTION_CASE_S, section_shares
+
+    shares = section_shares({"layers": 36, "convs": 12, "models": 25})  # the run's order
+    cost = {"layers": 36 * SECTION_CASE_S["layers"], "convs": 12 * SECTION_CASE_S["convs"]}
+    cost["models"] = 25 * SECTION_CASE_S["models"]
+    # Each share is of the time left when the section starts: the last section takes all of the rest.
+    assert shares["layers"] == pytest.approx(cost["layers"] / sum(cost.values()))
+    assert shares["convs"] == pytest.approx(cost["convs"] / (cost["models"] + cost["convs"]))
+    assert shares["models"] == 1.0
+    assert section_shares({"layers": 36, "models": 0, "convs": 0}) == {"layers": 1.0, "models": 0.0, "convs": 0.0}
+    # The 2026-11-23 split, layers then 10 model cases, comes back: 252 / (252 + 270) = 48% (was 0.47).
+    assert section_shares({"layers": 36, "models": 10, "convs": 0})["layers"] == pytest.approx(0.483, abs=1e-3)
+
+
+def test_a_single_replay_is_timed_alone():
+    from bench.kernel_timing import HotTimer
+
+    gpu = _FakeGPU(host_us=30.0, device_us=2.0)  # a slow host: the spin still hides the launch
+    timer = HotTimer(cuda=gpu, clock=gpu.clock)
+    assert timer.single(gpu.replay, reps=5) == pytest.approx(2.0)
+    assert gpu.replays == 3 + 1 + 5
+
+
+def test_runs_that_split_the_sections_merge_into_one_report(tmp_path):
+    from bench.kernel_report import main as rerender
+    from bench.kernel_report import merge
+
+    layers = _hot_results()
+    layers["meta"].update(slug="h100", command="bench --sections layers", elapsed_s=300.0, started_utc="t0")
+    models = _hot_results()
+    models["layers"] = []
+    models["meta"].update(slug="h100", command="bench --sections convs,models", elapsed_s=250.0, started_utc="t1")
+    models["models"] = [
+        {"model": "digits-mlp", "batch": 1, "dtype": "float16", "floor_us": 0.04, "error_bound": 1e-2,
+         "providers": {"linear": _cell(16, 50, 12), "ours": _cell(8, 7, 6)}},
+    ]  # fmt: skip
+    models["convs"] = []
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "kernels_h100.json").write_text(json.dumps(layers))
+    (tmp_path / "b" / "kernels_h100.json").write_text(json.dumps(models))
+    out = tmp_path / "merged"
+    assert rerender([str(tmp_path / d / "kernels_h100.json") for d in ("a", "b")] + ["--out", str(out)]) == 0
+    merged = json.loads((out / "kernels_h100.json").read_text())
+    assert len(merged["layers"]) == 1 and len(merged["models"]) == 1 and merged["meta"]["elapsed_s"] == 550.0
+    assert [m["command"] for m in merged["meta"]["merged_from"]] == [
+        "bench --sections layers",
+        models["meta"]["command"],
+    ]
+    md = (out / "kernels_h100.md").read_text()
+    assert "| 64×256×128 |" in md and "| digits-mlp | 1 |" in md
+    models["meta"]["gpu"] = "NVIDIA H100 80GB HBM3"  # the fakes say H200
+    with pytest.raises(ValueError, match="gpu differs"):
+        merge([layers, models])
+
+
+def test_every_graph_cell_and_only_those_get_a_hot_time(monkeypatch):
+    """measure() on "cuda" with the device parts faked: plain cells get cold and wall, graph cells (captured
+    here, or the provider's own graph) also hot, timed on the replay; plain-only providers no graph at all."""
+    from bench import kernel_timing
+    from bench.kernel_timing import Prepared, Timing, measure
+
+    hot_calls: list = []
+
+    class Graph:
+        def __init__(self, out):
+            self.out = out
+
+        def replay(self):  # writes the output, as a real replay would after the NaN poisoning
+            self.out.fill_(1.0)
+
+    def fake_capture(fn):
+        out = fn()
+        return Graph(out), out
+
+    monkeypatch.setattr(kernel_timing, "capture", fake_capture)
+    monkeypatch.setattr(kernel_timing, "device_us", lambda fn, timing: 7.0)
+    monkeypatch.setattr(kernel_timing, "synchronize", lambda device: None)
+    monkeypatch.setattr(kernel_timing, "hot_us", lambda fn: hot_calls.append(fn) or {"hot_us": 3.0, "hot_replays": 10})
+    cuda, ref = torch.device("cuda"), torch.ones(2, 2, dtype=torch.float64)
+
+    def run(prep):
+        return measure(prep, ref, cuda, Timing(0, 0, 0.0), 1e-2, defer=[])
+
+    plain_and_graph = run(Prepared(lambda: torch.ones(2, 2)))
+    assert plain_and_graph["plain"]["device_us"] == 7.0 and "hot_us" not in plain_and_graph["plain"]
+    assert plain_and_graph["graph"]["hot_us"] == 3.0 and plain_and_graph["graph"]["hot_replays"] == 10
+    assert not plain_and_graph["graph"]["bad"] and plain_and_graph["graph"]["err"] == 0.0
+    assert len(hot_calls) == 1 and getattr(hot_calls[0], "__self__", None).__class__ is Graph  # graph.replay
+
+    graphed = run(Prepared(lambda: torch.ones(2, 2), graphed=True))  # ours: the GraphedExecutor's replay
+    assert set(graphed) == {"graph"} and graphed["graph"]["hot_us"] == 3.0
+    plain_only = run(Prepared(lambda: torch.ones(2, 2), plain_only=True))  # ours-eager
+    assert set(plain_only) == {"plain"} and "hot_us" not in plain_only["plain"]
+    assert len(hot_calls) == 2
