@@ -11,7 +11,7 @@ that never releases), which overlapping neighbours should never make worse than 
 
 Both graph layouts: "device", the graph holding only the model's kernels (as `fusedserve bench kernels` times
 ours), and "host", the graph also copying the batch in from pinned host memory and the answer out
-(GraphedExecutor(host_io=True), the service's runner), where this GraphedExecutor has that option.
+(GraphedExecutor(host_io=True), as the service's runner replays it).
 
 GPU-only (~10-30 s: tuning each bucket of two models on a cold cache).
 """
@@ -19,7 +19,6 @@ GPU-only (~10-30 s: tuning each bucket of two models on a cold cache).
 from __future__ import annotations
 
 import functools
-import inspect
 from pathlib import Path
 
 import pytest
@@ -34,9 +33,6 @@ WEIGHTS = Path(__file__).resolve().parents[1] / "model_weights"
 LIMIT = 1.5  # back-to-back per replay over one replay alone
 
 
-HOST_IO = "host_io" in inspect.signature(GraphedExecutor).parameters
-
-
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("io", ["device", "host"])
@@ -44,13 +40,10 @@ HOST_IO = "host_io" in inspect.signature(GraphedExecutor).parameters
 def test_back_to_back_replays_cost_at_most_1_5x_one_alone(name, io):
     from bench.kernel_timing import HotTimer
 
-    if io == "host" and not HOST_IO:
-        pytest.skip("this GraphedExecutor has no host_io (graphs that copy the batch in and out)")
     device = torch.device("cuda")
     model = load_model(WEIGHTS / name)
     executor = Executor(model, "fused", device, torch.float16)
-    host_io = {"host_io": True} if io == "host" else {}
-    graphed = GraphedExecutor(executor, Settings().max_batch_size, **host_io)
+    graphed = GraphedExecutor(executor, Settings().max_batch_size, host_io=io == "host")
     graphed.capture_all()
     timer = HotTimer()
     gen = torch.Generator(device=device).manual_seed(19)
