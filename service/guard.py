@@ -1,0 +1,85 @@
+"""Slow clients, bounded: uvicorn's httptools protocol with a header and a body read timeout.
+
+uvicorn closes a keep-alive connection that stays idle, but not one that sends half a header and then
+nothing: 1,500 such connections were all still open after 7 s (issue 22). Here a connection whose request
+headers are not complete `header_timeout_s` after its first byte (or after it opened), or whose body sends
+nothing for `body_timeout_s`, is closed: with a 408 when no request has started yet, else by closing the
+transport (the handler then sees the client gone and counts the request `cancelled`).
+
+Cost: no timer per request. The hot path only stores the phase of the connection (a few attribute writes
+per request, one per body chunk); `sweep()` runs on the server's own 0.1 s tick (service/main.py) every
+SWEEP_EVERY_TICKS ticks, stamps connections it sees in a reading phase for the first time and closes those
+that stayed there too long. So a timeout fires between T and T + the sweep period (0.5 s) after it is due.
+"""
+
+from __future__ import annotations
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+SWEEP_EVERY_TICKS = 5  # uvicorn ticks every 0.1 s: sweep twice a second (1,500 connections take ~0.3 ms)
+
+IDLE, HEADERS, BODY, HANDLING = 0, 1, 2, 3
+_408_BODY = b"request headers took too long\n"
+_TIMEOUT_408 = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_408_BODY), _408_BODY)
+)
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """HttpToolsProtocol that records which part of a request it is reading, for `sweep()`."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.fs_phase = HEADERS  # an open connection owes its first request's headers
+        self.fs_since: float | None = None  # set by the first sweep that sees this phase
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.fs_phase = HEADERS
+        self.fs_since = None
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self.fs_phase = BODY
+        self.fs_since = None
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        self.fs_since = None  # progress: the body timeout counts from the last bytes
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self.fs_phase = HANDLING  # the request's own timeout (REQUEST_TIMEOUT_MS) applies from here
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.fs_phase == HANDLING:
+            self.fs_phase = IDLE  # uvicorn's keep-alive timeout applies until the next request's first byte
+
+
+def sweep(connections, now: float, header_timeout_s: float, body_timeout_s: float) -> int:
+    """Close every connection stuck reading headers or body past its timeout; returns how many were closed."""
+    closed = 0
+    for conn in list(connections):
+        phase = getattr(conn, "fs_phase", IDLE)
+        if phase in (IDLE, HANDLING):
+            continue
+        if phase == BODY and conn.flow is not None and conn.flow.read_paused:
+            conn.fs_since = None  # the app has not taken the body yet: the wait is ours, not the client's
+            continue
+        since = conn.fs_since
+        if since is None:
+            conn.fs_since = now
+            continue
+        if now - since < (header_timeout_s if phase == HEADERS else body_timeout_s):
+            continue
+        transport = conn.transport
+        if transport is None or transport.is_closing():
+            continue
+        if phase == HEADERS and (conn.cycle is None or conn.cycle.response_complete):
+            transport.write(_TIMEOUT_408)
+        transport.close()
+        conn.fs_phase = IDLE
+        closed += 1
+    return closed
