@@ -42,6 +42,9 @@ def create_app(settings: Settings, model, engines, run_dir: Path) -> FastAPI:
     app = FastAPI(title="fusedserve", version="0.1.0", lifespan=lifespan)
     app.state.fusedserve = state
     app.include_router(router)
+    from .openapi import install
+
+    install(app, model.input_shape, settings.max_rows_per_request)  # /predict's body, every route's answers
     return app
 
 
