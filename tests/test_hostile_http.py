@@ -8,6 +8,7 @@ the front end whose memory and sockets are read is the one every connection reac
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import select
 import socket
@@ -115,6 +116,38 @@ def test_a_body_over_the_limit_gets_413_at_once_and_the_rest_is_never_read(serve
     grown = rss_bytes(pid) - before
     assert grown < 20 * 1024 * 1024, f"the front end grew {grown / 1e6:.1f} MB over three refused 200 MB bodies"
     assert httpx.post(server.url + "/predict", json=GOOD, timeout=10).status_code == 200
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "content-length"])
+def test_a_client_that_sends_its_whole_body_before_reading_still_gets_the_413(servers, chunked):
+    # A plain close with unread bytes resets the connection; an asyncio client (as most clients do) then fails
+    # its write and drops the 413 it had not read yet. The lingering close (service/guard.py) sends a FIN after
+    # the answer and discards the rest, so the client reads the 413. Each of 5 tries must read it.
+    server = servers["guard"]
+    size = 8 * 1024 * 1024
+    framing = b"transfer-encoding: chunked\r\n" if chunked else b"content-length: %d\r\n" % size
+    piece = b"1" * (64 * 1024)
+    frame = b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece
+
+    async def once() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            writer.write(b"POST /predict HTTP/1.1\r\nhost: t\r\n" + framing + b"\r\n")
+            with contextlib.suppress(ConnectionError):
+                for _ in range(size // len(piece)):
+                    writer.write(frame)
+                    await writer.drain()
+            try:
+                return await asyncio.wait_for(reader.read(), 5)
+            except ConnectionError as e:
+                return f"{type(e).__name__}: {e}".encode()
+        finally:
+            writer.close()
+
+    for _ in range(5):
+        answer = asyncio.run(once())
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
 
 
 @pytest.mark.timeout(120)
