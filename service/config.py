@@ -93,7 +93,7 @@ class Settings(BaseSettings):
         2048,
         ge=2,
         le=1_000_000,
-        description="open HTTP connections one front end keeps; a request arriving past this gets 503 at once",
+        description="open HTTP connections one front end serves; a request on one more gets 503 at once",
     )
     header_timeout_s: float = Field(
         10.0,

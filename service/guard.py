@@ -1,4 +1,9 @@
-"""Slow clients, bounded: uvicorn's httptools protocol with a header and a body read timeout.
+"""Slow clients, bounded: uvicorn's httptools protocol with a header and a body read timeout, and a cap on
+open connections.
+
+Past `max_connections` open connections, a request is answered 503 at once (JSON, `Retry-After: 1`, the
+connection closed) and counted `overloaded`, as uvicorn's `limit_concurrency` would answer it, but counted
+and in the service's own error format.
 
 uvicorn closes a keep-alive connection that stays idle, but not one that sends half a header and then
 nothing: 1,500 such connections were all still open after 7 s (issue 22). Here a connection whose request
@@ -36,7 +41,11 @@ _TIMEOUT_408 = (
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    """HttpToolsProtocol that records which part of a request it is reading, for `sweep()`."""
+    """HttpToolsProtocol that records which part of a request it is reading, for `sweep()`, and refuses requests
+    past the connection cap. `guarded_protocol()` makes the class with the cap and the refusal counter set."""
+
+    fs_max_connections: int | None = None
+    fs_on_refused = None  # called once per request refused past the cap (counts it)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -49,7 +58,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.fs_since = None
 
     def on_headers_complete(self) -> None:
-        super().on_headers_complete()
+        cap = self.fs_max_connections
+        if cap is not None and (len(self.connections) > cap or len(self.tasks) >= cap):
+            app, self.app = self.app, self._refuse  # this request only: uvicorn starts its task with self.app
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
+        else:
+            super().on_headers_complete()
         self.fs_phase = BODY
         self.fs_since = None
         for name, value in self.headers:  # a few headers; only a large body's cycle gets the lingering close
@@ -70,6 +87,32 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_response_complete()
         if self.fs_phase == HANDLING:
             self.fs_phase = IDLE  # uvicorn's keep-alive timeout applies until the next request's first byte
+
+    async def _refuse(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if self.fs_on_refused is not None:
+            self.fs_on_refused()
+        await send({"type": "http.response.start", "status": 503, "headers": _REFUSED_HEADERS})
+        await send({"type": "http.response.body", "body": _REFUSED_BODY})
+
+
+_REFUSED_BODY = b'{"detail":"server overloaded: too many open connections; retry shortly"}'
+_REFUSED_HEADERS = [
+    (b"content-type", b"application/json"),
+    (b"content-length", str(len(_REFUSED_BODY)).encode()),
+    (b"retry-after", b"1"),
+    (b"connection", b"close"),
+]
+
+
+def guarded_protocol(max_connections: int | None, on_refused=None) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class for one front end: at most `max_connections` open connections are served."""
+    return type(
+        "GuardedHttpToolsProtocol",
+        (GuardedHttpToolsProtocol,),
+        {"fs_max_connections": max_connections, "fs_on_refused": staticmethod(on_refused) if on_refused else None},
+    )
 
 
 class _Discard:

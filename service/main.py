@@ -69,13 +69,14 @@ def frontend_main(settings: Settings, model, endpoints: list[str], states: list,
     import uvicorn
 
     from .engine_client import EngineClient
-    from .guard import GuardedHttpToolsProtocol
+    from .guard import guarded_protocol
 
     engines = EngineClient(endpoints, states, model.output_features)
     app = create_app(settings, model, engines, Path(run_dir))
     from .predict import PredictFastPath
 
-    served = PredictFastPath(app, app.state.fusedserve)  # POST /predict ahead of FastAPI's routing
+    state = app.state.fusedserve
+    served = PredictFastPath(app, state)  # POST /predict ahead of FastAPI's routing
     sock = listen_socket(settings.host, settings.port)
     config = uvicorn.Config(
         served,
@@ -85,9 +86,8 @@ def frontend_main(settings: Settings, model, endpoints: list[str], states: list,
         # Keep-alive connections are the norm under load; a client idle this long is closed.
         timeout_keep_alive=30,
         # Slow clients (service/guard.py): header and body read timeouts, and a cap on open connections past
-        # which a request gets uvicorn's 503 at once.
-        http=GuardedHttpToolsProtocol,
-        limit_concurrency=settings.max_connections,
+        # which a request gets 503 at once, counted as overloaded.
+        http=guarded_protocol(settings.max_connections, lambda: state.metrics.observe_request("overloaded")),
         server_header=False,
         date_header=False,
     )

@@ -227,6 +227,8 @@ def test_past_the_connection_cap_a_request_gets_503_at_once(servers):
         r = httpx.post(server.url + "/predict", json=GOOD, timeout=10)
         took = time.monotonic() - started
         assert r.status_code == 503, r.text
+        assert "too many open connections" in r.json()["detail"], r.text
+        assert r.headers.get("retry-after") == "1" and r.headers.get("connection") == "close", r.headers
         assert took < 1.0, f"503 past the cap took {took:.2f} s"
     finally:
         for s in idle:
@@ -238,3 +240,11 @@ def test_past_the_connection_cap_a_request_gets_503_at_once(servers):
             break
         time.sleep(0.1)
     assert r.status_code == 200, r.text
+    # Counted: the refusal is an overloaded request in the service's own counters.
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    overloaded = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("fusedserve_requests_total") and 'outcome="overloaded"' in line
+    ]
+    assert overloaded and float(overloaded[0].rsplit(" ", 1)[1]) >= 1, overloaded
