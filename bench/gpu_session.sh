@@ -9,6 +9,8 @@
 # BENCH_ARGS="--sections models" for one part of a run split over two calls: bench/README.md, "Hot and cold").
 # STEPS=probe runs `python -m bench.probes.P` for each P in $PROBE (space-separated; dashes or underscores;
 # default digits-floor): bench/probes/README.md lists them.
+# STEPS=soak runs `fusedserve bench soak` for SOAK_MINUTES (default 5; ~6.5 min in all, a call of its own) and
+# writes soak_<gpu>.md and .json to $OUT, for bench/results/.
 # Usage on the device machine (after the wheel prologue of ../shared/gpu/README.md):
 #   OUT=$OUT bash bench/gpu_session.sh [pytest args...]
 set -uo pipefail
@@ -57,5 +59,11 @@ fi
 if [[ $steps == *" smoke "* ]]; then
   timeout 300 python3 -m bench.smoke_service --device cuda > "$out/smoke.txt" 2>&1 || status=1
   grep -E "accuracy|ready:|kernel_seconds_sum|exited|not ready|Error" "$out/smoke.txt"
+fi
+if [[ $steps == *" soak "* ]]; then
+  minutes=${SOAK_MINUTES:-5}
+  timeout $(( ${minutes%.*} * 60 + 240 )) python3 -m bench.soak --minutes "$minutes" --out "$out" > "$out/soak.log" 2>&1 \
+    || status=1
+  tail -n 45 "$out/soak.log"
 fi
 exit $status

@@ -21,6 +21,7 @@ BENCHMARKS = {
     "kernels": "bench.kernels",
     "serve": "bench.serve",
     "pool": "bench.pool",
+    "soak": "bench.soak",
 }
 
 

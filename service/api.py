@@ -31,7 +31,10 @@ async def predict(request: Request) -> Response:
 
 
 @router.get("/health/live")
-async def live() -> Response:
+async def live(request: Request) -> Response:
+    # 503 once an engine's GPU is broken (a sticky CUDA error): the service is exiting to be restarted.
+    if _state(request).engines.broken():
+        return _json({"status": "broken"}, 503)
     return _json({"status": "live"})
 
 

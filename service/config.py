@@ -89,6 +89,22 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = Field(
         30.0, gt=0, le=3600, description="on SIGTERM, longest wait for accepted requests to be answered"
     )
+    max_connections: int = Field(
+        2048,
+        ge=2,
+        le=1_000_000,
+        description="open HTTP connections one front end serves; a request on one more gets 503 at once",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="a connection whose request headers are not complete this long after its first byte (or its "
+        "opening) is closed (408)",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="a request body that sends no bytes for this long is dropped and closed"
+    )
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 in containers)")
     port: int = Field(8000, ge=1, le=65535, description="port to listen on")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import link, wire
+from . import faults, link, wire
 from .batching import BatchQueue, Pending
 from .config import Settings
 from .processes import child_setup, configure_logging
@@ -33,6 +33,7 @@ IDLE_POLL_S = 0.1  # how often an idle engine looks at its stop flag
 # After its last batch a CUDA engine polls without sleeping this long before it blocks: a request that comes
 # meanwhile (the next one of a client that just got its answer) finds a running thread, not a sleeping core.
 SPIN_S = 0.002
+EXIT_DEVICE_BROKEN = 4  # the engine's exit code after a sticky device error (3: it failed to start)
 
 
 class Engine:
@@ -54,6 +55,8 @@ class Engine:
         )
         self.stopping = False
         self.spin_s = 0.0  # set for CUDA engines (engine_main): a CPU engine shares its cores with the front ends
+        self.device_type = "cpu"  # set by engine_main; decides how a failed forward is diagnosed (service/faults.py)
+        self.on_broken = None  # called once the device is found broken, before any request is answered 503
         self._replies: dict[int, tuple[list[bytes], list]] = {}
 
     # ------------------------------------------------------------------ loop
@@ -174,21 +177,61 @@ class Engine:
             self.metrics.queue_waits(waits)
             self.metrics.batch(rows)
             self.metrics.queue_depth(len(self.queue))
-            x = batch[0].rows if len(batch) == 1 else np.concatenate([r.rows for r in batch])
-            try:
-                out = self.runner.run(x)
-            except Exception as err:  # the batch fails alone; the engine keeps serving
-                log.error("forward failed on a batch of %d rows (%d requests)", rows, len(batch), exc_info=err)
-                msg = f"forward failed on a batch of {rows} rows: {type(err).__name__}: {err}"
-                for req in batch:
-                    self._reply_error(req, wire.FAILED, msg)
-            else:
-                start = 0
-                for req in batch:
-                    n = req.rows.shape[0]
-                    self._reply(req.owner, req.id, wire.OK, n, out[start : start + n])
-                    start += n
+            self._forward(batch, rows)
         self._flush()
+
+    def _forward(self, batch: list[Pending], rows: int) -> None:
+        x = batch[0].rows if len(batch) == 1 else np.concatenate([r.rows for r in batch])
+        try:
+            out = self.runner.run(x)
+        except Exception as err:
+            self._forward_failed(batch, rows, err)
+            return
+        start = 0
+        for req in batch:
+            n = req.rows.shape[0]
+            self._reply(req.owner, req.id, wire.OK, n, out[start : start + n])
+            start += n
+
+    def _forward_failed(self, batch: list[Pending], rows: int, err: Exception) -> None:
+        """Out of memory: retry in halves, down to one request, which alone gets 503. A sticky device error:
+        DeviceBroken (service/faults.py). Anything else: the batch fails alone with 500; the engine keeps serving."""
+        kind = faults.classify(err, self.device_type)
+        if kind == faults.OOM:
+            self.metrics.gpu_fault(kind)
+            faults.release_memory(self.device_type)
+            if len(batch) == 1:
+                log.warning("GPU out of memory on one request of %d rows: answered 503", rows)
+                msg = f"GPU out of memory on this request's {rows} rows alone; retry later or send fewer rows"
+                self._reply_error(batch[0], wire.OVERLOADED, msg)
+                return
+            log.warning("GPU out of memory on a batch of %d rows (%d requests); retrying in halves", rows, len(batch))
+            half = len(batch) // 2
+            for part in (batch[:half], batch[half:]):
+                self._forward(part, sum(r.rows.shape[0] for r in part))
+            return
+        if kind == faults.STICKY:
+            self.metrics.gpu_fault(kind)
+            self._device_broken(batch, err)
+        log.error("forward failed on a batch of %d rows (%d requests)", rows, len(batch), exc_info=err)
+        msg = f"forward failed on a batch of {rows} rows: {type(err).__name__}: {err}"
+        for req in batch:
+            self._reply_error(req, wire.FAILED, msg)
+
+    def _device_broken(self, batch: list[Pending], err: Exception) -> None:
+        """The device is unusable (a sticky CUDA error): mark it broken, answer this batch and every queued request
+        503 now, push the answers out, and raise DeviceBroken for engine_main to exit."""
+        log.critical("the device is broken (%s: %s); answering what is held with 503 and exiting",
+                     type(err).__name__, err, exc_info=err)  # fmt: skip
+        if self.on_broken is not None:
+            self.on_broken()  # before the answers: a client told 503 then finds /health/live false
+        msg = f"the GPU failed ({type(err).__name__}: {err}); the service is restarting"
+        for req in batch + self.queue.drain():
+            self._reply_error(req, wire.SHUTTING_DOWN, msg)
+        self.metrics.queue_depth(0)
+        self._flush()
+        self._finish_writes(1.0)
+        raise faults.DeviceBroken(msg) from err
 
     # ------------------------------------------------------------------ replies
 
@@ -289,11 +332,13 @@ def engine_main(
         # The device as the host names it: each engine sees only its own GPU, as cuda:0.
         where = f"cuda:{visible_device}" if device.type == "cuda" and visible_device is not None else str(device)
         metrics = EngineMetrics(model.name, settings.mode, where, dtype, engine=label)
-        runner = build_runner(settings, device, dtype, model, metrics)
+        runner = faults.maybe_inject(build_runner(settings, device, dtype, model, metrics))
         listener = link.new_socket()
         listener.bind(endpoint)
         listener.listen(256)
         engine = Engine(runner, listener, settings, model.input_shape, metrics)
+        engine.device_type = device.type
+        engine.on_broken = lambda: setattr(state, "value", wire.BROKEN)
         if device.type == "cuda":
             engine.spin_s = SPIN_S
         if index == 0:
@@ -316,7 +361,13 @@ def engine_main(
         state.value = wire.FAILED_START
         sys.exit(3)
     state.value = wire.READY
-    engine.serve()
+    try:
+        engine.serve()
+    except faults.DeviceBroken:
+        # Only a new process gets a working CUDA context: exit non-zero; the supervisor stops the service with
+        # exit 1 for Docker or Kubernetes to restart it.
+        logging.shutdown()
+        os._exit(EXIT_DEVICE_BROKEN)
     state.value = wire.STOPPED
     log.info("engine %d stopped", index)
     logging.shutdown()

@@ -92,12 +92,18 @@ class EngineClient:
     def states(self) -> list[int]:
         """Each engine's state; one not connected to yet reads as loading."""
         return [
-            wire.STOPPED if i in self._dead else (s.value if self._socks[i] is not None else min(s.value, wire.LOADING))
+            (wire.BROKEN if s.value == wire.BROKEN else wire.STOPPED)
+            if i in self._dead
+            else (s.value if self._socks[i] is not None else min(s.value, wire.LOADING))
             for i, s in enumerate(self._states)
         ]
 
     def states_named(self) -> list[str]:
         return [wire.ENGINE_STATES[s] for s in self.states()]
+
+    def broken(self) -> bool:
+        """An engine's device hit a sticky error (service/faults.py): the service is about to exit for a restart."""
+        return any(s.value == wire.BROKEN for s in self._states)
 
     def ready(self) -> bool:
         """Every engine is up and warm (one that died takes the service out of rotation: it is shutting down)."""
@@ -221,7 +227,7 @@ class EngineClient:
         for i, state in enumerate(self._states):
             if i in self._dead:
                 continue
-            if state.value in (wire.STOPPED, wire.FAILED_START):
+            if state.value in (wire.STOPPED, wire.FAILED_START, wire.BROKEN):
                 self._engine_gone(i, f"engine {i} stopped before answering")
             elif self._socks[i] is None and state.value in (wire.WARMING, wire.READY):
                 self._connect(i)

@@ -42,6 +42,9 @@ def create_app(settings: Settings, model, engines, run_dir: Path) -> FastAPI:
     app = FastAPI(title="fusedserve", version="0.1.0", lifespan=lifespan)
     app.state.fusedserve = state
     app.include_router(router)
+    from .openapi import install
+
+    install(app, model.input_shape, settings.max_rows_per_request)  # /predict's body, every route's answers
     return app
 
 
@@ -66,12 +69,14 @@ def frontend_main(settings: Settings, model, endpoints: list[str], states: list,
     import uvicorn
 
     from .engine_client import EngineClient
+    from .guard import guarded_protocol
 
     engines = EngineClient(endpoints, states, model.output_features)
     app = create_app(settings, model, engines, Path(run_dir))
     from .predict import PredictFastPath
 
-    served = PredictFastPath(app, app.state.fusedserve)  # POST /predict ahead of FastAPI's routing
+    state = app.state.fusedserve
+    served = PredictFastPath(app, state)  # POST /predict ahead of FastAPI's routing
     sock = listen_socket(settings.host, settings.port)
     config = uvicorn.Config(
         served,
@@ -80,15 +85,22 @@ def frontend_main(settings: Settings, model, endpoints: list[str], states: list,
         timeout_graceful_shutdown=settings.shutdown_grace_s,
         # Keep-alive connections are the norm under load; a client idle this long is closed.
         timeout_keep_alive=30,
+        # Slow clients (service/guard.py): header and body read timeouts, and a cap on open connections past
+        # which a request gets 503 at once, counted as overloaded.
+        http=guarded_protocol(settings.max_connections, lambda: state.metrics.observe_request("overloaded")),
         server_header=False,
         date_header=False,
     )
     log.info("front end %d (pid %d) serving on %s:%d", index, os.getpid(), settings.host, settings.port)
     drain_s = min(DRAIN_MAX_S, settings.shutdown_grace_s / 2)
-    _draining_server(uvicorn.Server)(config, app.state.fusedserve, drain_s).run(sockets=[sock])
+    server = _draining_server(uvicorn.Server)(config, app.state.fusedserve, drain_s)
+    server.fs_timeouts = (settings.header_timeout_s, settings.body_timeout_s)
+    server.run(sockets=[sock])
 
 
 def _draining_server(base):
+    from .guard import SWEEP_EVERY_TICKS, sweep
+
     class DrainingServer(base):
         """uvicorn's server with a drain before its shutdown. On SIGTERM, /health/ready turns 503 and every answer
         closes its connection (`Connection: close`), so that clients move off on their own; once no connection
@@ -102,6 +114,7 @@ def _draining_server(base):
             self._drain_s = drain_s
             self._drain_started: float | None = None
             self._quiet_since: float | None = None
+            self.fs_timeouts: tuple[float, float] | None = None  # (header, body) read timeouts for guard.sweep
 
         def handle_exit(self, sig, frame) -> None:
             if self._drain_started is None:
@@ -111,6 +124,8 @@ def _draining_server(base):
             super().handle_exit(sig, frame)  # a second signal: shut down now
 
         async def on_tick(self, counter: int) -> bool:
+            if self.fs_timeouts is not None and counter % SWEEP_EVERY_TICKS == 0:
+                sweep(self.server_state.connections, time.monotonic(), *self.fs_timeouts)
             if self._drain_started is not None and not self.should_exit:
                 now = time.monotonic()
                 if self.server_state.connections:

@@ -110,7 +110,12 @@ class EngineMetrics:
             "fusedserve_model_info", "The model being served (value 1)", [*lm, "device", "dtype"], registry=r,
             multiprocess_mode="livemax",
         )  # fmt: skip
+        self.gpu_faults = Counter(
+            "fusedserve_gpu_faults", "Forwards that failed on a device fault, by kind (oom, sticky)",
+            [*lm, "kind"], registry=r,
+        )  # fmt: skip
         self._labels = labels = {"model": model, "mode": mode, "engine": engine}
+        self._faults = {k: self.gpu_faults.labels(**labels, kind=k) for k in ("oom", "sticky")}
         self.model_info.labels(**labels, device=device, dtype=dtype).set(1)
         self._forward = self.forward_seconds.labels(**labels)
         self._queue_wait = self.queue_wait_seconds.labels(**labels)
@@ -127,6 +132,9 @@ class EngineMetrics:
 
     def observe_forward(self, seconds: float) -> None:
         self._forward.observe(seconds)
+
+    def gpu_fault(self, kind: str) -> None:
+        self._faults[kind].inc()
 
     def queue_depth(self, requests: int) -> None:
         self._depth.set(requests)

@@ -103,9 +103,12 @@ async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
     extra = (_CLOSE,) if state.draining else ()
     limit = state.max_body_bytes
     length = _content_length(scope)
+    # A body refused before it is all read closes its connection: uvicorn then reads no more of it (it would
+    # otherwise read and discard the rest, 200 MB of it if the client says so, to keep the connection).
     if length is not None and length > limit:
         metrics.observe_request("too_large")
-        return _error(413, f"body is {length} bytes; at most {limit}")
+        return _error(413, f"body is {length} bytes; at most {limit}", _CLOSE)
+    body = None
     try:
         body = await _read_body(receive, limit)
         if body is None:
@@ -114,7 +117,7 @@ async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
         rows = parse_rows(body, state.model.input_shape, state.settings.max_rows_per_request)
     except InputError as e:
         metrics.observe_request(e.outcome)
-        return _error(e.status, e.message)
+        return _error(e.status, e.message, *((_CLOSE,) if body is None else ()))
 
     deadline = time.monotonic() + state.settings.request_timeout_ms / 1e3
     rid, fut = engines.submit(rows, deadline)

@@ -108,11 +108,11 @@ class FrontendState:
 
     @property
     def status(self) -> str:
-        """draining, or the least advanced engine's state: loading, warming, ready, failed or stopped."""
+        """draining, or the least advanced engine's state: loading, warming, ready, failed, broken or stopped."""
         if self.draining:
             return "draining"
         states = self.engines.states()
-        worst = next((s for s in (wire.FAILED_START, wire.STOPPED) if s in states), min(states))
+        worst = next((s for s in (wire.FAILED_START, wire.BROKEN, wire.STOPPED) if s in states), min(states))
         return wire.ENGINE_STATES[worst]
 
     @property

@@ -12,7 +12,9 @@ hundreds per request per core; so front ends scale over the host's cores, and ea
 
 Faults: a front end that dies is started again (its own connections are lost, nothing else). An engine
 that dies takes the service down: its outstanding requests get 503 at once, /health/ready turns 503,
-the front ends drain, and the supervisor exits 1 so that Docker or Kubernetes restart the whole.
+the front ends drain, and the supervisor exits 1 so that Docker or Kubernetes restart the whole. An engine
+whose GPU hits a sticky error (service/faults.py) answers what it holds 503, marks itself broken
+(/health/live turns 503 too) and exits 4, which ends the same way.
 SIGTERM or SIGINT: the front ends stop accepting and answer every accepted request, then the engines
 answer what they hold and stop; exit 0 within FUSEDSERVE_SHUTDOWN_GRACE_S.
 """
@@ -171,7 +173,8 @@ class Supervisor:
             dead = [(i, p) for i, p in enumerate(self.engines) if not p.is_alive()]
             if dead:
                 for i, p in dead:
-                    states[i].value = wire.STOPPED if states[i].value != wire.FAILED_START else wire.FAILED_START
+                    if states[i].value not in (wire.FAILED_START, wire.BROKEN):
+                        states[i].value = wire.STOPPED
                     log.error("engine %d exited with code %s; stopping the service", i, p.exitcode)
                 code = 1
                 # Front ends see the engine gone within STATE_POLL_S and answer 503; let load balancers see

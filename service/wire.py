@@ -31,8 +31,12 @@ SHUTTING_DOWN = 4  # the engine is stopping: 503
 STATUS_NAMES = {OK: "ok", OVERLOADED: "overloaded", TIMEOUT: "timeout", FAILED: "failed", SHUTTING_DOWN: "stopping"}
 
 # Engine states, shared with front ends and the supervisor through one integer per engine.
-LOADING, WARMING, READY, FAILED_START, STOPPED = 0, 1, 2, 3, 4
-ENGINE_STATES = {LOADING: "loading", WARMING: "warming", READY: "ready", FAILED_START: "failed", STOPPED: "stopped"}
+# BROKEN: a sticky device error; the engine is exiting and /health/live reads 503.
+LOADING, WARMING, READY, FAILED_START, STOPPED, BROKEN = 0, 1, 2, 3, 4, 5
+ENGINE_STATES = {
+    LOADING: "loading", WARMING: "warming", READY: "ready", FAILED_START: "failed", STOPPED: "stopped",
+    BROKEN: "broken",
+}  # fmt: skip
 
 
 def pack(records: list[bytes], payloads: list) -> bytes:

@@ -69,10 +69,12 @@ def test_defaults():
     assert s.log_level == "info"
     assert s.workers is None and s.engines is None  # resolved at start from the host's cores and GPUs
     assert s.shutdown_grace_s == 30.0
+    assert s.max_connections == 2048 and s.header_timeout_s == 10.0 and s.body_timeout_s == 30.0
     assert set(FIELDS) == {
         "mode", "device", "model", "model_dir", "dtype", "allow_tf32", "max_batch_size", "max_delay_ms",
         "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "kernel_timing_every", "cuda_graphs",
         "tuning", "tuning_cache", "pdl", "warmup", "workers", "engines", "shutdown_grace_s",
+        "max_connections", "header_timeout_s", "body_timeout_s",
         "host", "port", "log_level",
     }  # fmt: skip
 

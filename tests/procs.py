@@ -1,0 +1,42 @@
+"""The service's processes as /proc shows them: children by name, resident memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def children(pid: int) -> dict[str, int]:
+    """{process name (fs-engine-0, fs-frontend-1, ...): pid} of the supervisor's children."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            comm = (entry / "comm").read_text().strip()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and comm.startswith("fs-"):
+            out[comm] = int(entry.name)
+    return out
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of `pid` (VmRSS in /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def open_sockets(pid: int) -> int:
+    """Sockets `pid` holds open (its listening sockets included)."""
+    n = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if fd.readlink().as_posix().startswith("socket:"):
+                n += 1
+        except OSError:
+            continue
+    return n
