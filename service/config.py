@@ -91,6 +91,13 @@ class Settings(BaseSettings):
     )
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 in containers)")
     port: int = Field(8000, ge=1, le=65535, description="port to listen on")
+    grpc_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="port for the Open Inference Protocol over gRPC (unset: no gRPC; the REST /v2 routes are "
+        "always served on port)",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
 
     @model_validator(mode="after")

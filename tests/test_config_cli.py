@@ -66,6 +66,7 @@ def test_defaults():
     assert s.warmup is True
     assert s.host == "127.0.0.1"
     assert s.port == 8000
+    assert s.grpc_port is None  # gRPC is off until a port is given
     assert s.log_level == "info"
     assert s.workers is None and s.engines is None  # resolved at start from the host's cores and GPUs
     assert s.shutdown_grace_s == 30.0
@@ -73,7 +74,7 @@ def test_defaults():
         "mode", "device", "model", "model_dir", "dtype", "allow_tf32", "max_batch_size", "max_delay_ms",
         "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "kernel_timing_every", "cuda_graphs",
         "tuning", "tuning_cache", "pdl", "warmup", "workers", "engines", "shutdown_grace_s",
-        "host", "port", "log_level",
+        "host", "port", "grpc_port", "log_level",
     }  # fmt: skip
 
 
