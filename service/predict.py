@@ -101,14 +101,14 @@ async def _watch_disconnect(receive, fut: asyncio.Future) -> None:
             return
 
 
-async def run_rows(state: FrontendState, rows: np.ndarray, deadline: float, receive=None) -> np.ndarray:
+async def run_rows(state: FrontendState, rows: np.ndarray, arrival: float, deadline: float, receive=None) -> np.ndarray:
     """Submit `rows` to an engine and await their outputs ((n, output_features) float32), or raise Refused.
 
     `receive` (ASGI) is watched for the client leaving once the request is older than WATCH_AFTER_S; a caller
     without one (gRPC) is cancelled by its server instead, and the engine is told to drop the request either way.
     """
     engines = state.engines
-    rid, fut = engines.submit(rows, deadline)
+    rid, fut = engines.submit(rows, deadline, arrival)
     loop = asyncio.get_running_loop()
     watcher: list[asyncio.Task] = []
 
@@ -164,9 +164,9 @@ async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
         metrics.observe_request(e.outcome)
         return _error(e.status, e.message)
 
-    deadline = time.monotonic() + state.settings.request_timeout_ms / 1e3
+    arrival = time.monotonic()
     try:
-        outputs = await run_rows(state, rows, deadline, receive)
+        outputs = await run_rows(state, rows, arrival, arrival + state.settings.request_timeout_ms / 1e3, receive)
     except Refused as e:
         metrics.observe_request(e.outcome)
         return _error(e.status, e.message, *((_RETRY,) if e.status == 503 else ()))

@@ -85,7 +85,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             remaining = context.time_remaining()
             if remaining is not None:
                 timeout_s = min(timeout_s, remaining)
-            outputs = await run_rows(state, rows, time.monotonic() + timeout_s)
+            arrival = time.monotonic()
+            outputs = await run_rows(state, rows, arrival, arrival + timeout_s)
         except (InputError, Refused) as e:
             outcome = e.outcome
             code, message = _CODE_OF.get(e.status, grpc.StatusCode.INTERNAL), e.message

@@ -108,9 +108,9 @@ async def handle_infer(state: FrontendState, scope: dict, receive) -> Answer:
         metrics.observe_request(e.outcome, protocol=PROTOCOL)
         return _error(e.status if e.status != 422 else 400, e.message)
 
-    deadline = time.monotonic() + state.settings.request_timeout_ms / 1e3
+    arrival = time.monotonic()
     try:
-        outputs = await run_rows(state, rows, deadline, receive)
+        outputs = await run_rows(state, rows, arrival, arrival + state.settings.request_timeout_ms / 1e3, receive)
     except Refused as e:
         metrics.observe_request(e.outcome, protocol=PROTOCOL)
         return _error(e.status, e.message, *((_RETRY,) if e.status == 503 else ()))
