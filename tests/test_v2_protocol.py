@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
+import signal
 import time
 
 import httpx
@@ -433,3 +435,53 @@ def test_concurrent_grpc_requests_all_answered(servers, digits):
     got = asyncio.run(run())
     for i, logits in enumerate(got):
         assert_rows_close(logits, np.asarray(want["outputs"][i % 32 : i % 32 + 1]), RTOL_BATCHED, f"request {i}")
+
+
+# ------------------------------------------------------------------------------------ shutdown
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_answers_every_accepted_grpc_and_rest_request_and_exits_0(tmp_path, digits):
+    """As /predict's: SIGTERM with gRPC and REST v2 requests waiting for their batch; each is answered, and the
+    service exits 0 within the grace."""
+    grace = 15
+    grpc_port = free_port()
+    env = {"workers": 2, "max_delay_ms": 400, "max_batch_size": MAX_BATCH, "shutdown_grace_s": grace,
+           "grpc_port": grpc_port}  # fmt: skip
+    with running_servers({"s": ("unfused", env)}, tmp_path) as servers:
+        server = servers["s"]
+
+        async def scenario():
+            client = tgrpc_aio.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+            try:
+
+                async def grpc_one(i: int):
+                    inp = tgrpc.InferInput("input", [2, 64], "FP32")
+                    inp.set_data_from_numpy(digits[i : i + 2])
+                    return (await client.infer(MODEL, [inp], client_timeout=30)).as_numpy("logits")
+
+                async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as http_client:
+                    doc = _doc(shape=(2, 64), data=digits[:2].tolist())
+                    calls = [asyncio.ensure_future(grpc_one(i)) for i in range(8)]
+                    calls += [
+                        asyncio.ensure_future(http_client.post(f"/v2/models/{MODEL}/infer", json=doc)) for _ in range(4)
+                    ]
+                    await asyncio.sleep(0.2)  # accepted, waiting for their batch
+                    os.killpg(server.process.proc.pid, signal.SIGTERM)
+                    return await asyncio.gather(*calls, return_exceptions=True)
+            finally:
+                await client.close()
+
+        started = time.monotonic()
+        answers = asyncio.run(scenario())
+        for a in answers[:8]:
+            assert not isinstance(a, Exception), a
+            assert a.shape == (2, 10)
+        for r in answers[8:]:
+            assert not isinstance(r, Exception), r
+            assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [2, 10], r.text[:300]
+        proc = server.process.proc
+        code = proc.wait(grace + 10)
+        assert code == 0, f"exit {code}\n{server.log()}"
+        assert time.monotonic() - started < grace, "stopping took longer than the grace"
+        assert "fusedserve stopped (exit 0)" in server.log()

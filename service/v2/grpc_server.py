@@ -4,7 +4,9 @@ grpcio's asyncio server runs on the front end's own event loop, beside uvicorn, 
 same checks (service/v2/tensors.py), engine link (`run_rows`) and metrics (protocol "v2_grpc") as REST. Every front
 end binds the same port: grpcio sets SO_REUSEPORT on Linux, so the kernel spreads connections over them as it
 does uvicorn's. A message larger than the front end's body limit is refused by grpcio with RESOURCE_EXHAUSTED
-before it is read in full; the client's deadline, when it has one, shortens the request's timeout in the queue.
+before it is read in full (in grpcio's core, before any handler: so it is not counted in fusedserve_requests_total);
+the client's deadline, when it has one, shortens the request's timeout in the queue. On shutdown the server stops
+after uvicorn's drain, giving RPCs under way half the grace to finish.
 """
 
 from __future__ import annotations
