@@ -7,6 +7,11 @@ does uvicorn's. A message larger than the front end's body limit is refused by g
 before it is read in full (in grpcio's core, before any handler: so it is not counted in fusedserve_requests_total);
 the client's deadline, when it has one, shortens the request's timeout in the queue. On shutdown the server stops
 after uvicorn's drain, giving RPCs under way half the grace to finish.
+
+The generated modules register `inference.*` in protobuf's default descriptor pool, as tritonclient.grpc's own
+copy of the protocol does: one process cannot import both (a duplicate-symbol TypeError). The server never imports
+tritonclient; tests and clients that use tritonclient never import these modules (bench/serve_v2.py builds its
+requests with them in a process that has no tritonclient).
 """
 
 from __future__ import annotations
@@ -148,7 +153,7 @@ def _response(state: FrontendState, request, outputs: np.ndarray, wanted: list[s
             raws.append(outputs.tobytes())
         else:
             metas.append(tensor(name=name, datatype="BYTES", shape=[n]))
-            raws.append(t.bytes_tensor(t.labels_of(model, outputs)))
+            raws.append(t.labels_tensor(model, outputs))
     return pb.ModelInferResponse(
         model_name=model.name, model_version=t.VERSION, id=request.id, outputs=metas, raw_output_contents=raws
     )

@@ -193,14 +193,13 @@ def _response(
             else:
                 meta["data"] = outputs.reshape(-1)
         else:
-            labels = t.labels_of(model, outputs)
             meta = {"name": name, "datatype": "BYTES", "shape": [n]}
             if binary_out[name]:
-                blob = t.bytes_tensor(labels)
+                blob = t.labels_tensor(model, outputs)
                 meta["parameters"] = {"binary_data_size": len(blob)}
                 blobs.append(blob)
             else:
-                meta["data"] = [b.decode() for b in labels]
+                meta["data"] = t.label_names(model, outputs)
         tensors.append(meta)
     out = {"model_name": model.name, "model_version": t.VERSION, "outputs": tensors}
     if isinstance(doc.get("id"), str):

@@ -9,6 +9,7 @@ engine's float32 in one numpy call), and two outputs: `logits` [-1, output_featu
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -125,16 +126,32 @@ def check_outputs(names: list[str]) -> list[str]:
     return names or list(OUTPUTS)
 
 
-def labels_of(model: ModelInfo, outputs: np.ndarray) -> list[bytes]:
-    """The label of each row's highest logit, as UTF-8 (its index when the model has no labels)."""
+def label_names(model: ModelInfo, outputs: np.ndarray) -> list[str]:
+    """The label of each row's highest logit (its index when the model has no labels), for JSON."""
     idx = np.argmax(outputs, axis=1).tolist()
     labels = model.labels
-    return [(labels[i] if labels else str(i)).encode() for i in idx]
+    return [labels[i] for i in idx] if labels else [str(i) for i in idx]
 
 
-def bytes_tensor(items: list[bytes]) -> bytes:
-    """A BYTES tensor in raw form: each element a 4-byte little-endian length, then its bytes."""
-    return b"".join(len(b).to_bytes(4, "little") + b for b in items)
+@functools.cache  # one model per process
+def _label_table(labels: tuple[str, ...] | None, classes: int) -> np.ndarray | None:
+    """Each class's raw BYTES element (4-byte little-endian length, then UTF-8) as a row of one uint8 array, when
+    every element has the same size (the digits' "0".."9": 5 bytes each); else None."""
+    names = labels or tuple(str(i) for i in range(classes))
+    raw = [len(n.encode()).to_bytes(4, "little") + n.encode() for n in names]
+    if len({len(r) for r in raw}) != 1:
+        return None
+    return np.frombuffer(b"".join(raw), dtype=np.uint8).reshape(len(raw), -1)
+
+
+def labels_tensor(model: ModelInfo, outputs: np.ndarray) -> bytes:
+    """The `label` output in raw BYTES form: one numpy gather for labels of one size (no per-row Python)."""
+    labels = tuple(model.labels) if model.labels else None
+    table = _label_table(labels, outputs.shape[1])
+    idx = np.argmax(outputs, axis=1)
+    if table is not None:
+        return table[idx].tobytes()
+    return b"".join(len(b).to_bytes(4, "little") + b for b in (n.encode() for n in label_names(model, outputs)))
 
 
 def parameter(params: object, key: str, default=None):
