@@ -87,3 +87,16 @@ def test_model_and_output_names():
     assert t.check_outputs([]) == ["logits", "label"] and t.check_outputs(["label"]) == ["label"]
     with pytest.raises(InputError, match="unknown output 'probs'"):
         t.check_outputs(["probs"])
+
+
+def test_the_rest_routes_are_in_the_openapi_schema():
+    from fastapi import FastAPI
+
+    from service.api import router
+
+    app = FastAPI()
+    app.include_router(router)
+    paths = app.openapi()["paths"]
+    assert paths["/v2/models/{name}/infer"]["post"]["summary"].startswith("inference")
+    for p in ("/v2", "/v2/health/live", "/v2/health/ready", "/v2/models/{name}/versions/{version}/ready"):
+        assert "get" in paths[p], p
