@@ -485,3 +485,58 @@ def test_sigterm_answers_every_accepted_grpc_and_rest_request_and_exits_0(tmp_pa
         assert code == 0, f"exit {code}\n{server.log()}"
         assert time.monotonic() - started < grace, "stopping took longer than the grace"
         assert "fusedserve stopped (exit 0)" in server.log()
+
+
+# A client of this repository's own generated modules, in a process of its own (tritonclient.grpc, imported here,
+# registers the same protobuf symbols): typed contents instead of raw bytes, which tritonclient never sends.
+TYPED_CONTENTS_CLIENT = """
+import json, sys
+import grpc
+from service.v2 import grpc_predict_v2_pb2 as pb, grpc_predict_v2_pb2_grpc as pb_grpc
+
+stub = pb_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(sys.argv[1]))
+rows = json.loads(sys.argv[2])
+T = pb.ModelInferRequest.InferInputTensor
+out = {}
+for dt, field in (("FP32", "fp32_contents"), ("FP64", "fp64_contents")):
+    contents = pb.InferTensorContents(**{field: sum(rows, [])})
+    tensor = T(name="input", datatype=dt, shape=[len(rows), 64], contents=contents)
+    r = stub.ModelInfer(pb.ModelInferRequest(model_name="digits-mlp", inputs=[tensor], id="typed"), timeout=30)
+    out[dt] = [r.id, [o.name for o in r.outputs], len(r.raw_output_contents[0])]
+bad = {
+    "fp16": T(name="input", datatype="FP16", shape=[1, 64], contents=pb.InferTensorContents(fp32_contents=[0.0] * 64)),
+    "empty": T(name="input", datatype="FP32", shape=[1, 64]),
+}
+for what, tensor in bad.items():
+    try:
+        stub.ModelInfer(pb.ModelInferRequest(model_name="digits-mlp", inputs=[tensor]), timeout=30)
+        out[what] = "answered"
+    except grpc.RpcError as e:
+        out[what] = [e.code().name, e.details()]
+try:
+    tensor = T(name="input", datatype="FP32", shape=[1, 64])
+    two = pb.ModelInferRequest(model_name="digits-mlp", inputs=[tensor], raw_input_contents=[b"\\0" * 256] * 2)
+    stub.ModelInfer(two, timeout=30)
+except grpc.RpcError as e:
+    out["two raw"] = [e.code().name, e.details()]
+print(json.dumps(out))
+"""
+
+
+def test_grpc_typed_contents_from_the_repositorys_own_stubs(servers, digits):
+    import json
+    import subprocess
+    import sys
+
+    rows = digits[:2].tolist()
+    res = subprocess.run(
+        [sys.executable, "-c", TYPED_CONTENTS_CLIENT, servers["mlp"]["grpc"], json.dumps(rows)],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    for dt in ("FP32", "FP64"):
+        assert out[dt] == ["typed", ["logits", "label"], 2 * 10 * 4], out
+    assert out["fp16"][0] == "INVALID_ARGUMENT" and "FP16 travels only in raw_input_contents" in out["fp16"][1]
+    assert out["empty"][0] == "INVALID_ARGUMENT" and "no fp32_contents" in out["empty"][1]
+    assert out["two raw"][0] == "INVALID_ARGUMENT" and "raw_input_contents has 2 entries" in out["two raw"][1]

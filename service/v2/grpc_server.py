@@ -16,6 +16,7 @@ requests with them in a process that has no tritonclient).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -97,12 +98,15 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         except (InputError, Refused) as e:
             outcome = e.outcome
             code, message = _CODE_OF.get(e.status, grpc.StatusCode.INTERNAL), e.message
-        except BaseException:
-            # Cancelled: the client left, or its deadline passed (grpcio cancels the handler either way).
+        except asyncio.CancelledError:
+            # The client left, or its deadline passed (grpcio cancels the handler either way).
             remaining = context.time_remaining()
             metrics.observe_request("timeout" if remaining is not None and remaining <= 0 else "cancelled",
                                     protocol=PROTOCOL)  # fmt: skip
             raise
+        except Exception as e:  # a bug, not a bad request: count it and say so, never an uncounted failure
+            log.exception("unexpected error serving ModelInfer")
+            outcome, code, message = "error", grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
         else:
             response = _response(state, request, outputs, wanted)
             metrics.observe_request("ok", time.perf_counter() - started, protocol=PROTOCOL)
