@@ -109,6 +109,9 @@ class Settings(BaseSettings):
                 f"{ENV_PREFIX}MAX_ROWS_PER_REQUEST ({self.max_rows_per_request}) exceeds {ENV_PREFIX}MAX_BATCH_SIZE "
                 f"({self.max_batch_size}): a request must fit in one batch"
             )
+        if self.grpc_port is not None and self.grpc_port == self.port:
+            # Both bind with SO_REUSEPORT: the kernel would hand HTTP connections to the gRPC server and back.
+            raise ValueError(f"{ENV_PREFIX}GRPC_PORT ({self.grpc_port}) must differ from {ENV_PREFIX}PORT")
         return self
 
     def compute_dtype(self, device_type: str) -> str:

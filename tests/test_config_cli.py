@@ -177,6 +177,17 @@ def test_max_rows_per_request(monkeypatch):
         load_settings()
 
 
+def test_grpc_port_is_off_by_default_and_not_the_http_port(monkeypatch):
+    assert load_settings().grpc_port is None
+    monkeypatch.setenv("FUSEDSERVE_GRPC_PORT", "8001")
+    assert load_settings().grpc_port == 8001
+    with pytest.raises(SettingsError, match=r"FUSEDSERVE_GRPC_PORT \(8001\) must differ from FUSEDSERVE_PORT"):
+        load_settings(port=8001)
+    monkeypatch.setenv("FUSEDSERVE_GRPC_PORT", "0")
+    with pytest.raises(SettingsError, match=r"FUSEDSERVE_GRPC_PORT: Input should be greater than or equal to 1"):
+        load_settings()
+
+
 def test_model_path_resolves_a_name():
     # The cwd (tmp_path) has no model_weights/: the directory beside the package is used.
     assert Settings().model_path() == PACKAGE_MODEL_DIR / "digits-mlp"
