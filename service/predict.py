@@ -19,6 +19,7 @@ import numpy as np
 import orjson
 
 from . import wire
+from .asgi import CLOSE, JSON, RETRY, Answer, ClientGone, content_length, read_body, watch_disconnect
 from .engine_client import EngineError, EngineGone
 from .inputs import InputError, parse_rows
 from .state import FrontendState
@@ -35,15 +36,6 @@ _STATUS_OF = {
     wire.FAILED: (500, "error", "inference failed: "),
     wire.SHUTTING_DOWN: (503, "overloaded", "server is shutting down: "),
 }
-_JSON = (b"content-type", b"application/json")
-_RETRY = (b"retry-after", b"1")
-_CLOSE = (b"connection", b"close")
-
-Answer = tuple[int, bytes, list[tuple[bytes, bytes]]]
-
-
-class ClientGone(Exception):
-    pass
 
 
 class Refused(Exception):
@@ -58,47 +50,11 @@ class Refused(Exception):
 
 def _answer(status: int, doc: object, *extra: tuple[bytes, bytes]) -> Answer:
     body = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
-    return status, body, [_JSON, (b"content-length", str(len(body)).encode()), *extra]
+    return status, body, [JSON, (b"content-length", str(len(body)).encode()), *extra]
 
 
 def _error(status: int, message: str, *extra: tuple[bytes, bytes]) -> Answer:
     return _answer(status, {"detail": message}, *extra)
-
-
-def _content_length(scope: dict) -> int | None:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            return int(value) if value.isdigit() else None
-    return None
-
-
-async def _read_body(receive, limit: int) -> bytes | None:
-    """The request body, or None when the client left before sending it all; InputError past `limit` bytes,
-    counted as they arrive (the rest is not read)."""
-    chunks = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise InputError(413, f"body is more than {limit} bytes; at most {limit}", "too_large")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-async def _watch_disconnect(receive, fut: asyncio.Future) -> None:
-    # After the body is read, the next ASGI message for this request is http.disconnect: the client went away
-    # (or the response finished, by which time this task is cancelled).
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            if not fut.done():
-                fut.set_exception(ClientGone())
-            return
 
 
 async def run_rows(state: FrontendState, rows: np.ndarray, arrival: float, deadline: float, receive=None) -> np.ndarray:
@@ -114,7 +70,7 @@ async def run_rows(state: FrontendState, rows: np.ndarray, arrival: float, deadl
 
     def watch() -> None:
         if not fut.done():
-            watcher.append(loop.create_task(_watch_disconnect(receive, fut)))
+            watcher.append(loop.create_task(watch_disconnect(receive, fut)))
 
     timer = loop.call_later(WATCH_AFTER_S, watch) if receive is not None else None
     try:
@@ -146,16 +102,16 @@ async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
     engines = state.engines
     if not engines.ready():
         metrics.observe_request("overloaded")
-        return _error(503, f"model is not ready ({state.status}); retry shortly", _RETRY)
+        return _error(503, f"model is not ready ({state.status}); retry shortly", RETRY)
     # While draining (SIGTERM), requests are still answered, each answer closing its connection.
-    extra = (_CLOSE,) if state.draining else ()
+    extra = (CLOSE,) if state.draining else ()
     limit = state.max_body_bytes
-    length = _content_length(scope)
+    length = content_length(scope)
     if length is not None and length > limit:
         metrics.observe_request("too_large")
         return _error(413, f"body is {length} bytes; at most {limit}")
     try:
-        body = await _read_body(receive, limit)
+        body = await read_body(receive, limit)
         if body is None:
             metrics.observe_request("cancelled")
             return _error(499, "client closed the request")
@@ -169,7 +125,7 @@ async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
         outputs = await run_rows(state, rows, arrival, arrival + state.settings.request_timeout_ms / 1e3, receive)
     except Refused as e:
         metrics.observe_request(e.outcome)
-        return _error(e.status, e.message, *((_RETRY,) if e.status == 503 else ()))
+        return _error(e.status, e.message, *((RETRY,) if e.status == 503 else ()))
     doc = {
         "outputs": outputs,
         "predictions": state.predictions(np.argmax(outputs, axis=1)),

@@ -17,15 +17,15 @@ import time
 import numpy as np
 import orjson
 
+from ..asgi import CLOSE, JSON, RETRY, Answer, content_length, header, read_body
 from ..inputs import InputError
-from ..predict import _CLOSE, _RETRY, Answer, Refused, _content_length, _read_body, run_rows
+from ..predict import Refused, run_rows
 from ..state import FrontendState
 from . import tensors as t
 
 PROTOCOL = "v2_rest"
 SERVER_METADATA = {"name": "fusedserve", "version": "0.1.0", "extensions": ["binary_tensor_data"]}
 HEADER_LENGTH = b"inference-header-content-length"
-_JSON = (b"content-type", b"application/json")
 _OCTETS = (b"content-type", b"application/octet-stream")
 
 
@@ -34,7 +34,7 @@ def _answer(status: int, body: bytes, *headers: tuple[bytes, bytes]) -> Answer:
 
 
 def _json(status: int, doc: object, *extra: tuple[bytes, bytes]) -> Answer:
-    return _answer(status, orjson.dumps(doc), _JSON, *extra)
+    return _answer(status, orjson.dumps(doc), JSON, *extra)
 
 
 def _error(status: int, message: str, *extra: tuple[bytes, bytes]) -> Answer:
@@ -42,14 +42,7 @@ def _error(status: int, message: str, *extra: tuple[bytes, bytes]) -> Answer:
 
 
 def _empty(status: int) -> Answer:
-    return _answer(status, b"", _JSON)
-
-
-def _header(scope: dict, name: bytes) -> bytes | None:
-    for k, v in scope["headers"]:
-        if k == name:
-            return v
-    return None
+    return _answer(status, b"", JSON)
 
 
 async def handle_v2(state: FrontendState, scope: dict, receive) -> Answer:
@@ -88,18 +81,18 @@ async def handle_infer(state: FrontendState, scope: dict, receive) -> Answer:
     metrics = state.metrics
     if not state.engines.ready():
         metrics.observe_request("overloaded", protocol=PROTOCOL)
-        return _error(503, f"model is not ready ({state.status}); retry shortly", _RETRY)
-    extra = (_CLOSE,) if state.draining else ()
+        return _error(503, f"model is not ready ({state.status}); retry shortly", RETRY)
+    extra = (CLOSE,) if state.draining else ()
     limit = state.max_body_bytes
-    length = _content_length(scope)
+    length = content_length(scope)
     try:
         if length is not None and length > limit:
             raise InputError(413, f"body is {length} bytes; at most {limit}", "too_large")
-        encoding = _header(scope, b"content-encoding")
+        encoding = header(scope, b"content-encoding")
         if encoding not in (None, b"identity"):
             name = encoding.decode(errors="replace")
             raise InputError(400, f"Content-Encoding {name} is not supported; send the body uncompressed")
-        body = await _read_body(receive, limit)
+        body = await read_body(receive, limit)
         if body is None:
             metrics.observe_request("cancelled", protocol=PROTOCOL)
             return _error(499, "client closed the request")
@@ -113,7 +106,7 @@ async def handle_infer(state: FrontendState, scope: dict, receive) -> Answer:
         outputs = await run_rows(state, rows, arrival, arrival + state.settings.request_timeout_ms / 1e3, receive)
     except Refused as e:
         metrics.observe_request(e.outcome, protocol=PROTOCOL)
-        return _error(e.status, e.message, *((_RETRY,) if e.status == 503 else ()))
+        return _error(e.status, e.message, *((RETRY,) if e.status == 503 else ()))
     answer = _response(state, doc, outputs, binary_out, wanted, extra)
     metrics.observe_request("ok", time.perf_counter() - started, protocol=PROTOCOL)
     return answer
@@ -122,7 +115,7 @@ async def handle_infer(state: FrontendState, scope: dict, receive) -> Answer:
 def _parse(state: FrontendState, scope: dict, body: bytes) -> tuple[dict, np.ndarray, dict[str, bool], list[str]]:
     """(the JSON header, the rows, per output whether it goes binary, the outputs to give), or InputError."""
     model = state.model
-    header_length = _header(scope, HEADER_LENGTH)
+    header_length = header(scope, HEADER_LENGTH)
     if header_length is not None:
         if not header_length.isdigit() or int(header_length) > len(body):
             raise InputError(
@@ -206,5 +199,5 @@ def _response(
         out["id"] = doc["id"]
     head = orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)
     if not blobs:
-        return _answer(200, head, _JSON, *extra)
+        return _answer(200, head, JSON, *extra)
     return _answer(200, b"".join([head, *blobs]), _OCTETS, (HEADER_LENGTH, str(len(head)).encode()), *extra)
