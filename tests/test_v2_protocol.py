@@ -377,6 +377,78 @@ def test_grpc_deadline_shortens_the_timeout(servers, grpc_client, digits):
     assert _grpc_infer(grpc_client, digits[:1]).as_numpy("logits").shape == (1, 10)
 
 
+# ------------------------------------------------------------------------------------ overload and timeout
+
+# A queue of one, a batch held 500 ms for company, and a 200 ms timeout: a request alone outlives its timeout in the
+# queue (504 / DEADLINE_EXCEEDED), and of a burst all but one are refused at once (503 / UNAVAILABLE).
+SLOW_ENV = {"max_batch_size": MAX_BATCH, "max_delay_ms": 500, "max_queue_requests": 1, "request_timeout_ms": 200}
+
+
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory) -> dict:
+    port = free_port()
+    with running_servers({"s": ("unfused", {**SLOW_ENV, "grpc_port": port})}, tmp_path_factory.mktemp("v2-slow")) as s:
+        yield {"url": s["s"].url, "grpc": f"127.0.0.1:{port}"}
+
+
+def _outcomes(url: str, protocol: str) -> dict[str, float]:
+    fam = scrape(url)
+    return {o: total(fam, "fusedserve_requests_total", protocol=protocol, outcome=o) for o in ("timeout", "overloaded")}
+
+
+def test_queue_timeout_is_504_and_deadline_exceeded(slow, digits):
+    before = {p: _outcomes(slow["url"], p) for p in ("v2_rest", "v2_grpc")}
+    r = httpx.post(f"{slow['url']}/v2/models/{MODEL}/infer", json=_doc(data=digits[0].tolist()), timeout=TIMEOUT)
+    assert r.status_code == 504 and "longer than its timeout" in r.json()["error"], r.text
+    client = tgrpc.InferenceServerClient(slow["grpc"])
+    try:
+        with pytest.raises(InferenceServerException) as e:
+            _grpc_infer(client, digits[:1])
+    finally:
+        client.close()
+    assert "DEADLINE_EXCEEDED" in str(e.value.status()) and "longer than its timeout" in e.value.message()
+    for p in ("v2_rest", "v2_grpc"):
+        assert _outcomes(slow["url"], p)["timeout"] == before[p]["timeout"] + 1, p
+
+
+def test_a_full_queue_is_503_and_unavailable(slow, digits):
+    before = {p: _outcomes(slow["url"], p) for p in ("v2_rest", "v2_grpc")}
+
+    async def burst():
+        client = tgrpc_aio.InferenceServerClient(slow["grpc"])
+        try:
+            async with httpx.AsyncClient(timeout=TIMEOUT) as http_client:
+
+                async def grpc_one():
+                    inp = tgrpc.InferInput("input", [1, 64], "FP32")
+                    inp.set_data_from_numpy(digits[:1])
+                    try:
+                        await client.infer(MODEL, [inp], client_timeout=30)
+                        return "OK"
+                    except InferenceServerException as e:
+                        return str(e.status()).split(".")[-1]
+
+                async def rest_one():
+                    url = f"{slow['url']}/v2/models/{MODEL}/infer"
+                    r = await http_client.post(url, json=_doc(data=digits[0].tolist()))
+                    return r.status_code, r.headers.get("retry-after")
+
+                return await asyncio.gather(*(grpc_one() for _ in range(4)), *(rest_one() for _ in range(4)))
+        finally:
+            await client.close()
+
+    answers = asyncio.run(burst())
+    grpc_codes, rest = answers[:4], answers[4:]
+    assert set(grpc_codes) <= {"UNAVAILABLE", "DEADLINE_EXCEEDED"}, grpc_codes
+    assert {s for s, _ in rest} <= {503, 504}, rest
+    assert all(retry == "1" for s, retry in rest if s == 503), rest
+    refused = grpc_codes.count("UNAVAILABLE") + sum(1 for s, _ in rest if s == 503)
+    assert refused >= 6, answers  # a queue of one: of 8 at once, at most 2 are ever queued (one each side at worst)
+    after = {p: _outcomes(slow["url"], p) for p in ("v2_rest", "v2_grpc")}
+    assert after["v2_grpc"]["overloaded"] - before["v2_grpc"]["overloaded"] == grpc_codes.count("UNAVAILABLE")
+    assert after["v2_rest"]["overloaded"] - before["v2_rest"]["overloaded"] == sum(1 for s, _ in rest if s == 503)
+
+
 # ------------------------------------------------------------------------------------ one batch, three protocols
 
 
