@@ -319,6 +319,7 @@ def test_open_inference_protocol_example_against_a_real_server():
     the labels the README shows."""
     from .server import free_port, running_server
 
+    pytest.importorskip("tritonclient.grpc", reason="tritonclient[http,grpc] is not installed (the test extra)")
     (snippet,) = [b for b in _blocks(README, "python") if "tritonclient" in b]
     expected = re.search(r"^# (\[.*\])", snippet, re.M).group(1)
     grpc_port = free_port()
