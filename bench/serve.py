@@ -8,7 +8,10 @@ Every system runs as a real server on a free loopback port: `empty` (FastAPI + o
 ceiling) and `eager` (FastAPI, eager torch per request) under uvicorn with 1 and N workers, and fusedserve
 `fused` and `unfused` (`python -m service.cli serve --workers N`). Each is loaded closed loop at 1, 4, 64 and
 256 connections with 1-row and 64-row /predict bodies, and open loop at fixed rates (latency from each
-request's due time, as wrk2 measures it). /metrics is read before and after each phase for the server's
+request's due time, as wrk2 measures it). fusedserve is also loaded through the Open Inference Protocol:
+binary REST (/v2/models/digits-mlp/infer, Triton's binary tensors) and gRPC (ModelInfer, raw tensors), with
+256-row requests, and gRPC with 1-row requests, closed loop at 64 and 256 connections (those of --connections).
+/metrics is read before and after each phase for the server's
 own split (queue wait, forward per batch, rows per batch) and its outcome counters. Nothing may be lost:
 requests sent = answers by status + connection errors, no connection error, no unexplained 5xx, and the
 server's counters agree; a SIGTERM in the middle of a fused phase must leave every request on an open
@@ -85,6 +88,8 @@ class Plan:
     drain_timeout_s: float
     ready_timeout_s: float
     tuning_cache: Path | None
+    v2: tuple[str, ...]  # Open Inference Protocol phases: v2_binary, v2_grpc
+    v2_rows: int
     quick: bool
     seed: int
     out: Path
@@ -110,6 +115,15 @@ def _rates(text: str) -> tuple[float, ...] | None:
     if any(v <= 0 for v in vals):
         raise argparse.ArgumentTypeError(f"rates are requests/s like 10000,20000 (or auto, or none); got {text!r}")
     return vals
+
+
+def _protocols(text: str) -> tuple[str, ...]:
+    if text.strip() == "none":
+        return ()
+    names = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    if not names or any(n not in ("binary", "grpc") for n in names):
+        raise argparse.ArgumentTypeError(f"expected binary, grpc, both (binary,grpc) or none; got {text!r}")
+    return tuple(f"v2_{n}" for n in names)
 
 
 def parse_systems(text: str, workers: int) -> tuple[System, ...]:
@@ -189,6 +203,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=Path,
         help="fusedserve's tuning cache for every start of the run [a file in the run's temp dir]",
     )
+    p.add_argument(
+        "--v2",
+        type=_protocols,
+        default="binary,grpc",
+        help="Open Inference Protocol phases of fusedserve: binary REST and/or gRPC, or none [binary,grpc]",
+    )
+    p.add_argument("--v2-rows", type=int, default=256, help="rows per request of the v2 phases (gRPC: and 1) [256]")
     p.add_argument("--quick", action="store_true", help="smoke run: few systems and phases, short windows")
     p.add_argument("--seed", type=int, default=0, help="seed of the request bodies [0]")
 
@@ -227,6 +248,8 @@ def resolve(args: argparse.Namespace) -> Plan:
         drain_timeout_s=args.drain_timeout,
         ready_timeout_s=args.ready_timeout,
         tuning_cache=args.tuning_cache,
+        v2=args.v2,
+        v2_rows=args.v2_rows,
         quick=quick,
         seed=args.seed,
         out=args.out,

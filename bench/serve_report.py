@@ -23,12 +23,12 @@ def _n(v) -> str:
     return "-" if v is None else f"{v:,.0f}"
 
 
-def closed(results: dict, system: str, rows: int, conns: int | None = None) -> list[dict]:
+def closed(results: dict, system: str, rows: int, conns: int | None = None, protocol: str = "predict") -> list[dict]:
     return [
         r
         for r in results["phases"]
         if r["system"] == system and r["kind"] == "closed" and r["rows"] == rows
-        and (conns is None or r["connections"] == conns)
+        and r.get("protocol", "predict") == protocol and (conns is None or r["connections"] == conns)
     ]  # fmt: skip
 
 
@@ -105,6 +105,7 @@ def targets(results: dict) -> list[dict]:
             add("fused forward time per batch (metrics) lower than unfused", "not measured", None)
     else:
         add("fused at least as fast as unfused in every phase", "not measured (needs both)", None)
+    v2_targets(results, fused_n, add)
     phases = results["phases"]
     bad = [r for r in phases if not r["ok"]]
     sig = [r for r in phases if r["kind"] == "sigterm"]
@@ -118,6 +119,25 @@ def targets(results: dict) -> list[dict]:
     return out
 
 
+def v2_targets(results: dict, fused_n: str, add) -> None:
+    """Issue 21's: 256-row binary REST or gRPC >= 5M rows/s, nothing lost; 1-row gRPC >= 1-row JSON /predict."""
+    n = results["meta"].get("v2_rows", 256)
+    big = [r for p in ("v2_binary", "v2_grpc") for r in closed(results, fused_n, n, protocol=p)]
+    b = best([r for r in big if r["ok"]], "rows_per_s")
+    label = f"binary REST or gRPC, {n}-row requests: >= 5,000,000 rows/s, nothing lost"
+    if b:
+        add(label, f"{_n(b['rows_per_s'])} rows/s ({b['protocol']}, {b['connections']} connections)",
+            b["rows_per_s"] >= 5_000_000)  # fmt: skip
+    else:
+        add(label, "no clean phase" if big else "not measured", False if big else None)
+    g, j = best(closed(results, fused_n, 1, protocol="v2_grpc")), best(closed(results, fused_n, 1))
+    label = "single-row gRPC: at least the single-row JSON /predict's req/s (fused, N workers, best of each)"
+    if g and j:
+        add(label, f"{_n(g['req_per_s'])} against {_n(j['req_per_s'])} req/s", g["req_per_s"] >= j["req_per_s"])
+    else:
+        add(label, "not measured", None)
+
+
 def _phase_name(r: dict) -> str:
     base = f"{r['system']} {r['rows']} row{'s' if r['rows'] > 1 else ''}, {r['connections']} conns"
     return base + (f", {r['rate']:.0f}/s" if r.get("rate") else "")
@@ -127,13 +147,23 @@ def fused_unfused_pairs(results: dict) -> list[tuple[dict, dict]]:
     index = {}
     for r in results["phases"]:
         if r["name"] in ("fused", "unfused") and r["kind"] == "closed":
-            index[(r["name"], r["workers"], r["rows"], r["connections"])] = r
+            index[(r["name"], r["workers"], r["rows"], r["connections"], r.get("protocol", "predict"))] = r
     return [
         (r, index[("unfused", *k[1:])]) for k, r in index.items() if k[0] == "fused" and ("unfused", *k[1:]) in index
     ]
 
 
 # ------------------------------------------------------------------------------------------- markdown
+
+
+def _closed_row(r: dict, name: str) -> str:
+    lat, s = r["latency_ms"], r["server"]
+    return (
+        f"| {name} | {r['workers']} | {r['rows']} | {r['connections']} | {_n(r['req_per_s'])} | "
+        f"{_n(r['rows_per_s'])} | {_f(lat['p50'])} | {_f(lat['p90'])} | {_f(lat['p99'])} | "
+        f"{_f(s.get('queue_wait_ms'), '.3f')} | {_f(s.get('forward_us'), '.1f')} | "
+        f"{_f(s.get('batch_rows'), '.1f')} | {r['lost']} |"
+    )
 
 
 def markdown(results: dict) -> str:
@@ -167,15 +197,21 @@ def markdown(results: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results["phases"]:
-        if r["kind"] != "closed":
+        if r["kind"] != "closed" or r.get("protocol", "predict") != "predict":
             continue
-        lat, s = r["latency_ms"], r["server"]
-        lines.append(
-            f"| {r['name']} | {r['workers']} | {r['rows']} | {r['connections']} | {_n(r['req_per_s'])} | "
-            f"{_n(r['rows_per_s'])} | {_f(lat['p50'])} | {_f(lat['p90'])} | {_f(lat['p99'])} | "
-            f"{_f(s.get('queue_wait_ms'), '.3f')} | {_f(s.get('forward_us'), '.1f')} | "
-            f"{_f(s.get('batch_rows'), '.1f')} | {r['lost']} |"
-        )
+        lines.append(_closed_row(r, r["name"]))
+    v2 = [r for r in results["phases"] if r["kind"] == "closed" and r.get("protocol", "predict") != "predict"]
+    if v2:
+        lines += [
+            "", "## Open Inference Protocol (closed loop)", "",
+            "`v2_binary`: POST /v2/models/digits-mlp/infer with Triton's binary tensor extension (FP32 rows in, "
+            "binary logits and labels out); `v2_grpc`: ModelInfer over gRPC with raw_input_contents, one HTTP/2 "
+            "connection per client connection.", "",
+            "| system (protocol) | workers | rows | conns | req/s | rows/s | p50 ms | p90 ms | p99 ms | "
+            "queue wait ms | forward µs/batch | rows/batch | lost |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]  # fmt: skip
+        lines += [_closed_row(r, f"{r['name']} ({r['protocol']})") for r in v2]
     opens = [r for r in results["phases"] if r["kind"] == "open"]
     lines += ["", "## Open loop (fixed rate, single-row)", ""]
     if opens:
@@ -248,13 +284,15 @@ def markdown(results: dict) -> str:
 
 
 def summary(results: dict, paths: list[Path]) -> str:
-    rows = ["", "system      rows conns      req/s      rows/s   p50 ms   p99 ms  lost"]
+    rows = ["", "system (protocol)    rows conns      req/s      rows/s   p50 ms   p99 ms  lost"]
     for r in results["phases"]:
         if r["kind"] != "closed":
             continue
         lat = r["latency_ms"]
+        proto = r.get("protocol", "predict")
+        name = r["system"] + ("" if proto == "predict" else " " + proto)
         rows.append(
-            f"{r['system']:<11} {r['rows']:>4} {r['connections']:>5} {r['req_per_s']:>10,.0f} "
+            f"{name:<20} {r['rows']:>4} {r['connections']:>5} {r['req_per_s']:>10,.0f} "
             f"{r['rows_per_s']:>11,.0f} {_f(lat['p50']):>8} {_f(lat['p99']):>8} {r['lost']:>5}"
         )
     t = results["targets"]
@@ -280,7 +318,7 @@ def plot(results: dict, path: Path) -> Path | None:
     except ImportError:
         print("plot skipped: matplotlib is not installed (pip install -e '.[bench]')", flush=True)
         return None
-    phases = [r for r in results["phases"] if r["kind"] == "closed"]
+    phases = [r for r in results["phases"] if r["kind"] == "closed" and r.get("protocol", "predict") == "predict"]
     if not phases:
         return None
     systems = list(dict.fromkeys(r["system"] for r in phases))

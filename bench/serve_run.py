@@ -31,6 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import serve_v2
 from .loadgen import ClientPool, PhaseSpec, make_bodies, percentiles
 from .serve_accounting import account, delta, scrape, server_split
 from .serve_report import CDF_POINTS
@@ -89,6 +90,7 @@ class Server:
         self.tuning_cache = tuning_cache
         self.proc: subprocess.Popen | None = None
         self.port = 0
+        self.grpc_port = 0  # fusedserve's Open Inference Protocol over gRPC
         self.log_path = log_dir / f"{system.name}-{system.workers}.log"
         self._log = None
 
@@ -103,7 +105,7 @@ class Server:
             return [
                 sys.executable, "-m", "service.cli", "serve", *host, "--mode", s.name, "--workers", str(s.workers),
                 "--dtype", p.dtype, "--device", p.device, "--tuning-cache", str(self.tuning_cache),
-                "--log-level", "info",
+                "--log-level", "info", "--grpc-port", str(self.grpc_port),
             ]  # fmt: skip
         return [
             sys.executable, "-m", "uvicorn", f"bench.serve_apps.{s.name}:app", *host, "--workers", str(s.workers),
@@ -121,6 +123,7 @@ class Server:
 
     def start(self) -> None:
         self.port = free_port()
+        self.grpc_port = free_port()
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(
             self.argv(), env=self.env(), cwd=REPO, stdin=subprocess.DEVNULL, stdout=self._log,
@@ -224,10 +227,29 @@ def phase_list(system: System, plan: Plan, sigterm_system: System | None) -> lis
             if system.name == "eager" and system.workers == 1:
                 prio = 3
             out.append({"kind": "closed", "rows": rows, "connections": c, "priority": prio})
+    if system.fusedserve:
+        out += v2_phases(system, plan)
     if system in plan.open_systems:
         out.append({"kind": "open", "rows": 1, "connections": plan.open_connections, "priority": 2})
     if plan.sigterm and system == sigterm_system:
         out.append({"kind": "sigterm", "rows": 1, "connections": max(plan.connections), "priority": 1})
+    return out
+
+
+def v2_phases(system: System, plan: Plan) -> list[dict]:
+    """The Open Inference Protocol phases of a fusedserve system: binary REST and gRPC with v2_rows-row requests
+    (the rows/s target), and gRPC with 1-row requests (against /predict's), closed loop at the run's connection
+    counts of 64 and more (its largest, in a run without any). Essential for fused@N, the targets' system; optional
+    elsewhere (6 phases of ~4 s each per system in the full run)."""
+    conns = [c for c in plan.connections if c >= 64] or [max(plan.connections)]
+    prio = 1 if system.name == "fused" and system.workers == plan.workers else 2
+    out = []
+    for protocol in plan.v2:
+        rows = (plan.v2_rows, 1) if protocol == "v2_grpc" else (plan.v2_rows,)
+        for r in rows:
+            out += [
+                {"kind": "closed", "protocol": protocol, "rows": r, "connections": c, "priority": prio} for c in conns
+            ]
     return out
 
 
@@ -286,10 +308,16 @@ def _latency_block(lat) -> dict:
 def run_phase(pool: ClientPool, server: Server, system: System, phase: dict, plan: Plan, bodies, rate: float = 0.0):
     # After a SIGTERM the server may take its whole grace period to answer what it accepted.
     drain = max(plan.drain_timeout_s, SHUTDOWN_GRACE_S + 5.0) if phase["kind"] == "sigterm" else plan.drain_timeout_s
+    protocol = phase.get("protocol", "predict")
+    port, path, headers = server.port, "/predict", b""
+    if protocol == "v2_binary":
+        path, headers = serve_v2.REST_PATH, serve_v2.binary_bodies(phase["rows"], 1, plan.seed)[1]
+    elif protocol == "v2_grpc":
+        port, path = server.grpc_port, serve_v2.GRPC_METHOD
     spec = PhaseSpec(
-        host="127.0.0.1", port=server.port, path="/predict", bodies=tuple(bodies[phase["rows"]]),
+        host="127.0.0.1", port=port, path=path, bodies=tuple(bodies[protocol, phase["rows"]]),
         connections=phase["connections"], warmup_s=plan.warmup_s, duration_s=plan.duration_s, rate=rate,
-        client=plan.client, drain_timeout_s=drain, seed=plan.seed,
+        client=plan.client, drain_timeout_s=drain, seed=plan.seed, protocol=protocol, headers=headers,
     )  # fmt: skip
     readings: dict = {}
     sig: dict = {}
@@ -339,6 +367,7 @@ def run_phase(pool: ClientPool, server: Server, system: System, phase: dict, pla
         "name": system.name,
         "workers": system.workers,
         "kind": phase["kind"],
+        "protocol": protocol,
         "rows": rows,
         "connections": phase["connections"],
         "rate": rate or None,
@@ -374,6 +403,8 @@ def _describe(r: dict) -> str:
     p50 = "-" if lat["p50"] is None else f"{lat['p50']:.2f}"
     p99 = "-" if lat["p99"] is None else f"{lat['p99']:.2f}"
     what = f"{r['kind']} rows={r['rows']} conns={r['connections']}" + (f" rate={r['rate']:.0f}" if r["rate"] else "")
+    if r.get("protocol", "predict") != "predict":
+        what += f" {r['protocol']}"
     verdict = "ok" if r["ok"] else "LOST: " + "; ".join(r["accounting"]["problems"])
     return f"  {r['system']:<11} {what:<40} {r['req_per_s']:>9.0f} req/s  p50 {p50} p99 {p99} ms  {verdict}"
 
@@ -452,6 +483,8 @@ def meta(plan: Plan, command: str, gpu: str | None) -> dict:
         "systems": [s.key for s in plan.systems],
         "connections": list(plan.connections),
         "rows": list(plan.rows),
+        "v2": list(plan.v2),
+        "v2_rows": plan.v2_rows,
         "open_connections": plan.open_connections,
         "quick": plan.quick,
     }
@@ -494,7 +527,13 @@ class _Run:
         self.tmp = Path(tempfile.mkdtemp(prefix="fusedserve-bench-serve-"))
         self.tuning_cache = plan.tuning_cache or self.tmp / "tuning.json"
         self.results["meta"]["logs"] = str(self.tmp)
-        self.bodies = {rows: make_bodies(rows, 16, plan.seed) for rows in plan.rows}
+        self.bodies = {("predict", rows): make_bodies(rows, 16, plan.seed) for rows in plan.rows}
+        if any(s.fusedserve for s in plan.systems):
+            for rows in {plan.v2_rows, 1}:
+                if "v2_binary" in plan.v2:
+                    self.bodies["v2_binary", rows] = serve_v2.binary_bodies(rows, 16, plan.seed)[0]
+                if "v2_grpc" in plan.v2:
+                    self.bodies["v2_grpc", rows] = serve_v2.grpc_bodies(rows, 16, plan.seed)
         sigterm_system = pick_sigterm_system(plan)
         self.work = [(s, phase_list(s, plan, sigterm_system)) for s in plan.systems]
         self.peaks: dict[str, float] = {}
@@ -578,12 +617,14 @@ class _Run:
                         self.phase(server, system, phase, rate)
                 continue
             what = f"{phase['kind']} rows={phase['rows']} conns={phase['connections']}"
+            if phase.get("protocol", "predict") != "predict":
+                what += f" {phase['protocol']}"
             cost = budget.phase_cost(phase)
             if budget.left() - keep < cost and (phase["priority"] > 1 or budget.left() < cost):
                 self.skip(system, what, "time budget")
                 continue
             r = self.phase(server, system, phase)
-            if r and phase["kind"] == "closed" and phase["rows"] == 1:
+            if r and phase["kind"] == "closed" and phase["rows"] == 1 and r["protocol"] == "predict":
                 self.peaks[system.key] = max(self.peaks.get(system.key, 0.0), r["req_per_s"])
             if r and phase["kind"] == "sigterm":
                 info["exit"] = r["exit"]

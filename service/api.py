@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request, Response
 
 from .predict import handle_predict
 from .state import FrontendState
+from .v2.rest import handle_v2
 
 router = APIRouter()
 
@@ -62,3 +63,27 @@ async def metrics(request: Request) -> Response:
     from .metrics import CONTENT_TYPE
 
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+# The Open Inference Protocol's REST routes, listed for the OpenAPI schema. A front end serves them through
+# PredictFastPath, ahead of FastAPI, with the same handler these call.
+V2_ROUTES = (
+    ("GET", "/v2", "server metadata: name, version, extensions"),
+    ("GET", "/v2/health/live", "200 while the process runs"),
+    ("GET", "/v2/health/ready", "200 when every engine is ready, else 503"),
+    ("GET", "/v2/models/{name}", "model metadata: inputs and outputs with name, datatype and shape"),
+    ("GET", "/v2/models/{name}/ready", "200 when the model is ready, else 503"),
+    ("POST", "/v2/models/{name}/infer", "inference: JSON tensors or Triton's binary tensor extension"),
+    ("GET", "/v2/models/{name}/versions/{version}", "model metadata (version 1)"),
+    ("GET", "/v2/models/{name}/versions/{version}/ready", "model readiness (version 1)"),
+    ("POST", "/v2/models/{name}/versions/{version}/infer", "inference (version 1)"),
+)
+
+
+async def v2(request: Request) -> Response:
+    status, body, headers = await handle_v2(_state(request), request.scope, request.receive)
+    return Response(body, status_code=status, headers={k.decode(): v.decode() for k, v in headers})
+
+
+for _method, _path, _summary in V2_ROUTES:
+    router.add_api_route(_path, v2, methods=[_method], summary=_summary, tags=["Open Inference Protocol"])

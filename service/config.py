@@ -107,6 +107,13 @@ class Settings(BaseSettings):
     )
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 in containers)")
     port: int = Field(8000, ge=1, le=65535, description="port to listen on")
+    grpc_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="port for the Open Inference Protocol over gRPC (unset: no gRPC; the REST /v2 routes are "
+        "always served on port)",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
 
     @model_validator(mode="after")
@@ -118,6 +125,9 @@ class Settings(BaseSettings):
                 f"{ENV_PREFIX}MAX_ROWS_PER_REQUEST ({self.max_rows_per_request}) exceeds {ENV_PREFIX}MAX_BATCH_SIZE "
                 f"({self.max_batch_size}): a request must fit in one batch"
             )
+        if self.grpc_port is not None and self.grpc_port == self.port:
+            # Both bind with SO_REUSEPORT: the kernel would hand HTTP connections to the gRPC server and back.
+            raise ValueError(f"{ENV_PREFIX}GRPC_PORT ({self.grpc_port}) must differ from {ENV_PREFIX}PORT")
         return self
 
     def compute_dtype(self, device_type: str) -> str:

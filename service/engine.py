@@ -47,7 +47,6 @@ class Engine:
         self.metrics = metrics
         self.input_shape = tuple(input_shape)
         self.features = math.prod(input_shape)
-        self.timeout_s = settings.request_timeout_ms / 1e3
         self.queue = BatchQueue(
             max_batch_size=settings.max_batch_size,
             max_queue_requests=settings.max_queue_requests,
@@ -123,15 +122,15 @@ class Engine:
     def _handle(self, owner: int, message: bytes) -> None:
         records, view, at = wire.unpack(message, wire.REQUEST)
         features = self.features
-        for kind, rid, n, deadline in records:
+        for kind, rid, n, deadline, arrival in records:
             if kind == wire.CANCEL:
                 self.queue.cancel(owner, rid)
                 continue
             size = n * features * 4
             rows = np.frombuffer(view[at : at + size], dtype=np.float32).reshape(n, *self.input_shape)
             at += size
-            # The front end set deadline = its arrival time + request_timeout: so the queue wait counts the link.
-            req = Pending(owner, rid, rows, deadline - self.timeout_s, deadline)
+            # The arrival is the front end's: so the queue wait counts the link.
+            req = Pending(owner, rid, rows, arrival, deadline)
             if not self.queue.push(req):
                 self._reply_error(req, wire.OVERLOADED, f"queue full: {len(self.queue)} requests waiting")
 

@@ -115,9 +115,10 @@ class EngineClient:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, rows: np.ndarray, deadline: float) -> tuple[int, asyncio.Future]:
-        """Send `rows` ((n, *input_shape) float32, C-contiguous) to the least-loaded ready engine. The future
-        resolves to the (n, output_features) float32 outputs, or raises EngineError."""
+    def submit(self, rows: np.ndarray, deadline: float, arrival: float) -> tuple[int, asyncio.Future]:
+        """Send `rows` ((n, *input_shape) float32, C-contiguous) to the least-loaded ready engine; `deadline` and
+        `arrival` are time.monotonic() values. The future resolves to the (n, output_features) float32 outputs, or
+        raises EngineError."""
         loop = self._loop
         fut = loop.create_future()
         load = self._load
@@ -142,7 +143,7 @@ class EngineClient:
         self._pending[rid] = (fut, best)
         load[best] += 1
         headers, frames = self._outbox[best]
-        headers.append(wire.REQUEST.pack(wire.SUBMIT, rid, rows.shape[0], deadline))
+        headers.append(wire.REQUEST.pack(wire.SUBMIT, rid, rows.shape[0], deadline, arrival))
         frames.append(rows)
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -156,7 +157,7 @@ class EngineClient:
             return
         fut, i = entry
         self._load[i] -= 1
-        self._outbox[i][0].append(wire.REQUEST.pack(wire.CANCEL, rid, 0, 0.0))
+        self._outbox[i][0].append(wire.REQUEST.pack(wire.CANCEL, rid, 0, 0.0, 0.0))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)

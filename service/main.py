@@ -33,10 +33,18 @@ def create_app(settings: Settings, model, engines, run_dir: Path) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engines.start()
+        grpc_server = None
+        if settings.grpc_port is not None:
+            from .v2 import grpc_server as v2_grpc
+
+            grpc_server = await v2_grpc.start(state)
         gc.freeze()  # the app lives as long as the process: keep it out of the collector's passes
         try:
             yield
         finally:
+            if grpc_server is not None:
+                # After uvicorn's drain and shutdown: RPCs under way get the rest of the grace to finish.
+                await grpc_server.stop(settings.shutdown_grace_s / 2)
             engines.close()
 
     app = FastAPI(title="fusedserve", version="0.1.0", lifespan=lifespan)

@@ -36,6 +36,8 @@ SECONDS_BUCKETS = tuple(1e-6 * 2**i for i in range(25))
 # Batch rows in powers of two, 1 .. 65536 (the largest max_batch_size the settings allow).
 ROWS_BUCKETS = tuple(float(2**i) for i in range(17))
 OUTCOMES = ("ok", "invalid", "too_large", "overloaded", "timeout", "cancelled", "error")
+# How the request came: POST /predict, the Open Inference Protocol over REST (/v2/...), or over gRPC.
+PROTOCOLS = ("predict", "v2_rest", "v2_grpc")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -58,23 +60,26 @@ class RequestMetrics:
 
     def __init__(self, model: str, mode: str):
         self.registry = r = _registry()
-        lm = ["model", "mode"]
+        lm = ["model", "mode", "protocol"]
         self.request_seconds = Histogram(
             "fusedserve_request_seconds",
             "Time from the request reaching the handler (body not yet read) to response ready, in the server",
             lm, buckets=SECONDS_BUCKETS, registry=r,
         )  # fmt: skip
         self.requests = Counter("fusedserve_requests", "Requests by outcome", [*lm, "outcome"], registry=r)
-        labels = {"model": model, "mode": mode}
-        # Every outcome visible from the start, at 0, so rates are defined; children resolved once (labels()
-        # costs a dict lookup and a lock per call).
-        self._outcomes = {o: self.requests.labels(**labels, outcome=o) for o in OUTCOMES}
-        self._request = self.request_seconds.labels(**labels)
+        # Every outcome of every protocol visible from the start, at 0, so rates are defined; children resolved
+        # once (labels() costs a dict lookup and a lock per call).
+        self._outcomes = {
+            (p, o): self.requests.labels(model=model, mode=mode, protocol=p, outcome=o)
+            for p in PROTOCOLS
+            for o in OUTCOMES
+        }
+        self._request = {p: self.request_seconds.labels(model=model, mode=mode, protocol=p) for p in PROTOCOLS}
 
-    def observe_request(self, outcome: str, seconds: float | None = None) -> None:
-        self._outcomes[outcome].inc()
+    def observe_request(self, outcome: str, seconds: float | None = None, protocol: str = "predict") -> None:
+        self._outcomes[protocol, outcome].inc()
         if seconds is not None:
-            self._request.observe(seconds)
+            self._request[protocol].observe(seconds)
 
     def render(self) -> bytes:
         return render(self.registry)

@@ -19,6 +19,7 @@ import numpy as np
 import orjson
 
 from . import wire
+from .asgi import CLOSE, JSON, RETRY, Answer, ClientGone, content_length, read_body, watch_disconnect
 from .engine_client import EngineError, EngineGone
 from .inputs import InputError, parse_rows
 from .state import FrontendState
@@ -35,60 +36,63 @@ _STATUS_OF = {
     wire.FAILED: (500, "error", "inference failed: "),
     wire.SHUTTING_DOWN: (503, "overloaded", "server is shutting down: "),
 }
-_JSON = (b"content-type", b"application/json")
-_RETRY = (b"retry-after", b"1")
-_CLOSE = (b"connection", b"close")
-
-Answer = tuple[int, bytes, list[tuple[bytes, bytes]]]
 
 
-class ClientGone(Exception):
-    pass
+class Refused(Exception):
+    """A request the engines did not answer: HTTP status, outcome label and a message naming why."""
+
+    def __init__(self, status: int, outcome: str, message: str):
+        super().__init__(message)
+        self.status = status
+        self.outcome = outcome
+        self.message = message
 
 
 def _answer(status: int, doc: object, *extra: tuple[bytes, bytes]) -> Answer:
     body = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
-    return status, body, [_JSON, (b"content-length", str(len(body)).encode()), *extra]
+    return status, body, [JSON, (b"content-length", str(len(body)).encode()), *extra]
 
 
 def _error(status: int, message: str, *extra: tuple[bytes, bytes]) -> Answer:
     return _answer(status, {"detail": message}, *extra)
 
 
-def _content_length(scope: dict) -> int | None:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            return int(value) if value.isdigit() else None
-    return None
+async def run_rows(state: FrontendState, rows: np.ndarray, arrival: float, deadline: float, receive=None) -> np.ndarray:
+    """Submit `rows` to an engine and await their outputs ((n, output_features) float32), or raise Refused.
 
+    `receive` (ASGI) is watched for the client leaving once the request is older than WATCH_AFTER_S; a caller
+    without one (gRPC) is cancelled by its server instead, and the engine is told to drop the request either way.
+    """
+    engines = state.engines
+    rid, fut = engines.submit(rows, deadline, arrival)
+    loop = asyncio.get_running_loop()
+    watcher: list[asyncio.Task] = []
 
-async def _read_body(receive, limit: int) -> bytes | None:
-    """The request body, or None when the client left before sending it all; InputError past `limit` bytes,
-    counted as they arrive (the rest is not read)."""
-    chunks = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise InputError(413, f"body is more than {limit} bytes; at most {limit}", "too_large")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    def watch() -> None:
+        if not fut.done():
+            watcher.append(loop.create_task(watch_disconnect(receive, fut)))
 
-
-async def _watch_disconnect(receive, fut: asyncio.Future) -> None:
-    # After the body is read, the next ASGI message for this request is http.disconnect: the client went away
-    # (or the response finished, by which time this task is cancelled).
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            if not fut.done():
-                fut.set_exception(ClientGone())
-            return
+    timer = loop.call_later(WATCH_AFTER_S, watch) if receive is not None else None
+    try:
+        return await fut
+    except (ClientGone, asyncio.CancelledError) as e:
+        engines.cancel(rid)  # dropped before its forward if it is still queued
+        if isinstance(e, asyncio.CancelledError):
+            raise
+        raise Refused(499, "cancelled", "client closed the request") from None
+    except EngineGone as e:
+        raise Refused(503, "overloaded", f"engine unavailable: {e.message}") from None
+    except EngineError as e:
+        status, outcome, prefix = _STATUS_OF[e.status]
+        raise Refused(status, outcome, prefix + e.message) from None
+    except Exception as e:  # a bug, not a bad request: count it and say so, never an uncounted 500
+        log.exception("unexpected error serving a request")
+        raise Refused(500, "error", f"internal error: {type(e).__name__}: {e}") from None
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if watcher:
+            watcher[0].cancel()
 
 
 async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
@@ -98,58 +102,33 @@ async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
     engines = state.engines
     if not engines.ready():
         metrics.observe_request("overloaded")
-        return _error(503, f"model is not ready ({state.status}); retry shortly", _RETRY)
+        return _error(503, f"model is not ready ({state.status}); retry shortly", RETRY)
     # While draining (SIGTERM), requests are still answered, each answer closing its connection.
-    extra = (_CLOSE,) if state.draining else ()
+    extra = (CLOSE,) if state.draining else ()
     limit = state.max_body_bytes
-    length = _content_length(scope)
+    length = content_length(scope)
     # A body refused before it is all read closes its connection: uvicorn then reads no more of it (it would
     # otherwise read and discard the rest, 200 MB of it if the client says so, to keep the connection).
     if length is not None and length > limit:
         metrics.observe_request("too_large")
-        return _error(413, f"body is {length} bytes; at most {limit}", _CLOSE)
+        return _error(413, f"body is {length} bytes; at most {limit}", CLOSE)
     body = None
     try:
-        body = await _read_body(receive, limit)
+        body = await read_body(receive, limit)
         if body is None:
             metrics.observe_request("cancelled")
             return _error(499, "client closed the request")
         rows = parse_rows(body, state.model.input_shape, state.settings.max_rows_per_request)
     except InputError as e:
         metrics.observe_request(e.outcome)
-        return _error(e.status, e.message, *((_CLOSE,) if body is None else ()))
+        return _error(e.status, e.message, *((CLOSE,) if body is None else ()))
 
-    deadline = time.monotonic() + state.settings.request_timeout_ms / 1e3
-    rid, fut = engines.submit(rows, deadline)
-    loop = asyncio.get_running_loop()
-    watcher: list[asyncio.Task] = []
-
-    def watch() -> None:
-        if not fut.done():
-            watcher.append(loop.create_task(_watch_disconnect(receive, fut)))
-
-    timer = loop.call_later(WATCH_AFTER_S, watch)
+    arrival = time.monotonic()
     try:
-        outputs = await fut
-    except ClientGone:
-        engines.cancel(rid)  # dropped before its forward if it is still queued
-        metrics.observe_request("cancelled")
-        return _error(499, "client closed the request")
-    except EngineGone as e:
-        metrics.observe_request("overloaded")
-        return _error(503, f"engine unavailable: {e.message}", _RETRY)
-    except EngineError as e:
-        status, outcome, prefix = _STATUS_OF[e.status]
-        metrics.observe_request(outcome)
-        return _error(status, prefix + e.message, *((_RETRY,) if status == 503 else ()))
-    except Exception as e:  # a bug, not a bad request: count it and say so, never an uncounted 500
-        log.exception("unexpected error serving /predict")
-        metrics.observe_request("error")
-        return _error(500, f"internal error: {type(e).__name__}: {e}")
-    finally:
-        timer.cancel()
-        if watcher:
-            watcher[0].cancel()
+        outputs = await run_rows(state, rows, arrival, arrival + state.settings.request_timeout_ms / 1e3, receive)
+    except Refused as e:
+        metrics.observe_request(e.outcome)
+        return _error(e.status, e.message, *((RETRY,) if e.status == 503 else ()))
     doc = {
         "outputs": outputs,
         "predictions": state.predictions(np.argmax(outputs, axis=1)),
@@ -162,16 +141,27 @@ async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
 
 
 class PredictFastPath:
-    """ASGI wrapper: POST /predict is served by handle_predict directly, everything else by `app`."""
+    """ASGI wrapper: POST /predict (handle_predict) and the Open Inference Protocol's /v2 routes
+    (service/v2/rest.py) are served directly, everything else by `app`."""
 
     def __init__(self, app, state: FrontendState):
+        from .v2.rest import handle_v2  # here, not at the top: service/v2/rest.py imports this module
+
         self.app = app
         self.state = state
+        self._v2 = handle_v2
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] != "/predict" or scope["method"] != "POST":
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status, body, headers = await handle_predict(self.state, scope, receive)
+        path = scope["path"]
+        if path == "/predict" and scope["method"] == "POST":
+            status, body, headers = await handle_predict(self.state, scope, receive)
+        elif path == "/v2" or path.startswith("/v2/"):
+            status, body, headers = await self._v2(self.state, scope, receive)
+        else:
+            await self.app(scope, receive, send)
+            return
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

@@ -1,7 +1,7 @@
 """The messages between front ends and engines: fixed-size headers and raw float32 (service/link.py carries them).
 
 Front end -> engine, one message per event-loop turn, holding every request the front end took in that turn:
-    COUNT (records), then that many REQUEST records (kind, id, rows, deadline), one per request or
+    COUNT (records), then that many REQUEST records (kind, id, rows, deadline, arrival), one per request or
     cancellation, then the float32 rows of each SUBMIT record in order (C-contiguous, (rows, *input_shape))
 Engine -> front end, one message per front end per batch:
     COUNT, then REPLY records (id, status, rows, payload bytes), then the payloads in order: the float32
@@ -16,7 +16,9 @@ from __future__ import annotations
 import struct
 
 COUNT = struct.Struct("<I")
-REQUEST = struct.Struct("<BQId")  # kind, id, rows, deadline (time.monotonic(), shared by the host's processes)
+# kind, id, rows, deadline, arrival (time.monotonic(), shared by the host's processes). The arrival travels on its own:
+# a gRPC client's deadline can end a request sooner than request_timeout, so it is not deadline - timeout.
+REQUEST = struct.Struct("<BQIdd")
 REPLY = struct.Struct("<QBII")  # id, status, rows, payload bytes
 
 SUBMIT = 1

@@ -4,6 +4,7 @@ end-to-end run on the CPU (empty@1 and fusedserve unfused@1, tiny windows)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -224,6 +225,9 @@ def test_quick_end_to_end_run_on_the_cpu(tmp_path):
     it has not read yet) loses requests there is the benchmark's finding, not this test's."""
     argv = [sys.executable, "-m", "bench.serve", "--quick", "--device", "cpu", "--out", str(tmp_path)]
     argv += ["--duration", "0.4", "--warmup", "0.1", "--time-budget", "60"]
+    has_grpc = importlib.util.find_spec("grpc") is not None  # in the dependencies; the GPU host may lack the wheel
+    if not has_grpc:
+        argv += ["--v2", "binary"]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=80)
     out = proc.stdout + proc.stderr
     assert (tmp_path / "serve_cpu.md").is_file(), out
@@ -239,6 +243,12 @@ def test_quick_end_to_end_run_on_the_cpu(tmp_path):
             assert r["sent"] == r["status"]["200"] > 0
     unfused = [r for r in phases if r["system"] == "unfused@1" and r["kind"] == "closed"]
     assert all(r["server"]["outcomes"]["ok"] == r["status"]["200"] for r in unfused)
+    # The Open Inference Protocol phases: binary REST and gRPC with 256-row requests, gRPC with 1-row ones, each
+    # answered in full (every request 200 / OK, the server's ok count agreeing) with 256 rows a request.
+    v2 = {(r["protocol"], r["rows"]): r for r in unfused if r["protocol"] != "predict"}
+    want = {("v2_binary", 256), ("v2_grpc", 256), ("v2_grpc", 1)} if has_grpc else {("v2_binary", 256)}
+    assert set(v2) == want, out
+    assert all(r["rows_per_s"] == r["req_per_s"] * r["rows"] > 0 for r in v2.values())
     assert all(r["server"]["forward_us"] > 0 and r["server"]["batch_rows"] >= 1 for r in unfused)
     (sig,) = [r for r in phases if r["kind"] == "sigterm"]
     errors = sig["errors"]
@@ -248,6 +258,7 @@ def test_quick_end_to_end_run_on_the_cpu(tmp_path):
     assert results["servers"][0]["exit"]["graceful"]
     md = (tmp_path / "serve_cpu.md").read_text()
     assert "## Targets (issue 18)" in md and "## SIGTERM in the middle of a phase" in md
+    assert "## Open Inference Protocol (closed loop)" in md and "| unfused (v2_binary) | 1 | 256 |" in md
     assert proc.returncode == (1 if results["problems"] else 0), out
     assert all(p.startswith("unfused@1 sigterm") for p in results["problems"]), results["problems"]
 
@@ -265,6 +276,12 @@ def test_phase_plan_and_open_loop_rates():
     phases = phase_list(sig, plan, sig)
     assert phases[-1]["kind"] == "sigterm" and phases[-1]["connections"] == 256
     assert {p["connections"] for p in phases if p["priority"] == 1 and p["kind"] == "closed"} == {1, 64, 256}
+    v2 = [(p["protocol"], p["rows"], p["connections"]) for p in phases if p.get("protocol", "predict") != "predict"]
+    assert sorted(v2) == sorted(
+        (proto, rows, c) for proto, rows in (("v2_binary", 256), ("v2_grpc", 256), ("v2_grpc", 1)) for c in (64, 256)
+    )
+    assert all(p["priority"] == 1 for p in phases if p.get("protocol", "predict") != "predict")
+    assert all(p["priority"] == 2 for p in phase_list(serve_cli.System("fused", 1), plan, sig) if "protocol" in p)
     # auto: 25/50/75% of the empty route's peak at N, the same rates for every system...
     peaks = {"empty@8": 36_000.0, "fused@8": 31_000.0, "unfused@8": 2_400.0}
     assert _open_rates(plan, serve_cli.System("fused", 8), peaks) == [(9000.0, None), (18000.0, None), (27000.0, None)]

@@ -66,6 +66,7 @@ def test_defaults():
     assert s.warmup is True
     assert s.host == "127.0.0.1"
     assert s.port == 8000
+    assert s.grpc_port is None  # gRPC is off until a port is given
     assert s.log_level == "info"
     assert s.workers is None and s.engines is None  # resolved at start from the host's cores and GPUs
     assert s.shutdown_grace_s == 30.0
@@ -75,7 +76,7 @@ def test_defaults():
         "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "kernel_timing_every", "cuda_graphs",
         "tuning", "tuning_cache", "pdl", "warmup", "workers", "engines", "shutdown_grace_s",
         "max_connections", "header_timeout_s", "body_timeout_s",
-        "host", "port", "log_level",
+        "host", "port", "grpc_port", "log_level",
     }  # fmt: skip
 
 
@@ -175,6 +176,17 @@ def test_max_rows_per_request(monkeypatch):
         load_settings(max_rows_per_request=41)
     monkeypatch.setenv("FUSEDSERVE_MAX_ROWS_PER_REQUEST", "0")
     with pytest.raises(SettingsError, match=r"FUSEDSERVE_MAX_ROWS_PER_REQUEST: Input should be greater than or"):
+        load_settings()
+
+
+def test_grpc_port_is_off_by_default_and_not_the_http_port(monkeypatch):
+    assert load_settings().grpc_port is None
+    monkeypatch.setenv("FUSEDSERVE_GRPC_PORT", "8001")
+    assert load_settings().grpc_port == 8001
+    with pytest.raises(SettingsError, match=r"FUSEDSERVE_GRPC_PORT \(8001\) must differ from FUSEDSERVE_PORT"):
+        load_settings(port=8001)
+    monkeypatch.setenv("FUSEDSERVE_GRPC_PORT", "0")
+    with pytest.raises(SettingsError, match=r"FUSEDSERVE_GRPC_PORT: Input should be greater than or equal to 1"):
         load_settings()
 
 

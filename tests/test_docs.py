@@ -314,6 +314,23 @@ def test_try_it_against_a_real_server():
     assert outputs[-1] == expected, outputs[-1]
 
 
+@pytest.mark.slow
+def test_open_inference_protocol_example_against_a_real_server():
+    """The README's tritonclient example, as written but for the ports, against a real server with gRPC on, prints
+    the labels the README shows."""
+    from .server import free_port, running_server
+
+    pytest.importorskip("tritonclient.grpc", reason="tritonclient[http,grpc] is not installed (the test extra)")
+    (snippet,) = [b for b in _blocks(README, "python") if "tritonclient" in b]
+    expected = re.search(r"^# (\[.*\])", snippet, re.M).group(1)
+    grpc_port = free_port()
+    with running_server("unfused", grpc_port=grpc_port, max_batch_size=8):
+        code = snippet.replace("localhost:8001", f"127.0.0.1:{grpc_port}")
+        res = _run([sys.executable, "-c", code], REPO, 60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == expected, res.stdout
+
+
 # ------------------------------------------------------------------------------------ the numbers
 
 

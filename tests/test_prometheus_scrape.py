@@ -98,7 +98,7 @@ def test_prometheus_scrapes_the_service(tmp_path):
             while True:
                 targets = client.get(f"{prom}/api/v1/targets").json()["data"]["activeTargets"]
                 ours = [t for t in targets if t["labels"].get("job") == JOB]
-                ok = _query(client, prom, f'fusedserve_requests_total{{job="{JOB}",outcome="ok"}}')
+                ok = _query(client, prom, f'fusedserve_requests_total{{job="{JOB}",protocol="predict",outcome="ok"}}')
                 rows_seen = _query(client, prom, "fusedserve_batch_rows_sum")
                 kernels = _query(client, prom, "fusedserve_kernel_seconds_count")
                 last = {"targets": ours, "ok": ok, "rows": rows_seen, "kernels": kernels}
@@ -126,7 +126,8 @@ def test_prometheus_scrapes_the_service(tmp_path):
             assert {k["metric"]["kernel"] for k in kernels} == {"mlp_0_2"}
             assert all(k["metric"]["mode"] == "fused" for k in kernels), kernels
 
-            invalid = _query(client, prom, f'fusedserve_requests_total{{job="{JOB}",outcome="invalid"}}')
+            query = f'fusedserve_requests_total{{job="{JOB}",protocol="predict",outcome="invalid"}}'
+            invalid = _query(client, prom, query)
             assert invalid and float(invalid[0]["value"][1]) == 2, invalid
             # A PromQL aggregation across the service's series works as the dashboards use it.
             by_outcome = _query(client, prom, "sum by (outcome) (fusedserve_requests_total)")

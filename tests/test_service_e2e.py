@@ -391,7 +391,7 @@ def test_overload_answers_503_with_retry_after(slow_servers, mode, digits):
 def test_client_that_leaves_is_counted_cancelled(slow_servers, mode, digits):
     X, _ = digits
     base = slow_servers[mode]
-    labels = {"model": MODEL, "mode": mode, "outcome": "cancelled"}
+    labels = {"model": MODEL, "mode": mode, "protocol": "predict", "outcome": "cancelled"}
     before = sample_value(scrape(base), "fusedserve_requests", "fusedserve_requests_total", **labels)
     # The batch waits SLOW_DELAY_MS for company; the client gives up long before that.
     with pytest.raises(httpx.TimeoutException):
@@ -436,7 +436,7 @@ def test_metrics_after_traffic(url, mode, digits):
     assert batches > 0
     assert count("fusedserve_forward_seconds") == batches, "a forward time per batch"
     assert count("fusedserve_queue_wait_seconds") >= batches, "a queue wait per request in a batch"
-    assert count("fusedserve_request_seconds") >= 1
+    assert count("fusedserve_request_seconds", protocol="predict") >= 1
     kernels = {s.labels["kernel"] for s in fam["fusedserve_kernel_seconds"].samples}
     assert kernels == set(KERNELS), kernels
     kernel_sum = 0.0
@@ -457,11 +457,14 @@ def test_metrics_after_traffic(url, mode, digits):
 
     requests = fam["fusedserve_requests"]
     assert requests.type == "counter"
-    assert sample_value(fam, "fusedserve_requests", "fusedserve_requests_total", **lm, outcome="ok") > 0
-    assert sample_value(fam, "fusedserve_requests", "fusedserve_requests_total", **lm, outcome="invalid") > 0
+    plm = {**lm, "protocol": "predict"}
+    assert sample_value(fam, "fusedserve_requests", "fusedserve_requests_total", **plm, outcome="ok") > 0
+    assert sample_value(fam, "fusedserve_requests", "fusedserve_requests_total", **plm, outcome="invalid") > 0
     outcomes = {s.labels["outcome"] for s in requests.samples if s.name == "fusedserve_requests_total"}
+    protocols = {s.labels["protocol"] for s in requests.samples if s.name == "fusedserve_requests_total"}
+    assert protocols == {"predict", "v2_rest", "v2_grpc"}, protocols
     assert {"ok", "invalid", "too_large", "overloaded", "timeout", "cancelled", "error"} <= outcomes, outcomes
-    assert sample_value(fam, "fusedserve_requests", "fusedserve_requests_total", **lm, outcome="error") == 0
+    assert sample_value(fam, "fusedserve_requests", "fusedserve_requests_total", **plm, outcome="error") == 0
 
     # Engine metrics also name their engine (one engine here: "0"), summed over processes by the multiprocess mode.
     depth = [s for s in fam["fusedserve_queue_depth"].samples if s.labels == {**lm, "engine": "0"}]

@@ -1,0 +1,59 @@
+"""What the ASGI fast paths share (service/predict.py's POST /predict, service/v2/rest.py's /v2 routes): the answer
+tuple, common headers, and the request body read with its size limit counted as the bytes arrive."""
+
+from __future__ import annotations
+
+import asyncio
+
+from .inputs import InputError
+
+Answer = tuple[int, bytes, list[tuple[bytes, bytes]]]  # status, body, headers
+JSON = (b"content-type", b"application/json")
+RETRY = (b"retry-after", b"1")
+CLOSE = (b"connection", b"close")
+
+
+class ClientGone(Exception):
+    pass
+
+
+def header(scope: dict, name: bytes) -> bytes | None:
+    """The first value of header `name` (lower case), or None."""
+    for k, v in scope["headers"]:
+        if k == name:
+            return v
+    return None
+
+
+def content_length(scope: dict) -> int | None:
+    value = header(scope, b"content-length")
+    return int(value) if value is not None and value.isdigit() else None
+
+
+async def read_body(receive, limit: int) -> bytes | None:
+    """The request body, or None when the client left before sending it all; InputError past `limit` bytes,
+    counted as they arrive (the rest is not read)."""
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise InputError(413, f"body is more than {limit} bytes; at most {limit}", "too_large")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def watch_disconnect(receive, fut: asyncio.Future) -> None:
+    # After the body is read, the next ASGI message for this request is http.disconnect: the client went away
+    # (or the response finished, by which time this task is cancelled).
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not fut.done():
+                fut.set_exception(ClientGone())
+            return

@@ -1,0 +1,182 @@
+"""The Open Inference Protocol over gRPC: GRPCInferenceService on FUSEDSERVE_GRPC_PORT, in every front end.
+
+grpcio's asyncio server runs on the front end's own event loop, beside uvicorn, and serves requests through the
+same checks (service/v2/tensors.py), engine link (`run_rows`) and metrics (protocol "v2_grpc") as REST. Every front
+end binds the same port: grpcio sets SO_REUSEPORT on Linux, so the kernel spreads connections over them as it
+does uvicorn's. A message larger than the front end's body limit is refused by grpcio with RESOURCE_EXHAUSTED
+before it is read in full (in grpcio's core, before any handler: so it is not counted in fusedserve_requests_total);
+the client's deadline, when it has one, shortens the request's timeout in the queue. On shutdown the server stops
+after uvicorn's drain, giving RPCs under way half the grace to finish.
+
+The generated modules register `inference.*` in protobuf's default descriptor pool, as tritonclient.grpc's own
+copy of the protocol does: one process cannot import both (a duplicate-symbol TypeError). The server never imports
+tritonclient; tests and clients that use tritonclient never import these modules (bench/serve_v2.py builds its
+requests with them in a process that has no tritonclient).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import numpy as np
+
+from ..inputs import InputError
+from ..predict import Refused, run_rows
+from ..state import FrontendState
+from . import grpc_predict_v2_pb2 as pb
+from . import grpc_predict_v2_pb2_grpc as pb_grpc
+from . import tensors as t
+from .rest import SERVER_METADATA
+
+log = logging.getLogger("fusedserve.grpc")
+
+PROTOCOL = "v2_grpc"
+_CODE_OF = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
+    499: grpc.StatusCode.CANCELLED,
+    500: grpc.StatusCode.INTERNAL,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, state: FrontendState):
+        self.state = state
+        model = state.model
+        meta = t.model_metadata(model)
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        self._metadata = pb.ModelMetadataResponse(
+            name=meta["name"], versions=meta["versions"], platform=meta["platform"],
+            inputs=[tensor(**x) for x in meta["inputs"]], outputs=[tensor(**x) for x in meta["outputs"]],
+        )  # fmt: skip
+        self._server_metadata = pb.ServerMetadataResponse(**SERVER_METADATA)
+
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self.state.ready)
+
+    async def ServerMetadata(self, request, context):
+        return self._server_metadata
+
+    async def ModelReady(self, request, context):
+        try:
+            t.check_model(self.state.model, request.name, request.version)
+        except InputError as e:
+            await context.abort(_CODE_OF[e.status], e.message)
+        return pb.ModelReadyResponse(ready=self.state.ready)
+
+    async def ModelMetadata(self, request, context):
+        try:
+            t.check_model(self.state.model, request.name, request.version)
+        except InputError as e:
+            await context.abort(_CODE_OF[e.status], e.message)
+        return self._metadata
+
+    async def ModelInfer(self, request, context):
+        started = time.perf_counter()
+        state = self.state
+        metrics = state.metrics
+        try:
+            if not state.engines.ready():
+                raise Refused(503, "overloaded", f"model is not ready ({state.status}); retry shortly")
+            rows, wanted = _parse(state, request)
+            timeout_s = state.settings.request_timeout_ms / 1e3
+            remaining = context.time_remaining()
+            if remaining is not None:
+                timeout_s = min(timeout_s, remaining)
+            arrival = time.monotonic()
+            outputs = await run_rows(state, rows, arrival, arrival + timeout_s)
+        except (InputError, Refused) as e:
+            outcome = e.outcome
+            code, message = _CODE_OF.get(e.status, grpc.StatusCode.INTERNAL), e.message
+        except asyncio.CancelledError:
+            # The client left, or its deadline passed (grpcio cancels the handler either way).
+            remaining = context.time_remaining()
+            metrics.observe_request("timeout" if remaining is not None and remaining <= 0 else "cancelled",
+                                    protocol=PROTOCOL)  # fmt: skip
+            raise
+        except Exception as e:  # a bug, not a bad request: count it and say so, never an uncounted failure
+            log.exception("unexpected error serving ModelInfer")
+            outcome, code, message = "error", grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+        else:
+            response = _response(state, request, outputs, wanted)
+            metrics.observe_request("ok", time.perf_counter() - started, protocol=PROTOCOL)
+            return response
+        metrics.observe_request(outcome, protocol=PROTOCOL)
+        await context.abort(code, message)
+
+
+def _parse(state: FrontendState, request) -> tuple[np.ndarray, list[str]]:
+    model = state.model
+    t.check_model(model, request.model_name, request.model_version)
+    if len(request.inputs) != 1:
+        raise InputError(400, f"the request has {len(request.inputs)} inputs; the model takes one, {t.INPUT!r}")
+    inp = request.inputs[0]
+    shape = list(inp.shape)
+    dtype, _ = t.check_input(model, inp.name, inp.datatype, shape, state.settings.max_rows_per_request)
+    raw = request.raw_input_contents
+    if raw:
+        if len(raw) != 1:
+            raise InputError(400, f"raw_input_contents has {len(raw)} entries; one per input (1)")
+        if inp.HasField("contents"):
+            raise InputError(400, f"input {t.INPUT!r} has both contents and raw_input_contents; send one")
+        rows = t.rows_from_buffer(model, raw[0], dtype, shape)
+    else:
+        contents = inp.contents
+        name = t.dtype_name(dtype)
+        if name == "FP16":
+            raise InputError(400, f"input {t.INPUT!r} is FP16: FP16 travels only in raw_input_contents")
+        values = contents.fp32_contents if name == "FP32" else contents.fp64_contents
+        if not values:
+            raise InputError(400, f"input {t.INPUT!r} has no {name.lower()}_contents and no raw_input_contents")
+        rows = t.rows_from_buffer(model, np.asarray(values, dtype=dtype).tobytes(), dtype, shape)
+    wanted = t.check_outputs([o.name for o in request.outputs])
+    for o in request.outputs:
+        if "classification" in o.parameters:
+            raise InputError(400, f"output {o.name!r} asks for classification, an extension this server lacks")
+    return rows, wanted
+
+
+def _response(state: FrontendState, request, outputs: np.ndarray, wanted: list[str]):
+    model = state.model
+    n = len(outputs)
+    tensor = pb.ModelInferResponse.InferOutputTensor
+    metas, raws = [], []
+    for name in wanted:
+        if name == t.LOGITS:
+            metas.append(tensor(name=name, datatype="FP32", shape=[n, model.output_features]))
+            raws.append(outputs.tobytes())
+        else:
+            metas.append(tensor(name=name, datatype="BYTES", shape=[n]))
+            raws.append(t.labels_tensor(model, outputs))
+    return pb.ModelInferResponse(
+        model_name=model.name, model_version=t.VERSION, id=request.id, outputs=metas, raw_output_contents=raws
+    )
+
+
+async def start(state: FrontendState) -> grpc.aio.Server:
+    """The gRPC server of this front end, listening on host:grpc_port (shared with the other front ends)."""
+    s = state.settings
+    limit = state.max_body_bytes
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 1),
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", -1),
+        ]
+    )
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(state), server)
+    host = f"[{s.host}]" if ":" in s.host else s.host
+    server.add_insecure_port(f"{host}:{s.grpc_port}")
+    await server.start()
+    log.info("gRPC (Open Inference Protocol) on %s:%d", s.host, s.grpc_port)
+    return server

@@ -1,0 +1,205 @@
+"""The Open Inference Protocol's REST routes (/v2/...), served at the ASGI level beside POST /predict.
+
+JSON tensors, and Triton Inference Server's binary tensor extension: a body whose first
+`Inference-Header-Content-Length` bytes are the JSON header, followed by each input's raw little-endian bytes
+(`parameters.binary_data_size` on the input) in input order. Binary data goes to the engine through
+`np.frombuffer`, never through a JSON float parser. Outputs come back as JSON `data`, or as binary when the output
+asks (`parameters.binary_data`) or the request does for every output (`parameters.binary_data_output`).
+
+Errors are {"error": "..."}: 400 for a bad request, 404 for an unknown model or route, 413 past the size limits,
+503 when not ready or overloaded, 504 when the request outlived its timeout in the queue.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import orjson
+
+from ..asgi import CLOSE, JSON, RETRY, Answer, content_length, header, read_body
+from ..inputs import InputError
+from ..predict import Refused, run_rows
+from ..state import FrontendState
+from . import tensors as t
+
+PROTOCOL = "v2_rest"
+SERVER_METADATA = {"name": "fusedserve", "version": "0.1.0", "extensions": ["binary_tensor_data"]}
+HEADER_LENGTH = b"inference-header-content-length"
+_OCTETS = (b"content-type", b"application/octet-stream")
+
+
+def _answer(status: int, body: bytes, *headers: tuple[bytes, bytes]) -> Answer:
+    return status, body, [*headers, (b"content-length", str(len(body)).encode())]
+
+
+def _json(status: int, doc: object, *extra: tuple[bytes, bytes]) -> Answer:
+    return _answer(status, orjson.dumps(doc), JSON, *extra)
+
+
+def _error(status: int, message: str, *extra: tuple[bytes, bytes]) -> Answer:
+    return _json(status, {"error": message}, *extra)
+
+
+def _empty(status: int) -> Answer:
+    return _answer(status, b"", JSON)
+
+
+async def handle_v2(state: FrontendState, scope: dict, receive) -> Answer:
+    """Any /v2 route, as (status, body, headers)."""
+    parts = scope["path"].rstrip("/").split("/")[2:]  # "/v2/models/m/infer" -> ["models", "m", "infer"]
+    method = scope["method"]
+    model = state.model
+    if method == "GET" and not parts:
+        return _json(200, SERVER_METADATA)
+    if method == "GET" and parts == ["health", "live"]:
+        return _empty(200)
+    if method == "GET" and parts == ["health", "ready"]:
+        return _empty(200 if state.ready else 503)
+    if len(parts) >= 2 and parts[0] == "models":
+        name, version, rest = parts[1], None, parts[2:]
+        if len(rest) >= 2 and rest[0] == "versions":
+            version, rest = rest[1], rest[2:]
+        try:
+            if rest in ([], ["ready"], ["infer"]):
+                t.check_model(model, name, version)
+        except InputError as e:
+            if rest == ["infer"] and method == "POST":
+                state.metrics.observe_request(e.outcome, protocol=PROTOCOL)
+            return _error(e.status, e.message)
+        if method == "GET" and rest == []:
+            return _json(200, t.model_metadata(model))
+        if method == "GET" and rest == ["ready"]:
+            return _empty(200 if state.ready else 503)
+        if method == "POST" and rest == ["infer"]:
+            return await handle_infer(state, scope, receive)
+    return _error(404, f"no route {method} {scope['path']}; see GET /v2 and GET /v2/models/{model.name}")
+
+
+async def handle_infer(state: FrontendState, scope: dict, receive) -> Answer:
+    started = time.perf_counter()
+    metrics = state.metrics
+    if not state.engines.ready():
+        metrics.observe_request("overloaded", protocol=PROTOCOL)
+        return _error(503, f"model is not ready ({state.status}); retry shortly", RETRY)
+    extra = (CLOSE,) if state.draining else ()
+    limit = state.max_body_bytes
+    length = content_length(scope)
+    body = None
+    try:
+        if length is not None and length > limit:
+            raise InputError(413, f"body is {length} bytes; at most {limit}", "too_large")
+        encoding = header(scope, b"content-encoding")
+        if encoding not in (None, b"identity"):
+            name = encoding.decode(errors="replace")
+            raise InputError(400, f"Content-Encoding {name} is not supported; send the body uncompressed")
+        body = await read_body(receive, limit)
+        if body is None:
+            metrics.observe_request("cancelled", protocol=PROTOCOL)
+            return _error(499, "client closed the request")
+        doc, rows, binary_out, wanted = _parse(state, scope, body)
+    except InputError as e:
+        metrics.observe_request(e.outcome, protocol=PROTOCOL)
+        # As /predict: a body refused before it is all read closes its connection, so the rest is never read.
+        return _error(e.status if e.status != 422 else 400, e.message, *((CLOSE,) if body is None else ()))
+
+    arrival = time.monotonic()
+    try:
+        outputs = await run_rows(state, rows, arrival, arrival + state.settings.request_timeout_ms / 1e3, receive)
+    except Refused as e:
+        metrics.observe_request(e.outcome, protocol=PROTOCOL)
+        return _error(e.status, e.message, *((RETRY,) if e.status == 503 else ()))
+    answer = _response(state, doc, outputs, binary_out, wanted, extra)
+    metrics.observe_request("ok", time.perf_counter() - started, protocol=PROTOCOL)
+    return answer
+
+
+def _parse(state: FrontendState, scope: dict, body: bytes) -> tuple[dict, np.ndarray, dict[str, bool], list[str]]:
+    """(the JSON header, the rows, per output whether it goes binary, the outputs to give), or InputError."""
+    model = state.model
+    header_length = header(scope, HEADER_LENGTH)
+    if header_length is not None:
+        if not header_length.isdigit() or int(header_length) > len(body):
+            raise InputError(
+                400, f"Inference-Header-Content-Length is {header_length.decode(errors='replace')!r}; it must be "
+                f"the JSON header's length in bytes, at most the body's {len(body)}"
+            )  # fmt: skip
+        n = int(header_length)
+        head, binary = body[:n], memoryview(body)[n:]
+    else:
+        head, binary = body, memoryview(b"")
+    try:
+        doc = orjson.loads(head)
+    except orjson.JSONDecodeError as e:
+        raise InputError(400, f"request is not valid JSON (NaN and Infinity are not JSON numbers): {e}") from None
+    if not isinstance(doc, dict):
+        raise InputError(400, 'request must be a JSON object {"inputs": [...]}')
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+        raise InputError(400, f"inputs must be a list of one tensor, {t.INPUT!r}; the model takes one input")
+    inp = inputs[0]
+    shape = inp.get("shape")
+    dtype, _ = t.check_input(model, inp.get("name"), inp.get("datatype"), shape, state.settings.max_rows_per_request)
+    size = t.parameter(inp.get("parameters"), "binary_data_size")
+    if size is not None:
+        if "data" in inp:
+            raise InputError(400, f"input {t.INPUT!r} has both data and binary_data_size; send one")
+        if not isinstance(size, int) or size < 0 or size > len(binary):
+            raise InputError(
+                400, f"input {t.INPUT!r} binary_data_size is {size!r}; the body holds {len(binary)} bytes after "
+                "its JSON header (is Inference-Header-Content-Length set?)"
+            )  # fmt: skip
+        rows = t.rows_from_buffer(model, binary[:size], dtype, shape)
+        binary = binary[size:]
+    elif "data" in inp:
+        rows = t.rows_from_json(model, inp["data"], dtype, shape)
+    else:
+        raise InputError(400, f"input {t.INPUT!r} has neither data nor parameters.binary_data_size")
+    if len(binary):
+        raise InputError(400, f"the body holds {len(binary)} bytes after the inputs' binary data; none belong there")
+
+    outputs = doc.get("outputs") or []
+    if not isinstance(outputs, list) or not all(isinstance(o, dict) for o in outputs):
+        raise InputError(400, 'outputs must be a list of {"name": ...}')
+    wanted = t.check_outputs([o.get("name") for o in outputs])
+    all_binary = bool(t.parameter(doc.get("parameters"), "binary_data_output", False))
+    binary_out = {name: all_binary for name in wanted}
+    for o in outputs:
+        params = o.get("parameters")
+        if t.parameter(params, "classification") is not None:
+            raise InputError(400, f"output {o['name']!r} asks for classification, an extension this server lacks")
+        binary_out[o["name"]] = bool(t.parameter(params, "binary_data", all_binary))
+    return doc, rows, binary_out, wanted
+
+
+def _response(
+    state: FrontendState, doc: dict, outputs: np.ndarray, binary_out: dict[str, bool], wanted: list[str], extra
+) -> Answer:
+    model = state.model
+    n = len(outputs)
+    tensors, blobs = [], []
+    for name in wanted:
+        if name == t.LOGITS:
+            meta = {"name": name, "datatype": "FP32", "shape": [n, model.output_features]}
+            if binary_out[name]:
+                blob = outputs.tobytes()
+                meta["parameters"] = {"binary_data_size": len(blob)}
+                blobs.append(blob)
+            else:
+                meta["data"] = outputs.reshape(-1)
+        else:
+            meta = {"name": name, "datatype": "BYTES", "shape": [n]}
+            if binary_out[name]:
+                blob = t.labels_tensor(model, outputs)
+                meta["parameters"] = {"binary_data_size": len(blob)}
+                blobs.append(blob)
+            else:
+                meta["data"] = t.label_names(model, outputs)
+        tensors.append(meta)
+    out = {"model_name": model.name, "model_version": t.VERSION, "outputs": tensors}
+    if isinstance(doc.get("id"), str):
+        out["id"] = doc["id"]
+    head = orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not blobs:
+        return _answer(200, head, JSON, *extra)
+    return _answer(200, b"".join([head, *blobs]), _OCTETS, (HEADER_LENGTH, str(len(head)).encode()), *extra)
