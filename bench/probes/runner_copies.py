@@ -3,7 +3,8 @@
 The engine's forward per batch is host time around a few microseconds of kernels: a cast into pinned
 memory, the copy in, the replay, the copy out, a synchronisation. Two ways, timed interleaved (round r runs
 each once; a variant's figure is its median round), host microseconds per batch over CALLS back-to-back
-batches, the shipped digits MLP and digits CNN in float16, fused and unfused, at 1, 64 and 700 rows:
+batches, the shipped digits MLP and digits CNN in float16, fused and unfused, at 1, 64 and 700 rows (tuning
+off: both ways run the same kernel configs):
 - `copies outside`: a plain graph per bucket; the batch is cast into a pinned buffer, copied into the graph's
   input with one torch call, replayed, copied out with another, and the stream synchronised
 - `copies inside`: the service's ModelRunner, whose graphs (GraphedExecutor host_io) copy in, run and copy
@@ -20,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from kernels import tuning
 from service.model.executors import Executor
 from service.model.graphs import GraphedExecutor
 from service.model.loader import load_model
@@ -65,6 +67,7 @@ def per_batch_us(run, batch: np.ndarray) -> float:
 
 
 def sweep() -> dict:
+    tuning.set_enabled(False)
     results = {}
     rng = np.random.default_rng(0)
     for name in ("digits-mlp", "digits-cnn"):
