@@ -26,10 +26,16 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if [[ $steps == *" tests "* ]]; then
   # Tuning off: every candidate config is tested explicitly, and timing 6-18 candidates per new shape
   # would triple the run. Deploy checks need hadolint/promtool (not on the GPU image); CI runs them.
-  FUSEDSERVE_TUNING=false FUSEDSERVE_TUNING_CACHE=/tmp/fusedserve-test-tuning.json \
-    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest ${TESTS:-tests} -v -rfE --tb=short --durations=10 -p no:cacheprovider \
-    -n "${XDIST:-16}" --dist load --ignore=tests/test_deploy_static.py --ignore=tests/test_prometheus_scrape.py "$@" \
-    > "$out/tests.txt" 2>&1 || status=1
+  # Tests marked gpu_timing time the GPU: with 16 workers sharing it, another worker's kernels land inside their
+  # windows (a digits-CNN replay read 300 us instead of 30), so they run afterwards, one at a time.
+  export FUSEDSERVE_TUNING=false FUSEDSERVE_TUNING_CACHE=/tmp/fusedserve-test-tuning.json
+  skip=(--ignore=tests/test_deploy_static.py --ignore=tests/test_prometheus_scrape.py)
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest ${TESTS:-tests} -v -rfE --tb=short --durations=10 -p no:cacheprovider \
+    -n "${XDIST:-16}" --dist load -m "not gpu_timing" "${skip[@]}" "$@" > "$out/tests.txt" 2>&1 || status=1
+  timeout "${TIMING_TEST_TIMEOUT:-300}" python3 -m pytest ${TESTS:-tests} -v -rfE --tb=short -p no:cacheprovider \
+    -p no:xdist -m gpu_timing "${skip[@]}" "$@" >> "$out/tests.txt" 2>&1
+  case $? in 0|5) ;; *) status=1 ;; esac  # 5: TESTS named no timing test
+  unset FUSEDSERVE_TUNING FUSEDSERVE_TUNING_CACHE
   # -v gives one line per test as it finishes, so a run cut off by the timeout still names its failures.
   grep -E " (FAILED|ERROR) |^(FAILED|ERROR)|passed|failed" "$out/tests.txt" | sort -u | tail -n 40
 fi

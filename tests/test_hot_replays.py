@@ -9,11 +9,12 @@ in either, so the two differ only in what a replay does to the next: a slower ba
 interfere (a dependency that serialises more than the stream order, a re-upload per replay, a PDL wait
 that never releases), which overlapping neighbours should never make worse than 1.5x.
 
-Both graph layouts: "device", the graph holding only the model's kernels (as `fusedserve bench kernels` times
-ours), and "host", the graph also copying the batch in from pinned host memory and the answer out
-(GraphedExecutor(host_io=True), as the service's runner replays it).
+The graphs hold only the model's kernels, as `fusedserve bench kernels` times ours. The service's own graphs
+also copy the batch in and out (GraphedExecutor(host_io=True)), but it synchronises after every replay, so
+those never run back to back; their cost per batch is `bench.probes.runner_copies`'s and `bench serve`'s.
 
-GPU-only (~10-30 s: tuning each bucket of two models on a cold cache).
+GPU-only (~10-30 s: tuning each bucket of two models on a cold cache), and `gpu_timing`: it times, so it runs
+alone on the GPU (bench/gpu_session.sh runs those tests after the parallel ones, one at a time).
 """
 
 from __future__ import annotations
@@ -34,16 +35,16 @@ LIMIT = 1.5  # back-to-back per replay over one replay alone
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_timing
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("io", ["device", "host"])
 @pytest.mark.parametrize("name", ["digits-mlp", "digits-cnn"])
-def test_back_to_back_replays_cost_at_most_1_5x_one_alone(name, io):
+def test_back_to_back_replays_cost_at_most_1_5x_one_alone(name):
     from bench.kernel_timing import HotTimer
 
     device = torch.device("cuda")
     model = load_model(WEIGHTS / name)
     executor = Executor(model, "fused", device, torch.float16)
-    graphed = GraphedExecutor(executor, Settings().max_batch_size, host_io=io == "host")
+    graphed = GraphedExecutor(executor, Settings().max_batch_size)
     graphed.capture_all()
     timer = HotTimer()
     gen = torch.Generator(device=device).manual_seed(19)
@@ -51,17 +52,13 @@ def test_back_to_back_replays_cost_at_most_1_5x_one_alone(name, io):
     with torch.inference_mode():
         for bucket in graphed.buckets:
             x = torch.randn((bucket, *model.input_shape), device=device, generator=gen).half()
-            if io == "host":
-                graphed.host_in[:bucket].copy_(x.cpu())
-                replay = functools.partial(graphed.replay_host, bucket)
-            else:
-                replay = functools.partial(graphed.replay, graphed.stage(x))
+            replay = functools.partial(graphed.replay, graphed.stage(x))
 
             alone = timer.single(replay)
             hot = timer(replay)
             ratio = hot["hot_us"] / alone
             lines.append(
-                f"{name} ({io} io) bucket {bucket:5d}: alone {alone:7.2f} us, back to back {hot['hot_us']:7.2f} us "
+                f"{name} bucket {bucket:5d}: alone {alone:7.2f} us, back to back {hot['hot_us']:7.2f} us "
                 f"({hot['hot_replays']} a window{', host-bound' if hot['hot_host_bound'] else ''}): {ratio:.2f}x"
             )
             if ratio > LIMIT:
