@@ -177,7 +177,9 @@ def _parse(state: FrontendState, scope: dict, body: bytes) -> tuple[dict, np.nda
     if len(binary):
         raise InputError(400, f"the body holds {len(binary)} bytes after the inputs' binary data; none belong there")
 
-    outputs = doc.get("outputs") or []
+    outputs = doc.get("outputs")
+    if outputs is None:  # absent or null: every output (a falsy non-list, such as {}, is refused below)
+        outputs = []
     if not isinstance(outputs, list) or not all(isinstance(o, dict) for o in outputs):
         raise InputError(400, 'outputs must be a list of {"name": ...}')
     wanted = t.check_outputs([o.get("name") for o in outputs])
