@@ -52,7 +52,7 @@ def create_app(settings: Settings, model, engines, run_dir: Path) -> FastAPI:
     app.include_router(router)
     from .openapi import install
 
-    install(app, model.input_shape, settings.max_rows_per_request)  # /predict's body, every route's answers
+    install(app, model.input_shape, settings.max_rows_per_request, model.name)  # /predict's body, every route's answers
     return app
 
 

@@ -6,6 +6,8 @@ tests/test_fuzz_openapi.py) then know what a good request is and what each answe
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .inputs import row_layouts
@@ -74,9 +76,12 @@ def predict_operation(input_shape: tuple[int, ...], max_rows: int) -> dict:
     }
 
 
-def describe_routes(schema: dict, input_shape: tuple[int, ...], max_rows: int) -> dict:
-    """Complete FastAPI's generated `schema` in place (and return it)."""
+def describe_routes(schema: dict, input_shape: tuple[int, ...], max_rows: int, model_name: str | None = None) -> dict:
+    """Complete FastAPI's generated `schema` in place (and return it); the /v2 routes too when `model_name` is
+    given."""
     paths = schema.get("paths", {})
+    if model_name is not None:
+        describe_v2(schema, model_name, input_shape, max_rows)
     if "post" in paths.get("/predict", {}):
         paths["/predict"]["post"].update(predict_operation(input_shape, max_rows))
     any_json = {"type": "object"}
@@ -90,13 +95,228 @@ def describe_routes(schema: dict, input_shape: tuple[int, ...], max_rows: int) -
     return schema
 
 
-def install(app, input_shape: tuple[int, ...], max_rows: int) -> None:
+def install(app, input_shape: tuple[int, ...], max_rows: int, model_name: str | None = None) -> None:
     """Make `app.openapi()` return the completed schema (built once, on first request, as FastAPI does)."""
     generate = app.openapi
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = describe_routes(generate(), input_shape, max_rows)
+            app.openapi_schema = describe_routes(generate(), input_shape, max_rows, model_name)
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+# ------------------------------------------------------------------ the Open Inference Protocol (service/v2/rest.py)
+
+# The largest double that rounds to a finite float16 (65504 is float16's largest; 65520 rounds to inf).
+FLOAT16_LIMIT = 65504.0
+_V2_ERROR = {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}
+
+
+def _v2_error(description: str) -> dict:
+    return _answer(description, _V2_ERROR)
+
+
+def _empty(description: str) -> dict:
+    """An answer whose status is the whole answer: no body (the protocol's health and readiness routes)."""
+    return {"description": description + " (empty body)"}
+
+
+_REF = "#/components/schemas/"
+
+
+def v2_tensor_schemas(input_shape: tuple[int, ...]) -> dict:
+    """Components the input's branches refer to (each branch would otherwise repeat them, max_rows times):
+    a value in each datatype's range, and a row nested in each layout."""
+    out = {}
+    for group, limit in (("32", FLOAT32_LIMIT), ("16", FLOAT16_LIMIT)):
+        out[f"V2Value{group}"] = {"type": "number", "minimum": -limit, "maximum": limit}
+        for i, layout in enumerate(row_layouts(tuple(input_shape))):
+            nested = {"$ref": f"{_REF}V2Value{group}"}
+            for n in reversed(layout):
+                nested = {"type": "array", "items": nested, "minItems": n, "maxItems": n}
+            out[f"V2Row{group}_{i}"] = nested
+    return out
+
+
+def _v2_input(input_shape: tuple[int, ...], max_rows: int) -> dict:
+    """The one input tensor: its `data` must hold exactly what `shape` declares (flat, row-major, or nested as the
+    shape), in `datatype`'s range, so each (datatype range, row count, row layout) is a branch: JSON Schema cannot
+    relate two fields otherwise. The values and rows are v2_tensor_schemas' components."""
+    branches = []
+    count = math.prod(input_shape)
+    for datatypes, group in ((["FP32", "FP64"], "32"), (["FP16"], "16")):
+        for rows in range(1, max_rows + 1):
+            for i, layout in enumerate(row_layouts(tuple(input_shape))):
+                flat = {"type": "array", "items": {"$ref": f"{_REF}V2Value{group}"}}
+                nested = {"type": "array", "items": {"$ref": f"{_REF}V2Row{group}_{i}"}}
+                branches.append({
+                    "properties": {
+                        "datatype": {"enum": datatypes},
+                        "shape": {"const": [rows, *layout]},
+                        "data": {"anyOf": [{**flat, "minItems": rows * count, "maxItems": rows * count},
+                                           {**nested, "minItems": rows, "maxItems": rows}]},
+                    }
+                })  # fmt: skip
+    layouts = " or ".join(str([-1, *s]) for s in row_layouts(tuple(input_shape)))
+    return {
+        "type": "object",
+        "description": f"the model's one input: shape {layouts}, 1 to {max_rows} rows, `data` flat (row-major) "
+        "or nested as `shape`. Triton's binary tensor extension (parameters.binary_data_size, the raw tensor "
+        "after a JSON header of Inference-Header-Content-Length bytes) is served too, not described here.",
+        "properties": {
+            "name": {"const": "input"},
+            "datatype": {"type": "string", "enum": ["FP32", "FP16", "FP64"]},
+            "shape": {"type": "array", "items": {"type": "integer"}},
+            "data": {"type": "array"},
+            # Non-object parameters are ignored; binary_data_size (binary data after the JSON) is not JSON data.
+            "parameters": {"properties": {"binary_data_size": {"type": "null"}}},
+        },
+        "required": ["name", "datatype", "shape", "data"],
+        "anyOf": branches,
+    }
+
+
+def v2_infer_operation(input_shape: tuple[int, ...], max_rows: int) -> dict:
+    """POST /v2/models/{name}[/versions/{version}]/infer: the JSON inference request and every answer."""
+    request = {
+        "type": "object",
+        "properties": {
+            "id": {"description": "echoed in the response when it is a string"},
+            "parameters": {
+                "description": "binary_data_output: true asks for every output in binary (application/octet-stream)"
+            },
+            "inputs": {"type": "array", "items": {"$ref": f"{_REF}V2InferInput"}, "minItems": 1, "maxItems": 1},
+            "outputs": {
+                "description": "the outputs to give (all when absent or empty); parameters.binary_data: true gives "
+                "that output in binary",
+                "type": ["array", "null"],
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": ["logits", "label"]},
+                        "parameters": {"properties": {"classification": {"type": "null"}}},
+                    },
+                    "required": ["name"],
+                },
+            },
+        },
+        "required": ["inputs"],
+    }
+    tensor = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "datatype": {"type": "string"},
+            "shape": {"type": "array", "items": {"type": "integer"}},
+            "data": {"type": "array"},
+            "parameters": {"type": "object"},
+        },
+        "required": ["name", "datatype", "shape"],
+    }
+    answer = {
+        "type": "object",
+        "properties": {
+            "model_name": {"type": "string"},
+            "model_version": {"type": "string"},
+            "id": {"type": "string"},
+            "outputs": {"type": "array", "items": tensor},
+        },
+        "required": ["model_name", "outputs"],
+    }
+    ok = _answer("the outputs: logits [rows, classes] FP32 and label [rows] BYTES", answer)
+    ok["content"]["application/octet-stream"] = {
+        "schema": {"type": "string", "format": "binary"},
+    }
+    ok["description"] += (
+        "; application/octet-stream when an output is asked in binary: the JSON header (its length in the "
+        "Inference-Header-Content-Length header), then each binary output's bytes"
+    )
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+        "responses": {
+            "200": ok,
+            "400": _v2_error("not a valid inference request: bad JSON, an unknown input or output, a wrong "
+                             "datatype or shape, data that does not fill the shape, or a value not finite in it"),
+            "404": _v2_error("no such model or version"),
+            "413": _v2_error(f"more than {max_rows} rows, or a body larger than the limit"),
+            "500": _v2_error("the forward of the request's batch failed"),
+            "503": _v2_error("overloaded, not ready, or out of GPU memory for this request alone (Retry-After: 1)"),
+            "504": _v2_error("the request waited longer than REQUEST_TIMEOUT_MS in the queue"),
+        },
+    }  # fmt: skip
+
+
+def describe_v2(schema: dict, model_name: str, input_shape: tuple[int, ...], max_rows: int) -> None:
+    """Complete the /v2 routes' operations in `schema` (FastAPI lists them with no parameters or answers)."""
+    paths = schema.get("paths", {})
+    if not any(p == "/v2" or p.startswith("/v2/") for p in paths):
+        return
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components.update(v2_tensor_schemas(input_shape))
+    components["V2InferInput"] = _v2_input(input_shape, max_rows)  # once, for both infer routes
+    name = {
+        "name": "name",
+        "in": "path",
+        "required": True,
+        "description": f"the model's name; this server serves {model_name!r} (any other: 404)",
+        "schema": {"type": "string", "enum": [model_name]},
+    }
+    version = {
+        "name": "version",
+        "in": "path",
+        "required": True,
+        "description": "the model's version; it has one, '1' (any other: 404)",
+        "schema": {"type": "string", "enum": ["1"]},
+    }
+    server = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "version": {"type": "string"},
+            "extensions": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["name", "version", "extensions"],
+    }
+    tensor = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "datatype": {"type": "string"},
+            "shape": {"type": "array", "items": {"type": "integer"}},
+        },
+        "required": ["name", "datatype", "shape"],
+    }
+    model = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "versions": {"type": "array", "items": {"type": "string"}},
+            "platform": {"type": "string"},
+            "inputs": {"type": "array", "items": tensor},
+            "outputs": {"type": "array", "items": tensor},
+        },
+        "required": ["name", "platform", "inputs", "outputs"],
+    }
+    no_model = _v2_error("no such model or version")
+    operations = {
+        ("get", "/v2"): {"responses": {"200": _answer("server metadata", server)}},
+        ("get", "/v2/health/live"): {"responses": {"200": _empty("the server is live")}},
+        ("get", "/v2/health/ready"): {
+            "responses": {"200": _empty("every engine is ready"), "503": _empty("not ready")}
+        },
+        ("get", "/v2/models/{name}"): {"responses": {"200": _answer("model metadata", model), "404": no_model}},
+        ("get", "/v2/models/{name}/ready"): {
+            "responses": {"200": _empty("the model is ready"), "503": _empty("not ready"), "404": no_model}
+        },
+        ("post", "/v2/models/{name}/infer"): v2_infer_operation(input_shape, max_rows),
+    }
+    for (method, path), operation in list(operations.items()):
+        if path.startswith("/v2/models/{name}"):
+            versioned = path.replace("{name}", "{name}/versions/{version}")
+            operations[method, versioned] = {**operation, "parameters": [name, version]}
+            operation["parameters"] = [name]
+    for (method, path), operation in operations.items():
+        if method in paths.get(path, {}):
+            paths[path][method].update(operation)

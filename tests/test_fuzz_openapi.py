@@ -21,7 +21,7 @@ from .server import dump_new_logs, running_server
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = 300  # per operation and phase: the whole run takes ~15 s on 2 cores
+EXAMPLES = 300  # per operation and phase: the whole run takes ~90 s on 2 cores (the /v2 infer bodies are most of it)
 CONFIG = """
 [checks.negative_data_rejection]
 expected-statuses = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429", "5xx"]

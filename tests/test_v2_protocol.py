@@ -161,6 +161,10 @@ def test_health_and_metadata_with_triton_clients(servers, http, grpc_client):
         assert r.status_code == 404 and "unknown version '2'" in r.json()["error"], r.text
         r = c.get("/v2/nothing/here")
         assert r.status_code == 404 and "error" in r.json()
+        # A route that exists, asked with a method it does not take: 405, naming the one it takes.
+        for method, path, allow in (("TRACE", "/v2/health/live", "GET"), ("PUT", f"/v2/models/{MODEL}/infer", "POST")):
+            r = c.request(method, path)
+            assert r.status_code == 405 and r.headers["allow"] == allow and "error" in r.json(), (method, path)
 
 
 # ------------------------------------------------------------------------------------ inference

@@ -100,3 +100,39 @@ def test_the_rest_routes_are_in_the_openapi_schema():
     assert paths["/v2/models/{name}/infer"]["post"]["summary"].startswith("inference")
     for p in ("/v2", "/v2/health/live", "/v2/health/ready", "/v2/models/{name}/versions/{version}/ready"):
         assert "get" in paths[p], p
+
+
+def test_the_openapi_schema_describes_the_v2_requests_and_answers():
+    from fastapi import FastAPI
+
+    from service.api import router
+    from service.openapi import describe_routes
+
+    app = FastAPI()
+    app.include_router(router)
+    schema = describe_routes(app.openapi(), (64,), 4, "digits-mlp")
+    paths = schema["paths"]
+    for p in ("/v2/health/live", "/v2/health/ready", "/v2/models/{name}/ready"):
+        assert "content" not in paths[p]["get"]["responses"]["200"], p  # the protocol's empty 200
+    infer = paths["/v2/models/{name}/versions/{version}/infer"]["post"]
+    assert {p["name"] for p in infer["parameters"]} == {"name", "version"}
+    assert {"200", "400", "404", "413", "503", "504"} <= set(infer["responses"])
+    assert set(infer["responses"]["200"]["content"]) == {"application/json", "application/octet-stream"}
+
+    # The request schema holds exactly what the server takes: data filling the shape, in the datatype's range.
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")  # schemathesis's own validator
+    request = infer["requestBody"]["content"]["application/json"]["schema"]
+    valid = jsonschema_rs.validator_for({**request, "components": schema["components"]}).is_valid
+
+    def doc(shape, data, datatype="FP32", **kw):
+        return {"inputs": [{"name": "input", "datatype": datatype, "shape": shape, "data": data}], **kw}
+
+    assert valid(doc([2, 64], [1.0] * 128, id="a", outputs=[{"name": "label"}]))
+    assert valid(doc([2, 64], [[1.0] * 64] * 2, "FP16"))
+    assert valid(doc([1, 64], [1e5] * 64, "FP64"))
+    assert not valid(doc([2, 64], [1.0] * 64))  # fewer values than the shape
+    assert not valid(doc([5, 64], [1.0] * 320))  # more rows than max_rows
+    assert not valid(doc([1, 64], [1e5] * 64, "FP16"))  # beyond float16
+    assert not valid(doc([1, 64], [1.0] * 64, "INT32"))
+    assert not valid(doc([1, 64], [1.0] * 64, outputs={}))
+    assert not valid(doc([1, 64], [1.0] * 64, outputs=[{"name": "probs"}]))

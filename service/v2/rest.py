@@ -6,8 +6,9 @@ JSON tensors, and Triton Inference Server's binary tensor extension: a body whos
 `np.frombuffer`, never through a JSON float parser. Outputs come back as JSON `data`, or as binary when the output
 asks (`parameters.binary_data`) or the request does for every output (`parameters.binary_data_output`).
 
-Errors are {"error": "..."}: 400 for a bad request, 404 for an unknown model or route, 413 past the size limits,
-503 when not ready or overloaded, 504 when the request outlived its timeout in the queue.
+Errors are {"error": "..."}: 400 for a bad request, 404 for an unknown model or route, 405 for a route asked with a
+method it does not take (with Allow), 413 past the size limits, 503 when not ready or overloaded, 504 when the request
+outlived its timeout in the queue.
 """
 
 from __future__ import annotations
@@ -73,7 +74,25 @@ async def handle_v2(state: FrontendState, scope: dict, receive) -> Answer:
             return _empty(200 if state.ready else 503)
         if method == "POST" and rest == ["infer"]:
             return await handle_infer(state, scope, receive)
+    allowed = _allowed(parts)
+    if allowed is not None:  # a route that exists, asked with another method: 405 with Allow, as HTTP says
+        return _error(405, f"{method} is not allowed on {scope['path']}; use {allowed}", (b"allow", allowed.encode()))
     return _error(404, f"no route {method} {scope['path']}; see GET /v2 and GET /v2/models/{model.name}")
+
+
+def _allowed(parts: list[str]) -> str | None:
+    """The method a /v2 route takes (its path split after /v2), or None where no route has that path."""
+    if parts in ([], ["health", "live"], ["health", "ready"]):
+        return "GET"
+    if len(parts) >= 2 and parts[0] == "models":
+        rest = parts[2:]
+        if len(rest) >= 2 and rest[0] == "versions":
+            rest = rest[2:]
+        if rest in ([], ["ready"]):
+            return "GET"
+        if rest == ["infer"]:
+            return "POST"
+    return None
 
 
 async def handle_infer(state: FrontendState, scope: dict, receive) -> Answer:
@@ -158,7 +177,9 @@ def _parse(state: FrontendState, scope: dict, body: bytes) -> tuple[dict, np.nda
     if len(binary):
         raise InputError(400, f"the body holds {len(binary)} bytes after the inputs' binary data; none belong there")
 
-    outputs = doc.get("outputs") or []
+    outputs = doc.get("outputs")
+    if outputs is None:  # absent or null: every output (a falsy non-list, such as {}, is refused below)
+        outputs = []
     if not isinstance(outputs, list) or not all(isinstance(o, dict) for o in outputs):
         raise InputError(400, 'outputs must be a list of {"name": ...}')
     wanted = t.check_outputs([o.get("name") for o in outputs])

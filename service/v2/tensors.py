@@ -52,7 +52,7 @@ def check_input(model: ModelInfo, name: str, datatype: str, shape: object, max_r
     """The input's numpy dtype and its row count, or InputError naming what is wrong with its declaration."""
     if name != INPUT:
         raise InputError(400, f"unknown input {name!r}; the model takes one input, {INPUT!r}")
-    dtype = DTYPES.get(datatype)
+    dtype = DTYPES.get(datatype) if isinstance(datatype, str) else None  # a JSON object is not hashable: 400, not 500
     if dtype is None:
         raise InputError(400, f"input {name!r} has datatype {datatype!r}; it takes FP32, FP16 or FP64")
     if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
