@@ -71,12 +71,17 @@ def read_answer(sock: socket.socket, timeout_s: float = 5.0) -> bytes:
     return data
 
 
-def offer_huge_body(server, chunked: bool) -> tuple[bytes, int, float, bool]:
-    """POST /predict offering a 200 MB body 64 KiB at a time, stopping as soon as the server answers or stops
+# Every HTTP path that takes a body: /predict and the Open Inference Protocol's infer (the shipped digits-mlp)
+BODY_PATHS = ["/predict", "/v2/models/digits-mlp/infer"]
+
+
+def offer_huge_body(server, chunked: bool, path: str = "/predict") -> tuple[bytes, int, float, bool]:
+    """POST `path` offering a 200 MB body 64 KiB at a time, stopping as soon as the server answers or stops
     taking bytes. Returns (answer, bytes the server took, seconds to the answer, whether it closed)."""
     sock = connect(server)
     framing = b"transfer-encoding: chunked\r\n" if chunked else b"content-length: %d\r\n" % HUGE
-    sock.sendall(b"POST /predict HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n" + framing + b"\r\n")
+    head = b"POST %s HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n" % path.encode()
+    sock.sendall(head + framing + b"\r\n")
     piece = b"[" + b"1," * (CHUNK // 2 - 1) + b"1"  # 64 KiB of JSON-ish bytes
     frame = (b"%x\r\n" % len(piece)) + piece + b"\r\n" if chunked else piece
     sent = 0
@@ -100,13 +105,14 @@ def offer_huge_body(server, chunked: bool) -> tuple[bytes, int, float, bool]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", BODY_PATHS)
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "content-length"])
-def test_a_body_over_the_limit_gets_413_at_once_and_the_rest_is_never_read(servers, chunked):
+def test_a_body_over_the_limit_gets_413_at_once_and_the_rest_is_never_read(servers, chunked, path):
     server = servers["guard"]
     pid = frontend_pid(server)
     before = rss_bytes(pid)
     for _ in range(3):
-        answer, sent, took, closed = offer_huge_body(server, chunked)
+        answer, sent, took, closed = offer_huge_body(server, chunked, path)
         assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
         assert b"at most" in answer, answer[:300]
         assert closed, f"a 413 before the whole body must close the connection: {answer[:300]!r}"
