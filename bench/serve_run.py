@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from . import serve_v2
 from .loadgen import ClientPool, PhaseSpec, make_bodies, percentiles
+from .local_server import free_port
 from .serve_accounting import account, delta, scrape, server_split
 from .serve_report import CDF_POINTS
 
@@ -62,12 +62,6 @@ def _die_with_parent():
 
 
 _PREEXEC = _die_with_parent()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_status(url: str, timeout: float = 2.0) -> int:

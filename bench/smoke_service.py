@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,19 +22,7 @@ import numpy as np
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+from .local_server import free_port, get
 
 
 def _post(url: str, doc: dict) -> dict:
@@ -45,7 +32,7 @@ def _post(url: str, doc: dict) -> dict:
 
 
 def smoke(mode: str, device: str, x: np.ndarray, y: np.ndarray) -> bool:
-    port = _free_port()
+    port = free_port()
     env = os.environ | {"FUSEDSERVE_MODE": mode, "FUSEDSERVE_DEVICE": device, "FUSEDSERVE_PORT": str(port)}
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env)
     base = f"http://127.0.0.1:{port}"
@@ -56,7 +43,7 @@ def smoke(mode: str, device: str, x: np.ndarray, y: np.ndarray) -> bool:
                 print(f"[{mode}] server exited with {proc.returncode}")
                 return False
             try:
-                status, body = _get(base + "/health/ready", 2)
+                status, body = get(base + "/health/ready", 2)
             except OSError:
                 status, body = 0, b""
             if status == 200:
@@ -76,7 +63,7 @@ def smoke(mode: str, device: str, x: np.ndarray, y: np.ndarray) -> bool:
         acc = correct / len(x)
         print(f"[{mode}] accuracy {acc:.4f} on {len(x)} held-out digits; "
               f"median request {np.median(latencies) * 1e3:.2f} ms (32 rows, client-side)")  # fmt: skip
-        _, metrics = _get(base + "/metrics")
+        _, metrics = get(base + "/metrics")
         for line in metrics.decode().splitlines():
             if line.startswith(
                 ("fusedserve_kernel_seconds_sum", "fusedserve_kernel_seconds_count", "fusedserve_model_info")

@@ -8,52 +8,21 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
+from .local_server import children, free_port, get
 from .serve_run import gpu_name, gpu_slug
 from .soak_clients import MIX, client_main
 
 HEADER_TIMEOUT_S = 2.0  # the server's header and body timeouts in the soak: slow clients are cut within the run
 READY_TIMEOUT_S = 600.0  # a fused CUDA server compiles and tunes every batch bucket before it is ready
 MB = 1024 * 1024
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def children(pid: int) -> dict[str, int]:
-    """{fs-frontend-0 / fs-engine-0 ...: pid} of the supervisor `pid`."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            comm = (entry / "comm").read_text().strip()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and comm.startswith("fs-"):
-            out[comm] = int(entry.name)
-    return out
 
 
 def rss_mb(pid: int) -> float | None:
@@ -92,7 +61,7 @@ def gpu_memory_mb(pids: list[int]) -> dict[str, float] | None:
 def request_counters(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    _, body = _get(url + "/metrics", 10)
+    _, body = get(url + "/metrics", 10)
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(body.decode()):
         if fam.name in ("fusedserve_requests", "fusedserve_gpu_faults"):
@@ -151,7 +120,7 @@ def memory_change(samples: list[dict], warmup_s: float) -> dict:
 
 
 def execute(plan: dict, command: str) -> int:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FUSEDSERVE_")}
     env.update({
@@ -174,11 +143,11 @@ def execute(plan: dict, command: str) -> int:
                 print(f"bench soak: the server did not become ready\n{log_path.read_text()[-4000:]}", file=sys.stderr)
                 return 2
             with contextlib.suppress(OSError):
-                if _get(url + "/health/ready", 2)[0] == 200:
+                if get(url + "/health/ready", 2)[0] == 200:
                     break
             time.sleep(0.2)
         procs = children(server.pid)
-        _, body = _get(url + "/model")
+        _, body = get(url + "/model")
         device = json.loads(body).get("device") or "?"
         cuda = device.startswith("cuda")
         counters_before = request_counters(url)

@@ -15,13 +15,13 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from .procs import children
 from .server import dump_new_logs, running_servers
 
 pytestmark = pytest.mark.slow
@@ -34,23 +34,6 @@ TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 def _server_logs():
     yield
     dump_new_logs()
-
-
-def children(pid: int) -> dict[str, int]:
-    """{process name (fs-engine-0, fs-frontend-1, ...): pid} of the supervisor's children."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            comm = (entry / "comm").read_text().strip()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and comm.startswith("fs-"):
-            out[comm] = int(entry.name)
-    return out
 
 
 def rows(n: int, seed: int) -> list[list[float]]:
