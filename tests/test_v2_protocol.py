@@ -403,6 +403,38 @@ def _outcomes(url: str, protocol: str) -> dict[str, float]:
     return {o: total(fam, "fusedserve_requests_total", protocol=protocol, outcome=o) for o in ("timeout", "overloaded")}
 
 
+def test_grpc_calls_past_the_connection_cap_are_resource_exhausted(tmp_path_factory, digits):
+    """FUSEDSERVE_MAX_CONNECTIONS caps a front end's gRPC calls in flight as it caps its HTTP connections: with a
+    cap of 2 (its least), two calls held 500 ms for company make a third one RESOURCE_EXHAUSTED at once."""
+    port = free_port()
+    env = {"workers": 1, "max_batch_size": MAX_BATCH, "max_delay_ms": 500, "max_connections": 2, "grpc_port": port}
+    with running_servers({"s": ("unfused", env)}, tmp_path_factory.mktemp("v2-cap")):
+
+        async def three_calls() -> tuple[list[str], str]:
+            client = tgrpc_aio.InferenceServerClient(f"127.0.0.1:{port}")
+
+            async def one() -> str:
+                inp = tgrpc.InferInput("input", [1, 64], "FP32")
+                inp.set_data_from_numpy(digits[:1])
+                try:
+                    await client.infer(MODEL, [inp], client_timeout=30)
+                    return "OK"
+                except InferenceServerException as e:
+                    return str(e.status()).split(".")[-1]
+
+            try:
+                held = [asyncio.ensure_future(one()) for _ in range(2)]
+                await asyncio.sleep(0.2)  # both held calls are waiting in the engine's queue
+                third = await one()
+                return list(await asyncio.gather(*held)), third
+            finally:
+                await client.close()
+
+        held, third = asyncio.run(three_calls())
+    # Refused, not queued: a queued third call would have joined the held ones' batch and been answered OK.
+    assert (held, third) == (["OK", "OK"], "RESOURCE_EXHAUSTED")
+
+
 def test_queue_timeout_is_504_and_deadline_exceeded(slow, digits):
     before = {p: _outcomes(slow["url"], p) for p in ("v2_rest", "v2_grpc")}
     r = httpx.post(f"{slow['url']}/v2/models/{MODEL}/infer", json=_doc(data=digits[0].tolist()), timeout=TIMEOUT)

@@ -172,7 +172,10 @@ async def start(state: FrontendState) -> grpc.aio.Server:
             ("grpc.so_reuseport", 1),
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", -1),
-        ]
+        ],
+        # The HTTP side's cap on open connections (service/guard.py), as calls in flight: past it grpcio answers
+        # RESOURCE_EXHAUSTED at once (uncounted in the metrics, as its size refusals are).
+        maximum_concurrent_rpcs=s.max_connections,
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(state), server)
     host = f"[{s.host}]" if ":" in s.host else s.host
