@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .server import dump_new_logs, running_server
+from .server import running_server
 
 pytestmark = pytest.mark.slow
 
@@ -26,12 +26,6 @@ CONFIG = """
 [checks.negative_data_rejection]
 expected-statuses = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429", "5xx"]
 """
-
-
-@pytest.fixture(autouse=True)
-def _server_logs():
-    yield
-    dump_new_logs()
 
 
 @pytest.mark.timeout(300)

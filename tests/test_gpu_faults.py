@@ -20,18 +20,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.faults import INJECT_ENV
 
-from .server import dump_new_logs, running_servers
+from .server import running_servers
 
 pytestmark = pytest.mark.slow
 
 FEATURES = 64
 TIMEOUT = httpx.Timeout(30.0, connect=5.0)
-
-
-@pytest.fixture(autouse=True)
-def _server_logs():
-    yield
-    dump_new_logs()
 
 
 def rows(n: int, seed: int) -> list[list[float]]:

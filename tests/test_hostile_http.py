@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from .procs import children, open_sockets, rss_bytes
-from .server import dump_new_logs, running_servers
+from .server import running_servers
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +37,6 @@ CAP_ENV = {"workers": 1, "max_batch_size": MAX_BATCH, "max_connections": CAP}
 CHUNK = 64 * 1024
 HUGE = 200 * 1024 * 1024
 GOOD = {"inputs": [[1.0] * 64]}
-
-
-@pytest.fixture(autouse=True)
-def _server_logs():
-    yield
-    dump_new_logs()
 
 
 @pytest.fixture(scope="module")

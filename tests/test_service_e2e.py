@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from .server import dump_new_logs, free_port, running_servers, service_env
+from .server import free_port, running_servers, service_env
 
 pytestmark = pytest.mark.slow
 
@@ -76,12 +76,6 @@ def mode(request) -> str:
 @pytest.fixture
 def url(servers, mode) -> str:
     return servers[mode]
-
-
-@pytest.fixture(autouse=True)
-def _server_logs():
-    yield
-    dump_new_logs()  # shown by pytest only when the test failed
 
 
 @pytest.fixture(scope="module")

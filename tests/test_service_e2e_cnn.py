@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from .server import REPO, dump_new_logs, running_servers
+from .server import REPO, running_servers
 
 pytestmark = pytest.mark.slow
 
@@ -40,12 +40,6 @@ RTOL_VS_UNFUSED = {"cpu": 1e-4, "cuda": 5e-3}
 def servers(tmp_path_factory) -> dict[str, str]:
     with running_servers({m: (m, ENV) for m in MODES}, tmp_path_factory.mktemp("e2e-cnn-logs")) as s:
         yield {m: srv.url for m, srv in s.items()}
-
-
-@pytest.fixture(autouse=True)
-def _server_logs():
-    yield
-    dump_new_logs()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sklearn.datasets import load_digits
 
-from .server import REPO, dump_new_logs, free_port, running_servers
+from .server import REPO, free_port, running_servers
 
 # In the test extra (CI has it); a host without it (the GPU host's wheel set) skips the module.
 pytest.importorskip("tritonclient.grpc", reason="tritonclient[http,grpc] is not installed (pip install -e '.[test]')")
@@ -55,12 +55,6 @@ def servers(tmp_path_factory) -> dict[str, dict]:
     }
     with running_servers(specs, tmp_path_factory.mktemp("v2-logs")) as s:
         yield {k: {"url": srv.url, "grpc": f"127.0.0.1:{ports[k]}"} for k, srv in s.items()}
-
-
-@pytest.fixture(autouse=True)
-def _server_logs():
-    yield
-    dump_new_logs()
 
 
 @pytest.fixture(scope="module")
@@ -403,6 +397,17 @@ def _outcomes(url: str, protocol: str) -> dict[str, float]:
     return {o: total(fam, "fusedserve_requests_total", protocol=protocol, outcome=o) for o in ("timeout", "overloaded")}
 
 
+async def _grpc_outcome(client, rows: np.ndarray) -> str:
+    """One ModelInfer through tritonclient's asyncio client: "OK", or the gRPC status's name."""
+    inp = tgrpc.InferInput("input", list(rows.shape), "FP32")
+    inp.set_data_from_numpy(rows)
+    try:
+        await client.infer(MODEL, [inp], client_timeout=30)
+        return "OK"
+    except InferenceServerException as e:
+        return str(e.status()).split(".")[-1]
+
+
 def test_grpc_calls_past_the_connection_cap_are_resource_exhausted(tmp_path_factory, digits):
     """FUSEDSERVE_MAX_CONNECTIONS caps a front end's gRPC calls in flight as it caps its HTTP connections: with a
     cap of 2 (its least), two calls held 500 ms for company make a third one RESOURCE_EXHAUSTED at once."""
@@ -413,19 +418,10 @@ def test_grpc_calls_past_the_connection_cap_are_resource_exhausted(tmp_path_fact
         async def three_calls() -> tuple[list[str], str]:
             client = tgrpc_aio.InferenceServerClient(f"127.0.0.1:{port}")
 
-            async def one() -> str:
-                inp = tgrpc.InferInput("input", [1, 64], "FP32")
-                inp.set_data_from_numpy(digits[:1])
-                try:
-                    await client.infer(MODEL, [inp], client_timeout=30)
-                    return "OK"
-                except InferenceServerException as e:
-                    return str(e.status()).split(".")[-1]
-
             try:
-                held = [asyncio.ensure_future(one()) for _ in range(2)]
+                held = [asyncio.ensure_future(_grpc_outcome(client, digits[:1])) for _ in range(2)]
                 await asyncio.sleep(0.2)  # both held calls are waiting in the engine's queue
-                third = await one()
+                third = await _grpc_outcome(client, digits[:1])
                 return list(await asyncio.gather(*held)), third
             finally:
                 await client.close()
@@ -458,21 +454,13 @@ def test_a_full_queue_is_503_and_unavailable(slow, digits):
         try:
             async with httpx.AsyncClient(timeout=TIMEOUT) as http_client:
 
-                async def grpc_one():
-                    inp = tgrpc.InferInput("input", [1, 64], "FP32")
-                    inp.set_data_from_numpy(digits[:1])
-                    try:
-                        await client.infer(MODEL, [inp], client_timeout=30)
-                        return "OK"
-                    except InferenceServerException as e:
-                        return str(e.status()).split(".")[-1]
-
                 async def rest_one():
                     url = f"{slow['url']}/v2/models/{MODEL}/infer"
                     r = await http_client.post(url, json=_doc(data=digits[0].tolist()))
                     return r.status_code, r.headers.get("retry-after")
 
-                return await asyncio.gather(*(grpc_one() for _ in range(4)), *(rest_one() for _ in range(4)))
+                grpc_calls = [_grpc_outcome(client, digits[:1]) for _ in range(4)]
+                return await asyncio.gather(*grpc_calls, *(rest_one() for _ in range(4)))
         finally:
             await client.close()
 
