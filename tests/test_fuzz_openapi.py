@@ -33,6 +33,8 @@ def test_the_api_holds_to_its_schema(tmp_path: Path):
     config = tmp_path / "schemathesis.toml"
     config.write_text(CONFIG)
     cli = Path(sys.executable).with_name("schemathesis")
+    if not cli.exists():  # a dev dependency: CI's venv has it; the GPU host's wheel set does not
+        pytest.skip(f"schemathesis is not installed ({cli})")
     with running_server("unfused", workers=1, max_batch_size=8) as url:
         argv = [
             str(cli), "--no-color", "--config-file", str(config), "run", url + "/openapi.json",

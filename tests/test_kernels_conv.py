@@ -130,7 +130,7 @@ def test_output_memory_format_follows_torch():
     assert fused_conv2d(x, w, b).is_contiguous()
     wl = w.to(memory_format=torch.channels_last)
     for weight in (w, wl):
-        y = fused_conv2d(x, weight, b, padding=1, activation="relu")
+        y = fused_conv2d(x, weight, b, padding=1, activation="relu", allow_tf32=False)  # cudnn's default is TF32
         want = reference.conv2d(x.double(), w.double(), b.double(), "relu", padding=1)
         assert_close_to(y, want, RTOL[torch.float32], "weight layout")
         torch_format = torch.nn.functional.conv2d(x, weight, b, padding=1)
@@ -145,7 +145,7 @@ def test_empty_batch_returns_empty():
 def test_ints_or_pairs_are_taken():
     x, w, b = _inputs((2, 3, 9, 8, 4, 3, 1, 1, 1), torch.float32, DEVICE)
     want = reference.conv2d(x.double(), w.double(), b.double(), "tanh", stride=2, padding=(1, 0), dilation=[1, 2])
-    got = fused_conv2d(x, w, b, stride=2, padding=(1, 0), dilation=[1, 2], activation="tanh")
+    got = fused_conv2d(x, w, b, stride=2, padding=(1, 0), dilation=[1, 2], activation="tanh", allow_tf32=False)
     assert_close_to(got, want, RTOL[torch.float32], "int/list arguments")
 
 
