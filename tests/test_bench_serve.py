@@ -1,5 +1,5 @@
 """`bench serve`: the nothing-lost accounting, the load generator against a real uvicorn app, and a quick
-end-to-end run on the CPU (empty@1 and fusedserve unfused@1, tiny windows)."""
+end-to-end run on the CPU (empty@1, empty_grpc@1 and fusedserve unfused@1, tiny windows)."""
 
 from __future__ import annotations
 
@@ -219,10 +219,11 @@ def test_loadgen_closed_and_open_loop_against_uvicorn(empty_app, client):
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_quick_end_to_end_run_on_the_cpu(tmp_path):
-    """empty@1 and fusedserve unfused@1: closed loop at 1 and 4 connections, one open-loop rate, and the SIGTERM
-    phase; every phase but the SIGTERM one must be clean. The SIGTERM phase's books must balance and the server
-    must exit cleanly; whether the single-process service (uvicorn's shutdown closes connections whose request
-    it has not read yet) loses requests there is the benchmark's finding, not this test's."""
+    """empty@1, empty_grpc@1 and fusedserve unfused@1: closed loop at 1 and 4 connections (the empty gRPC server:
+    its 1-row gRPC phase only), one open-loop rate, and the SIGTERM phase; every phase but the SIGTERM one must be
+    clean. The SIGTERM phase's books must balance and the server must exit cleanly; whether the single-process
+    service (uvicorn's shutdown closes connections whose request it has not read yet) loses requests there is the
+    benchmark's finding, not this test's."""
     argv = [sys.executable, "-m", "bench.serve", "--quick", "--device", "cpu", "--out", str(tmp_path)]
     argv += ["--duration", "0.4", "--warmup", "0.1", "--time-budget", "60"]
     has_grpc = importlib.util.find_spec("grpc") is not None  # in the dependencies; the GPU host may lack the wheel
@@ -250,12 +251,15 @@ def test_quick_end_to_end_run_on_the_cpu(tmp_path):
     assert set(v2) == want, out
     assert all(r["rows_per_s"] == r["req_per_s"] * r["rows"] > 0 for r in v2.values())
     assert all(r["server"]["forward_us"] > 0 and r["server"]["batch_rows"] >= 1 for r in unfused)
+    # The gRPC ceiling: the empty grpc.aio server, 1-row ModelInfer at the gRPC phases' connections, and only that.
+    ceiling = [(r["protocol"], r["rows"], r["connections"], r["ok"]) for r in phases if r["name"] == "empty_grpc"]
+    assert ceiling == ([("v2_grpc", 1, 4, True)] if has_grpc else []), out
     (sig,) = [r for r in phases if r["kind"] == "sigterm"]
     errors = sig["errors"]
     assert sig["sent"] == sig["answered"] + errors.get("lost", 0) + errors.get("timeout", 0)
     assert set(sig["status"]) <= {"200", "503"}
     assert sig["exit"]["graceful"], sig["exit"]
-    assert results["servers"][0]["exit"]["graceful"]
+    assert all(s["exit"]["graceful"] for s in results["servers"][:-1]), results["servers"]  # the last: SIGTERM phase
     md = (tmp_path / "serve_cpu.md").read_text()
     assert "## Targets (issue 18)" in md and "## SIGTERM in the middle of a phase" in md
     assert "## Open Inference Protocol (closed loop)" in md and "| unfused (v2_binary) | 1 | 256 |" in md
@@ -269,8 +273,21 @@ def test_phase_plan_and_open_loop_rates():
     args = argparse.ArgumentParser()
     serve_cli.add_arguments(args)
     plan = serve_cli.resolve(args.parse_args(["--workers", "8"]))
-    assert [s.key for s in plan.systems][:4] == ["empty@1", "empty@8", "fused@1", "fused@8"]
+    # The gRPC ceiling before fusedserve: a run short of time keeps it with fused@8's gRPC phases.
+    assert [s.key for s in plan.systems][:6] == ["empty@1", "empty@8", "empty_grpc@1", "empty_grpc@8", "fused@1",
+                                                 "fused@8"]  # fmt: skip
     assert plan.systems[-2].key == "eager@8"  # the optional eager app last: a run short of time loses it first
+    assert all(not s.grpc_only for s in plan.open_systems)
+    # empty_grpc: only 1-row gRPC phases at fused's gRPC connection counts, essential at N workers.
+    for workers, prio in ((8, 1), (1, 2)):
+        grpc_ceiling = phase_list(serve_cli.System("empty_grpc", workers), plan, None)
+        assert [(p["protocol"], p["rows"], p["connections"], p["priority"]) for p in grpc_ceiling] == [
+            ("v2_grpc", 1, 64, prio), ("v2_grpc", 1, 256, prio)
+        ]  # fmt: skip
+    # Without gRPC phases the defaults leave it out, and asking for it is an error.
+    assert not any(s.grpc_only for s in serve_cli.resolve(args.parse_args(["--v2", "binary"])).systems)
+    with pytest.raises(SystemExit, match="empty_grpc runs only gRPC phases"):
+        serve_cli.resolve(args.parse_args(["--v2", "none", "--systems", "empty_grpc@1,fused@1"]))
     sig = pick_sigterm_system(plan)
     assert sig.key == "fused@8"
     phases = phase_list(sig, plan, sig)
