@@ -155,6 +155,27 @@ def test_targets_read_the_phases():
     assert t["nothing lost in any phase, a SIGTERM in the middle of one included"]["met"] is None  # no SIGTERM phase
 
 
+def test_single_row_grpc_target_shows_the_empty_grpc_servers_ceiling_beside_it():
+    def grpc(system: str, rps: float) -> dict:
+        return {**_phase(system, 1, 256, rps), "protocol": "v2_grpc"}
+
+    phases = [_phase("fused@8", 1, 256, 72_573), grpc("fused@8", 17_766)]
+    label = "single-row gRPC"
+
+    def target(phases: list[dict]) -> dict:
+        return next(x for x in targets({"meta": {"workers": 8}, "phases": phases}) if x["target"].startswith(label))
+
+    assert target(phases)["measured"] == "17,766 against 72,573 req/s"  # no empty_grpc phase: the target alone
+    t = target([*phases, grpc("empty_grpc@8", 71_000), grpc("empty_grpc@1", 9_000)])
+    assert t["met"] is False  # the criterion is the target's own: /predict's req/s, not the ceiling
+    assert t["measured"] == (
+        "17,766 against 72,573 req/s; fused gRPC 17,766 req/s = 25% of the empty grpc.aio server's 71,000 req/s at 8 "
+        "workers (the ceiling of grpcio's asyncio server on this host)"
+    )
+    t = target([grpc("empty_grpc@8", 71_000)])  # a run narrowed to the ceiling
+    assert t["met"] is None and t["measured"].startswith("not measured; the empty grpc.aio server's 71,000 req/s")
+
+
 def test_default_workers_and_system_parsing():
     assert [serve_cli.default_workers(c) for c in (16, 6, 2, 1)] == [8, 4, 1, 1]
     systems = serve_cli.parse_systems("empty,fused@N,unfused@2,empty@1", 8)
