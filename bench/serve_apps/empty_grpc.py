@@ -16,8 +16,9 @@ run their gRPC server). ServerReady and ModelReady say ready once every worker i
 misses the connections of a phase. SIGTERM (or SIGINT) to the parent stops every worker (calls under way get
 GRACE_S) and the parent exits 0 once each has exited 0.
 
-The parent imports no grpc: it only spawns the workers (and `bench serve`, which forks its client processes,
-checks readiness through `--wait-ready` in a process of its own for the same reason).
+The parent imports no grpc: it forks the workers, and a child forked from a process that has used grpcio cannot
+use it (`bench serve`, which forks its client processes, checks readiness through `--wait-ready` in a process of
+its own for the same reason).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ..serve_v2 import MODEL
 OUTPUTS = 10  # the digits model's classes, as bench/serve_apps/empty.py answers
 GRACE_S = 5.0  # calls under way when a worker stops (each is answered at once: this is never waited out)
 STOP_WAIT_S = GRACE_S + 5.0  # then the parent kills a worker still running
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 def response(pb, rows: int):
@@ -108,6 +110,7 @@ async def _serve(host: str, port: int, workers: int, serving) -> None:
 def _worker(host: str, port: int, workers: int, serving) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the workers, once each
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # stopped before it serves: nothing to answer
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the parent across the fork
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             import ctypes
@@ -130,15 +133,21 @@ def _worker(host: str, port: int, workers: int, serving) -> None:
 
 def serve(host: str, port: int, workers: int) -> int:
     """Run `workers` worker processes until SIGTERM or SIGINT; 0 when every one exited 0, else 1."""
-    ctx = mp.get_context("spawn")
+    # fork, not spawn: this process has not imported grpc, and spawn would start multiprocessing's resource tracker,
+    # a child that outlives this process (a zombie of its group until init reaps it: up to 2 s on the test host).
+    ctx = mp.get_context("fork")
     serving = ctx.Value("i", 0)
     stopping = []
-    for s in (signal.SIGTERM, signal.SIGINT):
+    for s in STOP_SIGNALS:
         signal.signal(s, lambda signum, frame: stopping.append(signum))
     procs = [ctx.Process(target=_worker, args=(host, port, workers, serving), name=f"empty-grpc-{i}")
              for i in range(workers)]  # fmt: skip
-    for p in procs:
-        p.start()
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # a worker takes a stop only once its own handler is set
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     while not stopping and all(p.is_alive() for p in procs):
         time.sleep(0.1)
     died = [p for p in procs if not p.is_alive()]
