@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -327,3 +329,40 @@ def test_phase_plan_and_open_loop_rates():
     slow = _open_rates(plan, serve_cli.System("unfused", 8), peaks)
     assert [r for r, why in slow if why is None] == [1200.0, 1800.0]
     assert all("above 1.1x" in why for r, why in slow if r >= 9000)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_empty_grpc_server_answers_as_fusedserve_and_exits_0_on_sigterm(tmp_path, workers):
+    """The gRPC ceiling as `bench serve` runs it: ready through its own ServerReady probe, a Triton client's
+    ModelInfer answered with fusedserve's outputs (1 row: logits FP32 [1, 10], label BYTES [1]), and SIGTERM to the
+    parent stops every worker, exit 0. (tritonclient, in this process: the server's stubs stay in its own.)"""
+    tgrpc = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is not installed (the test extra)")
+    port = free_port()
+    argv = [sys.executable, "-m", "bench.serve_apps.empty_grpc", "--port", str(port), "--workers", str(workers)]
+    proc = ManagedProcess(f"empty_grpc:{port}", argv, service_env(), REPO, tmp_path / "empty_grpc.log")
+    try:
+        probe = [sys.executable, "-m", "bench.serve_apps.empty_grpc", "--port", str(port), "--wait-ready", "20"]
+        ready = subprocess.run(probe, cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=40)
+        assert ready.returncode == 0, ready.stdout + ready.stderr + proc.describe()
+        client = tgrpc.InferenceServerClient(f"127.0.0.1:{port}")
+        try:
+            assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("digits-mlp")
+            inp = tgrpc.InferInput("input", [1, 64], "FP32")
+            inp.set_data_from_numpy(np.arange(64, dtype=np.float32).reshape(1, 64) % 17)
+            answer = client.infer("digits-mlp", [inp], client_timeout=10.0)
+        finally:
+            client.close()
+        logits = answer.as_numpy("logits")
+        assert logits.dtype == np.float32 and logits.shape == (1, 10) and not logits.any()
+        assert answer.as_numpy("label").tolist() == [b"0"]
+        response = answer.get_response()
+        assert (response.model_name, response.model_version) == ("digits-mlp", "1")
+        proc.proc.send_signal(signal.SIGTERM)  # the parent alone, as bench serve stops a server
+        assert proc.proc.wait(20) == 0, proc.describe()
+        with pytest.raises(ProcessLookupError):  # no worker outlived it
+            os.killpg(proc.proc.pid, 0)
+        assert proc.log().count("serving on") == workers and f"{workers} worker(s) stopped" in proc.log()
+    finally:
+        proc.stop()
