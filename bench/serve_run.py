@@ -274,7 +274,8 @@ def v2_phases(system: System, plan: Plan) -> list[dict]:
     prio = 1 if system.name == "fused" and system.workers == plan.workers else 2
     out = []
     for protocol in plan.v2:
-        rows = (plan.v2_rows, 1) if protocol == "v2_grpc" else (plan.v2_rows,)
+        # gRPC: v2_rows rows and 1 row (once with --v2-rows 1, a run narrowed to the single-row phases)
+        rows = tuple(dict.fromkeys((plan.v2_rows, 1))) if protocol == "v2_grpc" else (plan.v2_rows,)
         for r in rows:
             out += [
                 {"kind": "closed", "protocol": protocol, "rows": r, "connections": c, "priority": prio} for c in conns

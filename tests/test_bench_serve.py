@@ -307,6 +307,14 @@ def test_phase_plan_and_open_loop_rates():
         assert [(p["protocol"], p["rows"], p["connections"], p["priority"]) for p in grpc_ceiling] == [
             ("v2_grpc", 1, 64, prio), ("v2_grpc", 1, 256, prio)
         ]  # fmt: skip
+    # A run narrowed to single-row gRPC against /predict: --v2-rows 1 gives fused@8 each 1-row gRPC phase once.
+    narrow = ["--workers", "8", "--systems", "empty_grpc@N,fused@N", "--v2", "grpc", "--v2-rows", "1", "--rows", "1"]
+    narrow += ["--connections", "64,256", "--no-open", "--no-sigterm"]
+    narrowed = serve_cli.resolve(args.parse_args(narrow))
+    fused = phase_list(narrowed.systems[1], narrowed, pick_sigterm_system(narrowed))
+    assert [(p.get("protocol", "predict"), p["rows"], p["connections"]) for p in fused] == [
+        ("predict", 1, 64), ("predict", 1, 256), ("v2_grpc", 1, 64), ("v2_grpc", 1, 256)
+    ]  # fmt: skip
     # Without gRPC phases the defaults leave it out, and asking for it is an error.
     assert not any(s.grpc_only for s in serve_cli.resolve(args.parse_args(["--v2", "binary"])).systems)
     with pytest.raises(SystemExit, match="empty_grpc runs only gRPC phases"):
