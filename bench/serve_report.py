@@ -225,10 +225,11 @@ def markdown(results: dict) -> str:
             "binary logits and labels out); `v2_grpc`: ModelInfer over gRPC with raw_input_contents, one HTTP/2 "
             "connection per client connection.", "",
             *([
-                "`empty_grpc`: grpcio's asyncio server with the same service, server options and workers on one port "
-                "as fusedserve's front ends and no model (bench/serve_apps/empty_grpc.py): its ModelInfer returns a "
-                "constant answer shaped like fusedserve's, so its single-row req/s is the most a grpc.aio server "
-                "answers on this host, the gRPC counterpart of the `empty` route.", "",
+                "`empty_grpc` (no target): grpcio's asyncio server with fusedserve's gRPC service and server options, "
+                "its worker processes sharing one port as fusedserve's front ends do, and no model "
+                "(bench/serve_apps/empty_grpc.py). Its ModelInfer returns a constant answer shaped like fusedserve's, "
+                "so its single-row req/s is the most a grpc.aio server answers on this host: the gRPC counterpart of "
+                "the `empty` route.", "",
             ] if any(r["name"] == "empty_grpc" for r in v2) else []),
             "| system (protocol) | workers | rows | conns | req/s | rows/s | p50 ms | p90 ms | p99 ms | "
             "queue wait ms | forward µs/batch | rows/batch | lost |",
