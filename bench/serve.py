@@ -1,7 +1,7 @@
 """End-to-end load benchmark: fusedserve against the empty FastAPI route and a naive eager-torch app, same host.
 
     fusedserve bench serve                          # the full run on a GPU host: ~8.5 minutes (--time-budget 510)
-    fusedserve bench serve --quick --device cpu     # smoke: empty@1 and unfused@1, 1 and 4 connections, seconds
+    fusedserve bench serve --quick --device cpu     # smoke: empty@1, empty_grpc@1 and unfused@1, seconds
     python -m bench.serve ...                       # the same, without the console script
 
 Every system runs as a real server on a free loopback port: `empty` (FastAPI + orjson, no model: the
@@ -11,6 +11,9 @@ ceiling) and `eager` (FastAPI, eager torch per request) under uvicorn with 1 and
 request's due time, as wrk2 measures it). fusedserve is also loaded through the Open Inference Protocol:
 binary REST (/v2/models/digits-mlp/infer, Triton's binary tensors) and gRPC (ModelInfer, raw tensors), with
 256-row requests, and gRPC with 1-row requests, closed loop at 64 and 256 connections (those of --connections).
+Its single-row gRPC phases have a ceiling too: `empty_grpc` (grpcio's asyncio server with the same service and
+options and no model, W processes on one port), loaded with the same 1-row ModelInfer requests at the same
+connection counts, and nothing else, at 1 and N workers (left out when --v2 has no grpc).
 /metrics is read before and after each phase for the server's
 own split (queue wait, forward per batch, rows per batch) and its outcome counters. Nothing may be lost:
 requests sent = answers by status + connection errors, no connection error, no unexplained 5xx, and the
@@ -32,10 +35,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-SYSTEMS = ("empty", "eager", "fused", "unfused")
+SYSTEMS = ("empty", "empty_grpc", "eager", "fused", "unfused")
 FUSEDSERVE = ("fused", "unfused")
-DEFAULT_SYSTEMS = "empty@1,empty@N,fused@1,fused@N,unfused@1,unfused@N,eager@N,eager@1"
-QUICK_SYSTEMS = "empty@1,unfused@1"
+GRPC_ONLY = ("empty_grpc",)  # no HTTP: only the single-row gRPC phases (bench/serve_apps/empty_grpc.py)
+# The gRPC ceiling before fusedserve, so that a run short of time keeps it with fused@N's gRPC phases; dropped from
+# the defaults when --v2 has no grpc.
+DEFAULT_SYSTEMS = "empty@1,empty@N,empty_grpc@1,empty_grpc@N,fused@1,fused@N,unfused@1,unfused@N,eager@N,eager@1"
+QUICK_SYSTEMS = "empty@1,empty_grpc@1,unfused@1"
 DEFAULT_OPEN = "empty@N,fused@N,unfused@N"
 
 
@@ -54,7 +60,7 @@ def default_workers(cores: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class System:
-    name: str  # empty | eager | fused | unfused
+    name: str  # empty | empty_grpc | eager | fused | unfused
     workers: int
 
     @property
@@ -64,6 +70,10 @@ class System:
     @property
     def fusedserve(self) -> bool:
         return self.name in FUSEDSERVE
+
+    @property
+    def grpc_only(self) -> bool:
+        return self.name in GRPC_ONLY
 
 
 @dataclass(frozen=True)
@@ -171,7 +181,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "peak at N workers (rounded); a rate above 1.1x a system's own peak is skipped [auto; --quick: 40]",
     )
     p.add_argument("--no-open", dest="open_loop", action="store_false", help="skip the open-loop phases")
-    p.add_argument("--open-systems", help=f"systems run open loop [{DEFAULT_OPEN}; --quick: the quick systems]")
+    p.add_argument(
+        "--open-systems", help=f"HTTP systems run open loop [{DEFAULT_OPEN}; --quick: the quick HTTP systems]"
+    )
     p.add_argument("--open-connections", type=int, help="connections of the open-loop phases [256; --quick: 8]")
     p.add_argument(
         "--clients",
@@ -207,7 +219,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--v2",
         type=_protocols,
         default="binary,grpc",
-        help="Open Inference Protocol phases of fusedserve: binary REST and/or gRPC, or none [binary,grpc]",
+        help="Open Inference Protocol phases of fusedserve: binary REST and/or gRPC, or none; without grpc the "
+        "default systems leave out empty_grpc [binary,grpc]",
     )
     p.add_argument("--v2-rows", type=int, default=256, help="rows per request of the v2 phases (gRPC: and 1) [256]")
     p.add_argument("--quick", action="store_true", help="smoke run: few systems and phases, short windows")
@@ -224,7 +237,11 @@ def resolve(args: argparse.Namespace) -> Plan:
         open_systems = parse_systems(open_text, workers) if args.open_loop else ()
     except argparse.ArgumentTypeError as e:
         raise SystemExit(f"fusedserve bench serve: {e}") from None
-    open_systems = tuple(s for s in open_systems if s in systems)
+    if "v2_grpc" not in args.v2:
+        if args.systems and any(s.grpc_only for s in systems):
+            raise SystemExit("fusedserve bench serve: empty_grpc runs only gRPC phases: give --v2 with grpc")
+        systems = tuple(s for s in systems if not s.grpc_only)
+    open_systems = tuple(s for s in open_systems if s in systems and not s.grpc_only)
     rates = args.rates
     if quick and rates is None:
         rates = (40.0,)

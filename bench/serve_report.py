@@ -132,10 +132,27 @@ def v2_targets(results: dict, fused_n: str, add) -> None:
         add(label, "no clean phase" if big else "not measured", False if big else None)
     g, j = best(closed(results, fused_n, 1, protocol="v2_grpc")), best(closed(results, fused_n, 1))
     label = "single-row gRPC: at least the single-row JSON /predict's req/s (fused, N workers, best of each)"
+    ceiling = grpc_ceiling_text(results, results["meta"]["workers"], g)
     if g and j:
-        add(label, f"{_n(g['req_per_s'])} against {_n(j['req_per_s'])} req/s", g["req_per_s"] >= j["req_per_s"])
+        add(label, f"{_n(g['req_per_s'])} against {_n(j['req_per_s'])} req/s" + (f"; {ceiling}" if ceiling else ""),
+            g["req_per_s"] >= j["req_per_s"])  # fmt: skip
     else:
-        add(label, "not measured", None)
+        add(label, "not measured" + (f"; {ceiling}" if ceiling else ""), None)
+
+
+def grpc_ceiling_text(results: dict, workers: int, fused_grpc: dict | None) -> str:
+    """Beside the single-row gRPC target, not part of it: the empty grpc.aio server's best single-row req/s at
+    `workers` workers, the most grpcio's asyncio server answers on this host, and fused's best as a share of it
+    ("" when the empty server did not run)."""
+    e = best(closed(results, f"empty_grpc@{workers}", 1, protocol="v2_grpc"))
+    if not e or e["req_per_s"] <= 0:
+        return ""
+    what = f"the empty grpc.aio server's {_n(e['req_per_s'])} req/s at {workers} workers"
+    why = "(the ceiling of grpcio's asyncio server on this host)"
+    if fused_grpc is None:
+        return f"{what} {why}"
+    share = fused_grpc["req_per_s"] / e["req_per_s"]
+    return f"fused gRPC {_n(fused_grpc['req_per_s'])} req/s = {share:.0%} of {what} {why}"
 
 
 def _phase_name(r: dict) -> str:
@@ -207,6 +224,13 @@ def markdown(results: dict) -> str:
             "`v2_binary`: POST /v2/models/digits-mlp/infer with Triton's binary tensor extension (FP32 rows in, "
             "binary logits and labels out); `v2_grpc`: ModelInfer over gRPC with raw_input_contents, one HTTP/2 "
             "connection per client connection.", "",
+            *([
+                "`empty_grpc` (no target): grpcio's asyncio server with fusedserve's gRPC service and server options, "
+                "its worker processes sharing one port as fusedserve's front ends do, and no model "
+                "(bench/serve_apps/empty_grpc.py). Its ModelInfer returns a constant answer shaped like fusedserve's, "
+                "so its single-row req/s is the most a grpc.aio server answers on this host: the gRPC counterpart of "
+                "the `empty` route.", "",
+            ] if any(r["name"] == "empty_grpc" for r in v2) else []),
             "| system (protocol) | workers | rows | conns | req/s | rows/s | p50 ms | p90 ms | p99 ms | "
             "queue wait ms | forward µs/batch | rows/batch | lost |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",

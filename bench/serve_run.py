@@ -1,16 +1,18 @@
 """`bench serve`'s run: start each system as a real server, run its phases within the time budget, stop it
 with SIGTERM and check how it exited; then the report (bench/serve_report.py).
 
-Order: the systems as given; by default the empty route first (so that `--rates auto` knows its peak), then
-fusedserve fused and unfused, and the eager app last, so that a run short of time loses the optional first. For
-each system: its closed-loop phases (every rows x connections), its open-loop phases, and, for the SIGTERM
-system (fused at N workers by default), a last phase in which SIGTERM is the stop.
+Order: the systems as given; by default the empty route first (so that `--rates auto` knows its peak), then the
+empty gRPC server, fusedserve fused and unfused, and the eager app last, so that a run short of time loses the
+optional first. For each system: its closed-loop phases (every rows x connections), its open-loop phases, and, for
+the SIGTERM system (fused at N workers by default), a last phase in which SIGTERM is the stop. The empty gRPC
+server (no HTTP) has only its single-row gRPC phases, at the connection counts of fusedserve's.
 
 Time budget: each phase costs warm-up + duration + what phases took beyond that so far (0.5 s before the
 first: drain, /metrics, set-up); each start what the same kind of server took before in this run (the first
 fused start on a GPU tunes kernels for every batch bucket: up to two minutes; later starts read the tuning
 cache). Before each phase the run keeps back what the remaining systems' essential phases need (the
-closed-loop phases at 1, 64 and 256 connections of the empty route and of fusedserve, and the SIGTERM phase)
+closed-loop phases at 1, 64 and 256 connections of the empty route and of fusedserve, the gRPC phases of fused
+and of the empty gRPC server at N workers, and the SIGTERM phase)
 and skips an optional phase (4 connections, the eager app, open loop) that would eat into it; every skipped
 phase is listed in the report.
 """
@@ -43,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 PHASE_OVERHEAD_S = 0.5
 SHUTDOWN_GRACE_S = 30.0  # fusedserve's default FUSEDSERVE_SHUTDOWN_GRACE_S
 STOP_WAIT_S = SHUTDOWN_GRACE_S + 15.0
-START_GUESS_S = {"empty": 3.0, "eager": 12.0, "fused": 20.0, "unfused": 12.0}
+START_GUESS_S = {"empty": 3.0, "empty_grpc": 3.0, "eager": 12.0, "fused": 20.0, "unfused": 12.0}
 FIRST_FUSED_GPU_START_S = 120.0  # kernel tuning of every batch bucket, once per run (about 100 s seen on an H200)
 ESSENTIAL_CONNECTIONS = (1, 64, 256)
 OPEN_FRACTIONS = (0.25, 0.5, 0.75)
@@ -84,7 +86,7 @@ class Server:
         self.tuning_cache = tuning_cache
         self.proc: subprocess.Popen | None = None
         self.port = 0
-        self.grpc_port = 0  # fusedserve's Open Inference Protocol over gRPC
+        self.grpc_port = 0  # the Open Inference Protocol over gRPC: fusedserve's second port, empty_grpc's only one
         self.log_path = log_dir / f"{system.name}-{system.workers}.log"
         self._log = None
 
@@ -101,6 +103,9 @@ class Server:
                 "--dtype", p.dtype, "--device", p.device, "--tuning-cache", str(self.tuning_cache),
                 "--log-level", "info", "--grpc-port", str(self.grpc_port),
             ]  # fmt: skip
+        if s.grpc_only:
+            return [sys.executable, "-m", f"bench.serve_apps.{s.name}", "--host", "127.0.0.1", "--port",
+                    str(self.grpc_port), "--workers", str(s.workers)]  # fmt: skip
         return [
             sys.executable, "-m", "uvicorn", f"bench.serve_apps.{s.name}:app", *host, "--workers", str(s.workers),
             "--log-level", "info", "--no-access-log",
@@ -117,7 +122,7 @@ class Server:
 
     def start(self) -> None:
         self.port = free_port()
-        self.grpc_port = free_port()
+        self.grpc_port = self.port if self.system.grpc_only else free_port()
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(
             self.argv(), env=self.env(), cwd=REPO, stdin=subprocess.DEVNULL, stdout=self._log,
@@ -125,15 +130,37 @@ class Server:
         )  # fmt: skip
 
     def wait_ready(self, timeout_s: float) -> None:
+        """Until GET /health/ready answers 200; a gRPC-only server, until its ServerReady says ready."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exited with {self.proc.returncode} before it was ready:\n{self.log_tail()}")
-            if http_status(self.url + "/health/ready") == 200:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"not ready after {timeout_s:g} s:\n{self.log_tail()}")
-            time.sleep(0.2)
+        probe = self._grpc_probe(timeout_s) if self.system.grpc_only else None
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"exited with {self.proc.returncode} before it was ready:\n{self.log_tail()}")
+                if probe is None:
+                    if http_status(self.url + "/health/ready") == 200:
+                        return
+                elif probe.poll() is not None:
+                    if probe.returncode == 0:
+                        return
+                    raise TimeoutError(f"ServerReady not ready after {timeout_s:g} s:\n{self.log_tail()}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not ready after {timeout_s:g} s:\n{self.log_tail()}")
+                time.sleep(0.05 if probe is not None else 0.2)
+        finally:
+            if probe is not None and probe.poll() is None:
+                probe.kill()
+                probe.wait(10)
+
+    def _grpc_probe(self, timeout_s: float) -> subprocess.Popen:
+        """The ServerReady poll, in a process of its own: this one forks the client processes (again after a
+        failed phase), and a fork of a process that has used grpcio is not one its children can use grpcio in."""
+        argv = [sys.executable, "-m", "bench.serve_apps.empty_grpc", "--host", "127.0.0.1", "--port",
+                str(self.grpc_port), "--wait-ready", f"{timeout_s:g}"]  # fmt: skip
+        return subprocess.Popen(
+            argv, env=self.env(), cwd=REPO, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_PREEXEC,
+        )  # fmt: skip
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -213,6 +240,8 @@ class Server:
 def phase_list(system: System, plan: Plan, sigterm_system: System | None) -> list[dict]:
     """The phases of one system, in order, each with a priority: 1 essential (the targets need it: kept while any
     time is left), 2 optional (run when the essential phases still to come fit after it; eager@1's are marked 3)."""
+    if system.grpc_only:
+        return grpc_ceiling_phases(system, plan)
     essential_system = system.name != "eager"
     out = []
     for rows in plan.rows:
@@ -230,21 +259,41 @@ def phase_list(system: System, plan: Plan, sigterm_system: System | None) -> lis
     return out
 
 
+def v2_connections(plan: Plan) -> list[int]:
+    """The connection counts of the Open Inference Protocol phases: the run's of 64 and more (its largest, in a run
+    without any)."""
+    return [c for c in plan.connections if c >= 64] or [max(plan.connections)]
+
+
 def v2_phases(system: System, plan: Plan) -> list[dict]:
     """The Open Inference Protocol phases of a fusedserve system: binary REST and gRPC with v2_rows-row requests
-    (the rows/s target), and gRPC with 1-row requests (against /predict's), closed loop at the run's connection
-    counts of 64 and more (its largest, in a run without any). Essential for fused@N, the targets' system; optional
-    elsewhere (6 phases of ~4 s each per system in the full run)."""
-    conns = [c for c in plan.connections if c >= 64] or [max(plan.connections)]
+    (the rows/s target), and gRPC with 1-row requests (against /predict's), closed loop at v2_connections.
+    Essential for fused@N, the targets' system; optional elsewhere (6 phases of ~4 s each per system in the full
+    run)."""
+    conns = v2_connections(plan)
     prio = 1 if system.name == "fused" and system.workers == plan.workers else 2
     out = []
     for protocol in plan.v2:
-        rows = (plan.v2_rows, 1) if protocol == "v2_grpc" else (plan.v2_rows,)
+        # gRPC: v2_rows rows and 1 row (once with --v2-rows 1, a run narrowed to the single-row phases)
+        rows = tuple(dict.fromkeys((plan.v2_rows, 1))) if protocol == "v2_grpc" else (plan.v2_rows,)
         for r in rows:
             out += [
                 {"kind": "closed", "protocol": protocol, "rows": r, "connections": c, "priority": prio} for c in conns
             ]
     return out
+
+
+def grpc_ceiling_phases(system: System, plan: Plan) -> list[dict]:
+    """The empty gRPC server's phases: 1-row ModelInfer at v2_connections, as fused's single-row gRPC phases, and
+    nothing else (2 phases of ~4 s in the full run). Essential at N workers, the ceiling the report sets beside
+    issue 21's single-row gRPC target; optional at 1."""
+    if "v2_grpc" not in plan.v2:
+        return []
+    prio = 1 if system.workers == plan.workers else 2
+    return [
+        {"kind": "closed", "protocol": "v2_grpc", "rows": 1, "connections": c, "priority": prio}
+        for c in v2_connections(plan)
+    ]
 
 
 def pick_sigterm_system(plan: Plan) -> System | None:
@@ -522,7 +571,7 @@ class _Run:
         self.tuning_cache = plan.tuning_cache or self.tmp / "tuning.json"
         self.results["meta"]["logs"] = str(self.tmp)
         self.bodies = {("predict", rows): make_bodies(rows, 16, plan.seed) for rows in plan.rows}
-        if any(s.fusedserve for s in plan.systems):
+        if any(s.fusedserve or s.grpc_only for s in plan.systems):
             for rows in {plan.v2_rows, 1}:
                 if "v2_binary" in plan.v2:
                     self.bodies["v2_binary", rows] = serve_v2.binary_bodies(rows, 16, plan.seed)[0]
@@ -567,6 +616,9 @@ class _Run:
 
     def system(self, system: System, phases: list[dict], later: list) -> None:
         budget = self.budget
+        if not phases:  # empty_grpc in a run without gRPC phases (bench.serve refuses that plan)
+            self.skip(system, "every phase", "no phase of this system in the run")
+            return
         cheapest = min((budget.phase_cost(p) for p in phases), default=0.0)
         essential = any(p["priority"] == 1 for p in phases)
         need = budget.start_cost(system) + cheapest

@@ -20,6 +20,11 @@ BYTES_PER_VALUE = 32
 PLAN_FILE = "model.json"  # in the run directory: engine 0's description of what it serves
 
 
+def body_limit(max_rows: int, input_features: int) -> int:
+    """The largest request body (or gRPC message) a front end reads: max_rows rows of JSON numbers, plus 4 KiB."""
+    return max_rows * input_features * BYTES_PER_VALUE + 4096
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What a front end must know of the model to validate requests and label answers (no tensors, no torch)."""
@@ -117,7 +122,7 @@ class FrontendState:
 
     @property
     def max_body_bytes(self) -> int:
-        return self.settings.max_rows_per_request * self.model.input_features * BYTES_PER_VALUE + 4096
+        return body_limit(self.settings.max_rows_per_request, self.model.input_features)
 
     def predictions(self, indices: np.ndarray) -> list:
         labels = self.model.labels

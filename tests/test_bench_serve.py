@@ -1,11 +1,13 @@
 """`bench serve`: the nothing-lost accounting, the load generator against a real uvicorn app, and a quick
-end-to-end run on the CPU (empty@1 and fusedserve unfused@1, tiny windows)."""
+end-to-end run on the CPU (empty@1, empty_grpc@1 and fusedserve unfused@1, tiny windows)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -155,6 +157,27 @@ def test_targets_read_the_phases():
     assert t["nothing lost in any phase, a SIGTERM in the middle of one included"]["met"] is None  # no SIGTERM phase
 
 
+def test_single_row_grpc_target_shows_the_empty_grpc_servers_ceiling_beside_it():
+    def grpc(system: str, rps: float) -> dict:
+        return {**_phase(system, 1, 256, rps), "protocol": "v2_grpc"}
+
+    phases = [_phase("fused@8", 1, 256, 72_573), grpc("fused@8", 17_766)]
+    label = "single-row gRPC"
+
+    def target(phases: list[dict]) -> dict:
+        return next(x for x in targets({"meta": {"workers": 8}, "phases": phases}) if x["target"].startswith(label))
+
+    assert target(phases)["measured"] == "17,766 against 72,573 req/s"  # no empty_grpc phase: the target alone
+    t = target([*phases, grpc("empty_grpc@8", 71_000), grpc("empty_grpc@1", 9_000)])
+    assert t["met"] is False  # the criterion is the target's own: /predict's req/s, not the ceiling
+    assert t["measured"] == (
+        "17,766 against 72,573 req/s; fused gRPC 17,766 req/s = 25% of the empty grpc.aio server's 71,000 req/s at 8 "
+        "workers (the ceiling of grpcio's asyncio server on this host)"
+    )
+    t = target([grpc("empty_grpc@8", 71_000)])  # a run narrowed to the ceiling
+    assert t["met"] is None and t["measured"].startswith("not measured; the empty grpc.aio server's 71,000 req/s")
+
+
 def test_default_workers_and_system_parsing():
     assert [serve_cli.default_workers(c) for c in (16, 6, 2, 1)] == [8, 4, 1, 1]
     systems = serve_cli.parse_systems("empty,fused@N,unfused@2,empty@1", 8)
@@ -219,10 +242,11 @@ def test_loadgen_closed_and_open_loop_against_uvicorn(empty_app, client):
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_quick_end_to_end_run_on_the_cpu(tmp_path):
-    """empty@1 and fusedserve unfused@1: closed loop at 1 and 4 connections, one open-loop rate, and the SIGTERM
-    phase; every phase but the SIGTERM one must be clean. The SIGTERM phase's books must balance and the server
-    must exit cleanly; whether the single-process service (uvicorn's shutdown closes connections whose request
-    it has not read yet) loses requests there is the benchmark's finding, not this test's."""
+    """empty@1, empty_grpc@1 and fusedserve unfused@1: closed loop at 1 and 4 connections (the empty gRPC server:
+    its 1-row gRPC phase only), one open-loop rate, and the SIGTERM phase; every phase but the SIGTERM one must be
+    clean. The SIGTERM phase's books must balance and the server must exit cleanly; whether the single-process
+    service (uvicorn's shutdown closes connections whose request it has not read yet) loses requests there is the
+    benchmark's finding, not this test's."""
     argv = [sys.executable, "-m", "bench.serve", "--quick", "--device", "cpu", "--out", str(tmp_path)]
     argv += ["--duration", "0.4", "--warmup", "0.1", "--time-budget", "60"]
     has_grpc = importlib.util.find_spec("grpc") is not None  # in the dependencies; the GPU host may lack the wheel
@@ -250,12 +274,15 @@ def test_quick_end_to_end_run_on_the_cpu(tmp_path):
     assert set(v2) == want, out
     assert all(r["rows_per_s"] == r["req_per_s"] * r["rows"] > 0 for r in v2.values())
     assert all(r["server"]["forward_us"] > 0 and r["server"]["batch_rows"] >= 1 for r in unfused)
+    # The gRPC ceiling: the empty grpc.aio server, 1-row ModelInfer at the gRPC phases' connections, and only that.
+    ceiling = [(r["protocol"], r["rows"], r["connections"], r["ok"]) for r in phases if r["name"] == "empty_grpc"]
+    assert ceiling == ([("v2_grpc", 1, 4, True)] if has_grpc else []), out
     (sig,) = [r for r in phases if r["kind"] == "sigterm"]
     errors = sig["errors"]
     assert sig["sent"] == sig["answered"] + errors.get("lost", 0) + errors.get("timeout", 0)
     assert set(sig["status"]) <= {"200", "503"}
     assert sig["exit"]["graceful"], sig["exit"]
-    assert results["servers"][0]["exit"]["graceful"]
+    assert all(s["exit"]["graceful"] for s in results["servers"][:-1]), results["servers"]  # the last: SIGTERM phase
     md = (tmp_path / "serve_cpu.md").read_text()
     assert "## Targets (issue 18)" in md and "## SIGTERM in the middle of a phase" in md
     assert "## Open Inference Protocol (closed loop)" in md and "| unfused (v2_binary) | 1 | 256 |" in md
@@ -269,8 +296,29 @@ def test_phase_plan_and_open_loop_rates():
     args = argparse.ArgumentParser()
     serve_cli.add_arguments(args)
     plan = serve_cli.resolve(args.parse_args(["--workers", "8"]))
-    assert [s.key for s in plan.systems][:4] == ["empty@1", "empty@8", "fused@1", "fused@8"]
+    # The gRPC ceiling before fusedserve: a run short of time keeps it with fused@8's gRPC phases.
+    assert [s.key for s in plan.systems][:6] == ["empty@1", "empty@8", "empty_grpc@1", "empty_grpc@8", "fused@1",
+                                                 "fused@8"]  # fmt: skip
     assert plan.systems[-2].key == "eager@8"  # the optional eager app last: a run short of time loses it first
+    assert all(not s.grpc_only for s in plan.open_systems)
+    # empty_grpc: only 1-row gRPC phases at fused's gRPC connection counts, essential at N workers.
+    for workers, prio in ((8, 1), (1, 2)):
+        grpc_ceiling = phase_list(serve_cli.System("empty_grpc", workers), plan, None)
+        assert [(p["protocol"], p["rows"], p["connections"], p["priority"]) for p in grpc_ceiling] == [
+            ("v2_grpc", 1, 64, prio), ("v2_grpc", 1, 256, prio)
+        ]  # fmt: skip
+    # A run narrowed to single-row gRPC against /predict: --v2-rows 1 gives fused@8 each 1-row gRPC phase once.
+    narrow = ["--workers", "8", "--systems", "empty_grpc@N,fused@N", "--v2", "grpc", "--v2-rows", "1", "--rows", "1"]
+    narrow += ["--connections", "64,256", "--no-open", "--no-sigterm"]
+    narrowed = serve_cli.resolve(args.parse_args(narrow))
+    fused = phase_list(narrowed.systems[1], narrowed, pick_sigterm_system(narrowed))
+    assert [(p.get("protocol", "predict"), p["rows"], p["connections"]) for p in fused] == [
+        ("predict", 1, 64), ("predict", 1, 256), ("v2_grpc", 1, 64), ("v2_grpc", 1, 256)
+    ]  # fmt: skip
+    # Without gRPC phases the defaults leave it out, and asking for it is an error.
+    assert not any(s.grpc_only for s in serve_cli.resolve(args.parse_args(["--v2", "binary"])).systems)
+    with pytest.raises(SystemExit, match="empty_grpc runs only gRPC phases"):
+        serve_cli.resolve(args.parse_args(["--v2", "none", "--systems", "empty_grpc@1,fused@1"]))
     sig = pick_sigterm_system(plan)
     assert sig.key == "fused@8"
     phases = phase_list(sig, plan, sig)
@@ -289,3 +337,40 @@ def test_phase_plan_and_open_loop_rates():
     slow = _open_rates(plan, serve_cli.System("unfused", 8), peaks)
     assert [r for r, why in slow if why is None] == [1200.0, 1800.0]
     assert all("above 1.1x" in why for r, why in slow if r >= 9000)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_empty_grpc_server_answers_as_fusedserve_and_exits_0_on_sigterm(tmp_path, workers):
+    """The gRPC ceiling as `bench serve` runs it: ready through its own ServerReady probe, a Triton client's
+    ModelInfer answered with fusedserve's outputs (1 row: logits FP32 [1, 10], label BYTES [1]), and SIGTERM to the
+    parent stops every worker, exit 0. (tritonclient, in this process: the server's stubs stay in its own.)"""
+    tgrpc = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is not installed (the test extra)")
+    port = free_port()
+    argv = [sys.executable, "-m", "bench.serve_apps.empty_grpc", "--port", str(port), "--workers", str(workers)]
+    proc = ManagedProcess(f"empty_grpc:{port}", argv, service_env(), REPO, tmp_path / "empty_grpc.log")
+    try:
+        probe = [sys.executable, "-m", "bench.serve_apps.empty_grpc", "--port", str(port), "--wait-ready", "20"]
+        ready = subprocess.run(probe, cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=40)
+        assert ready.returncode == 0, ready.stdout + ready.stderr + proc.describe()
+        client = tgrpc.InferenceServerClient(f"127.0.0.1:{port}")
+        try:
+            assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("digits-mlp")
+            inp = tgrpc.InferInput("input", [1, 64], "FP32")
+            inp.set_data_from_numpy(np.arange(64, dtype=np.float32).reshape(1, 64) % 17)
+            answer = client.infer("digits-mlp", [inp], client_timeout=10.0)
+        finally:
+            client.close()
+        logits = answer.as_numpy("logits")
+        assert logits.dtype == np.float32 and logits.shape == (1, 10) and not logits.any()
+        assert answer.as_numpy("label").tolist() == [b"0"]
+        response = answer.get_response()
+        assert (response.model_name, response.model_version) == ("digits-mlp", "1")
+        proc.proc.send_signal(signal.SIGTERM)  # the parent alone, as bench serve stops a server
+        assert proc.proc.wait(20) == 0, proc.describe()
+        with pytest.raises(ProcessLookupError):  # no worker outlived it
+            os.killpg(proc.proc.pid, 0)
+        assert proc.log().count("serving on") == workers and f"{workers} worker(s) stopped" in proc.log()
+    finally:
+        proc.stop()

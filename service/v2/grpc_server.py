@@ -163,20 +163,25 @@ def _response(state: FrontendState, request, outputs: np.ndarray, wanted: list[s
     )
 
 
-async def start(state: FrontendState) -> grpc.aio.Server:
-    """The gRPC server of this front end, listening on host:grpc_port (shared with the other front ends)."""
-    s = state.settings
-    limit = state.max_body_bytes
-    server = grpc.aio.server(
+def new_server(max_receive_bytes: int, max_calls: int) -> grpc.aio.Server:
+    """A grpc.aio server with a front end's options, not yet bound. bench/serve_apps/empty_grpc.py builds its
+    no-model server (the benchmark's gRPC ceiling) with it too, so that both run grpcio with the same options."""
+    return grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 1),
-            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_receive_message_length", max_receive_bytes),
             ("grpc.max_send_message_length", -1),
         ],
         # The HTTP side's cap on open connections (service/guard.py), as calls in flight: past it grpcio answers
         # RESOURCE_EXHAUSTED at once (uncounted in the metrics, as its size refusals are).
-        maximum_concurrent_rpcs=s.max_connections,
+        maximum_concurrent_rpcs=max_calls,
     )
+
+
+async def start(state: FrontendState) -> grpc.aio.Server:
+    """The gRPC server of this front end, listening on host:grpc_port (shared with the other front ends)."""
+    s = state.settings
+    server = new_server(state.max_body_bytes, s.max_connections)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(state), server)
     host = f"[{s.host}]" if ":" in s.host else s.host
     server.add_insecure_port(f"{host}:{s.grpc_port}")
