@@ -55,8 +55,8 @@ class Settings(BaseSettings):
     kernel_timing_every: int = Field(
         16,
         ge=0,
-        description="time kernels on every Nth batch (0: never); that batch runs launch by launch with CUDA "
-        "events instead of replaying its CUDA graph",
+        description="time kernels on every Nth batch (0: never); on CUDA that batch replays a copy of its bucket's "
+        "CUDA graph with events recorded between the steps",
     )
     cuda_graphs: bool = Field(True, description="on CUDA, replay one captured CUDA graph per batch bucket")
     tuning: bool = Field(

@@ -73,14 +73,19 @@ def test_gpu_runner_replays_and_times_every_nth_batch():
         observe_kernel=lambda name, s: kernels.append((name, s)),
     )  # fmt: skip
     runner.warmup(64)
-    assert sorted(runner.graphs._graphs) == [1, 2, 4, 8, 16, 32, 64]
+    assert sorted(runner.graphs._graphs) == sorted(runner.graphs._timed) == [1, 2, 4, 8, 16, 32, 64]
+
+    def launched(*args):
+        raise AssertionError("a timed batch launched its steps from Python instead of replaying the timed graph")
+
+    runner._run_launched = launched
     rng = np.random.default_rng(0)
     eager = Executor(model, "fused", torch.device("cuda"), torch.float16)
     for rows in (1, 5, 33, 64, 2, 9):
         x = rng.standard_normal((rows, 64), dtype=np.float32)
         want = eager.forward(torch.from_numpy(x).cuda().half()).float().cpu().numpy()
         np.testing.assert_array_equal(runner.run(x), want)
-    assert [n for n, _ in kernels] == ["mlp_0_2", "mlp_0_2"]  # batches 3 and 6
+    assert [n for n, _ in kernels] == ["mlp_0_2", "mlp_0_2"]  # batches 3 and 6, from the timed graphs of 64 and 64
     # Seconds: one kernel runs ~10 us alone, but the GPU session runs 16 test workers on one GPU, and a timed
     # launch can wait for another process's time slice (8.1 ms seen on the H200). 50 ms still rejects
     # microseconds passed as seconds.

@@ -35,7 +35,7 @@ KERNELS = ("mlp_0_2",)  # the whole digits MLP is one kernel (one plan, both mod
 FEATURES = 64
 MAX_BATCH = 64  # small, so that "too many rows" is cheap to send
 # 20 ms: long enough that a concurrent burst shares batches, short enough for serial requests.
-TIMING_EVERY = 2  # every 2nd batch runs launch by launch with per-kernel events; the others replay a graph
+TIMING_EVERY = 2  # every 2nd batch times its kernels (on CUDA: its bucket's timed graph); the others replay a graph
 # float32 in both places (DTYPE's default is float16 on CUDA): the fused-vs-unfused tolerances below are float32's.
 MAIN_ENV = {"max_batch_size": MAX_BATCH, "max_delay_ms": 20, "kernel_timing_every": TIMING_EVERY, "dtype": "float32"}
 # A queue of one and a long batch delay: bursts overflow, and a client can leave before its batch runs.

@@ -1,9 +1,12 @@
 """Probe: where does a loaded server spend its time? Starts the empty FastAPI route and fusedserve (N workers each,
-one after the other), drives each at 256 single-row connections with bench.loadgen, and samples one worker
-process (and fusedserve's engine) with py-spy meanwhile; prints each profile's top frames by own time and by
-file group.
+one after the other), drives each with bench.loadgen (default: 256 connections of single-row JSON /predict), and
+samples one worker process (and fusedserve's engine) with py-spy meanwhile; prints the client's throughput and
+latency, the engine's forward and batch size from /metrics, and each profile's top frames by own time and by
+file group. `--systems fused,unfused` profiles both modes of fusedserve (one server each); `--protocol v2_binary`
+sends the Open Inference Protocol's binary tensors (the empty route does not speak it and is skipped).
 
     python -m bench.probes.profile_serve --out /tmp/profile      # on the GPU host, py-spy on PATH
+    python -m bench.probes.profile_serve --systems fused,unfused --workers 1 --rows 64 --conns 1
 """
 
 from __future__ import annotations
@@ -80,7 +83,19 @@ def _summary(path: Path, top: int = 22) -> str:
     return "\n".join(lines)
 
 
-def profile(name: str, argv: list[str], port: int, pick, out: Path, workers: int, clients: int) -> None:
+def _metric_sums(url: str) -> dict[str, float]:
+    """fusedserve's forward and batch-rows histogram sums and counts, summed over engines."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    sums: dict[str, float] = collections.defaultdict(float)
+    for line in text.splitlines():
+        for name in ("fusedserve_forward_seconds", "fusedserve_batch_rows"):
+            for part in ("_sum", "_count"):
+                if line.startswith(name + part + "{"):
+                    sums[name + part] += float(line.rsplit(" ", 1)[1])
+    return sums
+
+
+def profile(name: str, argv: list[str], port: int, pick, out: Path, a, spec_args: dict) -> None:
     log = open(out / f"{name}_server.log", "wb")  # noqa: SIM115 (closed below)
     server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -88,7 +103,8 @@ def profile(name: str, argv: list[str], port: int, pick, out: Path, workers: int
         _wait_ready(url)
         time.sleep(1)
         targets = pick(server.pid)
-        spec = PhaseSpec("127.0.0.1", port, "/predict", tuple(make_bodies(1)), 256, warmup_s=1.0, duration_s=6.0)
+        spec = PhaseSpec("127.0.0.1", port, connections=a.conns, warmup_s=1.0, duration_s=6.0, **spec_args)
+        before = _metric_sums(url) if name != "empty" else {}
         samplers = []
 
         def sample(start_at: float) -> None:
@@ -98,12 +114,18 @@ def profile(name: str, argv: list[str], port: int, pick, out: Path, workers: int
                 cmd = ["py-spy", "record", "-p", str(pid), "-d", "4", "-r", "400", "-f", "raw", "-o", str(path)]
                 samplers.append((path, subprocess.Popen([*cmd, "--nonblocking"], stdout=subprocess.DEVNULL)))
 
-        with ClientPool(clients) as pool:
+        with ClientPool(min(a.clients, a.conns)) as pool:
             result = pool.run(spec, on_start=lambda t: threading.Thread(target=sample, args=(t,)).start())
         for _, p in samplers:
             p.wait(30)
         p50 = float(np.median(result["latency"])) * 1e3 if len(result["latency"]) else float("nan")
-        print(f"== {name}: {result['req_per_s']:.0f} req/s, p50 {p50:.2f} ms, statuses {result['status']}", flush=True)
+        print(f"== {name}: {result['req_per_s']:.0f} req/s, p50 {p50:.3f} ms, statuses {result['status']}", flush=True)
+        if before:
+            d = {k: v - before.get(k, 0.0) for k, v in _metric_sums(url).items()}
+            batches = max(d.get("fusedserve_forward_seconds_count", 0.0), 1.0)
+            forward_us = d.get("fusedserve_forward_seconds_sum", 0.0) / batches * 1e6
+            rows = d.get("fusedserve_batch_rows_sum", 0.0) / batches
+            print(f"   engine: {forward_us:.1f} us forward per batch, {rows:.1f} rows per batch, {batches:.0f} batches")
         for path, _ in samplers:
             if path.is_file():
                 print(_summary(path), flush=True)
@@ -121,25 +143,40 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("/tmp/profile"))
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--mode", default="fused")
+    ap.add_argument("--systems", default="empty,fused", help="empty, fused, unfused, comma-separated [empty,fused]")
+    ap.add_argument("--rows", type=int, default=1, help="rows per request [1]")
+    ap.add_argument("--conns", type=int, default=256, help="connections [256]")
+    ap.add_argument("--protocol", default="predict", choices=("predict", "v2_binary"))
+    ap.add_argument("--dtype", default="float16")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    empty = [py, "-m", "uvicorn", "bench.serve_apps.empty:app", "--port", "18101", "--workers", str(a.workers)]
-    empty += ["--log-level", "warning", "--no-access-log"]
+    if a.protocol == "v2_binary":
+        from bench import serve_v2
+
+        bodies, headers = serve_v2.binary_bodies(a.rows)
+        spec_args = {"path": serve_v2.REST_PATH, "bodies": tuple(bodies), "protocol": "v2_binary", "headers": headers}
+    else:
+        spec_args = {"path": "/predict", "bodies": tuple(make_bodies(a.rows))}
 
     def a_worker(pid: int) -> dict[str, int]:
         return {"worker": min(_children(pid), default=pid)}  # one worker: uvicorn serves in its own process
-
-    profile("empty", empty, 18101, a_worker, a.out, a.workers, a.clients)
-    fused = [py, "-m", "service.cli", "serve", "--port", "18102", "--workers", str(a.workers), "--mode", a.mode]
-    fused += ["--log-level", "warning"]
 
     def front_and_engine(pid: int) -> dict[str, int]:
         names = {v: k for k, v in _children(pid).items()}
         return {"frontend": names["fs-frontend-0"], "engine": names["fs-engine-0"]}
 
-    profile("fusedserve", fused, 18102, front_and_engine, a.out, a.workers, a.clients)
+    for port, name in enumerate(a.systems.split(","), start=18101):
+        if name == "empty":
+            if a.protocol != "predict":
+                print("== empty: skipped (it serves JSON /predict only)", flush=True)
+                continue
+            argv = [py, "-m", "uvicorn", "bench.serve_apps.empty:app", "--port", str(port), "--workers", str(a.workers)]
+            profile(name, [*argv, "--log-level", "warning", "--no-access-log"], port, a_worker, a.out, a, spec_args)
+            continue
+        argv = [py, "-m", "service.cli", "serve", "--port", str(port), "--workers", str(a.workers), "--mode", name]
+        argv += ["--dtype", a.dtype, "--log-level", "warning"]
+        profile(name, argv, port, front_and_engine, a.out, a, spec_args)
     return 0
 
 

@@ -11,7 +11,8 @@
 
 Each step is bound once, at load, to its tensors and parameters, so a forward is a loop of calls.
 Each step can be timed under its plan name: on CUDA with events recorded on the stream around the
-step and read after the batch's own synchronisation (no extra sync); on the CPU with the wall clock.
+step (or captured into a bucket's timed graph) and read after the batch's own synchronisation (no extra
+sync); on the CPU with the wall clock.
 """
 
 from __future__ import annotations
@@ -40,10 +41,14 @@ Layer = Callable[[torch.Tensor], torch.Tensor]
 
 
 class StepTimer:
-    """Times steps of one forward. `results()` may only be called after the output was synchronised."""
+    """Times steps of one forward. `results()` may only be called after the output was synchronised.
 
-    def __init__(self, device: torch.device):
+    `external`: CUDA events that a graph capture records as event-record nodes (cudaEventRecordExternal), so a
+    captured forward times its own steps each time it is replayed (service/model/graphs.py, timed graphs)."""
+
+    def __init__(self, device: torch.device, external: bool = False):
         self._cuda = device.type == "cuda"
+        self._external = external
         self._events: dict[str, tuple[torch.cuda.Event, torch.cuda.Event]] = {}  # reused across batches
         self._wall: dict[str, float] = {}
         self._order: list[str] = []
@@ -54,7 +59,9 @@ class StepTimer:
         if self._cuda:
             pair = self._events.get(name)
             if pair is None:
-                pair = self._events[name] = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                pair = self._events[name] = tuple(
+                    torch.cuda.Event(enable_timing=True, external=self._external) for _ in range(2)
+                )
             pair[0].record()
         else:
             self._wall[name] = time.perf_counter()

@@ -14,6 +14,12 @@ With `host_io`, each bucket's graph also holds the batch's copies: pinned host i
 kernels, graph output -> pinned host output. A batch is then one host cast into `host_in`, one replay and
 one synchronisation, where copies issued from Python are two more torch calls and two more submissions
 to the GPU, each waited on in turn. Those copies move whole buckets (at most twice the batch's rows).
+
+With `timed` (host_io only), each bucket also gets a second graph whose steps are bracketed by CUDA event-record
+nodes (StepTimer with external events): a batch whose kernels are timed replays it instead, for the same host
+cost as any other batch. Launching the steps one by one from Python with events between them cost the engine
+112-190 us a batch for the digits MLP and 390-775 us for the digits CNN against 37-78 us replayed (H100, fp16,
+bench/results/probe_engine_forward_h100.txt), every 16th batch.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 
 from kernels.graph_capture import capture
 
-from .executors import Executor
+from .executors import Executor, StepTimer
 
 
 def graph_buckets(max_batch_size: int) -> list[int]:
@@ -37,13 +43,16 @@ def graph_buckets(max_batch_size: int) -> list[int]:
 class GraphedExecutor:
     """Runs an Executor's forward through captured CUDA graphs, one per batch bucket."""
 
-    def __init__(self, executor: Executor, max_batch_size: int, *, host_io: bool = False):
+    def __init__(self, executor: Executor, max_batch_size: int, *, host_io: bool = False, timed: bool = False):
         if executor.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA executor; this one runs on {executor.device}")
         self.executor = executor
         self.max_batch_size = max_batch_size
         self.buckets = graph_buckets(max_batch_size)
+        if timed and not host_io:
+            raise ValueError("timed graphs copy their batch in and out themselves: they need host_io")
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._timed: dict[int, tuple[torch.cuda.CUDAGraph, StepTimer]] | None = {} if timed else None
         self._pool = torch.cuda.graph_pool_handle()  # one memory pool: buckets never run at once
         # host_io: pinned staging that every bucket's graph copies from and to (buckets never run at once). The
         # input starts as zeros: pad rows are whatever earlier batches left, always finite.
@@ -76,15 +85,20 @@ class GraphedExecutor:
         else:
             host_in, host_out = self.host_in[:rows], self.host_out[:rows]
 
-            def step():
+            def step(timer: StepTimer | None = None):
                 static_in.copy_(host_in, non_blocking=True)
-                out = ex.forward(static_in)
+                out = ex.forward(static_in, timer)
                 host_out.copy_(out, non_blocking=True)
                 return out
 
         # 2 warm-ups: they compile, tune (or read the tuning cache) and allocate workspaces
         graph, static_out = capture(step, warmups=2, device=ex.device, pool=self._pool)
         self._graphs[rows] = (graph, static_in, static_out)
+        if self._timed is not None:
+            # The same steps on the same static input, each between two event-record nodes of its own timer.
+            timer = StepTimer(ex.device, external=True)
+            timed_graph, _ = capture(lambda: step(timer), warmups=1, device=ex.device, pool=self._pool)
+            self._timed[rows] = (timed_graph, timer)
 
     def capture_all(self) -> None:
         for b in self.buckets:
@@ -126,3 +140,15 @@ class GraphedExecutor:
             self.capture(bucket)
         self._graphs[bucket][0].replay()
         return self.host_out[:rows]
+
+    def replay_host_timed(self, rows: int) -> tuple[torch.Tensor, StepTimer]:
+        """replay_host through the bucket's timed graph: also its StepTimer, whose results() are ready once the
+        stream is synchronised (and valid until that bucket's next timed replay)."""
+        if self._timed is None:
+            raise RuntimeError("this GraphedExecutor was built without timed graphs")
+        bucket = self.bucket_for(rows)
+        if bucket not in self._timed:
+            self.capture(bucket)
+        graph, timer = self._timed[bucket]
+        graph.replay()
+        return self.host_out[:rows], timer

@@ -57,10 +57,11 @@ class ModelRunner:
         self.device = device
         self.executor = Executor(model, mode, device, DTYPES[dtype])
         # On CUDA a forward replays one captured graph per batch bucket, the batch's copies in and out inside
-        # it (graphs.py, host_io); batches whose kernels are timed run launch by launch instead, with CUDA
-        # events between steps.
+        # it (graphs.py, host_io); batches whose kernels are timed replay the bucket's timed graph, whose steps
+        # record CUDA events.
+        timing = bool(kernel_timing_every and observe_kernel)
         self.graphs = (
-            GraphedExecutor(self.executor, max_batch_size, host_io=True)
+            GraphedExecutor(self.executor, max_batch_size, host_io=True, timed=timing)
             if (cuda_graphs and device.type == "cuda")
             else None
         )
@@ -85,8 +86,8 @@ class ModelRunner:
         rows = batch.shape[0]
         # A batch larger than the biggest graph bucket (a direct caller; the engine never forms one) runs
         # launch by launch rather than failing.
-        if self.graphs is not None and not timer and rows <= self.graphs.max_batch_size:
-            out = self._run_graphed(batch)
+        if self.graphs is not None and rows <= self.graphs.max_batch_size:
+            out, timer = self._run_graphed(batch, timed=timer is not None)
         else:
             out = self._run_launched(batch, timer)
         if timer:
@@ -96,15 +97,20 @@ class ModelRunner:
             self._observe_forward(time.perf_counter() - started)
         return out
 
-    def _run_graphed(self, batch: np.ndarray) -> np.ndarray:
-        """One host cast into the pinned input, one replay (copy in, kernels, copy out), one synchronisation.
-        The replay touches no tensor from Python, so no inference mode is needed here."""
+    def _run_graphed(self, batch: np.ndarray, timed: bool) -> tuple[np.ndarray, StepTimer | None]:
+        """One host cast into the pinned input, one replay (copy in, kernels, copy out), one synchronisation;
+        `timed`: the bucket's timed graph, and its timer. The replay touches no tensor from Python, so no
+        inference mode is needed here."""
         rows = batch.shape[0]
         self.graphs.host_in[:rows].copy_(torch.from_numpy(batch))  # the cast to the serving dtype, on the host
-        host_out = self.graphs.replay_host(rows)
+        timer = None
+        if timed:
+            host_out, timer = self.graphs.replay_host_timed(rows)
+        else:
+            host_out = self.graphs.replay_host(rows)
         self._stream.synchronize()
         # A float32 copy (bfloat16 has no numpy type): the pinned buffer is the next batch's.
-        return host_out.to(torch.float32, copy=True).numpy()
+        return host_out.to(torch.float32, copy=True).numpy(), timer
 
     @torch.inference_mode()  # no autograd bookkeeping in either mode: the baseline is served as fast as it can be
     def _run_launched(self, batch: np.ndarray, timer: StepTimer | None) -> np.ndarray:
