@@ -1,17 +1,28 @@
 """Validate a /predict body into one float32 array before it can join a batch.
 
-Parsing must not dominate a microsecond-scale forward: orjson parses the body, numpy converts the
-nested lists in one C call, and only a body already known to be bad is walked element by element
-to say exactly where (`inputs[3][17]`). No per-float pydantic validation.
+Parsing must not dominate a microsecond-scale forward. A well-formed body takes the fast path: simdjson
+parses it and hands the numbers over as one flat float64 buffer, no Python object per value, and the
+body's brackets and commas (the bytes left once numbers and whitespace are deleted) must be exactly those
+of n rows in one layout. Anything else takes the general path: orjson parses the body, numpy converts
+the nested lists in one C call, and only a body already known to be bad is walked element by element to
+say exactly where (`inputs[3][17]`). Both paths give the same array; every error message comes from the
+general path. No per-float pydantic validation.
+
+For 64 rows of 64 integers the fast path takes 33 us against 114 (orjson 31 us, then numpy 83 us to
+convert 4,096 Python ints), and 147 against 512 us at 256 rows (this repository's 2-core CI machine);
+on the H100 host the conversion was 27% of a front end's time serving 64-row requests
+(bench/probes/profile_serve.py).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import numpy as np
 import orjson
+import simdjson
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -31,6 +42,9 @@ def parse_rows(body: bytes, input_shape: tuple[int, ...], max_rows: int) -> np.n
 
     A row may come in any layout of `row_layouts(input_shape)`: for an image model of shape (1, 8, 8) as
     [1][8][8], [8][8] or 64 flat values; one request may mix them."""
+    fast = _fast_rows(body, tuple(input_shape), max_rows)
+    if fast is not None:
+        return _to_float32(fast, [fast.shape[1:]] * fast.shape[0], input_shape)
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as e:
@@ -76,15 +90,78 @@ def parse_rows(body: bytes, input_shape: tuple[int, ...], max_rows: int) -> np.n
         # (or of integers too large for int64) are converted one at a time.
         shapes = [_check_row(row, i, layouts, features) for i, row in enumerate(rows)]
         arr = np.stack([np.asarray(row, dtype=np.float64).reshape(-1) for row in rows])
+    return _to_float32(arr, shapes, input_shape)
+
+
+def _to_float32(arr: np.ndarray, shapes: list[tuple[int, ...]], input_shape: tuple[int, ...]) -> np.ndarray:
+    """arr (rows first, each row in the layout `shapes[i]`) as (rows, *input_shape) float32, or the InputError
+    naming the first value beyond float32's range."""
+    n = arr.shape[0]
     with np.errstate(over="ignore"):
-        out = arr.astype(np.float32, copy=False).reshape(len(rows), *input_shape)
+        out = arr.astype(np.float32, copy=False).reshape(n, *input_shape)
     if not np.isfinite(out).all():
-        i, flat = np.argwhere(~np.isfinite(out.reshape(len(rows), -1)))[0]
+        i, flat = np.argwhere(~np.isfinite(out.reshape(n, -1)))[0]
         place = "".join(f"[{j}]" for j in np.unravel_index(flat, shapes[i]))
         raise InputError(
             422, f"inputs[{i}]{place} is out of float32 range (|x| <= {FLOAT32_MAX:.4g}); values must be finite"
         )
     return out
+
+
+# What the fast path deletes from a body before comparing what is left with the expected skeleton: every
+# character a JSON number can hold, and whitespace. The key "inputs" holds none of them.
+_NUMBER_AND_SPACE = b"0123456789+-.eE \t\r\n"
+_local = threading.local()  # a simdjson parser per thread: one parser cannot parse while its last result lives
+
+
+def _fast_rows(body: bytes, input_shape: tuple[int, ...], max_rows: int) -> np.ndarray | None:
+    """The rows of a body that is exactly {"inputs": [n rows of numbers, all in one layout]} with 1 <= n <=
+    max_rows, as float64 of shape (n, *layout); None for anything else, which the general path then parses
+    (and words the error of, if there is one)."""
+    parser = getattr(_local, "parser", None)
+    if parser is None:
+        parser = _local.parser = simdjson.Parser()
+    try:
+        doc = parser.parse(body)
+    except Exception:  # noqa: BLE001 - ValueError (not JSON, a number beyond float64), RuntimeError (an integer
+        return None  # beyond 64 bits), ...: whatever simdjson refuses, the general path parses or words the error
+    try:
+        if not isinstance(doc, simdjson.Object) or len(doc) != 1:
+            return None
+        rows = doc.get("inputs")
+        if not isinstance(rows, simdjson.Array):
+            return None
+        n = len(rows)
+        if not 1 <= n <= max_rows:
+            return None
+        try:
+            flat = np.frombuffer(rows.as_buffer(of_type="d"), dtype=np.float64)  # TypeError: a non-number in it
+        except (TypeError, ValueError):
+            return None
+    finally:
+        rows = doc = None  # the parser is reusable only once nothing of its last document is referenced
+    features = math.prod(input_shape)
+    if flat.size != n * features:
+        return None
+    skeleton = body.translate(None, _NUMBER_AND_SPACE)
+    for layout in row_layouts(input_shape):
+        if skeleton == _body_skeleton(layout, n):
+            return flat.reshape(n, *layout)
+    return None  # rows in several layouts, or ragged ones: the general path takes each as it is
+
+
+@functools.lru_cache(maxsize=256)  # the row counts a deployment sees repeat: 1, its clients' batch sizes
+def _body_skeleton(layout: tuple[int, ...], n: int) -> bytes:
+    """What is left of a body of n rows in `layout` once numbers and whitespace are deleted."""
+    return b'{"inputs":[' + b",".join([_row_skeleton(layout)] * n) + b"]}"
+
+
+@functools.cache
+def _row_skeleton(layout: tuple[int, ...]) -> bytes:
+    """(64,) -> b"[" + 63 commas + b"]"; (8, 8) -> b"[" + 8 of those, comma-separated + b"]"."""
+    if len(layout) == 1:
+        return b"[" + b"," * (layout[0] - 1) + b"]"
+    return b"[" + b",".join([_row_skeleton(layout[1:])] * layout[0]) + b"]"
 
 
 @functools.cache  # one model per process: computed once, not per request

@@ -13,12 +13,14 @@ import gc
 import json
 import math
 import tracemalloc
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from service import inputs
 from service.inputs import InputError, parse_rows
 
 SHAPES = [(64,), (1, 8, 8)]  # the shipped MLP and CNN
@@ -134,3 +136,78 @@ def test_memory_stays_flat_over_many_bodies():
     finally:
         tracemalloc.stop()
     assert grown < 256 * 1024, f"16,000 parses kept {grown} bytes"
+
+
+def _outcome(body: bytes, shape: tuple[int, ...]):
+    try:
+        return parse_rows(body, shape, MAX_ROWS)
+    except InputError as e:
+        return (e.status, e.message)
+
+
+def _general_outcome(body: bytes, shape: tuple[int, ...]):
+    with mock.patch.object(inputs, "_fast_rows", lambda *a: None):
+        return _outcome(body, shape)
+
+
+def _agree(body: bytes, shape: tuple[int, ...]) -> None:
+    """The fast path (simdjson) answers exactly as the general one (orjson, then numpy): the same array, or the same
+    refusal. Integers past 2**53 reach float32 through float64 on the fast path and directly from int64 on the
+    general one, so the arrays may differ by one float32 rounding step there (one ulp)."""
+    got, want = _outcome(body, shape), _general_outcome(body, shape)
+    if isinstance(want, tuple) or isinstance(got, tuple):
+        assert got == want, body[:300]
+    else:
+        np.testing.assert_allclose(got, want, rtol=2**-23, atol=0, err_msg=body[:300].decode(errors="replace"))
+        assert got.dtype == want.dtype and got.shape == want.shape
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@FUZZ
+@given(data=st.data(), indent=st.booleans())
+def test_fast_path_agrees_with_the_general_one(shape, data, indent):
+    doc = data.draw(near_requests(shape))
+    _agree(json.dumps(doc, allow_nan=True, indent=2 if indent else None).encode(), shape)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@FUZZ
+@given(rows=st.integers(min_value=1, max_value=MAX_ROWS), data=st.data())
+def test_fast_path_takes_good_requests(shape, rows, data):
+    """Good requests of any size and layout (one layout a request) take the fast path, and agree."""
+    layout = data.draw(st.sampled_from(inputs.row_layouts(shape)))
+    values = data.draw(st.lists(st.floats(-1e6, 1e6) | st.integers(-(2**31), 2**31), min_size=rows * 64,
+                                max_size=rows * 64))  # fmt: skip
+    body = dumps({"inputs": np.array(values, dtype=object).reshape(rows, *layout).tolist()})
+    assert inputs._fast_rows(body, shape, MAX_ROWS) is not None
+    _agree(body, shape)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"inputs": [[1, 2, 3], [4]]}',  # ragged rows whose values add up to 2 rows of 2
+        b'{"inputs": [[1, 2], [3, 4]], "extra": 1}',
+        b'{"inputs": [[1, 2], [3, true]]}',
+        b'{"inputs": [[1, 2], [3, null]]}',
+        b'{"inputs": [[1, 2], [3, "4"]]}',
+        b'{"inputs": [[1, 2], [3, 1e400]]}',
+        b'{"inputs": [[1, 2], [3, 18446744073709551616]]}',
+        b'{"\\u0069nputs": [[1, 2], [3, 4]]}',
+        b'{"inputs": [[[1, 2]], [3, 4]]}',
+        b'{"inputs": []}',
+        b'{"inputs": [[1, 2], [3, 4]]} trailing',
+    ],
+)
+def test_fast_path_leaves_every_odd_body_to_the_general_one(body):
+    """Each of these is refused, or (the escaped key) accepted, by the general path, with its own message."""
+    assert inputs._fast_rows(body, (2,), MAX_ROWS) is None
+    _agree(body, (2,))
+
+
+def test_fast_path_names_a_value_beyond_float32_as_the_general_one_does():
+    body = b'{"inputs": [[1, 2], [3, 1e39]]}'
+    assert inputs._fast_rows(body, (2,), MAX_ROWS) is not None
+    with pytest.raises(InputError, match=r"inputs\[1\]\[1\] is out of float32 range"):
+        parse_rows(body, (2,), MAX_ROWS)
+    _agree(body, (2,))
