@@ -56,7 +56,7 @@ CASES = ("digits-float16", "digits-bfloat16", "wide-float16")
 SPREAD_POLICIES = ("cold", "both")  # before and after hot timing
 HOT_FLAG = 1.5  # a candidate whose hot time exceeds this many times its cold is flagged
 SPREAD_LIMIT = 1.10  # issue 19: every process's pick within 10% of the best candidate's hot time
-MIN_WORKER_S = 20.0  # a process needs ~5-10 s to start (torch, CUDA, the model) before it tunes anything
+MIN_WORKER_S = 20.0  # a shorter share would go mostly on starting the process (torch, CUDA, the model)
 # A case's next bucket starts only with this much time left: on a cold Triton cache it compiles up to 33 configs
 # (a first fused start, which tunes the digits MLP's 11 buckets, took about 100 s on an H200: bench/serve_run.py).
 UNIT_MIN_S = 30.0
