@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.activations import torch_activation
+from kernels.hot_timing import HOT_MAX_REPLAYS, HOT_MIN_REPLAYS, HOT_SPIN_MARGIN, HOT_WINDOW_US, HOT_WINDOWS
 
 from .kernel_budget import CONV_START_ESTIMATE_S, MODEL_START_ESTIMATE_S, Budget, section_shares
 from .kernel_providers import COMPILE_MODES, NotAvailable, inductor_settings, layer_provider
@@ -29,11 +30,6 @@ from .kernel_results import hot, primary
 from .kernel_timing import (
     DTYPES,
     ELEMENT_BYTES,
-    HOT_MAX_REPLAYS,
-    HOT_MIN_REPLAYS,
-    HOT_SPIN_MARGIN,
-    HOT_WINDOW_US,
-    HOT_WINDOWS,
     WALL_ROUNDS,
     Prepared,
     Timing,

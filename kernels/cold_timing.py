@@ -1,4 +1,4 @@
-"""Device time of one call with nothing it reads in L2: how the tuner and `fusedserve bench kernels` time.
+"""Device time of one call with nothing it reads in L2: how the tuner and `fusedserve bench kernels` time cold.
 
 The loop is `triton.testing.do_bench`'s (estimate from 5 calls, warm up, then per rep: clear L2, event,
 call, event; the median), with one change: L2 is cleared by *reading* a 256 MB buffer, not by zeroing it.

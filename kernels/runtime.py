@@ -60,6 +60,30 @@ class EnvSwitch:
         self._on = on
 
 
+class EnvChoice:
+    """A process-wide choice among `choices`: the environment variable `name` (`default` when unset), read at
+    first use, unless set() said otherwise (the service passes its settings). A value not among the choices
+    is an error naming the variable."""
+
+    def __init__(self, name: str, choices: tuple[str, ...], default: str):
+        self.name, self.choices, self.default = name, choices, default
+        self._value: str | None = None
+
+    def __call__(self) -> str:
+        if self._value is None:
+            self._value = self._check(os.environ.get(self.name, self.default).strip().lower())
+        return self._value
+
+    def set(self, value: str | None) -> None:
+        """One of the choices; None: read the environment again at the next call."""
+        self._value = None if value is None else self._check(value)
+
+    def _check(self, value: str) -> str:
+        if value not in self.choices:
+            raise ValueError(f"{self.name} must be one of {', '.join(self.choices)}; got {value!r}")
+        return value
+
+
 def bf16_on_interpreter(dtype: torch.dtype) -> bool:
     """bf16 under Triton's interpreter, which needs two workarounds in every kernel (triton 3.9): its
     tl.dot on bf16 operands returns garbage (relative error ~1e10), and its fp32 -> bf16 cast truncates

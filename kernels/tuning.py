@@ -1,4 +1,4 @@
-"""Pick the fastest launch config per (kernel, shape, batch bucket) once, and remember it on disk.
+"""Pick a launch config per (kernel, shape, batch bucket) once, and remember it on disk.
 
 Triton's own autotuner keys on the call's arguments and keeps its results in memory (its optional
 disk cache, `cache_results`, is not in every Triton we support and is keyed by hashes we cannot
@@ -6,10 +6,15 @@ read). A server needs more: the key is the batch *bucket* (powers of two), so a 
 batch size never re-tunes; the results survive a restart, so a redeploy does not spend its warm-up
 re-timing 10-20 configs per layer and bucket; and the file says what was chosen, for whom.
 
-The file is JSON: {"<gpu> | <triton version> | <kernel>": {"<key>": {"kwargs": {...}, "num_warps": 4,
-"num_stages": 3, "us": 4.1}}}. Entries are never trusted across GPUs or Triton versions, and a kernel
-whose source changes gets a new name (`source_hash`). A corrupt or unwritable file costs a re-tune
-and a warning, never a failed start.
+Each candidate is timed twice on one captured graph of a single call: cold (L2 cleared before each call,
+kernels/cold_timing.py: the first batch after an idle spell) and hot (replayed back to back, the weights
+left in L2 by the replay before, kernels/hot_timing.py: a loaded server). `pick` chooses from both
+(FUSEDSERVE_TUNING_TIMING: `both`, the default; `cold` or `hot` alone).
+
+The file is JSON: {"<gpu> | <triton version> | <kernel>": {"<key>|timing=<policy>": {"kwargs": {...},
+"num_warps": 4, "num_stages": 3, "cold_us": 4.1, "hot_us": 3.2}}}. Entries are never trusted across GPUs,
+Triton versions or timing policies, and a kernel whose source changes gets a new name (`source_hash`). A
+corrupt or unwritable file costs a re-tune and a warning, never a failed start.
 """
 
 from __future__ import annotations
@@ -18,14 +23,16 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
-from .runtime import EnvSwitch
+from .runtime import EnvChoice, EnvSwitch
 
 log = logging.getLogger("fusedserve.tuning")
 
@@ -55,6 +62,13 @@ class LaunchConfig:
     @staticmethod
     def from_json(d: dict) -> LaunchConfig:
         return LaunchConfig.of(int(d["num_warps"]), int(d["num_stages"]), **{k: int(v) for k, v in d["kwargs"].items()})
+
+
+class Times(NamedTuple):
+    """One candidate's device time per call, in us: cold (L2 cleared before the call) and hot (back to back)."""
+
+    cold_us: float
+    hot_us: float
 
 
 def default_cache_path() -> Path:
@@ -112,9 +126,11 @@ class TuningCache:
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
 
-    def put(self, scope: str, key: str, config: LaunchConfig, us: float) -> None:
+    def put(self, scope: str, key: str, config: LaunchConfig, times: Times) -> None:
+        """Record the chosen config with its cold and hot time (us)."""
+        entry = {**config.to_json(), "cold_us": round(times.cold_us, 3), "hot_us": round(times.hot_us, 3)}
         with self._lock:
-            self._data.setdefault(scope, {})[key] = {**config.to_json(), "us": round(us, 3)}
+            self._data.setdefault(scope, {})[key] = entry
             self._write()
 
     def _write(self) -> None:
@@ -147,57 +163,133 @@ def use_cache(path: Path | None) -> TuningCache:
     return _cache[0]
 
 
+POLICIES = ("both", "cold", "hot")
+
+
+def regret(times: Times, best: Times) -> Times:
+    """times over the best of each timing: 1.0 is the best on that count."""
+    return Times(_ratio(times.cold_us, best.cold_us), _ratio(times.hot_us, best.hot_us))
+
+
+def _ratio(us: float, best: float) -> float:
+    return us / best if best > 0 else (1.0 if us <= best else math.inf)
+
+
+def best_times(timings: Mapping[LaunchConfig, tuple[float, float]]) -> Times:
+    """The least cold and the least hot time over the candidates (usually of two different ones)."""
+    return Times(min(c for c, _ in timings.values()), min(h for _, h in timings.values()))
+
+
+def pick(timings: Mapping[LaunchConfig, tuple[float, float]], policy: str = "both") -> LaunchConfig:
+    """The candidate `policy` chooses from each one's (cold us, hot us).
+
+    cold, hot: the fastest by that timing; the other timing breaks a tie. both: the least
+    max(cold / best cold, hot / best hot), the candidate closest to the best on its worse count, so that
+    neither a loaded server (hot) nor the first batch after an idle spell (cold) pays for the other; the
+    lower sum of the two ratios breaks a tie. Picking by one timing alone leaves the other unbounded: on
+    an H100 the digits MLP's cold pick at batch 32 ran 18.6 us back to back in one fresh process, 8.4 and
+    6.0 in two others (issue 19). Equal scores go to the earlier candidate.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"timing policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+    if not timings:
+        raise ValueError("no timed candidate to pick from")
+    best = best_times(timings)
+
+    def score(item: tuple[LaunchConfig, tuple[float, float]]) -> tuple[float, float]:
+        cold, hot = regret(Times(*item[1]), best)
+        if policy == "cold":
+            return cold, hot
+        if policy == "hot":
+            return hot, cold
+        return max(cold, hot), cold + hot
+
+    return min(timings.items(), key=score)[0]
+
+
+def time_candidates(
+    candidates: Iterable[LaunchConfig],
+    run: Callable[[LaunchConfig], None],
+    measure: Callable[[Callable[[], None]], tuple[float, float]] | None = None,
+    label: str = "",
+) -> dict[LaunchConfig, Times]:
+    """{candidate: its (cold us, hot us) by `measure`}, in candidate order (default `_graph_times`).
+
+    A candidate that fails to compile or launch (too much shared memory, say), or whose timing is not a
+    number, is left out; if all are, the last error is raised, since no config can run this shape.
+    """
+    measure = measure or _graph_times
+    timings: dict[LaunchConfig, Times] = {}
+    last_error: Exception | None = None
+    for config in candidates:
+        try:
+            cold, hot = measure(lambda config=config: run(config))
+        except Exception as e:  # noqa: BLE001 - triton raises several types (OutOfResources, CompilationError)
+            last_error = e
+            log.debug("tuning %s: %s skipped (%s)", label, config, e)
+            continue
+        if not (math.isfinite(cold) and math.isfinite(hot)):
+            log.debug("tuning %s: %s skipped (cold %s us, hot %s us)", label, config, cold, hot)
+            continue
+        timings[config] = Times(float(cold), float(hot))
+    if not timings:
+        raise RuntimeError(f"no launch config runs {label}") from last_error
+    return timings
+
+
 def tune(
     scope: str,
     key: str,
     candidates: Iterable[LaunchConfig],
     run: Callable[[LaunchConfig], None],
-    bench: Callable[[Callable[[], None]], float] | None = None,
+    measure: Callable[[Callable[[], None]], tuple[float, float]] | None = None,
 ) -> LaunchConfig:
-    """The cached config for (scope, key), or the fastest candidate by `bench` (device us), then cached.
+    """The cached config for (scope, key) under the timing policy, or the candidate `pick` chooses from each
+    one's (cold us, hot us) by `measure` (see `time_candidates`), then cached with both times.
 
-    A candidate that fails to compile or launch (too much shared memory, say) is skipped; if all fail
-    the last error is raised, since no config can run this shape.
+    The policy is part of the entry's key: a pick made for another policy is never reused.
     """
+    policy = timing_policy()
+    entry = f"{key}|timing={policy}"
     store = cache()
-    hit = store.get(scope, key)
+    hit = store.get(scope, entry)
     if hit is not None:
         return hit
     if not enabled():
         return next(iter(candidates))
-    bench = bench or _cold_graph_us
-    best, best_us, last_error = None, float("inf"), None
-    for config in candidates:
-        try:
-            us = bench(lambda config=config: run(config))
-        except Exception as e:  # noqa: BLE001 - triton raises several types (OutOfResources, CompilationError)
-            last_error = e
-            log.debug("tuning %s %s: %s skipped (%s)", scope, key, config, e)
-            continue
-        if us < best_us:
-            best, best_us = config, us
-    if best is None:
-        raise RuntimeError(f"no launch config runs {scope} {key}") from last_error
-    store.put(scope, key, best, best_us)
-    log.info("tuned %s %s: %s (%.1f us)", scope, key, best.meta(), best_us)
+    timings = time_candidates(candidates, run, measure, f"{scope} {key}")
+    best = pick(timings, policy)
+    times = timings[best]
+    store.put(scope, entry, best, times)
+    cold, hot = regret(times, best_times(timings))
+    log.info(
+        "tuned %s %s: %s (cold %.1f us, hot %.1f us: %.2fx and %.2fx the best of %d candidates; timing %s)",
+        scope, key, best.meta(), times.cold_us, times.hot_us, cold, hot, len(timings), policy,
+    )  # fmt: skip
     return best
 
 
-def _cold_graph_us(fn: Callable[[], None]) -> float:
-    """Device time of one call with L2 cleared before it (median, us): the way bench.kernels measures.
+def _graph_times(fn: Callable[[], None]) -> Times:
+    """Device time of one call (us), cold and hot, both on one CUDA graph of that call.
 
-    The call is captured once into a CUDA graph and the replay timed by cold_timing.cold_us, which reads
-    a 256 MB buffer before every rep. Not launches from Python: that times the launcher (a 10 us kernel
-    reads 10-40 us, depending on Triton's Python), and the tuner would pick noise. Not back to back
-    (do_bench_cudagraph): that keeps every weight in L2 and picks for that case only (a 4096x4096 M=1 fp16
-    pick runs 12.3 us hot but 18.9 us cold on an H200), while the weights of a layer that streams MBs of
-    them are not in L2 when a request arrives.
+    Cold: L2 cleared before each replay (cold_timing.cold_us, which reads a 256 MB buffer first; median),
+    as the weights of a layer that streams MBs of them are when a request arrives after a pause (a
+    4096x4096 M=1 fp16 pick runs 12.3 us hot but 18.9 us cold on an H200). Hot: replays back to back
+    (hot_timing.hot_us, median us per replay over windows of >= 1 ms), as a loaded server runs one batch
+    after the last, weights warm in L2, and the next call's programs meeting the last one's (the whole-MLP
+    kernel's arrival counter, PDL's early starts). Not launches from Python: that times the launcher (a 10
+    us kernel reads 10-40 us, depending on Triton's Python), and the tuner would pick noise.
     """
     from .cold_timing import cold_us
     from .graph_capture import capture
+    from .hot_timing import hot_us
 
     graph, _ = capture(fn, warmups=2)  # the first compiles the candidate
-    return cold_us(graph.replay, warmup_ms=5, rep_ms=20)
+    cold = cold_us(graph.replay, warmup_ms=5, rep_ms=20)
+    hot = hot_us(graph.replay)
+    if hot["hot_host_bound"]:
+        log.debug("hot timing may have measured the host's launches (%.2f us a replay)", hot["hot_us"])
+    return Times(cold, hot["hot_us"])
 
 
 # Whether to time candidates. FUSEDSERVE_TUNING=false takes each kernel's first candidate untimed: quick
@@ -205,3 +297,9 @@ def _cold_graph_us(fn: Callable[[], None]) -> float:
 switch = EnvSwitch("FUSEDSERVE_TUNING")
 enabled = switch
 set_enabled = switch.set
+
+
+# Which timing picks a candidate (`pick`): FUSEDSERVE_TUNING_TIMING (both, cold or hot; default both), unless
+# set_timing_policy said otherwise (the service passes its setting).
+timing_policy = EnvChoice("FUSEDSERVE_TUNING_TIMING", POLICIES, "both")
+set_timing_policy = timing_policy.set

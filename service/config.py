@@ -62,6 +62,13 @@ class Settings(BaseSettings):
     tuning: bool = Field(
         True, description="time candidate kernel configs per batch bucket at warm-up (false: first candidate, untimed)"
     )
+    # both: a config that wins cold but loses back to back is the wrong pick for a loaded server, and the
+    # reverse for the first batch after an idle spell (kernels/tuning.py, pick).
+    tuning_timing: Literal["both", "cold", "hot"] = Field(
+        "both",
+        description="which device time picks a kernel config: both (the config closest to the best cold and the "
+        "best back to back, on its worse count), cold (L2 cleared before each call) or hot (calls back to back)",
+    )
     tuning_cache: Path | None = Field(
         None,
         description="JSON file of tuned kernel configs kept across restarts "

@@ -282,6 +282,7 @@ def build_runner(settings: Settings, device, dtype: str, model, metrics):
     torch.backends.cudnn.allow_tf32 = settings.allow_tf32
     tuning.use_cache(settings.tuning_cache or tuning.default_cache_path())
     tuning.set_enabled(settings.tuning)
+    tuning.set_timing_policy(settings.tuning_timing)
     pdl.set_enabled(settings.pdl)
     return ModelRunner(
         model,

@@ -62,7 +62,7 @@ def free_port() -> int:
 _TRITON_INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
 # Kernel tuning changes which config runs, never a result: the GPU session switches it off
 # (FUSEDSERVE_TUNING=false) so that servers warm up in seconds, not 10-50 s per batch bucket.
-_PASSED_THROUGH = ("FUSEDSERVE_TUNING", "FUSEDSERVE_TUNING_CACHE")
+_PASSED_THROUGH = ("FUSEDSERVE_TUNING", "FUSEDSERVE_TUNING_TIMING", "FUSEDSERVE_TUNING_CACHE")
 
 
 def service_env(**env: str | int | float) -> dict[str, str]:

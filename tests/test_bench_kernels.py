@@ -512,7 +512,7 @@ def test_budget_estimates_each_section_from_its_own_costs():
     assert b.estimate("base") == 20.0  # measured in this section, not averaged with the layers' 2 s
 
 
-# Hot timing (bench/kernel_timing.py, "hot") on a simulated GPU: a stream that runs queued work in order, each
+# Hot timing (kernels/hot_timing.py) on a simulated GPU: a stream that runs queued work in order, each
 # item starting when it was launched or when the one before it ended, whichever is later.
 class _FakeGPU:
     def __init__(self, host_us: float, device_us: float, ghz: float = 2.0):
@@ -557,7 +557,7 @@ class _FakeGPU:
 
 
 def test_hot_replays_fill_a_window_within_bounds():
-    from bench.kernel_timing import HOT_MAX_REPLAYS, HOT_MIN_REPLAYS, hot_replays, spin_cycles
+    from kernels.hot_timing import HOT_MAX_REPLAYS, HOT_MIN_REPLAYS, hot_replays, spin_cycles
 
     assert hot_replays(2.0) == 500  # 1 ms / 2 us
     assert hot_replays(0.1) == HOT_MAX_REPLAYS == 1000 and hot_replays(0.0) == HOT_MAX_REPLAYS
@@ -566,7 +566,7 @@ def test_hot_replays_fill_a_window_within_bounds():
 
 
 def test_hot_time_is_device_time_even_when_the_host_launches_slower():
-    from bench.kernel_timing import HotTimer
+    from kernels.hot_timing import HotTimer
 
     # The digits MLP's case: a replay costs the host 3 us and the device 2. Back to back without a spin
     # kernel the device would wait for the host (3 us a replay); with it, every replay is queued in time.
@@ -580,11 +580,11 @@ def test_hot_time_is_device_time_even_when_the_host_launches_slower():
 
 
 def test_hot_time_says_when_the_host_set_the_pace(monkeypatch):
-    from bench import kernel_timing
-    from bench.kernel_timing import HotTimer
+    from kernels import hot_timing
+    from kernels.hot_timing import HotTimer
 
-    monkeypatch.setattr(kernel_timing, "HOT_SPIN_MARGIN", 0.0)  # no spin before the windows
-    monkeypatch.setattr(kernel_timing, "HOT_SPIN_EXTRA_US", 0.0)
+    monkeypatch.setattr(hot_timing, "HOT_SPIN_MARGIN", 0.0)  # no spin before the windows
+    monkeypatch.setattr(hot_timing, "HOT_SPIN_EXTRA_US", 0.0)
     gpu = _FakeGPU(host_us=3.0, device_us=2.0)
     res = HotTimer(cuda=gpu, clock=gpu.clock)(gpu.replay)
     assert res["hot_us"] == pytest.approx(3.0, rel=0.01) and res["hot_host_bound"] is True
@@ -762,7 +762,7 @@ def test_sections_share_the_time_by_what_their_cases_cost():
 
 
 def test_a_single_replay_is_timed_alone():
-    from bench.kernel_timing import HotTimer
+    from kernels.hot_timing import HotTimer
 
     gpu = _FakeGPU(host_us=30.0, device_us=2.0)  # a slow host: the spin still hides the launch
     timer = HotTimer(cuda=gpu, clock=gpu.clock)

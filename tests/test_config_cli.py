@@ -62,6 +62,7 @@ def test_defaults():
     assert s.cuda_graphs is True
     assert s.tuning_cache is None
     assert s.tuning is True
+    assert s.tuning_timing == "both"
     assert s.pdl is True
     assert s.warmup is True
     assert s.host == "127.0.0.1"
@@ -74,7 +75,7 @@ def test_defaults():
     assert set(FIELDS) == {
         "mode", "device", "model", "model_dir", "dtype", "allow_tf32", "max_batch_size", "max_delay_ms",
         "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "kernel_timing_every", "cuda_graphs",
-        "tuning", "tuning_cache", "pdl", "warmup", "workers", "engines", "shutdown_grace_s",
+        "tuning", "tuning_timing", "tuning_cache", "pdl", "warmup", "workers", "engines", "shutdown_grace_s",
         "max_connections", "header_timeout_s", "body_timeout_s",
         "host", "port", "grpc_port", "log_level",
     }  # fmt: skip
@@ -86,6 +87,7 @@ ENV_VALUES = [
     ("DTYPE", "bfloat16", "dtype", "bfloat16"),
     ("ALLOW_TF32", "true", "allow_tf32", True),
     ("PDL", "false", "pdl", False),
+    ("TUNING_TIMING", "cold", "tuning_timing", "cold"),
     ("WARMUP", "0", "warmup", False),
     ("MAX_BATCH_SIZE", "37", "max_batch_size", 37),
     ("MAX_DELAY_MS", "0.5", "max_delay_ms", 0.5),
@@ -132,6 +134,7 @@ INVALID = [
     ("FUSEDSERVE_WARMUP", "maybe", r"FUSEDSERVE_WARMUP: Input should be a valid boolean"),
     ("FUSEDSERVE_DTYPE", "float64", r"FUSEDSERVE_DTYPE: Input should be 'auto', 'float32', 'float16' or 'bfloat16'"),
     ("FUSEDSERVE_KERNEL_TIMING_EVERY", "-2", r"FUSEDSERVE_KERNEL_TIMING_EVERY: Input should be greater than or equal"),
+    ("FUSEDSERVE_TUNING_TIMING", "warm", r"FUSEDSERVE_TUNING_TIMING: Input should be 'both', 'cold' or 'hot'"),
 ]
 
 
@@ -286,11 +289,14 @@ def test_serve_options_beat_environment(monkeypatch, no_server, capsys):
     monkeypatch.setenv("FUSEDSERVE_MODE", "unfused")
     monkeypatch.setenv("FUSEDSERVE_PORT", "9100")
     monkeypatch.setenv("FUSEDSERVE_WARMUP", "true")
-    argv = ["serve", "--mode", "fused", "--max-batch-size", "8", "--no-warmup", "--allow-tf32", "--log-level", "error"]
+    monkeypatch.setenv("FUSEDSERVE_TUNING_TIMING", "cold")
+    argv = ["serve", "--mode", "fused", "--max-batch-size", "8", "--no-warmup", "--allow-tf32", "--log-level", "error",
+            "--tuning-timing", "hot"]  # fmt: skip
     assert main(argv) == 2
     assert "cannot serve: stop here" in capsys.readouterr().err
     (s,) = seen
     assert (s.mode, s.max_batch_size, s.max_rows_per_request, s.warmup, s.allow_tf32) == ("fused", 8, 8, False, True)
+    assert s.tuning_timing == "hot"
     assert s.port == 9100 and s.log_level == "error"  # not given on the command line: the environment's
 
 
@@ -306,3 +312,29 @@ def test_a_model_dir_that_was_set_is_not_replaced(tmp_path, monkeypatch):
     assert load_settings().model_path().is_dir()  # the default falls back to the packaged models
     monkeypatch.setenv("FUSEDSERVE_MODEL_DIR", "typo_dir")
     assert load_settings().model_path() == Path("typo_dir") / "digits-mlp"
+
+
+def test_the_engine_passes_the_tuning_settings_to_the_kernels(monkeypatch, tmp_path):
+    """build_runner sets the kernels' process-wide switches from the settings (the runner itself is faked)."""
+    import types
+
+    import torch
+
+    import service.model.runner
+    from kernels import pdl, tuning
+    from service.engine import build_runner
+
+    monkeypatch.setattr(tuning, "_cache", [])
+    monkeypatch.setattr(tuning.switch, "_on", None)
+    monkeypatch.setattr(tuning.timing_policy, "_value", None)
+    monkeypatch.setattr(pdl.switch, "_on", None)
+    monkeypatch.setattr(service.model.runner, "ModelRunner", lambda *a, **k: "runner")
+    settings = Settings(tuning=False, tuning_timing="hot", tuning_cache=tmp_path / "t.json", pdl=False)
+    metrics = types.SimpleNamespace(observe_kernel=None, observe_forward=None)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # build_runner sets both
+    try:
+        assert build_runner(settings, torch.device("cpu"), "float32", None, metrics) == "runner"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    assert tuning.timing_policy() == "hot" and tuning.enabled() is False and pdl.enabled() is False
+    assert tuning.cache().path == tmp_path / "t.json"

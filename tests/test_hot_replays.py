@@ -3,7 +3,7 @@ digits CNN in fused mode, every graph bucket the service captures (1 to its defa
 replayed back to back must cost no more than 1.5x one replay alone.
 
 One replay alone: the device idle before it and its launch queued behind a spin kernel, so neither the host's
-launch nor a neighbour counts (bench.kernel_timing.HotTimer.single). Back to back: windows of replays between
+launch nor a neighbour counts (kernels.hot_timing.HotTimer.single). Back to back: windows of replays between
 two events, device time per replay (HotTimer, as `fusedserve bench kernels` times "hot"). L2 is not cleared
 in either, so the two differ only in what a replay does to the next: a slower back-to-back replay means they
 interfere (a dependency that serialises more than the stream order, a re-upload per replay, a PDL wait
@@ -39,7 +39,7 @@ LIMIT = 1.5  # back-to-back per replay over one replay alone
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["digits-mlp", "digits-cnn"])
 def test_back_to_back_replays_cost_at_most_1_5x_one_alone(name):
-    from bench.kernel_timing import HotTimer
+    from kernels.hot_timing import HotTimer
 
     device = torch.device("cuda")
     model = load_model(WEIGHTS / name)

@@ -1,4 +1,6 @@
-"""The tuning cache: the fastest candidate is kept, survives a restart, and a bad file costs a re-tune only."""
+"""The tuner: which candidate each timing policy picks from cold and hot times, and the tuning cache (the pick
+is kept with both times, survives a restart, is never reused under another policy, and a bad file costs a
+re-tune only)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import json
 import pytest
 
 from kernels import tuning
-from kernels.tuning import LaunchConfig, TuningCache, tune
+from kernels.tuning import LaunchConfig, Times, TuningCache, pick, tune
 
 A = LaunchConfig.of(4, 3, BLOCK_M=16, BLOCK_N=32)
 B = LaunchConfig.of(8, 2, BLOCK_M=64, BLOCK_N=64)
@@ -17,8 +19,10 @@ C = LaunchConfig.of(4, 5, BLOCK_M=32, BLOCK_N=16)
 @pytest.fixture(autouse=True)
 def _tuning_on(monkeypatch):
     """These tests are about timing candidates: on even where the run switched tuning off (the GPU session
-    runs the suite with FUSEDSERVE_TUNING=false)."""
+    runs the suite with FUSEDSERVE_TUNING=false), under the default policy unless a test sets one."""
     monkeypatch.setattr(tuning.switch, "_on", True)
+    monkeypatch.delenv("FUSEDSERVE_TUNING_TIMING", raising=False)
+    monkeypatch.setattr(tuning.timing_policy, "_value", None)
 
 
 @pytest.fixture
@@ -29,14 +33,16 @@ def cache_file(tmp_path, monkeypatch):
     return path
 
 
-def _bench_by(times: dict[LaunchConfig, float], calls: list):
-    def bench(fn):
+def _bench_by(times: dict[LaunchConfig, float | tuple[float, float]], calls: list):
+    """A fake `measure`: runs the candidate, then returns its (cold, hot) from `times` (a float: both alike)."""
+
+    def measure(fn):
         before = len(calls)
         fn()
-        config = calls[before]
-        return times[config]
+        t = times[calls[before]]
+        return (t, t) if isinstance(t, float) else t
 
-    return bench
+    return measure
 
 
 def test_fastest_candidate_is_chosen_and_written(cache_file):
@@ -45,7 +51,7 @@ def test_fastest_candidate_is_chosen_and_written(cache_file):
     assert best == B
     assert calls == [A, B, C]
     saved = json.loads(cache_file.read_text())
-    assert saved["gpu | t | k@1"]["m1"] == {**B.to_json(), "us": 2.5}
+    assert saved["gpu | t | k@1"]["m1|timing=both"] == {**B.to_json(), "cold_us": 2.5, "hot_us": 2.5}
 
 
 def test_a_restart_reads_the_file_and_times_nothing(cache_file):
@@ -65,13 +71,13 @@ def test_a_failing_candidate_is_skipped_and_all_failing_is_an_error(cache_file):
         if config is A:
             raise RuntimeError("out of shared memory")
 
-    assert tune("s", "k", [A, C], run, lambda fn: (fn(), 1.0)[1]) == C
+    assert tune("s", "k", [A, C], run, lambda fn: (fn(), (1.0, 1.0))[1]) == C
 
     def broken(config):
         raise RuntimeError("nope")
 
     with pytest.raises(RuntimeError, match="no launch config runs s k3"):
-        tune("s", "k3", [A, B], broken, lambda fn: (fn(), 1.0)[1])
+        tune("s", "k3", [A, B], broken, lambda fn: (fn(), (1.0, 1.0))[1])
 
 
 def test_corrupt_file_is_replaced_not_fatal(cache_file, caplog):
@@ -80,7 +86,7 @@ def test_corrupt_file_is_replaced_not_fatal(cache_file, caplog):
     calls: list[LaunchConfig] = []
     assert tune("s", "k", [A, B], calls.append, _bench_by({A: 2.0, B: 1.0}, calls)) == B
     assert "unreadable" in caplog.text
-    assert json.loads(cache_file.read_text())["s"]["k"]["num_warps"] == 8
+    assert json.loads(cache_file.read_text())["s"]["k|timing=both"]["num_warps"] == 8
 
 
 def test_unwritable_location_keeps_results_in_memory(tmp_path, monkeypatch, caplog):
@@ -126,6 +132,109 @@ def test_tuning_switch_reads_the_environment(monkeypatch):
     assert tuning.enabled() is True
 
 
+# pick: fake (cold, hot) times per candidate.
+
+
+def test_under_both_a_candidate_best_cold_but_twice_as_slow_hot_loses():
+    times = {A: (4.0, 8.0), B: (4.4, 4.0), C: (6.0, 4.2)}  # A: best cold, 2x hot; B: 1.1x cold, best hot
+    assert pick(times, "both") == B
+    assert pick(times, "cold") == A
+    assert pick(times, "hot") == B
+
+
+def test_both_takes_the_least_worse_ratio_not_the_least_sum():
+    # A: 1.0 cold, 1.5 hot (sum 2.5, worse 1.5); B: 1.3 cold, 1.3 hot (sum 2.6, worse 1.3)
+    times = {A: (10.0, 6.0), B: (13.0, 5.2), C: (20.0, 4.0)}
+    assert pick(times, "both") == B
+
+
+def test_ties_go_to_the_other_timing_then_to_the_earlier_candidate():
+    assert pick({A: (5.0, 3.0), B: (5.0, 2.0)}, "cold") == B  # equal cold: the faster hot
+    assert pick({A: (4.0, 3.0), B: (3.0, 3.0)}, "hot") == B  # equal hot: the faster cold
+    assert pick({A: (2.0, 2.0), B: (2.0, 2.0)}, "both") == A  # equal in all: candidate order
+    assert pick({B: (2.0, 2.0), A: (2.0, 2.0)}, "both") == B
+    # A and B: the same worse ratio (1.2); B has the lower sum (1.2 + 1.0 against 1.2 + 1.1); C's worse is 1.25
+    assert pick({A: (12.0, 11.0), B: (12.0, 10.0), C: (10.0, 12.5)}, "both") == B
+
+
+@pytest.mark.parametrize("policy", tuning.POLICIES)
+def test_a_single_candidate_is_picked_under_every_policy(policy):
+    assert pick({C: (7.0, 30.0)}, policy) == C
+
+
+def test_pick_refuses_an_unknown_policy_and_no_candidates():
+    with pytest.raises(ValueError, match="timing policy must be one of both, cold, hot"):
+        pick({A: (1.0, 1.0)}, "warm")
+    with pytest.raises(ValueError, match="no timed candidate"):
+        pick({}, "both")
+
+
+def test_regret_is_each_time_over_its_best():
+    assert tuning.regret(Times(6.0, 9.0), Times(4.0, 3.0)) == Times(1.5, 3.0)
+    assert tuning.best_times({A: (4.0, 8.0), B: (5.0, 3.0)}) == Times(4.0, 3.0)
+
+
+# The policy in tune() and its switch.
+
+
+def test_tune_picks_by_both_and_stores_both_times(cache_file, caplog):
+    calls: list[LaunchConfig] = []
+    caplog.set_level("INFO", logger="fusedserve.tuning")
+    times = {A: (4.0, 8.0), B: (4.4, 4.0), C: (6.0, 4.2)}
+    assert tune("s", "k", [A, B, C], calls.append, _bench_by(times, calls)) == B
+    saved = json.loads(cache_file.read_text())["s"]["k|timing=both"]
+    assert (saved["cold_us"], saved["hot_us"]) == (4.4, 4.0)
+    assert "cold 4.4 us, hot 4.0 us: 1.10x and 1.00x the best of 3 candidates; timing both" in caplog.text
+
+
+def test_a_pick_made_under_another_policy_is_not_reused(cache_file):
+    times = {A: (4.0, 8.0), B: (4.4, 4.0)}
+    calls: list[LaunchConfig] = []
+    tuning.set_timing_policy("cold")
+    assert tune("s", "k", [A, B], calls.append, _bench_by(times, calls)) == A
+    tuning.set_timing_policy("both")
+    assert tune("s", "k", [A, B], calls.append, _bench_by(times, calls)) == B
+    assert calls == [A, B, A, B]  # timed again: the cold pick was not taken for this policy
+    tuning._cache.clear()  # a new process: each policy reads its own entry, timing nothing
+    assert tune("s", "k", [A, B], calls.append, _bench_by(times, calls)) == B
+    tuning.set_timing_policy("cold")
+    assert tune("s", "k", [A, B], calls.append, _bench_by(times, calls)) == A
+    assert len(calls) == 4
+    assert set(json.loads(cache_file.read_text())["s"]) == {"k|timing=cold", "k|timing=both"}
+
+
+def test_an_entry_of_the_cold_only_tuner_is_re_tuned(cache_file):
+    # Files written before hot timing existed keyed the entry by the bare key (and stored one "us").
+    cache_file.parent.mkdir(parents=True)
+    cache_file.write_text(json.dumps({"s": {"k": {**A.to_json(), "us": 4.0}}}))
+    calls: list[LaunchConfig] = []
+    assert tune("s", "k", [A, B], calls.append, _bench_by({A: (4.0, 8.0), B: (4.4, 4.0)}, calls)) == B
+    assert calls == [A, B]
+
+
+def test_a_candidate_whose_timing_is_not_a_number_is_skipped(cache_file):
+    calls: list[LaunchConfig] = []
+    times = {A: (1.0, float("nan")), B: (2.0, 2.0)}
+    assert tune("s", "k", [A, B], calls.append, _bench_by(times, calls)) == B
+
+
+def test_timing_policy_reads_the_environment(monkeypatch):
+    assert tuning.timing_policy() == "both"  # the default
+    monkeypatch.setattr(tuning.timing_policy, "_value", None)
+    monkeypatch.setenv("FUSEDSERVE_TUNING_TIMING", "Cold")
+    assert tuning.timing_policy() == "cold"
+    tuning.set_timing_policy("hot")  # the service's setting beats the environment
+    assert tuning.timing_policy() == "hot"
+    tuning.set_timing_policy(None)
+    assert tuning.timing_policy() == "cold"
+    monkeypatch.setattr(tuning.timing_policy, "_value", None)
+    monkeypatch.setenv("FUSEDSERVE_TUNING_TIMING", "warm")
+    with pytest.raises(ValueError, match="FUSEDSERVE_TUNING_TIMING must be one of both, cold, hot; got 'warm'"):
+        tuning.timing_policy()
+    with pytest.raises(ValueError, match="got 'fast'"):
+        tuning.set_timing_policy("fast")
+
+
 @pytest.mark.gpu
 def test_candidates_are_timed_with_l2_flushed():
     # Reading 24 MB (inside the 50-60 MB L2 of an H100/H200) from HBM cannot beat its peak bandwidth
@@ -140,8 +249,10 @@ def test_candidates_are_timed_with_l2_flushed():
         calls.append(1)
         torch.sum(src, dim=0, out=out)  # torch 2.11 has no out= form without dim
 
-    us = tuning._cold_graph_us(read_all)
+    times = tuning._graph_times(read_all)
+    us = times.cold_us
     assert us >= src.numel() * 4 / 6e12 * 1e6, f"{us:.2f} us: faster than HBM, so not timed cold"
+    assert times.hot_us > 0
     assert len(calls) == 3  # the first call, a warm-up on a side stream, the capture; replays call nothing
 
 

@@ -89,12 +89,20 @@ def one_store_floor() -> dict:
     return floor
 
 
-def main(name: str, sweep: Callable[[], dict]) -> None:
-    """Run one probe: print the device, run sweep(), write its result to --out/probe_<name>.json."""
+def main(
+    name: str, sweep: Callable[..., dict], options: Callable[[argparse.ArgumentParser], None] | None = None
+) -> None:
+    """Run one probe: print the device, run sweep(), write its result to --out/probe_<name>.json.
+    `options` adds the probe's own arguments to the parser; sweep then gets the parsed arguments."""
     p = argparse.ArgumentParser(prog=f"python -m bench.probes.{name}")
     p.add_argument("--out", type=Path, default=Path("."))
+    if options is not None:
+        options(p)
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.exit(2, f"{p.prog}: no CUDA GPU here; the probes time kernels on one\n")
     t0 = time.time()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
-    (args.out / f"probe_{name}.json").write_text(json.dumps(sweep(), default=str, indent=1))
+    result = sweep(args) if options is not None else sweep()
+    (args.out / f"probe_{name}.json").write_text(json.dumps(result, default=str, indent=1))
     print(f"[{time.time() - t0:.0f}s]", flush=True)

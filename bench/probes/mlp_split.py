@@ -2,7 +2,8 @@
 
 Times the digits MLP under every config the tuner may pick for batches 1-256 (kernels/mlp.py's
 cuda_configs: SPLIT programs per row block, LEAD on or off, 4 or 8 warps), cold (L2 cleared by reading,
-as the benchmark and the tuner time) and hot (back to back), and prints what the cold tuner picks.
+as the benchmark and the tuner time) and hot (back to back), and prints what the tuner picks (cold only
+when the committed log was taken; now by FUSEDSERVE_TUNING_TIMING, kernels/tuning.py).
 
     python -m bench.probes.mlp_split --out DIR
 
@@ -37,7 +38,7 @@ def sweep() -> dict:
         tuned = FusedMLP(layers)
         tuned(x)
         pick = tuned._configs[(linear_mod.m_bucket(M), "ieee")].meta()
-        print(f"digits MLP M={M}: cold tuner picks {pick}; fastest cold of {len(rows)}:", flush=True)
+        print(f"digits MLP M={M}: tuner picks {pick}; fastest cold of {len(rows)}:", flush=True)
         for cold, hot, meta in rows[:5]:
             print(f"   cold {cold:6.2f} us  hot {hot:6.2f} us  {meta}")
         best_unsplit = min((r for r in rows if r[2]["SPLIT"] == 1), key=lambda r: r[0])
