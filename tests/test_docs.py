@@ -98,7 +98,9 @@ def _commands(kind: str) -> list[str]:
 
 
 def _run(argv: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    # The checkout on the path, as an installed fusedserve would be: the GPU host runs the suite uninstalled.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _fusedserve_argv(cmd: str) -> list[str]:
