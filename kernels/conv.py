@@ -273,6 +273,19 @@ def cuda_configs(bucket: int, OC: int, C: int, K: int, fma: bool = False, pooled
 
 
 _configs: dict[tuple, LaunchConfig] = {}  # per (layer signature, M bucket): the tuned config
+_zero_bias: dict[tuple, torch.Tensor] = {}  # per (OC, dtype, device): the bias of a layer without one
+
+
+def _zeros_for(weight: torch.Tensor) -> torch.Tensor:
+    """A zero bias for a CUDA layer without one. The kernel's HAS_BIAS=False variant miscompiles: on an H100
+    (triton 3.6), an NHWC input with a tap-by-tap K loop (FLAT_K=0) gave 42-65 wrong outputs of 540 (errors
+    ~1.0-1.4), in fp16 and bf16, relu and gelu_tanh, PDL on or off; with a bias, or NCHW, or FLAT_K=1, all were
+    right. Loading OC zeros costs a program one small read; a wrong conv costs the model."""
+    key = (weight.shape[0], weight.dtype, weight.device)
+    zeros = _zero_bias.get(key)
+    if zeros is None:
+        zeros = _zero_bias[key] = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
+    return zeros
 
 
 def fused_conv2d(
@@ -339,6 +352,8 @@ def fused_conv2d(
         return out
     if allow_tf32 is None:
         allow_tf32 = torch.backends.cudnn.allow_tf32
+    if bias is None and not interpreting():
+        bias = _zeros_for(weight)  # see _zeros_for: never the HAS_BIAS=False variant on a GPU
     fixed = gemm_flags(bias is not None, activation, x.dtype, allow_tf32, x.device)
     shape = dict(C=C, H=H, W=W, OH=OH, OW=OW, KH=KH, KW=KW, SH=s[0], SW=s[1], PH=p[0], PW=p[1], DH=d[0], DW=d[1],
                  POOL=POOL, PKH=PKH, PKW=PKW, PSH=PSH, PSW=PSW)  # fmt: skip
