@@ -187,8 +187,9 @@ def pick(timings: Mapping[LaunchConfig, tuple[float, float]], policy: str = "bot
     max(cold / best cold, hot / best hot), the candidate closest to the best on its worse count, so that
     neither a loaded server (hot) nor the first batch after an idle spell (cold) pays for the other; the
     lower sum of the two ratios breaks a tie. Picking by one timing alone leaves the other unbounded: on
-    an H100 the digits MLP's cold pick at batch 32 ran 18.6 us back to back in one fresh process, 8.4 and
-    6.0 in two others (issue 19). Equal scores go to the earlier candidate.
+    an H100 the cold pick for the wide MLP's last layer at batch 256 runs 1.16x the best hot time, where
+    `both` picks one at 1.00x hot and 1.14x cold (bench/results/probe_tuner_picks_h100.txt). Equal scores go
+    to the earlier candidate.
     """
     if policy not in POLICIES:
         raise ValueError(f"timing policy must be one of {', '.join(POLICIES)}; got {policy!r}")
