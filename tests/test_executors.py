@@ -520,3 +520,11 @@ def test_shipped_cnn_accuracy_on_held_out_digits():
             assert accuracy >= 0.98, f"{mode} {dtype}: held-out accuracy {accuracy:.4f}"
         agree = float((preds["fused"] == preds["unfused"]).mean())
         assert agree >= 0.99, f"{dtype}: fused and unfused disagree on {math.ceil((1 - agree) * 360)} of 360 digits"
+
+
+def test_this_torch_records_events_inside_graphs():
+    """The torch CI and the GPU host run can time a batch from its bucket's timed graph (the runner falls back to
+    launching step by step on a torch without `torch.cuda.Event(external=True)`)."""
+    from service.model.runner import events_in_graphs
+
+    assert events_in_graphs()

@@ -63,6 +63,11 @@ class GraphedExecutor:
             self.host_in = torch.zeros((max_batch_size, *model.input_shape), dtype=dt, pin_memory=True)
             self.host_out = torch.empty((max_batch_size, model.output_features), dtype=dt, pin_memory=True)
 
+    @property
+    def timed(self) -> bool:
+        """Whether each bucket also has a timed graph (replay_host_timed)."""
+        return self._timed is not None
+
     def bucket_for(self, rows: int) -> int:
         for b in self.buckets:
             if rows <= b:

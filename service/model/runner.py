@@ -5,6 +5,7 @@ Called only from the batcher's single worker thread, which owns the device (and 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -39,6 +40,12 @@ def warmup_sizes(max_batch_size: int, device: torch.device) -> list[int]:
     return graph_buckets(max_batch_size)
 
 
+def events_in_graphs() -> bool:
+    """Whether this torch's CUDA events can be recorded inside a graph capture (`torch.cuda.Event(external=True)`,
+    newer than the oldest torch fusedserve runs on): without it, kernel-timed batches launch step by step."""
+    return "external" in inspect.signature(torch.cuda.Event.__new__).parameters
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -59,7 +66,7 @@ class ModelRunner:
         # On CUDA a forward replays one captured graph per batch bucket, the batch's copies in and out inside
         # it (graphs.py, host_io); batches whose kernels are timed replay the bucket's timed graph, whose steps
         # record CUDA events.
-        timing = bool(kernel_timing_every and observe_kernel)
+        timing = bool(kernel_timing_every and observe_kernel) and events_in_graphs()
         self.graphs = (
             GraphedExecutor(self.executor, max_batch_size, host_io=True, timed=timing)
             if (cuda_graphs and device.type == "cuda")
@@ -86,7 +93,7 @@ class ModelRunner:
         rows = batch.shape[0]
         # A batch larger than the biggest graph bucket (a direct caller; the engine never forms one) runs
         # launch by launch rather than failing.
-        if self.graphs is not None and rows <= self.graphs.max_batch_size:
+        if self.graphs is not None and rows <= self.graphs.max_batch_size and (timer is None or self.graphs.timed):
             out, timer = self._run_graphed(batch, timed=timer is not None)
         else:
             out = self._run_launched(batch, timer)
