@@ -46,7 +46,7 @@ def response(pb, rows: int):
     from service.v2 import tensors as t
 
     tensor = pb.ModelInferResponse.InferOutputTensor
-    label = len(b"0").to_bytes(4, "little") + b"0"  # BYTES element: 4-byte little-endian length, then the bytes
+    label = t.bytes_element("0")
     return pb.ModelInferResponse(
         model_name=MODEL,
         model_version=t.VERSION,
@@ -65,7 +65,7 @@ async def _serve(host: str, port: int, workers: int, serving) -> None:
     from service.state import body_limit
     from service.v2 import grpc_predict_v2_pb2 as pb
     from service.v2 import grpc_predict_v2_pb2_grpc as pb_grpc
-    from service.v2.grpc_server import new_server
+    from service.v2.grpc_server import address, new_server
 
     settings = Settings()  # FUSEDSERVE_* from the environment, as a fusedserve front end reads them
     max_rows = settings.max_rows_per_request
@@ -95,7 +95,7 @@ async def _serve(host: str, port: int, workers: int, serving) -> None:
 
     server = new_server(body_limit(max_rows, FEATURES), settings.max_connections)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(Empty(), server)
-    server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    server.add_insecure_port(address(host, port))
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -174,9 +174,10 @@ def wait_ready(host: str, port: int, timeout_s: float) -> bool:
 
     from service.v2 import grpc_predict_v2_pb2 as pb
     from service.v2 import grpc_predict_v2_pb2_grpc as pb_grpc
+    from service.v2.grpc_server import address
 
     deadline = time.monotonic() + timeout_s
-    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    target = address(host, port)
     while True:
         left = deadline - time.monotonic()
         with grpc.insecure_channel(target) as channel, contextlib.suppress(grpc.RpcError):

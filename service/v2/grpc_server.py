@@ -163,6 +163,11 @@ def _response(state: FrontendState, request, outputs: np.ndarray, wanted: list[s
     )
 
 
+def address(host: str, port: int) -> str:
+    """gRPC's host:port, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def new_server(max_receive_bytes: int, max_calls: int) -> grpc.aio.Server:
     """A grpc.aio server with a front end's options, not yet bound. bench/serve_apps/empty_grpc.py builds its
     no-model server (the benchmark's gRPC ceiling) with it too, so that both run grpcio with the same options."""
@@ -183,8 +188,7 @@ async def start(state: FrontendState) -> grpc.aio.Server:
     s = state.settings
     server = new_server(state.max_body_bytes, s.max_connections)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(state), server)
-    host = f"[{s.host}]" if ":" in s.host else s.host
-    server.add_insecure_port(f"{host}:{s.grpc_port}")
+    server.add_insecure_port(address(s.host, s.grpc_port))
     await server.start()
     log.info("gRPC (Open Inference Protocol) on %s:%d", s.host, s.grpc_port)
     return server

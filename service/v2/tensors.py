@@ -133,12 +133,18 @@ def label_names(model: ModelInfo, outputs: np.ndarray) -> list[str]:
     return [labels[i] for i in idx] if labels else [str(i) for i in idx]
 
 
+def bytes_element(text: str) -> bytes:
+    """One element of a BYTES tensor in raw form: its 4-byte little-endian length, then its UTF-8."""
+    raw = text.encode()
+    return len(raw).to_bytes(4, "little") + raw
+
+
 @functools.cache  # one model per process
 def _label_table(labels: tuple[str, ...] | None, classes: int) -> np.ndarray | None:
     """Each class's raw BYTES element (4-byte little-endian length, then UTF-8) as a row of one uint8 array, when
     every element has the same size (the digits' "0".."9": 5 bytes each); else None."""
     names = labels or tuple(str(i) for i in range(classes))
-    raw = [len(n.encode()).to_bytes(4, "little") + n.encode() for n in names]
+    raw = [bytes_element(n) for n in names]
     if len({len(r) for r in raw}) != 1:
         return None
     return np.frombuffer(b"".join(raw), dtype=np.uint8).reshape(len(raw), -1)
@@ -151,7 +157,7 @@ def labels_tensor(model: ModelInfo, outputs: np.ndarray) -> bytes:
     idx = np.argmax(outputs, axis=1)
     if table is not None:
         return table[idx].tobytes()
-    return b"".join(len(b).to_bytes(4, "little") + b for b in (n.encode() for n in label_names(model, outputs)))
+    return b"".join(bytes_element(n) for n in label_names(model, outputs))
 
 
 def parameter(params: object, key: str, default=None):
