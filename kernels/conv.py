@@ -277,10 +277,9 @@ _zero_bias: dict[tuple, torch.Tensor] = {}  # per (OC, dtype, device): the bias 
 
 
 def _zeros_for(weight: torch.Tensor) -> torch.Tensor:
-    """A zero bias for a CUDA layer without one. The kernel's HAS_BIAS=False variant miscompiles: on an H100
-    (triton 3.6), an NHWC input with a tap-by-tap K loop (FLAT_K=0) gave 42-65 wrong outputs of 540 (errors
-    ~1.0-1.4), in fp16 and bf16, relu and gelu_tanh, PDL on or off; with a bias, or NCHW, or FLAT_K=1, all were
-    right. Loading OC zeros costs a program one small read; a wrong conv costs the model."""
+    """A zero bias for a CUDA layer without one: the kernel's HAS_BIAS=False variant gives wrong outputs with NHWC
+    input and FLAT_K=0 on an H100 (triton 3.6; tests/test_kernels_conv.py, test_gpu_shapes_layouts_and_no_bias,
+    bench/results/gpu_tests_h100.txt). Loading OC zeros costs a program one small read."""
     key = (weight.shape[0], weight.dtype, weight.device)
     zeros = _zero_bias.get(key)
     if zeros is None:

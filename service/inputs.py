@@ -6,12 +6,8 @@ body's brackets and commas (the bytes left once numbers and whitespace are delet
 of n rows in one layout. Anything else takes the general path: orjson parses the body, numpy converts
 the nested lists in one C call, and only a body already known to be bad is walked element by element to
 say exactly where (`inputs[3][17]`). Both paths give the same array; every error message comes from the
-general path. No per-float pydantic validation.
-
-For 64 rows of 64 integers the fast path takes 33 us against 114 (orjson 31 us, then numpy 83 us to
-convert 4,096 Python ints), and 147 against 512 us at 256 rows (this repository's 2-core CI machine);
-on the H100 host the conversion was 27% of a front end's time serving 64-row requests
-(bench/probes/profile_serve.py).
+general path. No per-float pydantic validation. The fast path parses 64 rows in 33 us against the general
+path's 114, most of which is numpy converting 4,096 Python ints (docs/performance.md, "Parsing JSON rows").
 """
 
 from __future__ import annotations

@@ -16,10 +16,9 @@ one synchronisation, where copies issued from Python are two more torch calls an
 to the GPU, each waited on in turn. Those copies move whole buckets (at most twice the batch's rows).
 
 With `timed` (host_io only), each bucket also gets a second graph whose steps are bracketed by CUDA event-record
-nodes (StepTimer with external events): a batch whose kernels are timed replays it instead, for the same host
-cost as any other batch. Launching the steps one by one from Python with events between them cost the engine
-112-190 us a batch for the digits MLP and 390-775 us for the digits CNN against 37-78 us replayed (H100, fp16,
-bench/results/probe_engine_forward_h100.txt), every 16th batch.
+nodes (StepTimer with external events): a batch whose kernels are timed replays it instead, for about the host
+cost of any other batch, where launching its steps from Python cost 112-775 us (bench/results/
+probe_engine_forward_h100.txt).
 """
 
 from __future__ import annotations
