@@ -24,6 +24,7 @@ import httpx
 import numpy as np
 
 from bench.loadgen import ClientPool, PhaseSpec, make_bodies
+from bench.serve_accounting import delta, scrape, server_split
 
 GROUPS = (
     ("service/", "fusedserve"),
@@ -83,18 +84,6 @@ def _summary(path: Path, top: int = 22) -> str:
     return "\n".join(lines)
 
 
-def _metric_sums(url: str) -> dict[str, float]:
-    """fusedserve's forward and batch-rows histogram sums and counts, summed over engines."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    sums: dict[str, float] = collections.defaultdict(float)
-    for line in text.splitlines():
-        for name in ("fusedserve_forward_seconds", "fusedserve_batch_rows"):
-            for part in ("_sum", "_count"):
-                if line.startswith(name + part + "{"):
-                    sums[name + part] += float(line.rsplit(" ", 1)[1])
-    return sums
-
-
 def profile(name: str, argv: list[str], port: int, pick, out: Path, a, spec_args: dict) -> None:
     log = open(out / f"{name}_server.log", "wb")  # noqa: SIM115 (closed below)
     server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -104,7 +93,7 @@ def profile(name: str, argv: list[str], port: int, pick, out: Path, a, spec_args
         time.sleep(1)
         targets = pick(server.pid)
         spec = PhaseSpec("127.0.0.1", port, connections=a.conns, warmup_s=1.0, duration_s=6.0, **spec_args)
-        before = _metric_sums(url) if name != "empty" else {}
+        before = scrape(url) if name != "empty" else None
         samplers = []
 
         def sample(start_at: float) -> None:
@@ -120,12 +109,11 @@ def profile(name: str, argv: list[str], port: int, pick, out: Path, a, spec_args
             p.wait(30)
         p50 = float(np.median(result["latency"])) * 1e3 if len(result["latency"]) else float("nan")
         print(f"== {name}: {result['req_per_s']:.0f} req/s, p50 {p50:.3f} ms, statuses {result['status']}", flush=True)
-        if before:
-            d = {k: v - before.get(k, 0.0) for k, v in _metric_sums(url).items()}
-            batches = max(d.get("fusedserve_forward_seconds_count", 0.0), 1.0)
-            forward_us = d.get("fusedserve_forward_seconds_sum", 0.0) / batches * 1e6
-            rows = d.get("fusedserve_batch_rows_sum", 0.0) / batches
-            print(f"   engine: {forward_us:.1f} us forward per batch, {rows:.1f} rows per batch, {batches:.0f} batches")
+        if before is not None:
+            split = server_split(delta(before, scrape(url)))
+            if split["batches"]:
+                print(f"   engine: {split['forward_us']:.1f} us forward per batch, {split['batch_rows']:.1f} rows per "
+                      f"batch, {split['batches']} batches")  # fmt: skip
         for path, _ in samplers:
             if path.is_file():
                 print(_summary(path), flush=True)
