@@ -36,19 +36,30 @@ import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
 from .pdl import gdc_launch_dependents, gdc_wait
-from .pool import _max_propagating_nan, pair
+from .pool import _max_propagating_nan, _pool_channels_kernel, _pool_rows_kernel, fused_pool2d, pair
 from .pool import channels_last as _channels_last
 from .runtime import check_device, interpreting
-from .tiles import gemm_flags, grouped_tile, launch_options
+from .tiles import SplitKWorkspace, device_limits, gemm_flags, grouped_tile, launch_options, split_k_sum
 from .tuning import LaunchConfig, scope_for, tune
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+POOL_KERNELS = (_pool_rows_kernel, _pool_channels_kernel)  # in the tuning scope: APART candidates run them
+
+
+@triton.jit
+def _split_range(steps: tl.constexpr, pid_k, SPLIT_K: tl.constexpr):
+    """[first, end) of the K steps program pid_k of SPLIT_K sums: all of them, as constants, when K is not split."""
+    if SPLIT_K == 1:
+        return 0, steps
+    per_split: tl.constexpr = (steps + SPLIT_K - 1) // SPLIT_K
+    return pid_k * per_split, tl.minimum(pid_k * per_split + per_split, steps)
 
 
 @triton.jit(do_not_specialize=["NB"])
 def _conv2d_kernel(
     # pointers
     x_ptr, w_ptr, b_ptr, y_ptr,
+    ws_ptr, cnt_ptr,  # split-K partial tiles and per-tile arrival counters (tiles.split_k_sum); unused at SPLIT_K 1
     # sizes (the batch NB is the only run-time one; the GEMM's M = NB * OH * OW)
     NB, OC,
     # strides
@@ -76,11 +87,14 @@ def _conv2d_kernel(
     FLAT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs per output tile, each over 1/SPLIT_K of the K steps; only with POOL "none"
 ):  # fmt: skip
     if PDL:  # the next layer may start; this one waits for the previous layer (below) before reading x
         gdc_launch_dependents()
     M = NB * (OH * OW)
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(OC, BLOCK_N), GROUP_M)
+    tile = tl.program_id(0) // SPLIT_K
+    pid_k = tl.program_id(0) % SPLIT_K
+    pid_m, pid_n = grouped_tile(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(OC, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Output pixel of each row. From the unclamped rows (masked below where >= M): with OW a constexpr power of
@@ -115,7 +129,11 @@ def _conv2d_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if FLAT_K:
             K = C * KH * KW  # constexpr: the product of constexprs
-            for k0 in range(0, K, BLOCK_K):
+            k_steps = (K + BLOCK_K - 1) // BLOCK_K
+            first, end = _split_range(k_steps, pid_k, SPLIT_K)
+            # k0 steps by BLOCK_K, as unsplit it always did: a loop over step numbers (k0 = step * BLOCK_K) spilled
+            # 16 bytes (fp32 on the CUDA cores, 16 -> 32 channels, 64x32x16)
+            for k0 in range(first * BLOCK_K, end * BLOCK_K, BLOCK_K):
                 k = k0 + offs_k
                 if CHANNELS_LAST:
                     c = k % C
@@ -142,7 +160,8 @@ def _conv2d_kernel(
             c_steps = (C + BLOCK_K - 1) // BLOCK_K  # constexpr
             a_tile = x_corner[:, None] + (offs_k * stride_xc)[None, :]
             b_tile = w_cols[None, :] + (offs_k * stride_wc)[:, None]
-            for step in range(0, KH * KW * c_steps):
+            first, end = _split_range(KH * KW * c_steps, pid_k, SPLIT_K)
+            for step in range(first, end):
                 tap = step // c_steps
                 c0 = (step % c_steps) * BLOCK_K
                 kh = tap // KW
@@ -158,6 +177,8 @@ def _conv2d_kernel(
                     a = a.to(tl.float32)
                     b = b.to(tl.float32)
                 acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if SPLIT_K > 1:  # the tile's last program to arrive gets the full sum and stores; the others store nothing
+            acc, last = split_k_sum(acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, BLOCK_M, BLOCK_N)
         # Epilogue on the fp32 accumulator: bias, activation, then the pooling fold.
         if HAS_BIAS:
             acc = acc + bias.to(tl.float32)[None, :]
@@ -181,7 +202,10 @@ def _conv2d_kernel(
     else:
         y_rows = y_ptr + n * stride_yn + out_h * stride_yh + out_w * stride_yw
     y_ptrs = y_rows[:, None] + (cols * stride_yc)[None, :]  # unclamped cols: contiguous along O for NHWC y
-    tl.store(y_ptrs, result.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (cols < OC)[None, :])
+    y_ok = m_ok[:, None] & (cols < OC)[None, :]
+    if SPLIT_K > 1:
+        y_ok = y_ok & last
+    tl.store(y_ptrs, result.to(y_ptr.dtype.element_ty), mask=y_ok)
 
 
 def conv_output_size(size: int, k: int, s: int, p: int, d: int) -> int:
@@ -223,16 +247,22 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
 SMALL_INTERPRETER_TILE = (16, 16, 16)
 interpreter_tile: tuple[int, int, int] | None = None
 interpreter_flat_k: bool | None = None
+interpreter_split_k = 1  # > 1: unpooled calls split K so the reduction is checked (pooled ones never split)
+interpreter_pool_apart = False  # True: pooled calls run the conv, then fused_pool2d (the tuner's APART candidates)
 
 
 def _fit(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(n)))  # tl.dot needs every block dim >= 16
 
 
-def _interpreter_config(M: int, OC: int, C: int, K: int) -> LaunchConfig:
+def _interpreter_config(M: int, OC: int, C: int, K: int, pooled: bool) -> LaunchConfig:
     bm, bn, bk = interpreter_tile or (_fit(M, 16, 64), _fit(OC, 16, 128), _fit(K, 16, 64))
     flat = interpreter_flat_k if interpreter_flat_k is not None else (C < 16)
-    return LaunchConfig.of(4, 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, FLAT_K=int(flat))
+    apart = {"APART": 1} if pooled and interpreter_pool_apart else {}
+    split = 1 if pooled and not apart else interpreter_split_k
+    return LaunchConfig.of(
+        4, 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, FLAT_K=int(flat), SPLIT_K=split, **apart
+    )
 
 
 def m_bucket(m: int) -> int:
@@ -240,7 +270,9 @@ def m_bucket(m: int) -> int:
     return min(1 << max(m - 1, 0).bit_length(), 1 << 20)
 
 
-def cuda_configs(bucket: int, OC: int, C: int, K: int, fma: bool = False, pooled: bool = False) -> list[LaunchConfig]:
+def cuda_configs(
+    bucket: int, OC: int, C: int, K: int, fma: bool = False, pooled: bool = False, sms: int = 132
+) -> list[LaunchConfig]:
     """Candidates the tuner times for one layer and M bucket. The GEMM is tall and thin (M up to millions,
     OC 16-128, K = C * KH * KW 9-1152): BLOCK_N covers all of OC when it can, BLOCK_K no wider than K (few
     channels) or C, and few channels get only FLAT_K (a tap at a time would leave most of each K step empty).
@@ -250,11 +282,30 @@ def cuda_configs(bucket: int, OC: int, C: int, K: int, fma: bool = False, pooled
     warps it did not, nor did 64x128 on 4; so 128-row tiles run on 8 warps where BLOCK_N is 128. `fma`: fp32
     multiplied in full precision, which Triton does on the CUDA cores: there BLOCK_K 64 spilled 1.6-9.5 KB per
     thread, so it stops at 32. `pooled`: a pool fused after the conv keeps a second accumulator and one K loop
-    per window element; 128-row tiles on 4 warps spilled there (40 bytes, tf32, 16 -> 32 channels)."""
+    per window element; 128-row tiles on 4 warps spilled there (40 bytes, tf32, 16 -> 32 channels).
+
+    Small M (the wider CNN at batch 1: 1024 pixels at 32x32, 64 at 8x8) fills few of the `sms` with tiles, each
+    walking all of K: there unpooled calls also get split-K variants (SPLIT_K programs per tile, 2+ K steps
+    each, the partials summed by the tile's last program: tiles.split_k_sum), so more SMs gather at once."""
     bn = _fit(OC, 16, 128)
     width = K if C < 16 else C
     ks = sorted({_fit(width, 16, 32 if fma else 64), _fit(width, 16, 16 if fma else 32)})
     flats = (1,) if C < 16 else (0, 1)
+    taps = K // C
+
+    def split_for(bm: int, bn: int, bk: int, flat: int) -> int:
+        if pooled:
+            return 1
+        tiles = triton.cdiv(bucket, bm) * triton.cdiv(OC, bn)
+        steps = triton.cdiv(K, bk) if flat else taps * triton.cdiv(C, bk)
+        split = 1
+        while tiles * split * 2 <= sms and steps >= 4 * split and split < 16:  # >= 2 K steps per program
+            split *= 2
+        return split
+
+    def cfg(warps, stages, bm, bn, bk, flat, split=1):
+        return LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLAT_K=flat, SPLIT_K=split)
+
     tiles = [(64, 4, 4), (128, 8, 3)] + ([(128, 4, 3)] if bn <= 64 and not pooled else [])
     out = []
     for flat in flats:
@@ -262,18 +313,26 @@ def cuda_configs(bucket: int, OC: int, C: int, K: int, fma: bool = False, pooled
             for bm, warps, stages in tiles:
                 if bm > 64 and bucket <= 64:
                     continue
-                out.append(LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLAT_K=flat))
-    if triton.cdiv(bucket, 64) * triton.cdiv(OC, bn) < 132:
-        # Fewer 64-row tiles than an H100/H200 has SMs (the wider CNN at batch 1: 1024 pixels, 16 tiles): 32-row
-        # tiles, and narrower ones along O, so that more SMs gather at once.
+                # 64x128x64 on 4 warps spilled (224 bytes, fp16, taps, NCHW x: 128 -> 128 at 8x8); on 8 it did not
+                out.append(cfg(8 if (bm, bn, bk) == (64, 128, 64) else warps, stages, bm, bn, bk, flat))
+    if triton.cdiv(bucket, 64) * triton.cdiv(OC, bn) < sms:
+        # Fewer 64-row tiles than the GPU has SMs: 32-row tiles, and narrower ones along O, so that more SMs
+        # gather at once, and each of them split along K where that still leaves SMs idle.
         for bn_small in sorted({bn, min(bn, 64)}):
             for bk in ks:
-                out.append(LaunchConfig.of(4, 3, BLOCK_M=32, BLOCK_N=bn_small, BLOCK_K=bk, GROUP_M=8, FLAT_K=flats[-1]))
+                out.append(cfg(4, 3, 32, bn_small, bk, flats[-1]))
+            # split at the narrower K step only: 32x128x64 split 8 spilled (48 bytes, fp32 as TF32)
+            split = split_for(32, bn_small, ks[0], flats[-1])
+            if split > 1:
+                out.append(cfg(4, 3, 32, bn_small, ks[0], flats[-1], split))
     return out
 
 
 _configs: dict[tuple, LaunchConfig] = {}  # per (layer signature, M bucket): the tuned config
 _zero_bias: dict[tuple, torch.Tensor] = {}  # per (OC, dtype, device): the bias of a layer without one
+# Split-K partials and counters, one workspace per device for every conv layer: launches on one stream never
+# overlap in it (under PDL a layer touches it only after gdc_wait, once the layer before has finished).
+_workspaces: dict[torch.device, SplitKWorkspace] = {}
 
 
 def _zeros_for(weight: torch.Tensor) -> torch.Tensor:
@@ -349,28 +408,49 @@ def fused_conv2d(
     y_planes = out.stride()[1:] == (OH * OW, OW, 1)
     if M == 0:
         return out
+    CH, CW = conv_output_size(H, KH, s[0], p[0], d[0]), conv_output_size(W, KW, s[1], p[1], d[1])  # unpooled
     if allow_tf32 is None:
         allow_tf32 = torch.backends.cudnn.allow_tf32
     if bias is None and not interpreting():
         bias = _zeros_for(weight)  # see _zeros_for: never the HAS_BIAS=False variant on a GPU
     fixed = gemm_flags(bias is not None, activation, x.dtype, allow_tf32, x.device)
-    shape = dict(C=C, H=H, W=W, OH=OH, OW=OW, KH=KH, KW=KW, SH=s[0], SW=s[1], PH=p[0], PW=p[1], DH=d[0], DW=d[1],
-                 POOL=POOL, PKH=PKH, PKW=PKW, PSH=PSH, PSW=PSW)  # fmt: skip
+    geometry = dict(C=C, H=H, W=W, KH=KH, KW=KW, SH=s[0], SW=s[1], PH=p[0], PW=p[1], DH=d[0], DW=d[1])
     K = C * KH * KW
+    workspace = _workspaces.get(x.device)
+    if workspace is None:
+        workspace = _workspaces[x.device] = SplitKWorkspace(x.device)
+
+    def launch(y: torch.Tensor, meta: dict, pooled: bool):
+        oh, ow = (OH, OW) if pooled else (CH, CW)
+        window = (
+            dict(POOL=POOL, PKH=PKH, PKW=PKW, PSH=PSH, PSW=PSW)
+            if pooled
+            else dict(POOL="none", PKH=1, PKW=1, PSH=1, PSW=1)
+        )
+        if pooled and POOL != "none" and meta["SPLIT_K"] > 1:
+            raise ValueError(f"a pooled conv cannot split K (config {meta})")  # partials would be pre-pool
+        tiles = triton.cdiv(N * oh * ow, meta["BLOCK_M"]) * triton.cdiv(OC, meta["BLOCK_N"])
+        ws, cnt = workspace.get(tiles, meta["BLOCK_M"] * meta["BLOCK_N"], meta["SPLIT_K"])
+        return _conv2d_kernel[(tiles * meta["SPLIT_K"],)](
+            x, weight, bias if bias is not None else weight, y, ws, cnt,
+            N, OC,
+            *x.stride(), *weight.stride(), *y.stride(),
+            float(negative_slope),
+            **geometry, OH=oh, OW=ow, **window, **fixed, CHANNELS_LAST=channels_last,
+            Y_PLANES=y.stride()[1:] == (oh * ow, ow, 1), **meta, **launch_options(fixed),
+        )  # fmt: skip
 
     def run(config: LaunchConfig):
         meta = config.meta()
-        grid = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(OC, meta["BLOCK_N"])
-        return _conv2d_kernel[(grid,)](
-            x, weight, bias if bias is not None else weight, out,
-            N, OC,
-            *x.stride(), *weight.stride(), *out.stride(),
-            float(negative_slope),
-            **shape, **fixed, CHANNELS_LAST=channels_last, Y_PLANES=y_planes, **meta, **launch_options(fixed),
-        )  # fmt: skip
+        if not meta.pop("APART", 0):
+            return launch(out, meta, POOL != "none")
+        # The pool apart: the conv (+ bias + act) to its full-size output, then one fused_pool2d kernel.
+        conv_out = torch.empty((N, OC, CH, CW), device=x.device, dtype=x.dtype, memory_format=fmt)
+        launch(conv_out, meta, False)
+        return fused_pool2d(conv_out, POOL, (PKH, PKW), (PSH, PSW), out=out)
 
     if interpreting():
-        run(_interpreter_config(M, OC, C, K))
+        run(_interpreter_config(M, OC, C, K, POOL != "none"))
         return out
     bucket = m_bucket(M)
     signature = (tuple(weight.shape), x.shape[1:], x.stride()[1:], x.dtype, s, p, d, activation, bias is not None,
@@ -383,9 +463,21 @@ def fused_conv2d(
         )
         if POOL != "none":
             key += f"|pool={POOL}{PKH}x{PKW}s{PSH}x{PSW}"
-        scope = scope_for("conv2d", _conv2d_kernel, grouped_tile, apply_activation)
+        scope = scope_for(
+            "conv2d", _conv2d_kernel, _split_range, grouped_tile, apply_activation, split_k_sum, *POOL_KERNELS
+        )
         fma = x.dtype == torch.float32 and fixed["INPUT_PRECISION"] == "ieee"
-        config = tune(scope, key, cuda_configs(bucket, OC, C, K, fma, POOL != "none"), run)
+        sms = device_limits(x.device)[0]
+        candidates = cuda_configs(bucket, OC, C, K, fma, POOL != "none", sms)
+        if POOL != "none" and triton.cdiv(bucket, 64) * triton.cdiv(OC, _fit(OC, 16, 128)) < sms:
+            # Pooled, the kernel runs PKH * PKW K loops per tile over a quarter of the tiles (2x2): where that
+            # leaves SMs idle, the conv apart at full size (split-K allowed) and then the pool may win.
+            unpooled = cuda_configs(m_bucket(N * CH * CW), OC, C, K, fma, False, sms)
+            candidates += [LaunchConfig(c.kwargs + (("APART", 1),), c.num_warps, c.num_stages) for c in unpooled]
+            # The pool's own tuning runs here, once, not inside the tuner's CUDA-graph capture of a candidate.
+            fused_pool2d(torch.empty((N, OC, CH, CW), device=x.device, dtype=x.dtype, memory_format=fmt),
+                         POOL, (PKH, PKW), (PSH, PSW))  # fmt: skip
+        config = tune(scope, key, candidates, run)
         _configs[signature] = config
     run(config)
     return out

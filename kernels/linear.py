@@ -22,7 +22,15 @@ from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activat
 from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail, plain_rows
 from .pdl import gdc_launch_dependents, gdc_wait
 from .runtime import check_device, interpreting
-from .tiles import HOPPER_SHARED_MEMORY, device_limits, gemm_flags, grouped_tile, launch_options, split_k_sum
+from .tiles import (
+    HOPPER_SHARED_MEMORY,
+    SplitKWorkspace,
+    device_limits,
+    gemm_flags,
+    grouped_tile,
+    launch_options,
+    split_k_sum,
+)
 from .tuning import LaunchConfig, scope_for, tune
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -195,6 +203,15 @@ def cuda_configs(
             split *= 2
         if split > 1:
             configs += [cfg(128, 128, 64, 8, 3, split), cfg(128, 128, 64, 4, 4, split)]
+        # The same for 64x128 tiles: 256x1024x4096 (the wide MLP's last layer at batch 256) has 32 of them, each
+        # 64 K steps long; unsplit, the best candidate took 14.2 us hot on an H100, 4x its 4096-wide layer's
+        # share (bench/results/probe_tuner_picks_h100.txt).
+        mid = triton.cdiv(bucket, 64) * triton.cdiv(N, 128)
+        split = 1
+        while mid * split * 2 <= sms and triton.cdiv(K, 64) >= 16 * split * 2:
+            split *= 2
+        if split > 1:
+            configs += [cfg(64, 128, 64, 4, 4, split), cfg(64, 128, 128, 4, 4, split)]
     if triton.cdiv(bucket, 64) * triton.cdiv(N, 64) < sms and bucket > 16:
         # A GEMM of fewer 64x64 tiles than SMs: 16x32 tiles, one program per 512 outputs, so loads go out
         # from many SMs at once (64x256x128 fp16: 6.7 us cold on an H200 against 7.1 for 64x64 tiles).
@@ -411,33 +428,6 @@ def fused_linear(
     _check_x(x, weight)
     check_activation(activation)
     return _launch(x, weight, bias, activation, float(negative_slope), out, allow_tf32, None, None, None)
-
-
-class SplitKWorkspace:
-    """fp32 partial tiles and zeroed per-tile counters for split-K launches, grown on demand and kept:
-    the kernel leaves every counter at 0, so the buffers can be reused, and captured in a CUDA graph."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.partials = torch.empty(0, dtype=torch.float32, device=device)
-        self.counters = torch.zeros(0, dtype=torch.int32, device=device)
-        self._outgrown: list[torch.Tensor] = []
-
-    def get(self, tiles: int, tile_elems: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Buffers for `tiles` output tiles of `tile_elems` each, `split` partials per tile. split == 1
-        launches never touch them but still need real pointers: one element each. (Sized by the tiles, a
-        4096x4096 output asked for 64 MB it never used, and twice that kept across the batch buckets.)"""
-        if split == 1:
-            tiles = tile_elems = 1
-        # Outgrown buffers are kept, never freed: a CUDA graph captured earlier still writes to them, and
-        # freed memory would be handed to other tensors. Split-K runs at small batches: a few KB per layer.
-        if self.partials.numel() < tiles * split * tile_elems:
-            self._outgrown.append(self.partials)
-            self.partials = torch.empty(tiles * split * tile_elems, dtype=torch.float32, device=self.device)
-        if self.counters.numel() < tiles:
-            self._outgrown.append(self.counters)
-            self.counters = torch.zeros(tiles, dtype=torch.int32, device=self.device)
-        return self.partials, self.counters
 
 
 def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, configs, workspace, direct):

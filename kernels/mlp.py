@@ -50,9 +50,10 @@ import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
 from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail, plain_rows
-from .linear import MAX_FAST_BATCH_SIZES, SUPPORTED_DTYPES, SplitKWorkspace, m_bucket
+from .linear import MAX_FAST_BATCH_SIZES, SUPPORTED_DTYPES, m_bucket
 from .prefetch import prefetch_l2, prefetch_lines
 from .runtime import bf16_on_interpreter, check_device, interpreting
+from .tiles import SplitKWorkspace
 from .tuning import LaunchConfig, scope_for, tune
 
 MAX_LAYERS = 8

@@ -1,6 +1,6 @@
 """What the GEMM kernels share: the order in which output tiles are computed (linear.py, linear_persistent.py),
-the split-K reduction (linear.py, linear_gemv.py), their common constexpr flags, Hopper's shared-memory
-limit for their pipelines, and the device limits they are sized by."""
+the split-K reduction and its workspace (linear.py, linear_gemv.py, mlp.py, conv.py), their common constexpr
+flags, Hopper's shared-memory limit for their pipelines, and the device limits they are sized by."""
 
 from __future__ import annotations
 
@@ -82,3 +82,30 @@ def split_k_sum(acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K: tl.constexpr, BLOCK_
         total += tl.load(part, mask=last, other=0.0, cache_modifier=".cg")  # .cg: from L2, never a stale L1 line
     tl.atomic_add(cnt_ptr + tile, tl.where(arrived == SPLIT_K - 1, -SPLIT_K, 0))  # back to 0 for the next call
     return total, last
+
+
+class SplitKWorkspace:
+    """fp32 partial tiles and zeroed per-tile counters for split-K launches, grown on demand and kept:
+    the kernel leaves every counter at 0, so the buffers can be reused, and captured in a CUDA graph."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.partials = torch.empty(0, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(0, dtype=torch.int32, device=device)
+        self._outgrown: list[torch.Tensor] = []
+
+    def get(self, tiles: int, tile_elems: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers for `tiles` output tiles of `tile_elems` each, `split` partials per tile. split == 1
+        launches never touch them but still need real pointers: one element each. (Sized by the tiles, a
+        4096x4096 output asked for 64 MB it never used, and twice that kept across the batch buckets.)"""
+        if split == 1:
+            tiles = tile_elems = 1
+        # Outgrown buffers are kept, never freed: a CUDA graph captured earlier still writes to them, and
+        # freed memory would be handed to other tensors. Split-K runs at small batches: a few KB per layer.
+        if self.partials.numel() < tiles * split * tile_elems:
+            self._outgrown.append(self.partials)
+            self.partials = torch.empty(tiles * split * tile_elems, dtype=torch.float32, device=self.device)
+        if self.counters.numel() < tiles:
+            self._outgrown.append(self.counters)
+            self.counters = torch.zeros(tiles, dtype=torch.int32, device=self.device)
+        return self.partials, self.counters

@@ -13,6 +13,7 @@ import torch
 import kernels.conv as conv_mod
 from kernels import ACTIVATIONS, reference
 from kernels.conv import fused_conv2d
+from kernels.tuning import LaunchConfig
 from tests.tolerances import NORMWISE_TF32, RTOL, RTOL_TF32, assert_close_to, normwise_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -149,6 +150,16 @@ def test_ints_or_pairs_are_taken():
     assert_close_to(got, want, RTOL[torch.float32], "int/list arguments")
 
 
+@pytest.mark.parametrize("split", [2, 3], ids=["split2", "split3"])
+@pytest.mark.parametrize("case", [AWKWARD[0], AWKWARD[2], AWKWARD[6], SERVING[2]], ids=_ids)
+def test_split_k_both_k_loops(small_tile, k_loop, monkeypatch, case, split):
+    """Split-K: each program sums part of the K steps and the tile's last one adds the partials. 3 splits of a
+    1-step K loop (the digits' first layer, flat) leave programs with no step: they add zeros."""
+    monkeypatch.setattr(conv_mod, "interpreter_split_k", split)
+    _check(case, torch.float32, "gelu", DEVICE)
+    _check(case, torch.float16, "relu", DEVICE, channels_last=True, bias=False)
+
+
 def test_k_loops_and_tiles_agree():
     """Flat K and per-tap K, small and serving tile: the same result up to the order of fp32 sums."""
     x, w, b = _inputs((2, 20, 7, 6, 24, 3, 1, 1, 1), torch.float32, DEVICE)
@@ -196,6 +207,16 @@ def test_candidates_cover_small_and_wide_layers():
     assert {c["FLAT_K"] for c in wide} == {0, 1} and {c["BLOCK_N"] for c in wide} == {128}
     for configs in (digits, wide, conv_mod.cuda_configs(16, 10, 3, 27)):
         assert configs and all(min(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) >= 16 for c in configs)
+    # Split-K only where tiles leave SMs idle, only unpooled, and every split keeps >= 2 K steps per program:
+    assert {c["SPLIT_K"] for c in wide} == {1}  # 256 images at 32x32: thousands of tiles
+    small = conv_mod.cuda_configs(64, 128, 128, 1152, sms=132)  # the wider CNN's last conv at batch 1: 8x8
+    splits = {c["SPLIT_K"] for c in small}
+    assert max(splits) > 1 and all(c["SPLIT_K"] == 1 or c["BLOCK_M"] == 32 for c in small)
+    for c in small:
+        tiles = -(-64 // c["BLOCK_M"]) * -(-128 // c["BLOCK_N"])
+        steps = -(-1152 // c["BLOCK_K"]) if c["FLAT_K"] else 9 * -(-128 // c["BLOCK_K"])
+        assert tiles * c["SPLIT_K"] <= 132 and steps // c["SPLIT_K"] >= 2, c
+    assert {c["SPLIT_K"] for c in conv_mod.cuda_configs(64, 128, 128, 1152, pooled=True)} == {1}
 
 
 # ---- compiled path, on the lent GPU ----
@@ -259,7 +280,11 @@ def test_gpu_every_candidate(monkeypatch, dtype):
             conv_mod._configs.clear()
             for channels_last in (False, True):
                 _check(case, dtype, "silu", "cuda", channels_last=channels_last)
-        for config in conv_mod.cuda_configs(conv_mod.m_bucket(N * H * W // 4), OC, C, C * 9, fma, pooled=True):
+        pooled = conv_mod.cuda_configs(conv_mod.m_bucket(N * H * W // 4), OC, C, C * 9, fma, pooled=True)
+        apart = [LaunchConfig(c.kwargs + (("APART", 1),), c.num_warps, c.num_stages)
+                 for c in conv_mod.cuda_configs(conv_mod.m_bucket(N * H * W), OC, C, C * 9, fma)]  # fmt: skip
+        assert any(c["SPLIT_K"] > 1 for c in apart)
+        for config in pooled + apart:
             monkeypatch.setattr(conv_mod, "tune", lambda *a, config=config, **kw: config)
             conv_mod._configs.clear()
             _check_pooled(case, ("max", 2), dtype, "silu", "cuda", channels_last=True)
@@ -290,18 +315,20 @@ from tests.sm90_compile import compile_sm90
 ptr, precision = sys.argv[1], sys.argv[2]
 strides = ["stride_xn", "stride_xc", "stride_xh", "stride_xw", "stride_wo", "stride_wc", "stride_wh", "stride_ww",
            "stride_yn", "stride_yc", "stride_yh", "stride_yw"]
-# (C, H, W, O, channels_last, pool): the digits CNN's layers and the wider CNN's, NHWC with a channels_last
-# weight; the digits' layers also with a 2x2 max pool fused
-layers = [(1, 8, 8, 16, False, "none"), (16, 4, 4, 32, True, "none"), (64, 32, 32, 128, True, "none"),
-          (1, 8, 8, 16, False, "max"), (16, 4, 4, 32, True, "max")]
-for C, H, W, O, nhwc, pool in layers:
+# (C, H, W, O, channels_last, pool, images): the digits CNN's layers and the wider CNN's, NHWC with a channels_last
+# weight, at 4096 images; the digits' layers also with a 2x2 max pool fused; the wider CNN's last conv at one
+# image, where the candidates split K
+layers = [(1, 8, 8, 16, False, "none", 4096), (16, 4, 4, 32, True, "none", 4096), (64, 32, 32, 128, True, "none", 4096),
+          (1, 8, 8, 16, False, "max", 4096), (16, 4, 4, 32, True, "max", 4096), (128, 8, 8, 128, False, "none", 1)]
+for C, H, W, O, nhwc, pool, images in layers:
     pk = 2 if pool != "none" else 1
     units = ["stride_xc", "stride_yc", "stride_wc"] if nhwc else ["stride_xw", "stride_yw", "stride_ww"]
-    runtime = {"x_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "y_ptr": ptr, "NB": "i32", "OC": "i32"}
+    runtime = {"x_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "y_ptr": ptr, "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    runtime.update({"NB": "i32", "OC": "i32"})
     runtime["negative_slope"] = "fp32"
     runtime.update({s: "i32" for s in strides if s not in units})
     fma = ptr == "*fp32" and precision == "ieee"
-    for cfg in conv.cuda_configs(conv.m_bucket(4096 * H * W), O, C, C * 9, fma, pool != "none"):
+    for cfg in conv.cuda_configs(conv.m_bucket(images * H * W), O, C, C * 9, fma, pool != "none"):
         meta = dict(C=C, H=H, W=W, OH=H // pk, OW=W // pk, KH=3, KW=3, SH=1, SW=1, PH=1, PW=1, DH=1, DW=1,
                     POOL=pool, PKH=pk, PKW=pk, PSH=pk, PSW=pk, HAS_BIAS=True,
                     ACTIVATION="relu", INPUT_PRECISION=precision, UPCAST_DOT=False, ROUND_BF16=False, PDL=True,
@@ -309,15 +336,15 @@ for C, H, W, O, nhwc, pool in layers:
         odd = ("stride_wo", "stride_wh")  # 9 * C and 3 * C (NHWC weight), 9 * C and 3 (NCHW): not multiples of 16
         divisible = ("OC",) + tuple(s for s in runtime if s.startswith("stride") and s not in odd)
         ptx, usage = compile_sm90(conv._conv2d_kernel, runtime, meta, 4, cfg.num_warps, cfg.num_stages, divisible)
-        print(json.dumps({"layer": [C, H, W, O, nhwc, pool], "config": cfg.meta(), "STACK": usage["STACK"],
-                          "wgmma": "wgmma.mma_async" in ptx, "cp16": "cp.async.cg.shared.global" in ptx,
+        print(json.dumps({"layer": [C, H, W, O, nhwc, pool, images], "config": cfg.meta(), "STACK": usage["STACK"],
+                          "wgmma": "wgmma.mma_async" in ptx, "mma": "mma.sync.aligned" in ptx, "cp16": "cp.async.cg.shared.global" in ptx,
                           "st_v4": "st.global.v4" in ptx, "waits": ptx.count("griddepcontrol.wait")}))
 """
 
 
 @pytest.mark.parametrize("ptr,precision", [("*fp16", "ieee"), ("*fp32", "tf32"), ("*fp32", "ieee")])
 def test_conv_candidates_compile_for_sm90_without_spills(ptr, precision):
-    """Every candidate of the digits and the wider CNN's layers compiles for sm_90: warpgroup MMA, no spills,
+    """Every candidate of the digits and the wider CNN's layers compiles for sm_90: tensor cores, no spills,
     PDL's wait, y stored in 16-byte vectors (NCHW and NHWC); NHWC layers gather with 16-byte cp.async."""
     from tests.test_kernels_compile import _compiled
 
@@ -325,7 +352,9 @@ def test_conv_candidates_compile_for_sm90_without_spills(ptr, precision):
     assert len(results) > 10
     for r in results:
         assert r["STACK"] == 0, f"spills: {r}"
-        assert r["wgmma"] == (precision != "ieee" or ptr != "*fp32") and r["waits"] == 1, r  # fp32 ieee: FMA
+        tensor_cores = precision != "ieee" or ptr != "*fp32"  # fp32 ieee: FMA
+        # Warpgroup MMA takes 64-row tiles; 32-row ones (small batches) run the warp-level mma.sync
+        assert (r["wgmma"] if r["config"]["BLOCK_M"] >= 64 else r["mma"]) == tensor_cores and r["waits"] == 1, r
         assert r["st_v4"], f"y not stored in 16-byte vectors: {r}"  # NCHW too: the batch mask (kernel)
         if r["layer"][1] >= 16 and r["layer"][4]:
             assert r["cp16"], f"NHWC layer's gathers not 16-byte: {r}"
@@ -368,6 +397,18 @@ def test_conv_act_pool_awkward(small_tile, k_loop, case, pool, channels_last):
 def test_conv_act_pool_dtypes(dtype, activation):
     for case, pool in POOLED[:2]:
         _check_pooled(case, pool, dtype, activation, DEVICE)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize(
+    "case,pool", POOLED[:2] + POOLED[3:4], ids=[_ids(c) + f"-{p}" for c, p in POOLED[:2] + POOLED[3:4]]
+)
+def test_conv_then_pool_apart(small_tile, monkeypatch, case, pool, channels_last):
+    """The tuner's APART candidates: the conv to its full output (split-K allowed), then fused_pool2d."""
+    monkeypatch.setattr(conv_mod, "interpreter_pool_apart", True)
+    monkeypatch.setattr(conv_mod, "interpreter_split_k", 2)
+    _check_pooled(case, pool, torch.float32, "silu", DEVICE, channels_last=channels_last)
+    _check_pooled(case, pool, torch.bfloat16, "relu", DEVICE, channels_last=channels_last, bias=False)
 
 
 def test_conv_pool_is_checked():

@@ -3,19 +3,23 @@ the pool into the conv pay?
 
 For the digits CNN's conv layers (8x8 and 4x4 inputs, 1 -> 16 -> 32 channels, 3x3, ReLU, 2x2 max pool; the
 layer shapes are assumed here, pass --digits to change them) and the wider CNN's (channels 64-128, 32x32 down
-to 8x8, 3x3, ReLU), fp16, every provider captured in a CUDA graph and timed as its replay, cold (L2 cleared by
-reads before each replay: kernels/cold_timing.py) and hot (replays back to back):
+to 8x8, 3x3, ReLU: the stem, then three convs each pooled), fp16, every provider captured in a CUDA graph and
+timed as its replay, cold (L2 cleared by reads before each replay: kernels/cold_timing.py) and hot (replays
+back to back):
     cudnn          F.conv2d (bias inside) + torch.relu [+ F.max_pool2d]: the unfused path (kernels.reference)
     cudnn-nhwc     the same on channels_last x and weight
     compile        torch.compile (dynamic=False, per shape) of the cudnn function
     ours           fused_conv2d [then fused_pool2d]: NCHW in and out
     ours-nhwc      the same, channels_last x and weight (the layout a model would convert to once)
-    ours-pool      fused_conv2d(..., pool=("max", 2)): conv + bias + ReLU + pool in one kernel (NCHW)
+    ours-pool      fused_conv2d(..., pool=("max", 2)): as the service runs it, conv + bias + ReLU + pool in one
+                   kernel, or (the tuner's APART candidates, where the pooled tiles leave SMs idle) the conv
+                   then fused_pool2d (NCHW)
     ours-pool-nhwc the same, channels_last
 The targets: the wider CNN's conv layers within 10% of cuDNN's conv + bias + activation; the digits CNN no
 slower than torch.compile and cuDNN at any batch.
 
     python3 -m bench.probes.conv --out $OUT            # ~3-4 minutes on an H100/H200; --no-compile: ~1
+    python3 -m bench.probes.conv --out $OUT --models wider   # the wider CNN's layers only
 """
 
 from __future__ import annotations
@@ -27,7 +31,12 @@ import time
 from pathlib import Path
 
 DIGITS = [(1, 8, 8, 16, True), (16, 4, 4, 32, True)]  # (C, H, W, O, pooled after)
-WIDER = [(64, 32, 32, 64, False), (64, 16, 16, 128, False), (128, 8, 8, 128, False)]
+WIDER = [
+    (3, 32, 32, 64, False),
+    (64, 32, 32, 64, True),
+    (64, 16, 16, 128, True),
+    (128, 8, 8, 128, True),
+]  # = the model's
 DIGITS_BATCHES = (1, 32, 256, 4096)
 WIDER_BATCHES = (1, 32, 256)
 
@@ -37,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--no-compile", action="store_true", help="leave out torch.compile (a compile per shape)")
     p.add_argument("--quick", action="store_true", help="one batch per model")
+    p.add_argument("--models", default="digits,wider", help="digits,wider [both]")
     args = p.parse_args(argv)
 
     import torch
@@ -69,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     models = [("digits", DIGITS, DIGITS_BATCHES[-2:-1] if args.quick else DIGITS_BATCHES)]
     models.append(("wider", WIDER, WIDER_BATCHES[-1:] if args.quick else WIDER_BATCHES))
+    models = [m for m in models if m[0] in args.models.split(",")]
     for model, layers, batches in models:
         for C, H, W, OC, pooled in layers:
             w = (torch.randn(OC, C, 3, 3, device="cuda") / (9 * C) ** 0.5).to(dtype)
