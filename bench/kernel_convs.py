@@ -10,9 +10,13 @@ runs it: issue 20's "within 10% of cuDNN's conv + bias + activation" is judged o
     ours         kernels.conv.fused_conv2d: 1 Triton kernel (implicit GEMM), bias and ReLU on the fp32
                  accumulator, tuned per layer and batch bucket on its first call
 
-x, w and y are NCHW (torch's default, what the service's executors hand the conv) for every provider. The
-TF32 setting (torch.backends.cudnn.allow_tf32, set by the run like the matmul one) applies to cuDNN and,
-through allow_tf32=None, to ours alike.
+x is channels_last (NHWC) for every provider: the layout the fused executor hands from one conv or pool to the
+next (service/model/executors.py, channels_last_outputs), and the faster one for cuDNN too on Hopper (64 -> 64
+channels at 32x32, 256 images, H100: cuDNN 179 against 253 us NCHW; bench/results/probe_conv_h100.txt). The
+weights: channels_last for cuDNN and torch.compile (what `model.to(memory_format=torch.channels_last)` gives a
+user), NCHW for ours (as the executor keeps them); y: channels_last from each. The TF32 setting
+(torch.backends.cudnn.allow_tf32, set by the run like the matmul one) applies to cuDNN and, through
+allow_tf32=None, to ours alike.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from .kernel_providers import COMPILE_MODES, NotAvailable, compiled
 from .kernel_timing import ELEMENT_BYTES, Prepared, describe, synchronize
 
 CONV_PROVIDERS = ("cudnn", "cudnn-fused", "compile", "ours")
+NHWC = torch.channels_last
 KERNEL = 3  # every conv of the wider CNN: 3x3, stride 1, padding 1 (so OH, OW = H, W)
 PADDING = 1
 
@@ -63,7 +68,10 @@ def _cudnn(x, w, b):
 
 
 def conv_provider(name: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, device: torch.device) -> Prepared:
-    """The provider `name` made ready on these static inputs (compiled, tuned, warmed)."""
+    """The provider `name` made ready on these static inputs (compiled, tuned, warmed); torch's providers take
+    the weights channels_last, ours as they come."""
+    if name != "ours":
+        w = w.contiguous(memory_format=NHWC)
     if name == "cudnn":
         return Prepared(lambda: _cudnn(x, w, b))
     if name == "cudnn-fused":
@@ -74,7 +82,7 @@ def conv_provider(name: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, 
         from kernels.conv import fused_conv2d
 
         def fn():
-            return fused_conv2d(x, w, b, padding=PADDING, activation="relu")
+            return fused_conv2d(x, w, b, padding=PADDING, activation="relu", memory_format=NHWC)
 
         t = time.perf_counter()
         for _ in range(3):  # the first call on CUDA tunes this layer's batch bucket; later ones launch directly
@@ -91,6 +99,7 @@ def _cudnn_fused(x, w, b, device) -> Prepared:
     if fused is None:
         raise NotAvailable(f"torch {torch.__version__} has no torch.cudnn_convolution_add_relu")
     z = torch.zeros((x.shape[0], w.shape[0], x.shape[2], x.shape[3]), device=x.device, dtype=x.dtype)
+    z = z.contiguous(memory_format=NHWC)
     stride, padding, dilation = (1, 1), (PADDING, PADDING), (1, 1)
 
     def fn():

@@ -299,7 +299,8 @@ def _conv_table(cases: list[dict], cuda: bool, notes: _Notes) -> list[str]:
     head += ["best cuDNN (hot)", "ours / cuDNN (hot)"] if cuda else []
     head += ["ours % floor", "max err"]
     lines = [
-        f"## Conv layers of the wider CNN: relu(conv2d(x, W) + b), 3×3, padding 1, NCHW, {cases[0]['dtype']}",
+        "## Conv layers of the wider CNN: relu(conv2d(x, W) + b), 3×3, padding 1, x and y channels_last "
+        f"(as the fused executor runs them), {cases[0]['dtype']}",
         "",
         f"Each provider's cell: {legend} µs per call. Best cuDNN: the faster of cudnn (F.conv2d with its bias, "
         "then ReLU) and cudnn-fused (torch.cudnn_convolution_add_relu); ours / cuDNN <= 1.10 is issue 20's target.",

@@ -227,7 +227,7 @@ def _models(ctx: _Ctx, out: list) -> None:
 
 
 def _convs(ctx: _Ctx, out: list) -> None:
-    from .kernel_convs import conv_bytes_and_flops, conv_label, conv_provider, reference_conv, wide_cnn_convs
+    from .kernel_convs import NHWC, conv_bytes_and_flops, conv_label, conv_provider, reference_conv, wide_cnn_convs
 
     plan, device, budget = ctx.plan, ctx.device, ctx.budget
     dtype = plan.model_dtype
@@ -246,7 +246,8 @@ def _convs(ctx: _Ctx, out: list) -> None:
             gen = torch.Generator(device=device).manual_seed(plan.seed * 100_003 + 90_000 + i)
             dt = DTYPES[dtype]
             # Unit-scale x, w scaled by 1/sqrt(9C): pre-activations ~N(0, 1), plus a bias of 0.5 scale.
-            x = torch.randn(batch, C, H, W, device=device, generator=gen).to(dt)
+            # x channels_last, as the fused executor hands it between convs (kernel_convs.py says why)
+            x = torch.randn(batch, C, H, W, device=device, generator=gen).to(dt).contiguous(memory_format=NHWC)
             w = (torch.randn(OC, C, 3, 3, device=device, generator=gen) / math.sqrt(9 * C)).to(dt)
             b = (0.5 * torch.randn(OC, device=device, generator=gen)).to(dt)
             ref = reference_conv(x, w, b)

@@ -358,6 +358,7 @@ def fused_conv2d(
     negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
     allow_tf32: bool | None = None,
     pool: tuple | None = None,
+    memory_format: torch.memory_format | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act(conv2d(x, weight, bias)); x (N, C, H, W) contiguous NCHW (or channels_last), weight (OC, C, KH, KW);
@@ -371,6 +372,11 @@ def fused_conv2d(
     left out: kernel_size) pools the activated conv output in the same kernel, as max_pool2d / avg_pool2d with
     padding 0 and ceil_mode False would: returns (N, OC, POH, POW), the conv output never written. (Padded or
     ceil_mode pooling: call fused_pool2d after an unpooled fused_conv2d.)
+
+    memory_format: of the returned tensor (when `out` is None), torch.contiguous_format or torch.channels_last;
+    None: torch's rule above. A CNN reads NCHW and writes channels_last, keeps channels_last between its convs
+    and pools (2x faster at 256 images of 64 -> 64 channels at 32x32 on an H100: bench/results/probe_conv_h100.txt),
+    and writes NCHW again before its flatten.
     """
     _check(x, weight, bias, activation)
     s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
@@ -400,7 +406,7 @@ def fused_conv2d(
     channels_last = _channels_last(x)
     fmt = torch.channels_last if channels_last or _channels_last(weight) else torch.contiguous_format
     if out is None:
-        out = torch.empty((N, OC, OH, OW), device=x.device, dtype=x.dtype, memory_format=fmt)
+        out = torch.empty((N, OC, OH, OW), device=x.device, dtype=x.dtype, memory_format=memory_format or fmt)
     elif out.shape != (N, OC, OH, OW) or out.dtype != x.dtype or out.device != x.device:
         want = f"({N}, {OC}, {OH}, {OW}) {x.dtype} tensor on {x.device}"
         raise ValueError(f"out must be a {want}; got {tuple(out.shape)} {out.dtype} on {out.device}")
@@ -459,7 +465,8 @@ def fused_conv2d(
     if config is None:
         key = (
             f"OC{OC}|C{C}|H{H}|W{W}|k{KH}x{KW}|s{s}|p{p}|d{d}|{x.dtype}|{activation}|bias={bias is not None}"
-            f"|{fixed['INPUT_PRECISION']}|{'nhwc' if channels_last else 'nchw'}|m{bucket}"
+            f"|{fixed['INPUT_PRECISION']}|{'nhwc' if channels_last else 'nchw'}|y={'nchw' if y_planes else 'nhwc'}"
+            f"|m{bucket}"
         )
         if POOL != "none":
             key += f"|pool={POOL}{PKH}x{PKW}s{PSH}x{PSW}"

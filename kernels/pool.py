@@ -299,11 +299,13 @@ def fused_pool2d(
     count_include_pad: bool = True,
     activation: str = "none",
     negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
+    memory_format: torch.memory_format | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act(avg_pool2d or max_pool2d (kind "avg" | "max") of x (N, C, H, W)), with torch's semantics for every
-    argument; one kernel, fp32 inside, one rounding to x's dtype. Returns y (N, C, OH, OW) in x's memory
-    format (contiguous NCHW or channels_last). count_include_pad matters for "avg" only."""
+    argument; one kernel, fp32 inside, one rounding to x's dtype. Returns y (N, C, OH, OW) in
+    `memory_format` (torch.contiguous_format or torch.channels_last; None: x's). count_include_pad matters for
+    "avg" only."""
     k = pair(kernel_size, "kernel_size")
     s = k if stride is None else pair(stride, "stride")
     p = pair(padding, "padding")
@@ -315,7 +317,7 @@ def fused_pool2d(
         raise ValueError(f"output of {kind} pooling {tuple(x.shape)} with kernel {k}, stride {s}, padding {p} is empty")
     fmt = _memory_format(x)
     if out is None:
-        out = torch.empty((N, C, OH, OW), device=x.device, dtype=x.dtype, memory_format=fmt)
+        out = torch.empty((N, C, OH, OW), device=x.device, dtype=x.dtype, memory_format=memory_format or fmt)
     elif out.shape != (N, C, OH, OW) or out.dtype != x.dtype or out.device != x.device:
         raise ValueError(f"out must be a ({N}, {C}, {OH}, {OW}) {x.dtype} tensor on {x.device}; got {tuple(out.shape)}")
     if out.numel() == 0:
@@ -364,13 +366,14 @@ def fused_pool2d(
         return out
     # Batches share a tuned config by power-of-two bucket of rows (or positions), as the GEMMs' do.
     bucket = 1 << max(count - 1, 0).bit_length()
-    signature = (layout, x.shape[1:], x.stride()[1:], x.dtype, kind, k, s, p, ceil_mode, count_include_pad, activation,
-                 bucket)  # fmt: skip
+    y_nchw = out.is_contiguous()
+    signature = (layout, x.shape[1:], x.stride()[1:], y_nchw, x.dtype, kind, k, s, p, ceil_mode, count_include_pad,
+                 activation, bucket)  # fmt: skip
     config = _configs.get(signature)
     if config is None:
         key = (
             f"{layout}|C{C}|H{H}|W{W}|{x.dtype}|{kind}|k{k}|s{s}|p{p}|ceil={ceil_mode}"
-            f"|cip={count_include_pad}|{activation}|n{bucket}"
+            f"|cip={count_include_pad}|{activation}|y={'nchw' if y_nchw else 'nhwc'}|n{bucket}"
         )
         scope = scope_for("pool", kernel, apply_activation)
         config = tune(scope, key, cuda_configs(layout, bucket, inner, s[1], span), run)

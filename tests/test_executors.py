@@ -380,6 +380,21 @@ def test_shipped_cnn_with_the_pool_in_its_own_step(mode):
     assert_close_to(together.forward(x), apart.forward(x).double(), RTOL_VS_UNFUSED[torch.float32], mode)
 
 
+def test_fused_cnn_hands_channels_last_between_image_steps():
+    """Fused: each conv or pool step that feeds another writes channels_last, the one before the flatten NCHW
+    (so the flatten is a view in torch's feature order); unfused: NCHW throughout, as torch's modules run."""
+    model = load_model(SHIPPED_CNN)
+    x = (torch.rand(5, 1, 8, 8) * 16).to(DEVICE)
+    for mode, want in (("fused", [True, True, False]), ("unfused", [False, False, False])):
+        ex = Executor(model, mode, DEVICE, torch.float32, conv_pool=False)
+        h, formats = x, []
+        for _, layer in ex.layers[:3]:  # conv, conv, pool
+            h = layer(h)
+            formats.append(h.dim() == 4 and h.shape[1] > 1 and h.is_contiguous(memory_format=torch.channels_last))
+            assert h.is_contiguous() != formats[-1]
+        assert formats == want, mode
+
+
 def test_cnn_steps_are_bound_to_the_kernels_of_their_mode():
     """Fused vs unfused comparisons cannot tell a fused step that fell back to torch: check the binding."""
     import kernels.conv
@@ -396,12 +411,14 @@ def test_cnn_steps_are_bound_to_the_kernels_of_their_mode():
     def args(layer) -> dict:
         return {k: v for k, v in layer.keywords.items() if k not in ("weight", "bias")}
 
+    nhwc, nchw = {"memory_format": torch.channels_last}, {"memory_format": torch.contiguous_format}
     fused = Executor(model, "fused", DEVICE, torch.float32).layers
     assert [layer.func for _, layer in fused[:2]] == [kernels.conv.fused_conv2d] * 2
-    assert args(fused[0][1]) == conv
-    assert args(fused[1][1]) == {**conv, "pool": ("max", (2, 2), (2, 2))}  # conv + relu + pool: one kernel
+    assert args(fused[0][1]) == {**conv, **nhwc}  # into the next conv: channels_last
+    assert args(fused[1][1]) == {**conv, "pool": ("max", (2, 2), (2, 2)), **nchw}  # conv + relu + pool: one kernel
     fused_apart = Executor(model, "fused", DEVICE, torch.float32, conv_pool=False).layers
-    assert fused_apart[2][1].func is kernels.pool.fused_pool2d and fused_apart[2][1].keywords == pool
+    assert args(fused_apart[1][1]) == {**conv, **nhwc}  # into the pool
+    assert fused_apart[2][1].func is kernels.pool.fused_pool2d and fused_apart[2][1].keywords == {**pool, **nchw}
 
     unfused = Executor(model, "unfused", DEVICE, torch.float32).layers
     assert unfused[0][1].func is reference.conv2d and args(unfused[0][1]) == conv

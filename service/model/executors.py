@@ -107,10 +107,14 @@ class Executor:
         self.steps: list[Step] = fused_steps(model.ops, model.tensors, whole_mlp=whole_mlp, conv_pool=conv_pool)
         # Weights are cast and placed once, contiguous, as the kernels require.
         self.tensors = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in model.tensors.items()}
+        # Fused, a conv or pool step that feeds another writes channels_last (see channels_last_outputs).
+        nhwc = channels_last_outputs(self.steps) if mode == "fused" else [False] * len(self.steps)
         # (name to time under, or None for a view; the bound layer)
-        self.layers: list[tuple[str | None, Layer]] = [self._bind(s) for s in self.steps]
+        self.layers: list[tuple[str | None, Layer]] = [
+            self._bind(s, cl) for s, cl in zip(self.steps, nhwc, strict=True)
+        ]
 
-    def _bind(self, step: Step) -> tuple[str | None, Layer]:
+    def _bind(self, step: Step, channels_last: bool = False) -> tuple[str | None, Layer]:
         # Imported here, not at module top: the service decides interpreter vs compiled
         # (TRITON_INTERPRET) from its settings before the kernels are first defined.
         from kernels import FusedLinear, fused_activation, reference
@@ -148,7 +152,10 @@ class Executor:
 
                 if pool is not None:  # group_conv_pools checked that the kernel can: floor mode, no padding
                     geometry["pool"] = (pool.kind, pool.kernel_size, pool.stride)
-                return step.name, functools.partial(fused_conv2d, weight=w, bias=b, **geometry, **act)
+                fmt = _memory_format(channels_last)
+                return step.name, functools.partial(
+                    fused_conv2d, weight=w, bias=b, **geometry, **act, memory_format=fmt
+                )
             conv = functools.partial(reference.conv2d, weight=w, bias=b, **geometry, **act)
             if pool is None:
                 return step.name, conv
@@ -162,7 +169,7 @@ class Executor:
             if self.mode == "fused":
                 from kernels.pool import fused_pool2d
 
-                return step.name, functools.partial(fused_pool2d, **pool)
+                return step.name, functools.partial(fused_pool2d, **pool, memory_format=_memory_format(channels_last))
             return step.name, functools.partial(reference.pool2d, **pool)
         if isinstance(step, ActivationStep):
             fn = fused_activation if self.mode == "fused" else reference.activation
@@ -181,6 +188,23 @@ class Executor:
                 x = layer(x)
                 timer.stop(name)
         return x
+
+
+def channels_last_outputs(steps: list[Step]) -> list[bool]:
+    """Per step: whether the fused executor has it write channels_last (NHWC). A conv or pool step whose output
+    goes straight into another conv or pool does: the next one then gathers each pixel's channels as one
+    contiguous run, 2x faster than NCHW at 256 images of 64 -> 64 channels at 32x32 on an H100
+    (bench/results/probe_conv_h100.txt). Every other step keeps NCHW, so the model reads NCHW rows and its
+    flatten (a view) sees torch's feature order; the first conv reads NCHW and writes NHWC in the same kernel."""
+    image_steps = (Conv2dStep, Pool2dStep)
+    return [
+        isinstance(step, image_steps) and i + 1 < len(steps) and isinstance(steps[i + 1], image_steps)
+        for i, step in enumerate(steps)
+    ]
+
+
+def _memory_format(channels_last: bool) -> torch.memory_format:
+    return torch.channels_last if channels_last else torch.contiguous_format
 
 
 def _chain(x, *, layers):
