@@ -271,7 +271,14 @@ def m_bucket(m: int) -> int:
 
 
 def cuda_configs(
-    bucket: int, OC: int, C: int, K: int, fma: bool = False, pooled: bool = False, sms: int = 132
+    bucket: int,
+    OC: int,
+    C: int,
+    K: int,
+    fma: bool = False,
+    pooled: bool = False,
+    sms: int = 132,
+    element_size: int = 2,
 ) -> list[LaunchConfig]:
     """Candidates the tuner times for one layer and M bucket. The GEMM is tall and thin (M up to millions,
     OC 16-128, K = C * KH * KW 9-1152): BLOCK_N covers all of OC when it can, BLOCK_K no wider than K (few
@@ -315,7 +322,14 @@ def cuda_configs(
                     continue
                 # 64x128x64 on 4 warps spilled (224 bytes, fp16, taps, NCHW x: 128 -> 128 at 8x8); on 8 it did not
                 out.append(cfg(8 if (bm, bn, bk) == (64, 128, 64) else warps, stages, bm, bn, bk, flat))
+    if C >= 128 and element_size == 2 and not pooled:
+        # Wide fp16/bf16 layers: a quarter of the K steps (128 -> 128 channels at 8x8, 32 images, took 18 us hot
+        # on an H100 in 36 steps of 32 channels, cuDNN 8; bench/results/kernels_h100.md). fp32 spilled (96 bytes).
+        out.append(cfg(8, 3, 64, bn, 128, 0))
     if triton.cdiv(bucket, 64) * triton.cdiv(OC, bn) < sms:
+        split = split_for(64, bn, ks[0], flats[-1])
+        if split > 1:
+            out.append(cfg(4, 4, 64, bn, ks[0], flats[-1], split))
         # Fewer 64-row tiles than the GPU has SMs: 32-row tiles, and narrower ones along O, so that more SMs
         # gather at once, and each of them split along K where that still leaves SMs idle.
         for bn_small in sorted({bn, min(bn, 64)}):
@@ -475,11 +489,11 @@ def fused_conv2d(
         )
         fma = x.dtype == torch.float32 and fixed["INPUT_PRECISION"] == "ieee"
         sms = device_limits(x.device)[0]
-        candidates = cuda_configs(bucket, OC, C, K, fma, POOL != "none", sms)
+        candidates = cuda_configs(bucket, OC, C, K, fma, POOL != "none", sms, x.element_size())
         if POOL != "none" and triton.cdiv(bucket, 64) * triton.cdiv(OC, _fit(OC, 16, 128)) < sms:
             # Pooled, the kernel runs PKH * PKW K loops per tile over a quarter of the tiles (2x2): where that
             # leaves SMs idle, the conv apart at full size (split-K allowed) and then the pool may win.
-            unpooled = cuda_configs(m_bucket(N * CH * CW), OC, C, K, fma, False, sms)
+            unpooled = cuda_configs(m_bucket(N * CH * CW), OC, C, K, fma, False, sms, x.element_size())
             candidates += [LaunchConfig(c.kwargs + (("APART", 1),), c.num_warps, c.num_stages) for c in unpooled]
             # The pool's own tuning runs here, once, not inside the tuner's CUDA-graph capture of a candidate.
             fused_pool2d(torch.empty((N, OC, CH, CW), device=x.device, dtype=x.dtype, memory_format=fmt),
