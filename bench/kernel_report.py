@@ -140,6 +140,12 @@ def markdown(results: dict) -> str:
         f"Command: `{meta['command']}`",
         "",
     ]
+    if meta.get("merged_from"):
+        # One report from several device calls (`merge`): each run's command, and its commit where recorded.
+        runs = "; ".join(
+            f"`{r['command']}`" + (f" at commit {r['commit']}" if r.get("commit") else "") for r in meta["merged_from"]
+        )
+        lines[-2] = f"Merged from {len(meta['merged_from'])} runs, their cases kept as each measured them: {runs}"
     if cuda:
         # Results written before the wall runs were interleaved (no "wall_interleaved") keep their own method.
         if meta.get("timing", {}).get("wall_interleaved"):
@@ -438,7 +444,7 @@ def merge(parts: list[dict]) -> dict:
                 raise ValueError(f"cannot merge runs whose {key} differs: {first.get(key)!r} and {m.get(key)!r}")
     meta = dict(first)
     meta["merged_from"] = [
-        {k: p["meta"].get(k) for k in ("command", "started_utc", "elapsed_s", "time_limit_s")} for p in parts
+        {k: p["meta"].get(k) for k in ("command", "commit", "started_utc", "elapsed_s", "time_limit_s")} for p in parts
     ]
     meta["elapsed_s"] = round(sum(p["meta"].get("elapsed_s", 0) for p in parts), 1)
     merged = {"meta": meta}

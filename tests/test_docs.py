@@ -336,25 +336,35 @@ def test_open_inference_protocol_example_against_a_real_server():
 # ------------------------------------------------------------------------------------ the numbers
 
 
-def _md_row(first_cells: list[str]) -> str:
-    """The row of the committed kernels_h200.md whose leading cells are first_cells."""
-    rows = [r for r in RESULTS_MD.read_text().splitlines() if r.startswith("|")]
+def _md_row(first_cells: list[str], gpu: str = "h200", models: bool = False) -> str:
+    """The row of the committed kernels_<gpu>.md whose leading cells are first_cells; for a model, in the fp16
+    table (the bf16 one has the same leading cells)."""
+    md = RESULTS_MD.with_name(f"kernels_{gpu}.md")
+    lines, section = [], ""
+    for line in md.read_text().splitlines():
+        section = line if line.startswith("## ") else section
+        if line.startswith("|") and (not models or section.startswith("## Models: whole forward, float16")):
+            lines.append(line)
     want = [c.strip() for c in first_cells]
-    hits = [r for r in rows if [c.strip() for c in r.strip("|").split("|")][: len(want)] == want]
-    assert len(hits) == 1, f"{want}: {len(hits)} rows in {RESULTS_MD.name}"
+    hits = [r for r in lines if [c.strip() for c in r.strip("|").split("|")][: len(want)] == want]
+    assert len(hits) == 1, f"{want}: {len(hits)} rows in {md.name}"
     return hits[0]
 
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/performance.md"])
 def test_quoted_benchmark_tables_match_the_committed_results(doc):
-    """Every figure of the docs' layer and model tables appears in the same case's row of kernels_h200.md."""
+    """Every figure of the docs' layer and model tables appears in the same case's row of kernels_h200.md (or of
+    the GPU a row names: | model | H100 | batch | ...)."""
     checked = 0
     for line in (REPO / doc).read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if m := re.fullmatch(r"(\d+)×(\d+)×(\d+)", cells[0]):
             row = _md_row([cells[0], "float16", "relu"])
-        elif m := re.fullmatch(r"(digits-mlp|wide-mlp)\b.*", cells[0]):
-            row = _md_row([m.group(1), cells[1]])
+        elif m := re.fullmatch(r"(digits-mlp|wide-mlp|digits-cnn|wide-cnn)\b.*", cells[0]):
+            gpu = "h200"
+            if len(cells) > 1 and cells[1] in ("H100", "H200"):
+                gpu, cells = cells[1].lower(), cells[1:]
+            row = _md_row([m.group(1), cells[1]], gpu, models=True)
             cells = cells[1:]
         else:
             continue
