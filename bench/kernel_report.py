@@ -137,15 +137,9 @@ def markdown(results: dict) -> str:
         f"matmul ({side}^3, random data) {rates} TFLOP/s · started {meta['started_utc']}, "
         f"took {meta.get('elapsed_s', 0):.0f} s",
         "",
-        f"Command: `{meta['command']}`",
+        _command_line(meta),
         "",
     ]
-    if meta.get("merged_from"):
-        # One report from several device calls (`merge`): each run's command, and its commit where recorded.
-        runs = "; ".join(
-            f"`{r['command']}`" + (f" at commit {r['commit']}" if r.get("commit") else "") for r in meta["merged_from"]
-        )
-        lines[-2] = f"Merged from {len(meta['merged_from'])} runs, their cases kept as each measured them: {runs}"
     if cuda:
         # Results written before the wall runs were interleaved (no "wall_interleaved") keep their own method.
         if meta.get("timing", {}).get("wall_interleaved"):
@@ -427,6 +421,16 @@ def write_report(results: dict, out_dir: Path, slug: str, *, png: bool) -> list[
 
 
 SECTIONS = ("layers", "models", "convs")
+
+
+def _command_line(meta: dict) -> str:
+    """The run's command, or for a report merged from several device calls (`merge`) each run's command and its
+    commit where recorded."""
+    runs = meta.get("merged_from")
+    if not runs:
+        return f"Command: `{meta['command']}`"
+    each = "; ".join(f"`{r['command']}`" + (f" at commit {r['commit']}" if r.get("commit") else "") for r in runs)
+    return f"Merged from {len(runs)} runs, their cases kept as each measured them: {each}"
 
 
 def merge(parts: list[dict]) -> dict:

@@ -161,6 +161,14 @@ def cuda_configs(
             split *= 2
         return split
 
+    def wave_split(tiles: int) -> int:
+        """Splits along K (a power of two) for `tiles` output tiles of a big batch: as many as keep every
+        program in one wave of the SMs and 16+ K steps of 64 long."""
+        split = 1
+        while tiles * split * 2 <= sms and triton.cdiv(K, 64) >= 16 * split * 2:
+            split *= 2
+        return split
+
     def cfg(bm, bn, bk, warps, stages, split=1):
         return LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split)
 
@@ -197,19 +205,13 @@ def cuda_configs(
         # 128x128 tiles split along K to fill one wave: only with 16+ K steps per split (256x4096x4096: 64
         # tiles for 132 SMs), where each program streams long enough to pay for the partials' round trip.
         # With 8 (1024^3) they lose: 17.4 us against 11.6 for 64x128x64 (H200, cold).
-        big = triton.cdiv(bucket, 128) * triton.cdiv(N, 128)
-        split = 1
-        while big * split * 2 <= sms and triton.cdiv(K, 64) >= 16 * split * 2:
-            split *= 2
+        split = wave_split(triton.cdiv(bucket, 128) * triton.cdiv(N, 128))
         if split > 1:
             configs += [cfg(128, 128, 64, 8, 3, split), cfg(128, 128, 64, 4, 4, split)]
         # The same for 64x128 tiles: 256x1024x4096 (the wide MLP's last layer at batch 256) has 32 of them, each
         # 64 K steps long; unsplit, the best candidate took 14.2 us hot on an H100, 4x its 4096-wide layer's
         # share (bench/results/probe_tuner_picks_h100.txt).
-        mid = triton.cdiv(bucket, 64) * triton.cdiv(N, 128)
-        split = 1
-        while mid * split * 2 <= sms and triton.cdiv(K, 64) >= 16 * split * 2:
-            split *= 2
+        split = wave_split(triton.cdiv(bucket, 64) * triton.cdiv(N, 128))
         if split > 1:
             configs += [cfg(64, 128, 64, 4, 4, split), cfg(64, 128, 128, 4, 4, split)]
     if triton.cdiv(bucket, 64) * triton.cdiv(N, 64) < sms and bucket > 16:
