@@ -122,12 +122,14 @@ class Engine:
     def _handle(self, owner: int, message: bytes) -> None:
         records, view, at = wire.unpack(message, wire.REQUEST)
         features = self.features
-        for kind, rid, n, deadline, arrival in records:
+        for kind, code, rid, n, deadline, arrival in records:
             if kind == wire.CANCEL:
                 self.queue.cancel(owner, rid)
                 continue
-            size = n * features * 4
-            rows = np.frombuffer(view[at : at + size], dtype=np.float32).reshape(n, *self.input_shape)
+            dtype = wire.DTYPES[code]
+            size = n * features * dtype.itemsize
+            # A view of the message: the rows are copied once, into the graph's pinned input, when their batch runs.
+            rows = np.frombuffer(view[at : at + size], dtype=dtype).reshape(n, *self.input_shape)
             at += size
             # The arrival is the front end's: so the queue wait counts the link.
             req = Pending(owner, rid, rows, arrival, deadline)
@@ -145,6 +147,11 @@ class Engine:
             conn = _Conn(self._next_owner, sock)
             self._conns[conn.owner] = conn
             self.selector.register(sock, selectors.EVENT_READ, conn)
+            # The dtype this engine wants rows in and answers in (service/wire.py); a new socket takes 6 bytes.
+            if not link.send_some(sock, conn.pending, link.frame(wire.hello(self.runner.wire_dtype))):
+                self._drop(conn)
+            else:
+                self._watch_writes(conn)
 
     def _drop(self, conn: _Conn) -> None:
         """A front end went away: its queued requests are dropped, its answers have nowhere to go."""
@@ -180,9 +187,16 @@ class Engine:
         self._flush()
 
     def _forward(self, batch: list[Pending], rows: int) -> None:
-        x = batch[0].rows if len(batch) == 1 else np.concatenate([r.rows for r in batch])
         try:
-            out = self.runner.run(x)
+            inflight = self.runner.launch([r.rows for r in batch])
+        except Exception as err:
+            self._forward_failed(batch, rows, err)
+            return
+        # While the GPU runs the batch (a graphed forward returns once queued), take in what the front ends sent:
+        # those requests are the next batch, and their bytes leave the sockets' buffers sooner.
+        self._receive(0)
+        try:
+            out = self.runner.collect(inflight)
         except Exception as err:
             self._forward_failed(batch, rows, err)
             return

@@ -56,6 +56,8 @@ class EngineClient:
         self._poll: asyncio.TimerHandle | None = None
         self._dead: set[int] = set()
         self._turn = 0
+        # Each engine's wire dtype (service/wire.py), from its HELLO; None until then, and rows go as float32.
+        self._wire: list[np.dtype | None] = [None] * len(endpoints)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -79,6 +81,8 @@ class EngineClient:
             sock.close()  # the engine is not listening yet: the next state poll tries again
             return
         self._socks[i] = sock
+        self._readers[i] = link.Reader()
+        self._wire[i] = None
         self._loop.add_reader(sock.fileno(), self._drain, i)
 
     def _disconnect(self, i: int) -> None:
@@ -116,9 +120,9 @@ class EngineClient:
     # ------------------------------------------------------------------ requests
 
     def submit(self, rows: np.ndarray, deadline: float, arrival: float) -> tuple[int, asyncio.Future]:
-        """Send `rows` ((n, *input_shape) float32, C-contiguous) to the least-loaded ready engine; `deadline` and
-        `arrival` are time.monotonic() values. The future resolves to the (n, output_features) float32 outputs, or
-        raises EngineError."""
+        """Send `rows` ((n, *input_shape) float32) to the least-loaded ready engine, cast to its wire dtype here, on
+        this front end's core rather than the engine's one thread; `deadline` and `arrival` are time.monotonic()
+        values. The future resolves to the (n, output_features) float32 outputs, or raises EngineError."""
         loop = self._loop
         fut = loop.create_future()
         load = self._load
@@ -143,7 +147,13 @@ class EngineClient:
         self._pending[rid] = (fut, best)
         load[best] += 1
         headers, frames = self._outbox[best]
-        headers.append(wire.REQUEST.pack(wire.SUBMIT, rid, rows.shape[0], deadline, arrival))
+        dtype = self._wire[best]
+        if dtype is None:
+            code, rows = wire.FLOAT32, np.ascontiguousarray(rows, dtype=np.float32)
+        else:
+            with np.errstate(over="ignore"):  # beyond float16's range is inf, as the engine's own cast would give
+                code, rows = wire.DTYPES.index(dtype), np.ascontiguousarray(rows, dtype=dtype)
+        headers.append(wire.REQUEST.pack(wire.SUBMIT, code, rid, rows.shape[0], deadline, arrival))
         frames.append(rows)
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -157,7 +167,7 @@ class EngineClient:
             return
         fut, i = entry
         self._load[i] -= 1
-        self._outbox[i][0].append(wire.REQUEST.pack(wire.CANCEL, rid, 0, 0.0, 0.0))
+        self._outbox[i][0].append(wire.REQUEST.pack(wire.CANCEL, wire.FLOAT32, rid, 0, 0.0, 0.0))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
@@ -196,7 +206,15 @@ class EngineClient:
         pending = self._pending
         load = self._load
         out_features = self._out_features
+        dtype = self._wire[i]
         for message in messages:
+            if dtype is None:  # the first message of a connection: the engine's HELLO
+                try:
+                    dtype = self._wire[i] = wire.read_hello(message)
+                except ValueError as e:
+                    self._engine_gone(i, f"engine {i}: {e}")
+                    return
+                continue
             records, view, at = wire.unpack(message, wire.REPLY)
             for rid, status, n, size in records:
                 payload = view[at : at + size]
@@ -209,7 +227,8 @@ class EngineClient:
                 if fut.done():
                     continue
                 if status == wire.OK:
-                    fut.set_result(np.frombuffer(payload, dtype=np.float32).reshape(n, out_features))
+                    out = np.frombuffer(payload, dtype=dtype).reshape(n, out_features)
+                    fut.set_result(out if dtype == np.float32 else out.astype(np.float32))
                 else:
                     fut.set_exception(EngineError(status, bytes(payload).decode(errors="replace")))
         if closed:

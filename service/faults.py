@@ -88,20 +88,19 @@ class FaultyRunner:
     def __getattr__(self, name: str):
         return getattr(self._runner, name)
 
-    def run(self, batch):
+    def launch(self, parts):
         import torch
 
         self._forwards += 1
-        if self._kind == "oom_above" and batch.shape[0] > self._n:
-            raise torch.OutOfMemoryError(
-                f"CUDA out of memory. Tried to allocate {batch.shape[0]} rows (injected: {INJECT_ENV})"
-            )
+        rows = sum(p.shape[0] for p in parts)
+        if self._kind == "oom_above" and rows > self._n:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {rows} rows (injected: {INJECT_ENV})")
         if self._kind == "sticky_at" and self._forwards >= self._n:
             raise RuntimeError(
                 "CUDA error: an illegal memory access was encountered "
                 f"(injected: {INJECT_ENV}, forward {self._forwards})"
             )
-        return self._runner.run(batch)
+        return self._runner.launch(parts)
 
 
 def maybe_inject(runner):

@@ -1,11 +1,18 @@
-"""The messages between front ends and engines: fixed-size headers and raw float32 (service/link.py carries them).
+"""The messages between front ends and engines: fixed-size headers and raw rows (service/link.py carries them).
 
+Engine -> front end, first on every connection: HELLO (magic, the engine's wire dtype).
 Front end -> engine, one message per event-loop turn, holding every request the front end took in that turn:
-    COUNT (records), then that many REQUEST records (kind, id, rows, deadline, arrival), one per request or
-    cancellation, then the float32 rows of each SUBMIT record in order (C-contiguous, (rows, *input_shape))
+    COUNT (records), then that many REQUEST records (kind, dtype, id, rows, deadline, arrival), one per request or
+    cancellation, then the rows of each SUBMIT record in order (C-contiguous, (rows, *input_shape), in its dtype)
 Engine -> front end, one message per front end per batch:
-    COUNT, then REPLY records (id, status, rows, payload bytes), then the payloads in order: the float32
-    outputs (rows, output_features) when OK, else a UTF-8 message
+    COUNT, then REPLY records (id, status, rows, payload bytes), then the payloads in order: the outputs
+    (rows, output_features) in the engine's wire dtype when OK, else a UTF-8 message
+
+The wire dtype is the engine's serving dtype where numpy has it (float16; float32 for float32 and bfloat16): a
+front end casts its rows to it before sending and widens the outputs to float32 after, so the engine's one thread
+receives half the bytes of float32 and copies them into the graph's pinned input with no cast (service/model/
+runner.py). Until a front end has the HELLO it sends float32, which an engine always takes: each request says its
+dtype.
 
 No JSON, msgpack or pickle on this path: headers are struct-packed and the rows travel as the bytes numpy
 already holds, joined into one buffer, so a message is one write.
@@ -15,14 +22,22 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
+
 COUNT = struct.Struct("<I")
-# kind, id, rows, deadline, arrival (time.monotonic(), shared by the host's processes). The arrival travels on its own:
-# a gRPC client's deadline can end a request sooner than request_timeout, so it is not deadline - timeout.
-REQUEST = struct.Struct("<BQIdd")
+# kind, dtype (an index into DTYPES), id, rows, deadline, arrival (time.monotonic(), shared by the host's
+# processes). The arrival travels on its own: a gRPC client's deadline can end a request sooner than
+# request_timeout, so it is not deadline - timeout.
+REQUEST = struct.Struct("<BBQIdd")
 REPLY = struct.Struct("<QBII")  # id, status, rows, payload bytes
 
 SUBMIT = 1
 CANCEL = 2
+
+DTYPES = (np.dtype("<f4"), np.dtype("<f2"))  # a request's rows, a HELLO's wire dtype: by index
+FLOAT32 = 0
+HELLO = struct.Struct("<4sB")  # magic, wire dtype
+MAGIC = b"FSE1"
 
 OK = 0
 OVERLOADED = 1  # the engine's queue was full: 503
@@ -46,7 +61,21 @@ def pack(records: list[bytes], payloads: list) -> bytes:
     return b"".join([COUNT.pack(len(records)), *records, *payloads])
 
 
-def unpack(message: bytes, record: struct.Struct) -> tuple[list[tuple], memoryview, int]:
+def hello(dtype: np.dtype) -> bytes:
+    return HELLO.pack(MAGIC, DTYPES.index(np.dtype(dtype)))
+
+
+def read_hello(message) -> np.dtype:
+    """The wire dtype a HELLO announces; ValueError for anything else (an engine of another version)."""
+    if len(message) != HELLO.size:
+        raise ValueError(f"expected the engine's HELLO ({HELLO.size} bytes), got {len(message)} bytes")
+    magic, code = HELLO.unpack(message)
+    if magic != MAGIC or code >= len(DTYPES):
+        raise ValueError(f"the engine's HELLO is {bytes(message)!r}; this front end speaks {MAGIC!r}")
+    return DTYPES[code]
+
+
+def unpack(message, record: struct.Struct) -> tuple[list[tuple], memoryview, int]:
     """(records, the message as a memoryview, offset of the first payload)."""
     (n,) = COUNT.unpack_from(message)
     end = COUNT.size + n * record.size

@@ -185,5 +185,12 @@ def test_gpu_runner_copies_inside_the_graph_serve_every_dtype(tmp_path, mode, dt
             np.testing.assert_allclose(got, want, rtol=tol, atol=tol * float(np.abs(want).max()),
                                        err_msg=f"{model.name} {mode} {dtype} rows={rows}")  # fmt: skip
             answers.append((got, got.copy()))
+            # The engine's way in: the rows in parts, in the wire dtype (float16 for a float16 model, cast by the
+            # front ends), the outputs in it too. The same answer as run(), which casts float32 rows on the host.
+            wire_rows = x.astype(runner.wire_dtype)
+            parts = [wire_rows[: rows // 2], wire_rows[rows // 2 :]] if rows > 1 else [wire_rows]
+            out = runner.collect(runner.launch(parts))
+            assert out.dtype == runner.wire_dtype == (np.float16 if dtype == "float16" else np.float32)
+            np.testing.assert_array_equal(out.astype(np.float32), got, err_msg=f"{model.name} {mode} {dtype} parts")
         for got, kept in answers:  # later batches reused the pinned buffer; earlier answers are their own memory
             np.testing.assert_array_equal(got, kept)

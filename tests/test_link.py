@@ -1,0 +1,165 @@
+"""The link between front ends and engines, in one process: a real Engine and EngineClient on a Unix socket.
+
+- link.Reader gives back exactly the messages sent, in order, however the stream is cut into chunks;
+- an engine says its wire dtype first (HELLO); a front end that has heard it sends rows in that dtype, one that
+  has not sends float32, the engine takes both, and the outputs come back widened to float32;
+- a front end that hears something other than a HELLO treats the engine as gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service import link, wire
+from service.config import Settings
+from service.engine import Engine
+from service.engine_client import EngineClient, EngineGone
+
+SHAPE = (2, 3)  # the stub model's input shape: 6 features
+OUT = 4
+
+
+# ---------------------------------------------------------------------------- Reader
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=8),
+    cuts=st.lists(st.integers(0, 30000), max_size=12),
+)
+def test_reader_returns_each_message_whole_however_the_stream_is_cut(sizes, cuts):
+    rng = np.random.default_rng(len(sizes))
+    messages = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    stream = b"".join(link.frame(m) for m in messages)
+    points = sorted({0, len(stream), *(c % (len(stream) + 1) for c in cuts)})
+    reader = link.Reader()
+    got = []
+    for a, b in zip(points, points[1:], strict=False):
+        got += [bytes(m) for m in reader.feed(stream[a:b])]
+    assert got == messages
+
+
+def test_reader_views_outlive_the_next_chunk():
+    """Messages are views of the chunks they came in: a later feed must not change an earlier message."""
+    reader = link.Reader()
+    one, two = b"a" * 100, b"b" * 100
+    stream = link.frame(one) + link.frame(two)
+    first = reader.feed(stream[:150])  # one whole message and the start of the next
+    assert [bytes(m) for m in first] == [one]
+    second = reader.feed(stream[150:])
+    assert [bytes(m) for m in first] == [one] and [bytes(m) for m in second] == [two]
+
+
+# ---------------------------------------------------------------------------- engine <-> front end
+
+
+class StubRunner:
+    """Answers each row with its first OUT values times 2, in the wire dtype; remembers the dtypes it was given."""
+
+    def __init__(self, wire_dtype):
+        self.wire_dtype = np.dtype(wire_dtype)
+        self.seen: list[str] = []
+
+    def launch(self, parts):
+        self.seen += [p.dtype.name for p in parts]
+        x = np.concatenate([p.reshape(p.shape[0], -1) for p in parts]).astype(self.wire_dtype)
+        return x[:, :OUT] * 2
+
+    def collect(self, out):
+        return out
+
+
+class NoMetrics:
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+class EngineThread:
+    def __init__(self, path: str, runner):
+        listener = link.new_socket()
+        listener.bind(path)
+        listener.listen(8)
+        settings = Settings(max_batch_size=64, max_delay_ms=0)
+        self.engine = Engine(runner, listener, settings, SHAPE, NoMetrics())
+        self.thread = threading.Thread(target=self.engine.serve, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self.engine
+
+    def __exit__(self, *exc):
+        self.engine.stopping = True
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+def ready_states(n: int = 1):
+    return [SimpleNamespace(value=wire.READY) for _ in range(n)]
+
+
+async def wait_until(check, timeout_s: float = 5.0):
+    end = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("wire_dtype", ["float16", "float32"])
+def test_rows_travel_in_the_engines_wire_dtype_and_come_back_float32(tmp_path, wire_dtype):
+    path = str(tmp_path / "engine.sock")
+    runner = StubRunner(wire_dtype)
+    x = np.random.default_rng(0).uniform(-8, 8, (5, *SHAPE)).astype(np.float32)
+
+    async def scenario():
+        client = EngineClient([path], ready_states(), OUT)
+        client.start()
+        # Before the HELLO is read (the connection is made on the first state poll): float32 on the wire.
+        await wait_until(lambda: client._socks[0] is not None)
+        before = client.submit(x[:2], time.monotonic() + 5, time.monotonic())[1]
+        await wait_until(lambda: client._wire[0] is not None)
+        after = client.submit(x[2:], time.monotonic() + 5, time.monotonic())[1]
+        outs = await asyncio.wait_for(asyncio.gather(before, after), 5)
+        client.close()
+        return outs
+
+    with EngineThread(path, runner):
+        early, late = asyncio.run(scenario())
+    assert early.dtype == np.float32 and late.dtype == np.float32
+    # The early rows reached the engine as float32; the later ones in the wire dtype, cast by the front end.
+    assert runner.seen[0] == "float32" and runner.seen[-1] == wire_dtype
+    want = (x.reshape(5, -1)[:, :OUT].astype(wire_dtype) * 2).astype(np.float32)
+    np.testing.assert_array_equal(np.concatenate([early, late]), want)
+
+
+def test_a_front_end_that_hears_no_hello_treats_the_engine_as_gone(tmp_path):
+    path = str(tmp_path / "engine.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    async def scenario():
+        client = EngineClient([path], ready_states(), OUT)
+        client.start()
+        conn = await asyncio.get_running_loop().run_in_executor(None, lambda: listener.accept()[0])
+        await wait_until(lambda: client._socks[0] is not None)
+        fut = client.submit(np.zeros((1, *SHAPE), np.float32) + 1, time.monotonic() + 5, time.monotonic())[1]
+        conn.sendall(link.frame(b"HTTP/1.1 200 OK"))  # not an engine
+        with pytest.raises(EngineGone, match="HELLO"):
+            await asyncio.wait_for(fut, 5)
+        assert client.states() == [wire.STOPPED]
+        conn.close()
+        client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        listener.close()
