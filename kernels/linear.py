@@ -154,8 +154,8 @@ def cuda_configs(
     for bytes in flight. Bigger batches get the usual square-ish tiles.
     """
 
-    def split_for(bn: int, bk: int) -> int:
-        tiles = triton.cdiv(N, bn) * triton.cdiv(bucket, 16)
+    def split_for(bn: int, bk: int, bm: int = 16) -> int:
+        tiles = triton.cdiv(N, bn) * triton.cdiv(bucket, bm)
         split = 1
         while tiles * split < sms and split < 8 and triton.cdiv(K, bk) >= 4 * split:  # >= 2 K steps per split
             split *= 2
@@ -187,6 +187,14 @@ def cuda_configs(
                 configs.append(cfg(bm, bn, 64, 4, 4))
                 if split_for(bn, 64) > 1:
                     configs.append(cfg(bm, bn, 64, 4, 4, split_for(bn, 64)))
+        # Still weight streams (32x4096x4096 fp16: 32 MB for 1 GFLOP), which the 64-deep K steps above feed in
+        # small loads: 32-row tiles with 128- and 256-deep steps, split so that every SM streams, as the
+        # 16-row tiles of smaller batches do. On an H100 the best of the list above took 11.6 us hot for the
+        # wide MLP's 4096x4096 layer at batch 32, against 10.5 for the 16-row tiles at batch 16
+        # (bench/results/probe_tuner_picks_h100.txt, kernels_h100.md).
+        for bn in (32, 64):
+            for bk in (128, 256):
+                configs.append(cfg(32, bn, bk, 4, 3, split_for(bn, bk, 32)))
     else:
         configs += [
             cfg(128, 256, 64, 8, 3),

@@ -150,6 +150,37 @@ def test_linear_kernel_compiles_for_sm90_with_a_k_loop_as_lean_as_a_bare_one(dty
         assert got["LOOPS"][0] <= 1.2 * got["bare_loops"][0], got
 
 
+_COMPILE_LINEAR_SKINNY = r"""
+import json, sys, torch
+import kernels.linear as linear
+from tests.sm90_compile import compile_gemm
+
+dtype = getattr(torch, sys.argv[1])
+ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+fixed = dict(HAS_BIAS=True, ACTIVATION="relu", INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False, PDL=True)
+seen = set()
+for N, K in ((4096, 4096), (1024, 4096)):  # the wide MLP's layers at batch 32: every split the list offers
+    for config in linear.cuda_configs(32, N, K, 132, dtype.itemsize):
+        if config in seen:
+            continue
+        seen.add(config)
+        ptx, usage = compile_gemm(linear._linear_kernel, ptr, {**fixed, **config.meta()}, config.num_warps,
+                                  config.num_stages)
+        print(json.dumps({"config": config.meta(), "mma": ptx.count("mma.sync") + ptx.count("wgmma.mma_async"),
+                          **usage}))
+"""
+
+
+def test_linear_kernel_compiles_every_skinny_batch_candidate_for_sm90_without_spills():
+    """Batches of 17-64 rows: 32- and 64-row tiles, 64- to 256-deep K steps, split-K. None may spill."""
+    results = _compiled(_COMPILE_LINEAR_SKINNY, "float16")
+    assert len(results) >= 12, results
+    assert {r["config"]["BLOCK_K"] for r in results} == {64, 128, 256}, results
+    for got in results:
+        assert got["mma"] > 0, got
+        assert got["STACK"] == 0 and got["LOCAL"] == 0, f"registers spill to local memory: {got}"
+
+
 _COMPILE_GEMV = r"""
 import json, sys, torch
 import kernels.linear_gemv as gemv
