@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import mmap
 import os
 import selectors
 import signal
@@ -108,9 +109,14 @@ class Engine:
                 self._drop(conn)
                 continue
             if mask & selectors.EVENT_READ:
-                messages, closed = link.read_available(conn.sock, conn.reader)
+                fds = [] if conn.fresh else None  # a front end's first bytes bring its arena (service/arena.py)
+                messages, closed = link.read_available(conn.sock, conn.reader, fds)
+                if fds:
+                    conn.map_arena(fds)
+                if messages:
+                    conn.fresh = False
                 for message in messages:
-                    self._handle(conn.owner, message)
+                    self._handle(conn, message)
                 got = got or bool(messages)
                 if closed:
                     self._drop(conn)
@@ -119,18 +125,28 @@ class Engine:
             self.metrics.queue_depth(len(self.queue))
             self._flush()  # refusals go out at once, not after the next forward
 
-    def _handle(self, owner: int, message: bytes) -> None:
+    def _handle(self, conn: _Conn, message: bytes) -> None:
         records, view, at = wire.unpack(message, wire.REQUEST)
         features = self.features
-        for kind, code, rid, n, deadline, arrival in records:
+        owner = conn.owner
+        for kind, code, rid, n, offset, deadline, arrival in records:
             if kind == wire.CANCEL:
-                self.queue.cancel(owner, rid)
+                if self.queue.cancel(owner, rid):  # dropped unrun: say so, the front end frees its rows then
+                    self._reply(owner, rid, wire.CANCELLED, 0, b"")
                 continue
             dtype = wire.DTYPES[code]
             size = n * features * dtype.itemsize
-            # A view of the message: the rows are copied once, into the graph's pinned input, when their batch runs.
-            rows = np.frombuffer(view[at : at + size], dtype=dtype).reshape(n, *self.input_shape)
-            at += size
+            # A view of the message or of the front end's arena: the rows are copied once, into the graph's pinned
+            # input, when their batch runs.
+            if kind == wire.SUBMIT_SHARED:
+                if conn.arena is None or offset + size > len(conn.arena):  # a front end's bug: fail it, not us
+                    self._reply(owner, rid, wire.FAILED, 0, b"the request's rows are outside its front end's arena")
+                    continue
+                rows = np.frombuffer(conn.arena, dtype=dtype, count=n * features, offset=offset)
+            else:
+                rows = np.frombuffer(view[at : at + size], dtype=dtype)
+                at += size
+            rows = rows.reshape(n, *self.input_shape)
             # The arrival is the front end's: so the queue wait counts the link.
             req = Pending(owner, rid, rows, arrival, deadline)
             if not self.queue.push(req):
@@ -272,7 +288,7 @@ class Engine:
 
 
 class _Conn:
-    __slots__ = ("owner", "sock", "reader", "pending", "events")
+    __slots__ = ("owner", "sock", "reader", "pending", "events", "fresh", "arena")
 
     def __init__(self, owner: int, sock: socket.socket):
         self.owner = owner
@@ -280,6 +296,17 @@ class _Conn:
         self.reader = link.Reader()
         self.pending = bytearray()
         self.events = selectors.EVENT_READ
+        self.fresh = True  # nothing read yet: the first read looks for the arena's file descriptor
+        self.arena: mmap.mmap | None = None  # the front end's rows (service/arena.py), read-only here
+
+    def map_arena(self, fds: list[int]) -> None:
+        """Map the front end's arena (the first descriptor; any other is closed). Requests whose rows are in it
+        keep views of the mapping, so it lives as long as they do, past the connection if need be."""
+        try:
+            self.arena = mmap.mmap(fds[0], os.fstat(fds[0]).st_size, prot=mmap.PROT_READ)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
 
 def build_runner(settings: Settings, device, dtype: str, model, metrics):

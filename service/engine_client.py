@@ -17,10 +17,14 @@ import logging
 import numpy as np
 
 from . import link, wire
+from .arena import Arena
 
 log = logging.getLogger("fusedserve.link")
 
 STATE_POLL_S = 0.025  # how often engine states are read, and engines not yet reached are connected
+# Shared memory per engine for rows on their way (service/arena.py): 512 requests of 256 float16 rows at once.
+# Pages are only touched as slots are used; a request that finds no room goes inside its message.
+ARENA_BYTES = 16 << 20
 
 
 class EngineError(Exception):
@@ -58,6 +62,10 @@ class EngineClient:
         self._turn = 0
         # Each engine's wire dtype (service/wire.py), from its HELLO; None until then, and rows go as float32.
         self._wire: list[np.dtype | None] = [None] * len(endpoints)
+        # Each engine's arena (service/arena.py), and the slot of every request whose rows are in one, until the
+        # engine answers it.
+        self._arenas: list[Arena | None] = [None] * len(endpoints)
+        self._slots: dict[int, tuple[int, list]] = {}  # request id -> (engine, slot)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -80,9 +88,21 @@ class EngineClient:
         except (FileNotFoundError, ConnectionRefusedError, BlockingIOError):
             sock.close()  # the engine is not listening yet: the next state poll tries again
             return
+        arena = None
+        try:
+            arena = Arena(ARENA_BYTES)
+        except (OSError, AttributeError) as e:  # no memfd (not Linux): every request's rows go inside its message
+            log.warning("no shared memory for rows (%s); they travel through the socket", e)
+        # The first bytes on the connection: an empty message, the arena's descriptor attached.
+        if not link.send_fd(sock, link.frame(wire.pack([], [])), arena.fd if arena else None):
+            if arena:
+                arena.close()
+            sock.close()
+            return
         self._socks[i] = sock
         self._readers[i] = link.Reader()
         self._wire[i] = None
+        self._arenas[i] = arena
         self._loop.add_reader(sock.fileno(), self._drain, i)
 
     def _disconnect(self, i: int) -> None:
@@ -90,6 +110,10 @@ class EngineClient:
         self._loop.remove_reader(sock.fileno())
         self._loop.remove_writer(sock.fileno())
         sock.close()
+        arena, self._arenas[i] = self._arenas[i], None
+        if arena is not None:
+            arena.close()
+            self._slots = {rid: s for rid, s in self._slots.items() if s[0] != i}
 
     # ------------------------------------------------------------------ state
 
@@ -147,14 +171,23 @@ class EngineClient:
         self._pending[rid] = (fut, best)
         load[best] += 1
         headers, frames = self._outbox[best]
-        dtype = self._wire[best]
-        if dtype is None:
-            code, rows = wire.FLOAT32, np.ascontiguousarray(rows, dtype=np.float32)
-        else:
-            with np.errstate(over="ignore"):  # beyond float16's range is inf, as the engine's own cast would give
-                code, rows = wire.DTYPES.index(dtype), np.ascontiguousarray(rows, dtype=dtype)
-        headers.append(wire.REQUEST.pack(wire.SUBMIT, code, rid, rows.shape[0], deadline, arrival))
-        frames.append(rows)
+        dtype = self._wire[best] or wire.DTYPES[wire.FLOAT32]
+        code = wire.DTYPES.index(dtype)
+        arena = self._arenas[best]
+        slot = arena.take(rows.size * dtype.itemsize) if arena is not None else None
+        # beyond float16's range is inf, as the engine's own cast would give
+        with np.errstate(over="ignore"):
+            if slot is not None:  # the rows go to shared memory, cast on the way; the message says where
+                view = np.frombuffer(arena.buf, dtype=dtype, count=rows.size, offset=slot[0]).reshape(rows.shape)
+                np.copyto(view, rows, casting="same_kind")
+                del view
+                self._slots[rid] = (best, slot)
+                headers.append(wire.REQUEST.pack(wire.SUBMIT_SHARED, code, rid, rows.shape[0], slot[0], deadline,
+                                                 arrival))  # fmt: skip
+            else:
+                rows = np.ascontiguousarray(rows, dtype=dtype)
+                headers.append(wire.REQUEST.pack(wire.SUBMIT, code, rid, rows.shape[0], 0, deadline, arrival))
+                frames.append(rows)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             loop.call_soon(self._flush)
@@ -167,7 +200,8 @@ class EngineClient:
             return
         fut, i = entry
         self._load[i] -= 1
-        self._outbox[i][0].append(wire.REQUEST.pack(wire.CANCEL, wire.FLOAT32, rid, 0, 0.0, 0.0))
+        # Its rows stay where they are until the engine answers (CANCELLED if it drops the request unrun).
+        self._outbox[i][0].append(wire.REQUEST.pack(wire.CANCEL, wire.FLOAT32, rid, 0, 0, 0.0, 0.0))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
@@ -207,6 +241,8 @@ class EngineClient:
         load = self._load
         out_features = self._out_features
         dtype = self._wire[i]
+        slots = self._slots
+        arena = self._arenas[i]
         for message in messages:
             if dtype is None:  # the first message of a connection: the engine's HELLO
                 try:
@@ -219,6 +255,9 @@ class EngineClient:
             for rid, status, n, size in records:
                 payload = view[at : at + size]
                 at += size
+                slot = slots.pop(rid, None)
+                if slot is not None:  # the engine is done with its rows
+                    arena.give_back(slot[1])
                 entry = pending.pop(rid, None)
                 if entry is None:
                     continue  # cancelled meanwhile

@@ -78,12 +78,18 @@ class Reader:
         return out
 
 
-def read_available(sock: socket.socket, reader: Reader) -> tuple[list[memoryview], bool]:
-    """Everything the socket holds now, as whole messages, and whether the other side closed the stream."""
+def read_available(sock: socket.socket, reader: Reader, fds: list[int] | None = None) -> tuple[list[memoryview], bool]:
+    """Everything the socket holds now, as whole messages, and whether the other side closed the stream. With
+    `fds`, the first read also takes file descriptors sent with the bytes (SCM_RIGHTS) and appends them there."""
     messages: list[memoryview] = []
     while True:
         try:
-            chunk = sock.recv(RECV_BYTES)
+            if fds is not None:
+                chunk, got, _, _ = socket.recv_fds(sock, RECV_BYTES, 4)
+                fds += got
+                fds = None
+            else:
+                chunk = sock.recv(RECV_BYTES)
         except (BlockingIOError, InterruptedError):
             return messages, False
         except OSError:
@@ -93,6 +99,16 @@ def read_available(sock: socket.socket, reader: Reader) -> tuple[list[memoryview
         messages.extend(reader.feed(chunk))
         if len(chunk) < RECV_BYTES:
             return messages, False  # short read: the socket is empty (saves a recv that would fail)
+
+
+def send_fd(sock: socket.socket, message: bytes, fd: int | None) -> bool:
+    """Send a small message first on a new connection, with `fd` attached (SCM_RIGHTS) when given. False when the
+    other side is gone or the socket cannot take it whole (it can: a new socket's buffer is empty)."""
+    try:
+        n = socket.send_fds(sock, [message], [fd]) if fd is not None else sock.send(message)
+    except OSError:
+        return False
+    return n == len(message)
 
 
 def send_some(sock: socket.socket, pending: bytearray, data: bytes) -> bool:

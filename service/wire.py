@@ -1,12 +1,17 @@
 """The messages between front ends and engines: fixed-size headers and raw rows (service/link.py carries them).
 
 Engine -> front end, first on every connection: HELLO (magic, the engine's wire dtype).
+Front end -> engine, first on every connection: an empty message carrying the front end's arena (service/arena.py)
+    as a file descriptor (SCM_RIGHTS), when it has one.
 Front end -> engine, one message per event-loop turn, holding every request the front end took in that turn:
-    COUNT (records), then that many REQUEST records (kind, dtype, id, rows, deadline, arrival), one per request or
-    cancellation, then the rows of each SUBMIT record in order (C-contiguous, (rows, *input_shape), in its dtype)
+    COUNT (records), then that many REQUEST records (kind, dtype, id, rows, offset, deadline, arrival), one per
+    request or cancellation, then the rows of each SUBMIT record in order (C-contiguous, (rows, *input_shape), in
+    its dtype); a SUBMIT_SHARED record's rows are in the arena at `offset` instead
 Engine -> front end, one message per front end per batch:
     COUNT, then REPLY records (id, status, rows, payload bytes), then the payloads in order: the outputs
-    (rows, output_features) in the engine's wire dtype when OK, else a UTF-8 message
+    (rows, output_features) in the engine's wire dtype when OK, else a UTF-8 message. Every submitted request
+    gets exactly one REPLY, a cancelled one too (CANCELLED), so that the front end knows when the engine is done
+    with its rows.
 
 The wire dtype is the engine's serving dtype where numpy has it (float16; float32 for float32 and bfloat16): a
 front end casts its rows to it before sending and widens the outputs to float32 after, so the engine's one thread
@@ -25,14 +30,15 @@ import struct
 import numpy as np
 
 COUNT = struct.Struct("<I")
-# kind, dtype (an index into DTYPES), id, rows, deadline, arrival (time.monotonic(), shared by the host's
-# processes). The arrival travels on its own: a gRPC client's deadline can end a request sooner than
-# request_timeout, so it is not deadline - timeout.
-REQUEST = struct.Struct("<BBQIdd")
+# kind, dtype (an index into DTYPES), id, rows, offset in the arena (SUBMIT_SHARED), deadline, arrival
+# (time.monotonic(), shared by the host's processes). The arrival travels on its own: a gRPC client's deadline can
+# end a request sooner than request_timeout, so it is not deadline - timeout.
+REQUEST = struct.Struct("<BBQIQdd")
 REPLY = struct.Struct("<QBII")  # id, status, rows, payload bytes
 
 SUBMIT = 1
 CANCEL = 2
+SUBMIT_SHARED = 3
 
 DTYPES = (np.dtype("<f4"), np.dtype("<f2"))  # a request's rows, a HELLO's wire dtype: by index
 FLOAT32 = 0
@@ -44,8 +50,12 @@ OVERLOADED = 1  # the engine's queue was full: 503
 TIMEOUT = 2  # the deadline passed before the batch ran: 504
 FAILED = 3  # the forward raised: 500
 SHUTTING_DOWN = 4  # the engine is stopping: 503
+CANCELLED = 5  # the front end cancelled it and the engine dropped it unrun: nothing to answer, its rows are free
 
-STATUS_NAMES = {OK: "ok", OVERLOADED: "overloaded", TIMEOUT: "timeout", FAILED: "failed", SHUTTING_DOWN: "stopping"}
+STATUS_NAMES = {
+    OK: "ok", OVERLOADED: "overloaded", TIMEOUT: "timeout", FAILED: "failed", SHUTTING_DOWN: "stopping",
+    CANCELLED: "cancelled",
+}  # fmt: skip
 
 # Engine states, shared with front ends and the supervisor through one integer per engine.
 # BROKEN: a sticky device error; the engine is exiting and /health/live reads 503.

@@ -3,7 +3,9 @@
 - link.Reader gives back exactly the messages sent, in order, however the stream is cut into chunks;
 - an engine says its wire dtype first (HELLO); a front end that has heard it sends rows in that dtype, one that
   has not sends float32, the engine takes both, and the outputs come back widened to float32;
-- a front end that hears something other than a HELLO treats the engine as gone.
+- a front end that hears something other than a HELLO treats the engine as gone;
+- rows travel in the front end's shared arena: its ring never hands out overlapping slots, a slot comes back when
+  the engine answers (a cancelled request's too), and a request that finds the arena full goes inline.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service import link, wire
+from service import engine_client, link, wire
+from service.arena import ALIGN, Arena
 from service.config import Settings
 from service.engine import Engine
 from service.engine_client import EngineClient, EngineGone
@@ -84,11 +87,11 @@ class NoMetrics:
 
 
 class EngineThread:
-    def __init__(self, path: str, runner):
+    def __init__(self, path: str, runner, max_delay_ms: float = 0):
         listener = link.new_socket()
         listener.bind(path)
         listener.listen(8)
-        settings = Settings(max_batch_size=64, max_delay_ms=0)
+        settings = Settings(max_batch_size=64, max_delay_ms=max_delay_ms)
         self.engine = Engine(runner, listener, settings, SHAPE, NoMetrics())
         self.thread = threading.Thread(target=self.engine.serve, daemon=True)
 
@@ -163,3 +166,81 @@ def test_a_front_end_that_hears_no_hello_treats_the_engine_as_gone(tmp_path):
         asyncio.run(scenario())
     finally:
         listener.close()
+
+
+# ---------------------------------------------------------------------------- the arena
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(1, 3000), st.integers(0, 100)), max_size=60))
+def test_arena_ring_never_hands_out_overlapping_slots(ops):
+    """Takes and gives back (in any order) never overlap a live slot or leave the arena; an empty ring has room."""
+    arena = Arena(8192)
+    live = []
+    try:
+        for take, n, pick in ops:
+            if take or not live:
+                slot = arena.take(n)
+                if slot is None:
+                    assert live, "an empty arena refused a slot that fits"
+                    continue
+                a, b, _ = slot
+                assert a % ALIGN == 0 and 0 <= a < b <= arena.size and b - a >= n
+                assert all(b <= x[0] or x[1] <= a for x in live), (slot, live)
+                live.append(slot)
+            else:
+                arena.give_back(live.pop(pick % len(live)))
+            assert arena.slots_live == len(live)
+        for slot in live:
+            arena.give_back(slot)
+        assert arena.take(8192) is not None  # all given back: the whole arena is free again
+    finally:
+        arena.close()
+
+
+def test_a_cancelled_request_gives_its_rows_back_and_never_runs(tmp_path):
+    path = str(tmp_path / "engine.sock")
+    runner = StubRunner("float16")
+    x = np.ones((3, *SHAPE), np.float32)
+
+    async def scenario():
+        client = EngineClient([path], ready_states(), OUT)
+        client.start()
+        await wait_until(lambda: client._wire[0] is not None)
+        rid, fut = client.submit(x, time.monotonic() + 5, time.monotonic())
+        assert client._arenas[0].slots_live == 1 and rid in client._slots
+        client.cancel(rid)  # the engine holds it (max_delay_ms) and drops it on the cancel
+        await wait_until(lambda: not client._slots)
+        assert client._arenas[0].slots_live == 0 and not fut.done()
+        rid2, fut2 = client.submit(x * 2, time.monotonic() + 5, time.monotonic())
+        out = await asyncio.wait_for(fut2, 5)
+        client.close()
+        return out
+
+    with EngineThread(path, runner, max_delay_ms=300):
+        out = asyncio.run(scenario())
+    assert len(runner.seen) == 1  # only the second request ran
+    np.testing.assert_array_equal(out, np.full((3, OUT), 4, np.float32))
+
+
+def test_requests_that_find_the_arena_full_travel_inside_their_message(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine_client, "ARENA_BYTES", 1024)  # room for one 60-row float16 request (720 B), not two
+    path = str(tmp_path / "engine.sock")
+    runner = StubRunner("float16")
+    x = np.random.default_rng(2).uniform(-4, 4, (6, 60, *SHAPE)).astype(np.float32)
+
+    async def scenario():
+        client = EngineClient([path], ready_states(), OUT)
+        client.start()
+        await wait_until(lambda: client._wire[0] is not None)
+        futs = [client.submit(r, time.monotonic() + 5, time.monotonic())[1] for r in x]
+        assert len(client._slots) == 1  # the first went to the arena, the rest inline
+        outs = await asyncio.wait_for(asyncio.gather(*futs), 5)
+        assert not client._slots and client._arenas[0].slots_live == 0
+        client.close()
+        return outs
+
+    with EngineThread(path, runner):
+        outs = asyncio.run(scenario())
+    for r, out in zip(x, outs, strict=True):
+        np.testing.assert_array_equal(out, (r.reshape(60, -1)[:, :OUT].astype(np.float16) * 2).astype(np.float32))
