@@ -60,8 +60,9 @@ class EngineClient:
         self._poll: asyncio.TimerHandle | None = None
         self._dead: set[int] = set()
         self._turn = 0
-        # Each engine's wire dtype (service/wire.py), from its HELLO; None until then, and rows go as float32.
-        self._wire: list[np.dtype | None] = [None] * len(endpoints)
+        # Each engine's wire dtype (service/wire.py) as its index into wire.DTYPES, from its HELLO; None until then,
+        # and rows go as float32.
+        self._wire: list[int | None] = [None] * len(endpoints)
         # Each engine's arena (service/arena.py), and the slot of every request whose rows are in one, until the
         # engine answers it.
         self._arenas: list[Arena | None] = [None] * len(endpoints)
@@ -171,8 +172,10 @@ class EngineClient:
         self._pending[rid] = (fut, best)
         load[best] += 1
         headers, frames = self._outbox[best]
-        dtype = self._wire[best] or wire.DTYPES[wire.FLOAT32]
-        code = wire.DTYPES.index(dtype)
+        code = self._wire[best]
+        if code is None:
+            code = wire.FLOAT32
+        dtype = wire.DTYPES[code]
         arena = self._arenas[best]
         slot = arena.take(rows.size * dtype.itemsize) if arena is not None else None
         # beyond float16's range is inf, as the engine's own cast would give
@@ -240,16 +243,18 @@ class EngineClient:
         pending = self._pending
         load = self._load
         out_features = self._out_features
-        dtype = self._wire[i]
+        code = self._wire[i]
+        dtype = None if code is None else wire.DTYPES[code]
         slots = self._slots
         arena = self._arenas[i]
         for message in messages:
             if dtype is None:  # the first message of a connection: the engine's HELLO
                 try:
-                    dtype = self._wire[i] = wire.read_hello(message)
+                    code = self._wire[i] = wire.read_hello(message)
                 except ValueError as e:
                     self._engine_gone(i, f"engine {i}: {e}")
                     return
+                dtype = wire.DTYPES[code]
                 continue
             records, view, at = wire.unpack(message, wire.REPLY)
             for rid, status, n, size in records:

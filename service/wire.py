@@ -75,14 +75,15 @@ def hello(dtype: np.dtype) -> bytes:
     return HELLO.pack(MAGIC, DTYPES.index(np.dtype(dtype)))
 
 
-def read_hello(message) -> np.dtype:
-    """The wire dtype a HELLO announces; ValueError for anything else (an engine of another version)."""
+def read_hello(message) -> int:
+    """The wire dtype a HELLO announces, as its index into DTYPES; ValueError for anything else (an engine of
+    another version)."""
     if len(message) != HELLO.size:
         raise ValueError(f"expected the engine's HELLO ({HELLO.size} bytes), got {len(message)} bytes")
     magic, code = HELLO.unpack(message)
     if magic != MAGIC or code >= len(DTYPES):
         raise ValueError(f"the engine's HELLO is {bytes(message)!r}; this front end speaks {MAGIC!r}")
-    return DTYPES[code]
+    return code
 
 
 def unpack(message, record: struct.Struct) -> tuple[list[tuple], memoryview, int]:

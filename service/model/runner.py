@@ -103,7 +103,7 @@ class ModelRunner:
     def wire_dtype(self) -> np.dtype:
         """The dtype `launch` takes rows in without a cast and `collect` gives outputs in: the serving dtype where
         numpy has one (float16), else float32 (float32, and bfloat16, which numpy lacks)."""
-        return np.dtype(np.float16) if self.executor.dtype == torch.float16 else np.dtype(np.float32)
+        return NUMPY_DTYPES.get(self.executor.dtype, NUMPY_DTYPES[torch.float32])
 
     def run(self, batch: np.ndarray) -> np.ndarray:
         """batch: (rows, *input_shape), any float dtype -> (rows, output_features) float32."""
