@@ -4,6 +4,7 @@
 - an engine says its wire dtype first (HELLO); a front end that has heard it sends rows in that dtype, one that
   has not sends float32, the engine takes both, and the outputs come back widened to float32;
 - a front end that hears something other than a HELLO treats the engine as gone;
+- a front end sends what one loop turn takes in as one message, and every FLUSH_EVERY requests before the turn ends;
 - rows travel in the front end's shared arena: its ring never hands out overlapping slots, a slot comes back when
   the engine answers (a cancelled request's too), and a request that finds the arena full goes inline.
 """
@@ -159,6 +160,59 @@ def test_a_front_end_that_hears_no_hello_treats_the_engine_as_gone(tmp_path):
         with pytest.raises(EngineGone, match="HELLO"):
             await asyncio.wait_for(fut, 5)
         assert client.states() == [wire.STOPPED]
+        conn.close()
+        client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        listener.close()
+
+
+def test_a_long_turn_sends_every_flush_every_requests_and_the_rest_at_its_end(tmp_path):
+    path = str(tmp_path / "engine.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    every = engine_client.FLUSH_EVERY
+    x = np.random.default_rng(3).uniform(-4, 4, (2 * every + 3, 1, *SHAPE)).astype(np.float32)
+
+    def messages(conn, reader, want: int) -> list:
+        """Read until `want` messages came, or nothing is waiting."""
+        got = []
+        while len(got) < want:
+            try:
+                chunk = conn.recv(1 << 20)
+            except BlockingIOError:
+                break
+            assert chunk, "the front end closed its end"
+            got += [bytes(m) for m in reader.feed(chunk)]
+        return got
+
+    async def scenario():
+        client = EngineClient([path], ready_states(), OUT)
+        client.start()
+        conn = await asyncio.get_running_loop().run_in_executor(None, lambda: listener.accept()[0])
+        await wait_until(lambda: client._socks[0] is not None)
+        conn.sendall(link.frame(wire.hello(np.float32)))
+        await wait_until(lambda: client._wire[0] is not None)
+        reader = link.Reader()
+        conn.settimeout(5)
+        assert messages(conn, reader, 1) == [wire.pack([], [])]  # the arena's message
+        # One turn (no await in between): the first 2 * FLUSH_EVERY requests leave as they are taken, in two
+        # messages; the last three wait for the turn's end.
+        counts = []
+        for k, rows in enumerate(x):
+            client.submit(rows, time.monotonic() + 5, time.monotonic())
+            if (k + 1) % every == 0:
+                counts += [len(wire.unpack(m, wire.REQUEST)[0]) for m in messages(conn, reader, 1)]
+        conn.setblocking(False)
+        assert counts == [every, every] and messages(conn, reader, 1) == []
+        await asyncio.sleep(0.01)
+        conn.settimeout(5)
+        last = messages(conn, reader, 1)
+        records = wire.unpack(last[0], wire.REQUEST)[0]
+        assert len(last) == 1 and [r[2] for r in records] == [2 * every + 1, 2 * every + 2, 2 * every + 3]
         conn.close()
         client.close()
 
