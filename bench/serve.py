@@ -100,6 +100,7 @@ class Plan:
     tuning_cache: Path | None
     v2: tuple[str, ...]  # Open Inference Protocol phases: v2_binary, v2_grpc
     v2_rows: int
+    rounds: int  # how many times a fused/unfused pair runs each shared phase
     quick: bool
     seed: int
     out: Path
@@ -223,6 +224,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "default systems leave out empty_grpc [binary,grpc]",
     )
     p.add_argument("--v2-rows", type=int, default=256, help="rows per request of the v2 phases (gRPC: and 1) [256]")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times fused and unfused (at the same worker count) run each phase they share, taking turns; the "
+        "report compares them on the median of the rounds [1]",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: few systems and phases, short windows")
     p.add_argument("--seed", type=int, default=0, help="seed of the request bodies [0]")
 
@@ -267,6 +275,7 @@ def resolve(args: argparse.Namespace) -> Plan:
         tuning_cache=args.tuning_cache,
         v2=args.v2,
         v2_rows=args.v2_rows,
+        rounds=max(1, args.rounds),
         quick=quick,
         seed=args.seed,
         out=args.out,

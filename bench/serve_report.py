@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -88,13 +89,15 @@ def targets(results: dict) -> list[dict]:
 
     pairs = fused_unfused_pairs(results)
     if pairs:
-        slower = [(f, u) for f, u in pairs if f["req_per_s"] < (1 - UNFUSED_NOISE) * u["req_per_s"]]
-        worst = min(pairs, key=lambda p: p[0]["req_per_s"] / max(p[1]["req_per_s"], 1e-9))
-        w = worst[0]["req_per_s"] / max(worst[1]["req_per_s"], 1e-9)
+        ratios = [(pair_ratio(f, u)[0], f[0]) for f, u in pairs]
+        slower = [x for x, _ in ratios if x < 1 - UNFUSED_NOISE]
+        worst, wr = min(ratios, key=lambda t: t[0])
+        rounds = max(len(f) for f, _ in pairs)
+        of = f" (median of {rounds} rounds)" if rounds > 1 else ""
         add(f"fused at least as fast as unfused in every phase (within {UNFUSED_NOISE:.0%})",
-            f"{len(pairs) - len(slower)} of {len(pairs)} phases; lowest fused/unfused {w:.3f} "
-            f"({_phase_name(worst[0])})", not slower)  # fmt: skip
-        fw = [(f["server"].get("forward_us"), u["server"].get("forward_us")) for f, u in pairs]
+            f"{len(pairs) - len(slower)} of {len(pairs)} phases{of}; lowest fused/unfused {worst:.3f} "
+            f"({_phase_name(wr)})", not slower)  # fmt: skip
+        fw = [(median_of(f, "forward_us"), median_of(u, "forward_us")) for f, u in pairs]
         fw = [(a, b) for a, b in fw if a is not None and b is not None]
         if fw:
             lower = sum(1 for a, b in fw if a < b)
@@ -160,21 +163,79 @@ def _phase_name(r: dict) -> str:
     return base + (f", {r['rate']:.0f}/s" if r.get("rate") else "")
 
 
-def fused_unfused_pairs(results: dict) -> list[tuple[dict, dict]]:
-    index = {}
+def fused_unfused_pairs(results: dict) -> list[tuple[list[dict], list[dict]]]:
+    """Every closed-loop phase both modes ran at one worker count: (fused's rounds, unfused's rounds), in run order."""
+    index: dict[tuple, list[dict]] = {}
     for r in results["phases"]:
         if r["name"] in ("fused", "unfused") and r["kind"] == "closed":
-            index[(r["name"], r["workers"], r["rows"], r["connections"], r.get("protocol", "predict"))] = r
+            k = (r["name"], r["workers"], r["rows"], r["connections"], r.get("protocol", "predict"))
+            index.setdefault(k, []).append(r)
     return [
-        (r, index[("unfused", *k[1:])]) for k, r in index.items() if k[0] == "fused" and ("unfused", *k[1:]) in index
+        (rs, index[("unfused", *k[1:])]) for k, rs in index.items() if k[0] == "fused" and ("unfused", *k[1:]) in index
     ]
+
+
+def pair_ratio(fused: list[dict], unfused: list[dict]) -> tuple[float, list[float]]:
+    """fused/unfused req/s: the median over rounds (each round's pair ran back to back), and every round's."""
+    ratios = [f["req_per_s"] / max(u["req_per_s"], 1e-9) for f, u in zip(fused, unfused, strict=False)]
+    return statistics.median(ratios), ratios
+
+
+def median_of(phases: list[dict], key: str) -> float | None:
+    vals = [r["server"].get(key) for r in phases if r["server"].get(key) is not None]
+    return statistics.median(vals) if vals else None
 
 
 # ------------------------------------------------------------------------------------------- markdown
 
 
+def by_system(phases: list[dict], protocol: str | None) -> list[dict]:
+    """Closed-loop phases (of `protocol`, or of every protocol but /predict's when None) grouped by system, in the
+    order systems first ran, each system's in the order they ran (fused and unfused phases interleave in a run)."""
+    first: dict[str, int] = {}
+    for i, r in enumerate(phases):
+        first.setdefault(r["system"], i)
+    mine = [
+        (first[r["system"]], i, r)
+        for i, r in enumerate(phases)
+        if r["kind"] == "closed" and (r.get("protocol", "predict") == protocol if protocol else True)
+    ]
+    return [r for _, _, r in sorted(mine, key=lambda t: t[:2])]
+
+
+def fused_unfused_table(results: dict) -> list[str]:
+    pairs = fused_unfused_pairs(results)
+    if not pairs:
+        return []
+    lines = [
+        "", "## Fused against unfused, phase by phase", "",
+        "Both servers of a worker count ran at the same time and took turns phase by phase (who went first "
+        "alternating), so each pair saw the same minutes of the host. fused/unfused: the ratio of answered "
+        "requests per second (with several rounds: the median of each round's ratio, and their range); req/s, "
+        "forward and rows per batch (each server's /metrics): medians over the rounds.", "",
+        "| workers | protocol | rows | conns | fused req/s | unfused req/s | fused/unfused | forward µs/batch fused "
+        "/ unfused | rows/batch fused / unfused |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for f, u in pairs:
+        x, each = pair_ratio(f, u)
+        mark = f"**{x:.3f}**" if x < 1 - UNFUSED_NOISE else f"{x:.3f}"
+        if len(each) > 1:
+            mark += f" ({min(each):.2f}-{max(each):.2f})"
+        r = f[0]
+        lines.append(
+            f"| {r['workers']} | {r.get('protocol', 'predict')} | {r['rows']} | {r['connections']} | "
+            f"{_n(statistics.median(p['req_per_s'] for p in f))} | {_n(statistics.median(p['req_per_s'] for p in u))}"
+            f" | {mark} | {_f(median_of(f, 'forward_us'), '.1f')} / {_f(median_of(u, 'forward_us'), '.1f')} | "
+            f"{_f(median_of(f, 'batch_rows'), '.1f')} / {_f(median_of(u, 'batch_rows'), '.1f')} |"
+        )
+    return lines
+
+
 def _closed_row(r: dict, name: str) -> str:
     lat, s = r["latency_ms"], r["server"]
+    if r.get("round"):
+        name += f" (round {r['round'] + 1})"
     return (
         f"| {name} | {r['workers']} | {r['rows']} | {r['connections']} | {_n(r['req_per_s'])} | "
         f"{_n(r['rows_per_s'])} | {_f(lat['p50'])} | {_f(lat['p90'])} | {_f(lat['p99'])} | "
@@ -213,11 +274,8 @@ def markdown(results: dict) -> str:
         "forward µs/batch | rows/batch | lost |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in results["phases"]:
-        if r["kind"] != "closed" or r.get("protocol", "predict") != "predict":
-            continue
-        lines.append(_closed_row(r, r["name"]))
-    v2 = [r for r in results["phases"] if r["kind"] == "closed" and r.get("protocol", "predict") != "predict"]
+    lines += [_closed_row(r, r["name"]) for r in by_system(results["phases"], "predict")]
+    v2 = by_system([r for r in results["phases"] if r.get("protocol", "predict") != "predict"], None)
     if v2:
         lines += [
             "", "## Open Inference Protocol (closed loop)", "",
@@ -236,6 +294,7 @@ def markdown(results: dict) -> str:
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]  # fmt: skip
         lines += [_closed_row(r, f"{r['name']} ({r['protocol']})") for r in v2]
+    lines += fused_unfused_table(results)
     opens = [r for r in results["phases"] if r["kind"] == "open"]
     lines += ["", "## Open loop (fixed rate, single-row)", ""]
     if opens:

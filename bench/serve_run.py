@@ -5,7 +5,9 @@ Order: the systems as given; by default the empty route first (so that `--rates 
 empty gRPC server, fusedserve fused and unfused, and the eager app last, so that a run short of time loses the
 optional first. For each system: its closed-loop phases (every rows x connections), its open-loop phases, and, for
 the SIGTERM system (fused at N workers by default), a last phase in which SIGTERM is the stop. The empty gRPC
-server (no HTTP) has only its single-row gRPC phases, at the connection counts of fusedserve's.
+server (no HTTP) has only its single-row gRPC phases, at the connection counts of fusedserve's. Fused and unfused
+at the same worker count are one A/B pair: both servers run at once (idle, a server costs the other nothing) and
+take turns phase by phase, so the comparison is not spread over minutes of a host whose speed drifts.
 
 Time budget: each phase costs warm-up + duration + what phases took beyond that so far (0.5 s before the
 first: drain, /metrics, set-up); each start what the same kind of server took before in this run (the first
@@ -296,6 +298,52 @@ def grpc_ceiling_phases(system: System, plan: Plan) -> list[dict]:
     ]
 
 
+def pair_up(work: list[tuple[System, list[dict]]]) -> list[list[tuple[System, list[dict]]]]:
+    """Groups of systems whose servers run at the same time: fused and unfused at the same worker count (at the
+    first one's place in the order), every other system alone. A pair's phases interleave (interleave()), so the
+    A/B comparison sees the same minutes of a host whose speed drifts by a quarter over a run."""
+    groups: list[list[tuple[System, list[dict]]]] = []
+    placed: dict[tuple[str, int], list] = {}
+    for system, phases in work:
+        if system.fusedserve:
+            other = placed.get(("unfused" if system.name == "fused" else "fused", system.workers))
+            if other is not None and len(other) == 1:
+                other.append((system, phases))
+                continue
+        group = [(system, phases)]
+        placed[(system.name, system.workers)] = group
+        groups.append(group)
+    return groups
+
+
+def interleave(lists: list[list[dict]], rounds: int = 1) -> list[tuple[int, dict]]:
+    """The order a group's phases run in, as (member, phase): a phase every member has runs once per member back to
+    back, who goes first alternating from one such phase to the next, and the whole sequence of shared phases
+    `rounds` times (each repeat a copy with its "round"); phases only some members have follow once, in each
+    member's order, and a SIGTERM phase (which ends its server) comes last."""
+
+    def key(p: dict) -> tuple:
+        return p["kind"], p.get("protocol", "predict"), p["rows"], p["connections"]
+
+    keys = [{key(p) for p in phases} for phases in lists]
+    shared_keys = [
+        key(p) for p in (lists[0] if lists else []) if p["kind"] != "sigterm" and all(key(p) in k for k in keys[1:])
+    ]
+    shared, own = [], []
+    flip = 0
+    for r in range(rounds if len(lists) > 1 else 1):
+        for k in shared_keys:
+            members = [(m, next(q for q in lists[m] if key(q) == k)) for m in range(len(lists))]
+            if flip:
+                members.reverse()
+            flip ^= 1
+            shared += [(m, {**p, "round": r} if r else p) for m, p in members]
+    for m, phases in enumerate(lists):
+        own += [(m, p) for p in phases if key(p) not in shared_keys]
+    own.sort(key=lambda mp: mp[1]["kind"] == "sigterm")
+    return shared + own
+
+
 def pick_sigterm_system(plan: Plan) -> System | None:
     fs = [s for s in plan.systems if s.fusedserve]
     if not fs:
@@ -413,6 +461,7 @@ def run_phase(pool: ClientPool, server: Server, system: System, phase: dict, pla
         "protocol": protocol,
         "rows": rows,
         "connections": phase["connections"],
+        "round": phase.get("round", 0),
         "rate": rate or None,
         "duration_s": plan.duration_s,
         "elapsed_s": round(client["elapsed_s"], 4),
@@ -448,6 +497,8 @@ def _describe(r: dict) -> str:
     what = f"{r['kind']} rows={r['rows']} conns={r['connections']}" + (f" rate={r['rate']:.0f}" if r["rate"] else "")
     if r.get("protocol", "predict") != "predict":
         what += f" {r['protocol']}"
+    if r.get("round"):
+        what += f" (round {r['round'] + 1})"
     verdict = "ok" if r["ok"] else "LOST: " + "; ".join(r["accounting"]["problems"])
     return f"  {r['system']:<11} {what:<40} {r['req_per_s']:>9.0f} req/s  p50 {p50} p99 {p99} ms  {verdict}"
 
@@ -578,7 +629,7 @@ class _Run:
                 if "v2_grpc" in plan.v2:
                     self.bodies["v2_grpc", rows] = serve_v2.grpc_bodies(rows, 16, plan.seed)
         sigterm_system = pick_sigterm_system(plan)
-        self.work = [(s, phase_list(s, plan, sigterm_system)) for s in plan.systems]
+        self.work = pair_up([(s, phase_list(s, plan, sigterm_system)) for s in plan.systems])
         self.peaks: dict[str, float] = {}
         self.live: list[Server] = []
         self.pool: ClientPool | None = None
@@ -589,17 +640,18 @@ class _Run:
 
     def all(self) -> None:
         plan = self.plan
-        groups = sum(len(p) for _, p in self.work)
-        print(f"bench serve: {len(self.work)} systems, {groups} phase groups; {plan.clients} client processes "
+        groups = sum(len(p) for group in self.work for _, p in group)
+        print(f"bench serve: {len(plan.systems)} systems, {groups} phase groups; {plan.clients} client processes "
               f"({plan.client}); budget {plan.time_budget_s:g} s; logs {self.tmp}", flush=True)  # fmt: skip
         self.pool = ClientPool(plan.clients)
         previous = {s: signal.signal(s, self._interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            for i, (system, phases) in enumerate(self.work):
+            for i, group in enumerate(self.work):
                 if self.interrupted:
-                    self.skip(system, "every phase", "interrupted (SIGTERM/SIGINT)")
+                    for system, _ in group:
+                        self.skip(system, "every phase", "interrupted (SIGTERM/SIGINT)")
                     continue
-                self.system(system, phases, self.work[i + 1 :])
+                self.group(group, [member for later in self.work[i + 1 :] for member in later])
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -614,17 +666,72 @@ class _Run:
         self.interrupted = True
         print(f"bench serve: {signal.Signals(signum).name}: finishing the phase under way, then the report", flush=True)
 
-    def system(self, system: System, phases: list[dict], later: list) -> None:
+    def group(self, members: list[tuple[System, list[dict]]], later: list) -> None:
+        """Start each member's server (one after another: a first fused start tunes kernels on the GPU, and must have
+        it alone), run their phases in interleave()'s order, and stop them."""
         budget = self.budget
-        if not phases:  # empty_grpc in a run without gRPC phases (bench.serve refuses that plan)
-            self.skip(system, "every phase", "no phase of this system in the run")
-            return
-        cheapest = min((budget.phase_cost(p) for p in phases), default=0.0)
-        essential = any(p["priority"] == 1 for p in phases)
-        need = budget.start_cost(system) + cheapest
-        if budget.left() < need or (not essential and budget.left() - budget.reserve(later) < need):
-            self.skip(system, "every phase", "time budget")
-            return
+        live: list[tuple[System, Server, dict]] = []
+        for k, (system, phases) in enumerate(members):
+            if not phases:  # empty_grpc in a run without gRPC phases (bench.serve refuses that plan)
+                self.skip(system, "every phase", "no phase of this system in the run")
+                continue
+            cheapest = min(budget.phase_cost(p) for p in phases)
+            essential = any(p["priority"] == 1 for p in phases)
+            need = budget.start_cost(system) + cheapest
+            after = budget.reserve([*members[k + 1 :], *later])
+            if budget.left() < need or (not essential and budget.left() - after < need):
+                self.skip(system, "every phase", "time budget")
+                continue
+            started = self._start(system)
+            if started is not None:
+                live.append((system, *started))
+        schedule = interleave(
+            [phases for system, phases in members if any(system is s for s, _, _ in live)], self.plan.rounds
+        )
+        servers = {id(system): (server, info) for system, server, info in live}
+        systems = [system for system, _, _ in live]
+        for n, (k, phase) in enumerate(schedule):
+            system = systems[k]
+            server, info = servers[id(system)]
+            what = f"{phase['kind']} rows={phase['rows']} conns={phase['connections']}"
+            if phase.get("protocol", "predict") != "predict":
+                what += f" {phase['protocol']}"
+            if self.interrupted:
+                self.skip(system, what, "interrupted")
+                continue
+            if server.proc.poll() is not None:
+                if "exit" not in info:
+                    why = f"exited ({server.proc.returncode}) before its phases ended"
+                    info["exit"] = {"rc": server.proc.returncode, "seconds": 0.0, "graceful": False, "why": why}
+                    self.results["problems"].append(f"{system.key} {why}")
+                self.skip(system, what, "its server had exited")
+                continue
+            rest = [p for _, p in schedule[n + 1 :]]
+            keep = budget.reserve(later) + sum(budget.phase_cost(p) for p in rest if p["priority"] == 1) + 2.0
+            if phase["kind"] == "open":
+                for rate, why in _open_rates(self.plan, system, self.peaks):
+                    if why or budget.left() - keep < budget.phase_cost(phase):
+                        self.skip(system, f"open rows=1 rate={rate:.0f}", why or "time budget")
+                    else:
+                        self.phase(server, system, phase, rate)
+                continue
+            cost = budget.phase_cost(phase)
+            if budget.left() - keep < cost and (phase["priority"] > 1 or budget.left() < cost):
+                self.skip(system, what, "time budget")
+                continue
+            if phase["kind"] == "sigterm":  # its server's last phase, run alone: the others stop first
+                for other, (other_server, other_info) in servers.items():
+                    if other != id(system):
+                        self._stop(other_server, other_info)
+            r = self.phase(server, system, phase)
+            if r and phase["kind"] == "closed" and phase["rows"] == 1 and r["protocol"] == "predict":
+                self.peaks[system.key] = max(self.peaks.get(system.key, 0.0), r["req_per_s"])
+            if r and phase["kind"] == "sigterm":
+                info["exit"] = r["exit"]
+        for server, info in servers.values():
+            self._stop(server, info)
+
+    def _start(self, system: System) -> tuple[Server, dict] | None:
         server = Server(system, self.plan, self.tmp, self.tuning_cache)
         self.live.append(server)
         t_start = time.monotonic()
@@ -637,47 +744,24 @@ class _Run:
             self.results["servers"].append({"system": system.key, "ready": False, "error": str(e)})
             self.results["problems"].append(f"{system.key} did not start: {str(e).splitlines()[0]}")
             print(f"{system.key}: did not start: {e}", flush=True)
-            return
+            return None
         ready_s = time.monotonic() - t_start
-        budget.starts[system.name] = max(budget.starts.get(system.name, 0.0), ready_s)
+        self.budget.starts[system.name] = max(self.budget.starts.get(system.name, 0.0), ready_s)
         print(f"{system.key}: ready in {ready_s:.1f} s on port {server.port}", flush=True)
         info = {"system": system.key, "ready": True, "ready_s": round(ready_s, 2), "port": server.port}
         self.results["servers"].append(info)
-        for k, phase in enumerate(phases):
-            if self.interrupted:
-                self.skip(system, f"{phase['kind']} rows={phase['rows']} conns={phase['connections']}", "interrupted")
-                continue
-            if server.proc.poll() is not None:
-                self.results["problems"].append(
-                    f"{system.key} exited ({server.proc.returncode}) before its phases ended"
-                )
-                break
-            rest = phases[k + 1 :]
-            keep = budget.reserve(later) + sum(budget.phase_cost(p) for p in rest if p["priority"] == 1) + 2.0
-            if phase["kind"] == "open":
-                for rate, why in _open_rates(self.plan, system, self.peaks):
-                    what = f"open rows=1 rate={rate:.0f}"
-                    if why or budget.left() - keep < budget.phase_cost(phase):
-                        self.skip(system, what, why or "time budget")
-                    else:
-                        self.phase(server, system, phase, rate)
-                continue
-            what = f"{phase['kind']} rows={phase['rows']} conns={phase['connections']}"
-            if phase.get("protocol", "predict") != "predict":
-                what += f" {phase['protocol']}"
-            cost = budget.phase_cost(phase)
-            if budget.left() - keep < cost and (phase["priority"] > 1 or budget.left() < cost):
-                self.skip(system, what, "time budget")
-                continue
-            r = self.phase(server, system, phase)
-            if r and phase["kind"] == "closed" and phase["rows"] == 1 and r["protocol"] == "predict":
-                self.peaks[system.key] = max(self.peaks.get(system.key, 0.0), r["req_per_s"])
-            if r and phase["kind"] == "sigterm":
-                info["exit"] = r["exit"]
+        return server, info
+
+    def _stop(self, server: Server, info: dict) -> None:
+        """SIGTERM, once, unless the server already exited (its SIGTERM phase, or a crash)."""
+        if server not in self.live:
+            return
         if "exit" not in info:
             info["exit"] = server.stop()
             if not info["exit"]["graceful"]:
-                self.results["problems"].append(f"{system.key} did not stop cleanly: {info['exit']['why']}")
+                self.results["problems"].append(f"{info['system']} did not stop cleanly: {info['exit']['why']}")
+        else:
+            server.kill()  # reaps what is left; the SIGTERM phase already judged its exit
         self.live.remove(server)
 
     def phase(self, server: Server, system: System, phase: dict, rate: float = 0.0) -> dict | None:

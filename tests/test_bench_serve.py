@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from bench import serve as serve_cli
+from bench import serve_report
 from bench.loadgen import ClientPool, PhaseSpec, make_bodies, merge, percentiles
 from bench.serve_accounting import account, delta, parse_metrics, server_split
 from bench.serve_report import targets
@@ -374,3 +375,56 @@ def test_empty_grpc_server_answers_as_fusedserve_and_exits_0_on_sigterm(tmp_path
         assert proc.log().count("serving on") == workers and f"{workers} worker(s) stopped" in proc.log()
     finally:
         proc.stop()
+
+
+def test_fused_and_unfused_at_one_worker_count_run_together_and_take_turns():
+    from bench.serve_run import interleave, pair_up, phase_list, pick_sigterm_system
+
+    args = argparse.ArgumentParser()
+    serve_cli.add_arguments(args)
+    plan = serve_cli.resolve(args.parse_args(["--workers", "8"]))
+    sig = pick_sigterm_system(plan)
+    groups = pair_up([(s, phase_list(s, plan, sig)) for s in plan.systems])
+    keys = [[s.key for s, _ in g] for g in groups]
+    # Each pair at the first one's place; everything else alone, in the order given.
+    assert keys == [["empty@1"], ["empty@8"], ["empty_grpc@1"], ["empty_grpc@8"], ["fused@1", "unfused@1"],
+                    ["fused@8", "unfused@8"], ["eager@8"], ["eager@1"]]  # fmt: skip
+    fused8, unfused8 = groups[5]
+    order = interleave([fused8[1], unfused8[1]])
+    # Every phase of both, once; shared phases back to back with the first mover alternating; SIGTERM last.
+    assert sorted(map(repr, order)) == sorted(repr((m, p)) for m, ps in enumerate([fused8[1], unfused8[1]]) for p in ps)
+    assert order[-1][0] == 0 and order[-1][1]["kind"] == "sigterm"
+    shared = order[:-1]
+    assert len(shared) == 2 * (len(fused8[1]) - 1) == 2 * len(unfused8[1])
+    for i in range(0, len(shared), 2):
+        (m1, p1), (m2, p2) = shared[i], shared[i + 1]
+        assert {m1, m2} == {0, 1} and {**p1, "priority": 0} == {**p2, "priority": 0}  # v2: essential for fused
+        assert m1 == (i // 2) % 2  # fused first, then unfused first, ...
+    # A member alone keeps its own order.
+    assert interleave([fused8[1]]) == [(0, p) for p in fused8[1]]
+    # Rounds: the shared phases again and again (each repeat marked), still alternating; the SIGTERM phase once, last.
+    three = interleave([fused8[1], unfused8[1]], rounds=3)
+    assert len(three) == 3 * len(shared) + 1 and three[-1][1]["kind"] == "sigterm"
+    assert [p.get("round", 0) for _, p in three[:-1]] == [r for r in range(3) for _ in shared]
+    assert [m for m, _ in three[:-1]] == [(i // 2 + (i % 2)) % 2 for i in range(3 * len(shared))]
+
+
+def test_fused_against_unfused_is_judged_on_the_median_of_the_rounds():
+    def phase(name, rnd, req_s, forward):
+        return {"system": f"{name}@1", "name": name, "workers": 1, "kind": "closed", "protocol": "predict", "rows": 1,
+                "connections": 64, "round": rnd, "req_per_s": req_s, "rows_per_s": req_s, "ok": True,
+                "server": {"forward_us": forward, "batch_rows": 8.0}}  # fmt: skip
+
+    # Round 2 alone would read 0.80 (a slow window); the median of 1.05, 0.80 and 1.01 is 1.01.
+    rounds = [(1050, 1000), (800, 1000), (1010, 1000)]
+    phases = [
+        p for r, (f, u) in enumerate(rounds) for p in (phase("fused", r, f, 40.0 + r), phase("unfused", r, u, 50.0))
+    ]
+    results = {"phases": phases}
+    (pair,) = serve_report.fused_unfused_pairs(results)
+    assert serve_report.pair_ratio(*pair) == (1.01, [1.05, 0.8, 1.01])
+    table = "\n".join(serve_report.fused_unfused_table(results))
+    assert "| 1 | predict | 1 | 64 | 1,010 | 1,000 | 1.010 (0.80-1.05) | 41.0 / 50.0 | 8.0 / 8.0 |" in table
+    # One round at 0.80 is a miss.
+    single = serve_report.fused_unfused_pairs({"phases": phases[2:4]})
+    assert serve_report.pair_ratio(*single[0])[0] == 0.8
