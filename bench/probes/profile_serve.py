@@ -26,6 +26,7 @@ import numpy as np
 from bench.loadgen import ClientPool, PhaseSpec, make_bodies
 from bench.serve_accounting import delta, scrape, server_split
 
+SAMPLE_HZ, SAMPLE_S = 400, 4  # py-spy's rate and duration: a process busy all the time gives 1,600 samples
 GROUPS = (
     ("service/", "fusedserve"),
     ("bench/serve_apps", "app"),
@@ -77,7 +78,9 @@ def _summary(path: Path, top: int = 22) -> str:
         leaf = stack.split(";")[-1]
         own[leaf] += k
         groups[next((g for key, g in GROUPS if key in leaf), "other")] += k
-    lines = [f"{path.name}: {total} samples (idle excluded)", "  by file group (own time):"]
+    busy = total / (SAMPLE_HZ * SAMPLE_S)
+    lines = [f"{path.name}: {total} samples (idle excluded: busy {busy:.0%} of the time)"]
+    lines.append("  by file group (own time):")
     lines += [f"    {100 * v / total:5.1f}% {g}" for g, v in groups.most_common()]
     lines.append("  top frames (own time):")
     lines += [f"    {100 * v / total:5.1f}% {f[:150]}" for f, v in own.most_common(top)]
@@ -100,7 +103,8 @@ def profile(name: str, argv: list[str], port: int, pick, out: Path, a, spec_args
             time.sleep(max(0.0, start_at - time.monotonic()) + 1.0)
             for label, pid in targets.items():
                 path = out / f"profile_{name}_{label}.txt"
-                cmd = ["py-spy", "record", "-p", str(pid), "-d", "4", "-r", "400", "-f", "raw", "-o", str(path)]
+                cmd = ["py-spy", "record", "-p", str(pid), "-d", str(SAMPLE_S), "-r", str(SAMPLE_HZ), "-f", "raw",
+                       "-o", str(path)]  # fmt: skip
                 samplers.append((path, subprocess.Popen([*cmd, "--nonblocking"], stdout=subprocess.DEVNULL)))
 
         with ClientPool(min(a.clients, a.conns)) as pool:
