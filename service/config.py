@@ -45,6 +45,13 @@ class Settings(BaseSettings):
         description="longest an idle engine holds a partial batch for more requests (0: an idle engine runs what "
         "it has at once; while it is busy, arrivals gather into the next batch anyway)",
     )
+    engine_spin_ms: float = Field(
+        2.0,
+        ge=0,
+        le=1_000,
+        description="how long a CUDA engine polls for the next request after a batch before it sleeps (its core "
+        "is busy meanwhile: 0 on a host whose cores are shared)",
+    )
     max_rows_per_request: int | None = Field(
         None, ge=1, description="most rows in one request (default: max_batch_size; never more than it)"
     )

@@ -31,9 +31,6 @@ from .processes import child_setup, configure_logging
 log = logging.getLogger("fusedserve.engine")
 
 IDLE_POLL_S = 0.1  # how often an idle engine looks at its stop flag
-# After its last batch a CUDA engine polls without sleeping this long before it blocks: a request that comes
-# meanwhile (the next one of a client that just got its answer) finds a running thread, not a sleeping core.
-SPIN_S = 0.002
 EXIT_DEVICE_BROKEN = 4  # the engine's exit code after a sticky device error (3: it failed to start)
 
 
@@ -54,7 +51,10 @@ class Engine:
             max_delay_s=settings.max_delay_ms / 1e3,
         )
         self.stopping = False
-        self.spin_s = 0.0  # set for CUDA engines (engine_main): a CPU engine shares its cores with the front ends
+        # After its last batch a CUDA engine polls without sleeping this long (settings.engine_spin_ms) before it
+        # blocks: a request that comes meanwhile finds a running thread, not a sleeping core. Set for CUDA engines
+        # (engine_main); a CPU engine shares its cores with the front ends.
+        self.spin_s = 0.0
         self.device_type = "cpu"  # set by engine_main; decides how a failed forward is diagnosed (service/faults.py)
         self.on_broken = None  # called once the device is found broken, before any request is answered 503
         self._replies: dict[int, tuple[list[bytes], list]] = {}
@@ -381,7 +381,7 @@ def engine_main(
         engine.device_type = device.type
         engine.on_broken = lambda: setattr(state, "value", wire.BROKEN)
         if device.type == "cuda":
-            engine.spin_s = SPIN_S
+            engine.spin_s = settings.engine_spin_ms / 1e3
         if index == 0:
             from .state import write_plan
 

@@ -55,6 +55,7 @@ def test_defaults():
     assert s.allow_tf32 is False
     assert s.max_batch_size == 1024
     assert s.max_delay_ms == 0.0
+    assert s.engine_spin_ms == 2.0
     assert s.max_rows_per_request == 1024  # defaults to max_batch_size
     assert s.max_queue_requests == 1024
     assert s.request_timeout_ms == 30_000
@@ -74,9 +75,9 @@ def test_defaults():
     assert s.max_connections == 2048 and s.header_timeout_s == 10.0 and s.body_timeout_s == 30.0
     assert set(FIELDS) == {
         "mode", "device", "model", "model_dir", "dtype", "allow_tf32", "max_batch_size", "max_delay_ms",
-        "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "kernel_timing_every", "cuda_graphs",
-        "tuning", "tuning_timing", "tuning_cache", "pdl", "warmup", "workers", "engines", "shutdown_grace_s",
-        "max_connections", "header_timeout_s", "body_timeout_s",
+        "engine_spin_ms", "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "kernel_timing_every",
+        "cuda_graphs", "tuning", "tuning_timing", "tuning_cache", "pdl", "warmup", "workers", "engines",
+        "shutdown_grace_s", "max_connections", "header_timeout_s", "body_timeout_s",
         "host", "port", "grpc_port", "log_level",
     }  # fmt: skip
 
