@@ -159,7 +159,9 @@ def grpc_ceiling_text(results: dict, workers: int, fused_grpc: dict | None) -> s
 
 
 def _phase_name(r: dict) -> str:
-    base = f"{r['system']} {r['rows']} row{'s' if r['rows'] > 1 else ''}, {r['connections']} conns"
+    proto = r.get("protocol", "predict")
+    base = f"{r['system']}{'' if proto == 'predict' else ' ' + proto} {r['rows']} row{'s' if r['rows'] > 1 else ''}, "
+    base += f"{r['connections']} conns"
     return base + (f", {r['rate']:.0f}/s" if r.get("rate") else "")
 
 
