@@ -3,7 +3,8 @@
 Engine -> front end, first on every connection: HELLO (magic, the engine's wire dtype).
 Front end -> engine, first on every connection: an empty message carrying the front end's arena (service/arena.py)
     as a file descriptor (SCM_RIGHTS), when it has one.
-Front end -> engine, one message per event-loop turn, holding every request the front end took in that turn:
+Front end -> engine, one message per event-loop turn (or per FLUSH_EVERY requests of a long one), holding the
+    requests the front end took in since its last message:
     COUNT (records), then that many REQUEST records (kind, dtype, id, rows, offset, deadline, arrival), one per
     request or cancellation, then the rows of each SUBMIT record in order (C-contiguous, (rows, *input_shape), in
     its dtype); a SUBMIT_SHARED record's rows are in the arena at `offset` instead
