@@ -490,15 +490,21 @@ def run_phase(pool: ClientPool, server: Server, system: System, phase: dict, pla
     return result
 
 
+def phase_label(p: dict, rate: float | None = None) -> str:
+    """A phase (planned, or its result) as the progress lines and the skipped list name it."""
+    what = f"{p['kind']} rows={p['rows']} conns={p['connections']}" + (f" rate={rate:.0f}" if rate else "")
+    if p.get("protocol", "predict") != "predict":
+        what += f" {p['protocol']}"
+    if p.get("round"):
+        what += f" (round {p['round'] + 1})"
+    return what
+
+
 def _describe(r: dict) -> str:
     lat = r["latency_ms"]
     p50 = "-" if lat["p50"] is None else f"{lat['p50']:.2f}"
     p99 = "-" if lat["p99"] is None else f"{lat['p99']:.2f}"
-    what = f"{r['kind']} rows={r['rows']} conns={r['connections']}" + (f" rate={r['rate']:.0f}" if r["rate"] else "")
-    if r.get("protocol", "predict") != "predict":
-        what += f" {r['protocol']}"
-    if r.get("round"):
-        what += f" (round {r['round'] + 1})"
+    what = phase_label(r, r["rate"])
     verdict = "ok" if r["ok"] else "LOST: " + "; ".join(r["accounting"]["problems"])
     return f"  {r['system']:<11} {what:<40} {r['req_per_s']:>9.0f} req/s  p50 {p50} p99 {p99} ms  {verdict}"
 
@@ -670,7 +676,7 @@ class _Run:
         """Start each member's server (one after another: a first fused start tunes kernels on the GPU, and must have
         it alone), run their phases in interleave()'s order, and stop them."""
         budget = self.budget
-        live: list[tuple[System, Server, dict]] = []
+        live: dict[System, tuple[Server, dict]] = {}  # member order
         for k, (system, phases) in enumerate(members):
             if not phases:  # empty_grpc in a run without gRPC phases (bench.serve refuses that plan)
                 self.skip(system, "every phase", "no phase of this system in the run")
@@ -684,18 +690,13 @@ class _Run:
                 continue
             started = self._start(system)
             if started is not None:
-                live.append((system, *started))
-        schedule = interleave(
-            [phases for system, phases in members if any(system is s for s, _, _ in live)], self.plan.rounds
-        )
-        servers = {id(system): (server, info) for system, server, info in live}
-        systems = [system for system, _, _ in live]
+                live[system] = started
+        schedule = interleave([phases for system, phases in members if system in live], self.plan.rounds)
+        systems = list(live)
         for n, (k, phase) in enumerate(schedule):
             system = systems[k]
-            server, info = servers[id(system)]
-            what = f"{phase['kind']} rows={phase['rows']} conns={phase['connections']}"
-            if phase.get("protocol", "predict") != "predict":
-                what += f" {phase['protocol']}"
+            server, info = live[system]
+            what = phase_label(phase)
             if self.interrupted:
                 self.skip(system, what, "interrupted")
                 continue
@@ -711,7 +712,7 @@ class _Run:
             if phase["kind"] == "open":
                 for rate, why in _open_rates(self.plan, system, self.peaks):
                     if why or budget.left() - keep < budget.phase_cost(phase):
-                        self.skip(system, f"open rows=1 rate={rate:.0f}", why or "time budget")
+                        self.skip(system, phase_label(phase, rate), why or "time budget")
                     else:
                         self.phase(server, system, phase, rate)
                 continue
@@ -720,15 +721,15 @@ class _Run:
                 self.skip(system, what, "time budget")
                 continue
             if phase["kind"] == "sigterm":  # its server's last phase, run alone: the others stop first
-                for other, (other_server, other_info) in servers.items():
-                    if other != id(system):
+                for other, (other_server, other_info) in live.items():
+                    if other != system:
                         self._stop(other_server, other_info)
             r = self.phase(server, system, phase)
             if r and phase["kind"] == "closed" and phase["rows"] == 1 and r["protocol"] == "predict":
                 self.peaks[system.key] = max(self.peaks.get(system.key, 0.0), r["req_per_s"])
             if r and phase["kind"] == "sigterm":
                 info["exit"] = r["exit"]
-        for server, info in servers.values():
+        for server, info in live.values():
             self._stop(server, info)
 
     def _start(self, system: System) -> tuple[Server, dict] | None:
@@ -772,9 +773,7 @@ class _Run:
             r = run_phase(self.pool, server, system, phase, self.plan, self.bodies, rate)
             self.budget.observe(time.monotonic() - t0)
         except (RuntimeError, TimeoutError, OSError) as e:
-            what = f"{phase['kind']} rows={phase['rows']} conns={phase['connections']}" + (
-                f" rate={rate:.0f}" if rate else ""
-            )
+            what = phase_label(phase, rate)
             self.results["problems"].append(f"{system.key} {what}: could not run: {type(e).__name__}: {e}")
             print(f"  {system.key:<11} {what}: could not run: {type(e).__name__}: {e}", flush=True)
             self.pool.close()

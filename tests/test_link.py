@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -117,6 +118,28 @@ async def wait_until(check, timeout_s: float = 5.0):
         await asyncio.sleep(0.005)
 
 
+@contextlib.contextmanager
+def not_an_engine(tmp_path):
+    """A listening Unix socket the test answers on instead of an engine: (its path, the listener)."""
+    path = str(tmp_path / "engine.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    try:
+        yield path, listener
+    finally:
+        listener.close()
+
+
+async def connect_client(path: str, listener) -> tuple[EngineClient, socket.socket]:
+    """An EngineClient connected to `listener`, and the test's end of that connection."""
+    client = EngineClient([path], ready_states(), OUT)
+    client.start()
+    conn = await asyncio.get_running_loop().run_in_executor(None, lambda: listener.accept()[0])
+    await wait_until(lambda: client._socks[0] is not None)
+    return client, conn
+
+
 @pytest.mark.parametrize("wire_dtype", ["float16", "float32"])
 def test_rows_travel_in_the_engines_wire_dtype_and_come_back_float32(tmp_path, wire_dtype):
     path = str(tmp_path / "engine.sock")
@@ -145,16 +168,8 @@ def test_rows_travel_in_the_engines_wire_dtype_and_come_back_float32(tmp_path, w
 
 
 def test_a_front_end_that_hears_no_hello_treats_the_engine_as_gone(tmp_path):
-    path = str(tmp_path / "engine.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(1)
-
-    async def scenario():
-        client = EngineClient([path], ready_states(), OUT)
-        client.start()
-        conn = await asyncio.get_running_loop().run_in_executor(None, lambda: listener.accept()[0])
-        await wait_until(lambda: client._socks[0] is not None)
+    async def scenario(path, listener):
+        client, conn = await connect_client(path, listener)
         fut = client.submit(np.zeros((1, *SHAPE), np.float32) + 1, time.monotonic() + 5, time.monotonic())[1]
         conn.sendall(link.frame(b"HTTP/1.1 200 OK"))  # not an engine
         with pytest.raises(EngineGone, match="HELLO"):
@@ -163,17 +178,11 @@ def test_a_front_end_that_hears_no_hello_treats_the_engine_as_gone(tmp_path):
         conn.close()
         client.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        listener.close()
+    with not_an_engine(tmp_path) as (path, listener):
+        asyncio.run(scenario(path, listener))
 
 
 def test_a_long_turn_sends_every_flush_every_requests_and_the_rest_at_its_end(tmp_path):
-    path = str(tmp_path / "engine.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(1)
     every = engine_client.FLUSH_EVERY
     x = np.random.default_rng(3).uniform(-4, 4, (2 * every + 3, 1, *SHAPE)).astype(np.float32)
 
@@ -189,11 +198,8 @@ def test_a_long_turn_sends_every_flush_every_requests_and_the_rest_at_its_end(tm
             got += [bytes(m) for m in reader.feed(chunk)]
         return got
 
-    async def scenario():
-        client = EngineClient([path], ready_states(), OUT)
-        client.start()
-        conn = await asyncio.get_running_loop().run_in_executor(None, lambda: listener.accept()[0])
-        await wait_until(lambda: client._socks[0] is not None)
+    async def scenario(path, listener):
+        client, conn = await connect_client(path, listener)
         conn.sendall(link.frame(wire.hello(np.float32)))
         await wait_until(lambda: client._wire[0] is not None)
         reader = link.Reader()
@@ -216,10 +222,8 @@ def test_a_long_turn_sends_every_flush_every_requests_and_the_rest_at_its_end(tm
         conn.close()
         client.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        listener.close()
+    with not_an_engine(tmp_path) as (path, listener):
+        asyncio.run(scenario(path, listener))
 
 
 # ---------------------------------------------------------------------------- the arena
