@@ -14,7 +14,8 @@ x is channels_last (NHWC) for every provider: the layout the fused executor hand
 next (service/model/executors.py, channels_last_outputs), and the faster one for cuDNN too on Hopper (64 -> 64
 channels at 32x32, 256 images, H100: cuDNN 179 against 253 us NCHW; bench/results/probe_conv_h100.txt). The
 weights: channels_last for cuDNN and torch.compile (what `model.to(memory_format=torch.channels_last)` gives a
-user), NCHW for ours (as the executor keeps them); y: channels_last from each. The TF32 setting
+user), for ours as the executor keeps them (kernels.conv_tma.weight_for: channels_last where the TMA kernel can run
+the layer); y: channels_last from each. The TF32 setting
 (torch.backends.cudnn.allow_tf32, set by the run like the matmul one) applies to cuDNN and, through
 allow_tf32=None, to ours alike.
 """
@@ -80,6 +81,9 @@ def conv_provider(name: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, 
         return compiled(_cudnn, name, (x, w, b), device)
     if name == "ours":
         from kernels.conv import fused_conv2d
+        from kernels.conv_tma import weight_for
+
+        w = weight_for(w, (1, 1))  # as the fused executor keeps it
 
         def fn():
             return fused_conv2d(x, w, b, padding=PADDING, activation="relu", memory_format=NHWC)

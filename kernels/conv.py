@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import conv_tma
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
 from .pdl import gdc_launch_dependents, gdc_wait
 from .pool import _max_propagating_nan, _pool_channels_kernel, _pool_rows_kernel, fused_pool2d, pair
@@ -249,6 +250,7 @@ interpreter_tile: tuple[int, int, int] | None = None
 interpreter_flat_k: bool | None = None
 interpreter_split_k = 1  # > 1: unpooled calls split K so the reduction is checked (pooled ones never split)
 interpreter_pool_apart = False  # True: pooled calls run the conv, then fused_pool2d (the tuner's APART candidates)
+interpreter_tma = False  # True: calls conv_tma can run (conv_tma.eligible) run it, with the box of `interpreter_tile`
 
 
 def _fit(n: int, lo: int, hi: int) -> int:
@@ -263,6 +265,12 @@ def _interpreter_config(M: int, OC: int, C: int, K: int, pooled: bool) -> Launch
     return LaunchConfig.of(
         4, 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, FLAT_K=int(flat), SPLIT_K=split, **apart
     )
+
+
+def _interpreter_tma_config(OC: int, C: int, OH: int, OW: int, pool: tuple[int, int]) -> LaunchConfig:
+    bm, bn, bk = interpreter_tile or (64, _fit(OC, 16, 128), _fit(C, 16, 64))
+    img, bh, bw = conv_tma.box_shape(bm, OH, OW, pool)
+    return LaunchConfig.of(4, 1, IMG=img, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, TMA=1)
 
 
 def m_bucket(m: int) -> int:
@@ -460,7 +468,16 @@ def fused_conv2d(
             Y_PLANES=y.stride()[1:] == (oh * ow, ow, 1), **meta, **launch_options(fixed),
         )  # fmt: skip
 
+    # The TMA kernel (conv_tma.py) where it can run: stride 1, x and weight channels_last, 16-byte rows.
+    tma_pool = None if POOL == "none" else (POOL, (PKH, PKW), (PSH, PSW))
+    tma = conv_tma.eligible(x, weight, s, tma_pool, out)
+    tma_geometry = dict(geometry, OH=CH, OW=CW)
+    del tma_geometry["SH"], tma_geometry["SW"]
+
     def run(config: LaunchConfig):
+        if conv_tma.is_tma(config):
+            window = (POOL, PKH, PKW)
+            return conv_tma.launch(x, weight, bias, out, float(negative_slope), tma_geometry, window, fixed, config)
         meta = config.meta()
         if not meta.pop("APART", 0):
             return launch(out, meta, POOL != "none")
@@ -470,11 +487,15 @@ def fused_conv2d(
         return fused_pool2d(conv_out, POOL, (PKH, PKW), (PSH, PSW), out=out)
 
     if interpreting():
-        run(_interpreter_config(M, OC, C, K, POOL != "none"))
+        if interpreter_tma and tma:
+            run(_interpreter_tma_config(OC, C, CH, CW, (PKH, PKW)))
+        else:
+            run(_interpreter_config(M, OC, C, K, POOL != "none"))
         return out
     bucket = m_bucket(M)
-    signature = (tuple(weight.shape), x.shape[1:], x.stride()[1:], x.dtype, s, p, d, activation, bias is not None,
-                 fixed["INPUT_PRECISION"], channels_last, y_planes, bucket, POOL, PKH, PKW, PSH, PSW)  # fmt: skip
+    signature = (tuple(weight.shape), weight.stride(), x.shape[1:], x.stride()[1:], x.dtype, s, p, d, activation,
+                 bias is not None, fixed["INPUT_PRECISION"], channels_last, y_planes, bucket, POOL, PKH, PKW, PSH, PSW,
+                 tma)  # fmt: skip
     config = _configs.get(signature)
     if config is None:
         key = (
@@ -482,10 +503,21 @@ def fused_conv2d(
             f"|{fixed['INPUT_PRECISION']}|{'nhwc' if channels_last else 'nchw'}|y={'nchw' if y_planes else 'nhwc'}"
             f"|m{bucket}"
         )
+        if tma:  # x and the weight channels_last, aligned: TMA candidates too
+            key += "|tma"
+
         if POOL != "none":
             key += f"|pool={POOL}{PKH}x{PKW}s{PSH}x{PSW}"
         scope = scope_for(
-            "conv2d", _conv2d_kernel, _split_range, grouped_tile, apply_activation, split_k_sum, *POOL_KERNELS
+            "conv2d",
+            _conv2d_kernel,
+            _split_range,
+            grouped_tile,
+            apply_activation,
+            split_k_sum,
+            *POOL_KERNELS,
+            conv_tma._conv2d_tma_kernel,
+            conv_tma._pool_tile,
         )
         fma = x.dtype == torch.float32 and fixed["INPUT_PRECISION"] == "ieee"
         sms = device_limits(x.device)[0]
@@ -498,6 +530,9 @@ def fused_conv2d(
             # The pool's own tuning runs here, once, not inside the tuner's CUDA-graph capture of a candidate.
             fused_pool2d(torch.empty((N, OC, CH, CW), device=x.device, dtype=x.dtype, memory_format=fmt),
                          POOL, (PKH, PKW), (PSH, PSW))  # fmt: skip
+        if tma:
+            pool_window = (PKH, PKW) if POOL != "none" else (1, 1)
+            candidates += conv_tma.cuda_configs(m_bucket(N * CH * CW), OC, C, CH, CW, pool_window, x.element_size())
         config = tune(scope, key, candidates, run)
         _configs[signature] = config
     run(config)

@@ -64,7 +64,8 @@ def sass_loops(sass: str) -> list[int]:
 def pdl_order(ptx: str) -> dict:
     """Where a PDL kernel's grid-dependency instructions sit in its PTX (line numbers; program order for the
     straight-line code before the main loop): waits and launch_dependents counted, the first wait, the first
-    global load and the first write to global memory (store, atomic, or tensor-map write)."""
+    global load and the first write to global memory (store, atomic, or tensor-map write); the first
+    launch_dependents."""
     lines = ptx.splitlines()
 
     def first(pattern: str) -> int:
@@ -74,6 +75,7 @@ def pdl_order(ptx: str) -> dict:
         "waits": ptx.count("griddepcontrol.wait"),
         "launches": ptx.count("griddepcontrol.launch_dependents"),
         "wait_at": first(r"griddepcontrol\.wait"),
+        "launch_at": first(r"griddepcontrol\.launch_dependents"),
         "first_load": first(r"\bld\.global"),
         "first_store": first(r"\b(st\.global|atom\.global|red\.global|tensormap\.replace)"),
     }

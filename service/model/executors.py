@@ -149,7 +149,9 @@ class Executor:
             pool = step.pool
             if self.mode == "fused":
                 from kernels.conv import fused_conv2d
+                from kernels.conv_tma import weight_for
 
+                w = weight_for(w, step.stride)  # channels_last where the TMA kernel can run the layer
                 if pool is not None:  # group_conv_pools checked that the kernel can: floor mode, no padding
                     geometry["pool"] = (pool.kind, pool.kernel_size, pool.stride)
                 fmt = _memory_format(channels_last)

@@ -1,0 +1,251 @@
+"""Conv2d + bias + activation [+ pool] as an implicit GEMM fed by TMA (Hopper's tensor memory accelerator).
+
+conv.py's kernel gathers each (BLOCK_M, BLOCK_K) tile of the implicit im2col matrix with per-element pointers
+and masks: address math and predicates for every element, in registers, every K step. Here an output tile is a
+box of pixels, IMG images x BH rows x BW columns, and for one tap (kh, kw) its inputs are the same box of x
+shifted by (kh * DH - PH, kw * DW - PW): one 4-D TMA copy of x, NHWC, [IMG, BH, BW, BLOCK_K] at
+(n0, oh0 - PH + kh * DH, ow0 - PW + kw * DW, c0). Whatever falls outside x (the padding: negative or past the
+edge rows and columns) the copy fills with zeros, so there is no mask at all. The box is viewed as the
+(IMG * BH * BW, BLOCK_K) A tile of the GEMM, and the weights, (OC, KH, KW, C) (a channels_last weight), as
+the (OC, KH * KW * C) B matrix, another TMA copy per step.
+
+The epilogue adds the bias and applies the activation to the fp32 accumulator; with POOL it also pools
+non-overlapping PKH x PKW windows of the tile in registers (the tile's rows and columns are multiples of the
+window), so the conv output never goes to memory. y is stored by TMA as an NHWC box, or with pointers into NCHW
+(a model's last conv before its flatten).
+
+The descriptors are made on the host, per call, and passed as kernel parameters: made by each program instead
+(tl.make_tensor_descriptor, 3 x 128 bytes written and fenced before the first copy) the 64 -> 64 conv at 32x32
+over 256 images took 76.5 us against 62.5 (cold, H100; bench/results/probe_conv_tma_h100.txt). Inside a CUDA graph
+(the service) the host's part is paid once, at capture.
+
+Stride 1 only: a strided conv's inputs for a box of outputs are not a box of x. C and OC must make 16-byte rows
+(C * element size a multiple of 16) for the descriptors; C need not be a multiple of BLOCK_K: past C the x box is
+zero-filled, so the weights read there (the next tap's) are multiplied by zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .activations import apply_activation, round_to_bf16
+from .pdl import gdc_launch_dependents, gdc_wait
+from .pool import _max_propagating_nan
+from .tiles import HOPPER_SHARED_MEMORY, launch_options
+from .tuning import LaunchConfig
+
+
+@triton.jit
+def _pool_tile(acc, POOL: tl.constexpr, ROWS: tl.constexpr, BW: tl.constexpr, PKH: tl.constexpr, PKW: tl.constexpr,
+               BLOCK_N: tl.constexpr):  # fmt: skip
+    """(ROWS * BW, BLOCK_N) -> (ROWS // PKH * BW // PKW, BLOCK_N): each PKH x PKW window of the tile's pixels (row
+    m = row * BW + column) max-ed or averaged; NaN propagates through max, as torch's max_pool2d does."""
+    t = tl.reshape(acc, (ROWS // PKH, PKH, BW // PKW, PKW, BLOCK_N))
+    if POOL == "max":
+        t = tl.reduce(t, 3, _max_propagating_nan)
+        t = tl.reduce(t, 1, _max_propagating_nan)
+    else:
+        t = tl.sum(tl.sum(t, 3), 1) / (PKH * PKW)
+    return tl.reshape(t, (ROWS // PKH * (BW // PKW), BLOCK_N))
+
+
+@triton.jit(do_not_specialize=["NB"])
+def _conv2d_tma_kernel(
+    x_desc,  # x as (NB, H, W, C), boxes [IMG, BH, BW, BLOCK_K]
+    w_desc,  # the weight as (OC, KH * KW * C), boxes [BLOCK_N, BLOCK_K]
+    b_ptr,
+    y,  # Y_NHWC: a descriptor of y as (NB, POH, POW, OC), boxes [IMG, BH // PKH, BW // PKW, BLOCK_N]; else y's pointer
+    NB,  # the batch: the only run-time size
+    stride_yn, stride_yc, stride_yh, stride_yw,  # y's strides (the pointer store into NCHW y)
+    negative_slope,
+    # the layer's shape; OH, OW: the conv's output (before the pool)
+    C: tl.constexpr, H: tl.constexpr, W: tl.constexpr, OC: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
+    KH: tl.constexpr, KW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    POOL: tl.constexpr, PKH: tl.constexpr, PKW: tl.constexpr,  # "none" | "max" | "avg"; window = stride, floor mode
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    PDL: tl.constexpr,
+    Y_NHWC: tl.constexpr,  # y channels_last and contiguous: stored by TMA; else with pointers
+    IMG: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,  # the output box: BLOCK_M = IMG * BH * BW pixels
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    BLOCK_M: tl.constexpr = IMG * BH * BW
+    if PDL:  # wait for the previous layer before the first copy of x
+        gdc_wait()
+    # The tile: output channel block fastest, so the programs sharing an input box run side by side (L2).
+    boxes_w: tl.constexpr = (OW + BW - 1) // BW
+    boxes_h: tl.constexpr = (OH + BH - 1) // BH
+    col_blocks: tl.constexpr = (OC + BLOCK_N - 1) // BLOCK_N
+    pid = tl.program_id(0)
+    pid_n = pid % col_blocks
+    box = pid // col_blocks
+    n0 = (box // (boxes_h * boxes_w)) * IMG
+    oh0 = ((box // boxes_w) % boxes_h) * BH
+    ow0 = (box % boxes_w) * BW
+    o0 = pid_n * BLOCK_N
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    c_steps: tl.constexpr = (C + BLOCK_K - 1) // BLOCK_K
+    for step in range(KH * KW * c_steps):
+        tap = step // c_steps
+        c0 = (step % c_steps) * BLOCK_K
+        kh = tap // KW
+        kw = tap % KW
+        a = x_desc.load([n0, oh0 - PH + kh * DH, ow0 - PW + kw * DW, c0]).reshape(BLOCK_M, BLOCK_K)
+        b = w_desc.load([o0, tap * C + c0])
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+    if PDL:
+        # The next layer may start once every program is here. Not first thing, as the other kernels do: the next
+        # layer's programs would take SM slots and shared memory while later waves of this grid still wait for
+        # them (64 -> 64 channels at 32x32, 32 images: 19.9 us a replay back to back with PDL, 12.8 without,
+        # H100; bench/results/probe_conv_tma_h100.txt).
+        gdc_launch_dependents()
+
+    cols = o0 + tl.arange(0, BLOCK_N)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cols < OC, other=0.0).to(tl.float32)[None, :]
+    acc = apply_activation(acc, ACTIVATION, negative_slope)
+    # The stored box: the pooled one with POOL (the tile's conv rows beyond OH, or past the last whole window,
+    # land only in pooled rows past the output, which the store drops).
+    SH: tl.constexpr = BH // PKH
+    SW: tl.constexpr = BW // PKW
+    if POOL != "none":
+        acc = _pool_tile(acc, POOL, IMG * BH, BW, PKH, PKW, BLOCK_N)
+    POH: tl.constexpr = (OH - PKH) // PKH + 1
+    POW: tl.constexpr = (OW - PKW) // PKW + 1
+    if ROUND_BF16:
+        acc = round_to_bf16(acc)
+    out = acc.to(x_desc.dtype)
+    if Y_NHWC:
+        y.store([n0, oh0 // PKH, ow0 // PKW, o0], out.reshape(IMG, SH, SW, BLOCK_N))
+    else:
+        pixel = tl.arange(0, IMG * SH * SW)
+        n = n0 + pixel // (SH * SW)
+        h = oh0 // PKH + (pixel // SW) % SH
+        w = ow0 // PKW + pixel % SW
+        rows = n * stride_yn + h * stride_yh + w * stride_yw
+        ok = ((n < NB) & (h < POH) & (w < POW))[:, None] & (cols < OC)[None, :]
+        tl.store(y + rows[:, None] + (cols * stride_yc)[None, :], out, mask=ok)
+
+
+def eligible(x: torch.Tensor, weight: torch.Tensor, stride, pool: tuple | None, out: torch.Tensor) -> bool:
+    """Whether this kernel can run the conv: stride 1; x and the weight channels_last and contiguous so, with
+    16-byte aligned bases and rows of channels; a pool, if any, non-overlapping (stride = window) of a power-of-two
+    size; y NHWC with 16-byte rows, or NCHW with any strides."""
+    es = x.element_size()
+    C, OC = x.shape[1], weight.shape[0]
+    nhwc = torch.channels_last
+    ok = (
+        tuple(stride) == (1, 1)
+        and x.is_contiguous(memory_format=nhwc)
+        and weight.is_contiguous(memory_format=nhwc)
+        and (C * es) % 16 == 0
+        and x.data_ptr() % 16 == 0
+        and weight.data_ptr() % 16 == 0
+    )
+    if ok and pool is not None:
+        kind, (pkh, pkw), (psh, psw) = pool
+        ok = (pkh, pkw) == (psh, psw) and all(k & (k - 1) == 0 for k in (pkh, pkw))
+    if ok and y_nhwc(out):
+        ok = (OC * es) % 16 == 0 and out.data_ptr() % 16 == 0
+    return ok
+
+
+def y_nhwc(out: torch.Tensor) -> bool:
+    return out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
+
+
+def box_shape(block_m: int, OH: int, OW: int, pool: tuple[int, int] = (1, 1)) -> tuple[int, int, int]:
+    """(IMG, BH, BW) of a BLOCK_M-pixel output box: whole rows where they fit (BW = OW rounded up to a power of
+    two, at most BLOCK_M), then as many rows as fit, then whole images. Each at least the pool window."""
+    bw = max(pool[1], min(triton.next_power_of_2(OW), block_m))
+    bh = max(pool[0], min(triton.next_power_of_2(OH), block_m // bw))
+    return max(1, block_m // (bh * bw)), bh, bw
+
+
+def cuda_configs(bucket: int, OC: int, C: int, OH: int, OW: int, pool=(1, 1), element_size: int = 2,
+                 shared_memory: int = HOPPER_SHARED_MEMORY) -> list[LaunchConfig]:  # fmt: skip
+    """Candidates for one layer and M bucket (M = N * OH * OW output pixels): 64- and 128-pixel boxes (128 where M
+    is over 64), BLOCK_N all of OC up to 128 and, from 128 channels, 64 (two programs per box), BLOCK_K 32 or 64
+    channels (at most C rounded up; 32 for fp32), 3 or 4 stages where they fit in shared memory. TMA=1 marks them
+    as this kernel's among the tuner's candidates.
+
+    BLOCK_N 128 with 128-byte K steps (fp16 BLOCK_K 64, fp32 32) gets 2 stages only: with 3 or 4 (triton 3.6,
+    H100, fp16) some output rows came out wrong, differently from run to run, once the grid ran more than one wave
+    (64 -> 128 channels at 16x16, 128 to 512 images: normwise error 1.4e-3 to 2.8e-2 against 2.1e-4); 2 stages,
+    BLOCK_K 32 or BLOCK_N 64 never did, over the wider CNN's layers at 128 to 1024 images (fp16). The same guard
+    covers fp32's 32-deep steps, whose tiles are the same bytes (tests/test_kernels_conv_tma.py,
+    test_gpu_every_candidate)."""
+    full = max(16, min(128, triton.next_power_of_2(OC)))
+    bns = sorted({full, 64} if full >= 128 else {full})
+    widest = 64 if element_size <= 2 else 32
+    ks = sorted({max(16, min(widest, triton.next_power_of_2(C))), max(16, min(32, triton.next_power_of_2(C)))})
+    out = []
+    for bm in (64, 128):
+        if bm > 64 and bucket <= 64:
+            continue
+        img, bh, bw = box_shape(bm, OH, OW, pool)
+        for bn in bns:
+            for bk in ks:
+                for stages in (2,) if bn >= 128 and bk * element_size >= 128 else (3, 4):
+                    warps = 8 if bm * bn >= 128 * 128 else 4
+                    c = LaunchConfig.of(warps, stages, IMG=img, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, TMA=1)
+                    if shared_memory_bytes(c, element_size) <= shared_memory:
+                        out.append(c)
+    return out
+
+
+def is_tma(config: LaunchConfig) -> bool:
+    return ("TMA", 1) in config.kwargs
+
+
+def shared_memory_bytes(config: LaunchConfig, element_size: int) -> int:
+    """The A and B stages plus the output box staged for the TMA store."""
+    bm = config["IMG"] * config["BH"] * config["BW"]
+    bn, bk = config["BLOCK_N"], config["BLOCK_K"]
+    return config.num_stages * (bm + bn) * bk * element_size + bm * bn * element_size
+
+
+def launch(x, weight, bias, out, negative_slope: float, geometry: dict, pool: tuple, fixed: dict,
+           config: LaunchConfig):  # fmt: skip
+    """One launch: x (N, C, H, W) and weight (OC, C, KH, KW) channels_last (`eligible`), out the (pooled) output;
+    geometry: C, H, W, KH, KW, PH, PW, DH, DW, OH, OW (the conv's output); pool: (POOL, PKH, PKW)."""
+    meta = {k: v for k, v in config.meta().items() if k != "TMA"}
+    img, bh, bw, bn, bk = meta["IMG"], meta["BH"], meta["BW"], meta["BLOCK_N"], meta["BLOCK_K"]
+    N, OC = x.shape[0], weight.shape[0]
+    C, KH, KW = geometry["C"], geometry["KH"], geometry["KW"]
+    POOL, PKH, PKW = pool
+    x_desc = TensorDescriptor(x, [N, geometry["H"], geometry["W"], C], [x.stride(0), x.stride(2), C, 1],
+                              [img, bh, bw, bk])  # fmt: skip
+    w_desc = TensorDescriptor(weight, [OC, KH * KW * C], [KH * KW * C, 1], [bn, bk])
+    y = out
+    if y_nhwc(out):
+        _, _, poh, pow_ = out.shape
+        y_box = [img, bh // PKH, bw // PKW, bn]
+        y = TensorDescriptor(out, [N, poh, pow_, OC], [out.stride(0), pow_ * OC, OC, 1], y_box)
+    boxes = N // img + (N % img > 0)
+    boxes *= triton.cdiv(geometry["OH"], bh) * triton.cdiv(geometry["OW"], bw)
+    return _conv2d_tma_kernel[(boxes * triton.cdiv(OC, bn),)](
+        x_desc, w_desc, bias if bias is not None else weight, y,
+        N, *out.stride(),
+        negative_slope,
+        **geometry, OC=OC, POOL=POOL, PKH=PKH, PKW=PKW, **fixed, Y_NHWC=y_nhwc(out), **meta,
+        **launch_options(fixed),
+    )  # fmt: skip
+
+
+def weight_for(weight: torch.Tensor, stride) -> torch.Tensor:
+    """The weight as a model should keep it for fused_conv2d: channels_last (OC, KH, KW, C) where this kernel
+    can run the layer (stride 1, 16-byte rows of channels), so that the tuner may pick it; else unchanged."""
+    if tuple(stride) == (1, 1) and (weight.shape[1] * weight.element_size()) % 16 == 0:
+        return weight.contiguous(memory_format=torch.channels_last)
+    return weight
