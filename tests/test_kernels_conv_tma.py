@@ -15,7 +15,7 @@ import torch
 import kernels.conv as conv_mod
 from kernels import ACTIVATIONS, conv_tma, reference
 from kernels.conv import fused_conv2d
-from tests.tolerances import RTOL, assert_close_to
+from tests.tolerances import NORMWISE_TF32, RTOL, assert_close_to, normwise_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -209,7 +209,13 @@ def test_gpu_every_candidate(monkeypatch, dtype):
             again = _check(case, dtype, "silu", "cuda", pool=pool, y_format=y_format, inputs=first[1])
             assert torch.equal(first[0], again[0]), f"{case} {config}: two runs differ"
             if dtype == torch.float32:
-                _check(case, dtype, "relu", "cuda", pool=pool, y_format=y_format, allow_tf32=True, rtol=3e-3)
+                # TF32 judged normwise, as test_kernels_conv.test_gpu_tf32: elementwise at 3e-3 of the output's scale
+                # one of 8.4 million outputs missed (error 4.1e-3; 64 -> 64 at 32x32, 576 truncated products each)
+                got, (x, w, b) = _check(case, dtype, "relu", "cuda", pool=pool, y_format=y_format, allow_tf32=True,
+                                        rtol=2e-2)  # fmt: skip
+                want = reference.conv2d(x.double(), w.double(), b.double(), "relu", padding=case[6], dilation=case[7])
+                want = reference.pool2d(want, pool[0], pool[1]) if pool else want
+                assert normwise_error(got, want) <= NORMWISE_TF32, f"{case} {config}: TF32 normwise error"
     conv_mod._configs.clear()
 
 
