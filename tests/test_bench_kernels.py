@@ -702,6 +702,31 @@ def test_cold_times_are_compared_with_an_earlier_run():
     assert rows[1].gap == "needs 1.02x"  # 8.4 / (8 * 1.03)
 
 
+def test_cold_times_relative_to_a_steady_anchor_of_each_run():
+    """relative=True: ours / cuBLASLt (layers) or / linear (models) of the same run against the earlier run's ratio,
+    so a machine 5% slower everywhere is not a regression, and ours slower against an unchanged cuBLASLt is."""
+    from bench.kernel_targets import compare_cold
+
+    old = _fake_results(1e-3)
+    old["layers"][0]["providers"] = {"ours": _cell(10.0, 20.0), "cublaslt": _cell(12.0, 20.0)}
+    old["models"] = [{"model": "digits-mlp", "batch": 8, "dtype": "float16",
+                      "providers": {"ours": _cell(8.0, 7.0), "linear": _cell(30.0, 7.0)}}]  # fmt: skip
+    new = _fake_results(1e-3)
+    new["layers"][0]["providers"] = {"ours": _cell(10.5, 20.0), "cublaslt": _cell(12.6, 20.0)}  # both +5%
+    new["models"] = [{"model": "digits-mlp", "batch": 8, "dtype": "float16",
+                      "providers": {"ours": _cell(8.4, 7.0), "linear": _cell(30.0, 7.0)}}]  # fmt: skip  # ours +5%
+    raw = compare_cold(new, old)
+    assert [c.met for c in raw] == [False, False]
+    rel = compare_cold(new, old, relative=True)
+    assert [(c.target, c.met) for c in rel] == [
+        ("cold / cublaslt vs the earlier run's (layers)", True),
+        ("cold / linear vs the earlier run's (models)", False),
+    ]
+    assert rel[0].measured == "0.833" and rel[1].gap == "needs 1.02x"  # 0.28 / (0.2667 * 1.03)
+    del new["layers"][0]["providers"]["cublaslt"]
+    assert compare_cold(new, old, relative=True)[0].met is None  # no anchor: not measured
+
+
 def test_cnn_models_are_built_measured_and_run_like_the_service(tmp_path):
     """The digits CNN (shipped) and the wider CNN (built here, fixed seed): dims, floor terms, and every CPU
     provider's forward against the float64 reference; ours-eager is the fused Executor (interpreted)."""
