@@ -224,16 +224,16 @@ def launch(x, weight, bias, out, negative_slope: float, geometry: dict, pool: tu
     N, OC = x.shape[0], weight.shape[0]
     C, KH, KW = geometry["C"], geometry["KH"], geometry["KW"]
     POOL, PKH, PKW = pool
-    x_desc = TensorDescriptor(x, [N, geometry["H"], geometry["W"], C], [x.stride(0), x.stride(2), C, 1],
-                              [img, bh, bw, bk])  # fmt: skip
+    # Strides from the sizes, not the tensors': both are contiguous NHWC, and torch may give a size-1 dim any stride.
+    H, W = geometry["H"], geometry["W"]
+    x_desc = TensorDescriptor(x, [N, H, W, C], [H * W * C, W * C, C, 1], [img, bh, bw, bk])
     w_desc = TensorDescriptor(weight, [OC, KH * KW * C], [KH * KW * C, 1], [bn, bk])
     y = out
     if y_nhwc(out):
         _, _, poh, pow_ = out.shape
         y_box = [img, bh // PKH, bw // PKW, bn]
-        y = TensorDescriptor(out, [N, poh, pow_, OC], [out.stride(0), pow_ * OC, OC, 1], y_box)
-    boxes = N // img + (N % img > 0)
-    boxes *= triton.cdiv(geometry["OH"], bh) * triton.cdiv(geometry["OW"], bw)
+        y = TensorDescriptor(out, [N, poh, pow_, OC], [poh * pow_ * OC, pow_ * OC, OC, 1], y_box)
+    boxes = triton.cdiv(N, img) * triton.cdiv(geometry["OH"], bh) * triton.cdiv(geometry["OW"], bw)
     return _conv2d_tma_kernel[(boxes * triton.cdiv(OC, bn),)](
         x_desc, w_desc, bias if bias is not None else weight, y,
         N, *out.stride(),
