@@ -44,6 +44,20 @@ def graph_us(fn) -> float:
     return device_us(graph.replay, Timing())
 
 
+def back_to_back_us(fn, reps: int = 200) -> float:
+    """Device us per call of fn, `reps` calls back to back between two events after 5 warm-up calls: the conv
+    probes' hot time of a graph replay (weights and activations warm in L2, the next replay queued behind)."""
+    for _ in range(5):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
 def hot_graph_us(fn) -> float:
     """Back to back in one graph (do_bench_cudagraph): weights stay in L2 between calls, as in a busy server."""
     return float(triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")) * 1e3

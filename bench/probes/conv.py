@@ -61,21 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     from kernels.graph_capture import capture
     from kernels.pool import fused_pool2d
 
+    from .common import back_to_back_us
+
     torch.manual_seed(0)
     dtype = torch.float16
     rows = []
     started = time.perf_counter()
-
-    def hot_us(fn, reps=200):
-        for _ in range(5):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e3 / reps
 
     models = [("digits", DIGITS, DIGITS_BATCHES[-2:-1] if args.quick else DIGITS_BATCHES)]
     models.append(("wider", WIDER, WIDER_BATCHES[-1:] if args.quick else WIDER_BATCHES))
@@ -125,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                         err = float((y.float() - ref).norm() / ref.norm())
                         row["providers"][name] = {
                             "cold_us": cold_us(graph.replay, warmup_ms=5, rep_ms=30),
-                            "hot_us": hot_us(graph.replay),
+                            "hot_us": back_to_back_us(graph.replay),
                             "err": err,
                         }
                         del graph, y

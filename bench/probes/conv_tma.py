@@ -51,27 +51,19 @@ def main(argv: list[str] | None = None) -> int:
     from kernels.graph_capture import capture
     from kernels.tiles import gemm_flags
 
+    from .common import back_to_back_us
+
     torch.manual_seed(0)
     dtype = torch.float16
     nhwc = torch.channels_last
     started = time.perf_counter()
     rows = []
 
-    def hot_us(fn, reps=200):
-        for _ in range(5):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e3 / reps
-
     def timed(fn, ref):
         graph, y = capture(fn, warmups=2)
         err = float((y.float() - ref).norm() / ref.norm())
-        return {"cold_us": cold_us(graph.replay, warmup_ms=5, rep_ms=30), "hot_us": hot_us(graph.replay), "err": err}
+        cold = cold_us(graph.replay, warmup_ms=5, rep_ms=30)
+        return {"cold_us": cold, "hot_us": back_to_back_us(graph.replay), "err": err}
 
     fixed = gemm_flags(True, "relu", dtype, False, torch.device("cuda"))
     for C, H, W, OC, pooled, y_last in LAYERS:
