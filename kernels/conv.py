@@ -530,9 +530,8 @@ def fused_conv2d(
             # The pool's own tuning runs here, once, not inside the tuner's CUDA-graph capture of a candidate.
             fused_pool2d(torch.empty((N, OC, CH, CW), device=x.device, dtype=x.dtype, memory_format=fmt),
                          POOL, (PKH, PKW), (PSH, PSW))  # fmt: skip
-        if tma:
-            pool_window = (PKH, PKW) if POOL != "none" else (1, 1)
-            candidates += conv_tma.cuda_configs(m_bucket(N * CH * CW), OC, C, CH, CW, pool_window, x.element_size())
+        if tma:  # (PKH, PKW) is (1, 1) without a pool
+            candidates += conv_tma.cuda_configs(m_bucket(N * CH * CW), OC, C, CH, CW, (PKH, PKW), x.element_size())
         config = tune(scope, key, candidates, run)
         _configs[signature] = config
     run(config)

@@ -58,6 +58,21 @@ def back_to_back_us(fn, reps: int = 200) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
+def replay_cold_hot(fn, ref: torch.Tensor, warmups: int) -> dict:
+    """fn captured as a CUDA graph (after `warmups` calls): its replay's cold time (L2 cleared by reads), hot time
+    (back_to_back_us) and the captured output's normwise error against `ref`, as the conv probes report them."""
+    from kernels.cold_timing import cold_us
+    from kernels.graph_capture import capture as capture_graph
+
+    graph, y = capture_graph(fn, warmups=warmups)
+    err = float((y.float() - ref).norm() / ref.norm())
+    return {
+        "cold_us": cold_us(graph.replay, warmup_ms=5, rep_ms=30),
+        "hot_us": back_to_back_us(graph.replay),
+        "err": err,
+    }
+
+
 def hot_graph_us(fn) -> float:
     """Back to back in one graph (do_bench_cudagraph): weights stay in L2 between calls, as in a busy server."""
     return float(triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")) * 1e3

@@ -56,12 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         print("probe_conv needs CUDA", file=sys.stderr)
         return 2
     from bench.kernel_report import slug_of
-    from kernels.cold_timing import cold_us
     from kernels.conv import fused_conv2d
-    from kernels.graph_capture import capture
     from kernels.pool import fused_pool2d
 
-    from .common import back_to_back_us
+    from .common import replay_cold_hot
 
     torch.manual_seed(0)
     dtype = torch.float16
@@ -112,14 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"model": model, "layer": [C, H, W, OC, pooled], "batch": n, "providers": {}}
                 for name, fn in providers.items():
                     try:
-                        graph, y = capture(fn, warmups=3)
-                        err = float((y.float() - ref).norm() / ref.norm())
-                        row["providers"][name] = {
-                            "cold_us": cold_us(graph.replay, warmup_ms=5, rep_ms=30),
-                            "hot_us": back_to_back_us(graph.replay),
-                            "err": err,
-                        }
-                        del graph, y
+                        row["providers"][name] = replay_cold_hot(fn, ref, warmups=3)
                     except Exception as e:  # a failing provider is a result
                         row["providers"][name] = {"error": f"{type(e).__name__}: {e}"[:200]}
                 rows.append(row)

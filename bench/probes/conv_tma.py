@@ -46,24 +46,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from bench.kernel_report import slug_of
     from kernels import conv_tma
-    from kernels.cold_timing import cold_us
     from kernels.conv import m_bucket
-    from kernels.graph_capture import capture
     from kernels.tiles import gemm_flags
 
-    from .common import back_to_back_us
+    from .common import replay_cold_hot
 
     torch.manual_seed(0)
     dtype = torch.float16
     nhwc = torch.channels_last
     started = time.perf_counter()
     rows = []
-
-    def timed(fn, ref):
-        graph, y = capture(fn, warmups=2)
-        err = float((y.float() - ref).norm() / ref.norm())
-        cold = cold_us(graph.replay, warmup_ms=5, rep_ms=30)
-        return {"cold_us": cold, "hot_us": back_to_back_us(graph.replay), "err": err}
 
     fixed = gemm_flags(True, "relu", dtype, False, torch.device("cuda"))
     for C, H, W, OC, pooled, y_last in LAYERS:
@@ -83,14 +75,15 @@ def main(argv: list[str] | None = None) -> int:
                 y = torch.relu(F.conv2d(x, w, b, padding=1))
                 return F.max_pool2d(y, 2) if pooled else y
 
-            row["providers"]["cudnn"] = timed(cudnn, ref)
+            row["providers"]["cudnn"] = replay_cold_hot(cudnn, ref, warmups=2)
             if not pooled:
                 z = torch.zeros(ref.shape, device="cuda", dtype=dtype).contiguous(memory_format=nhwc)
-                row["providers"]["cudnn-fused"] = timed(
+                row["providers"]["cudnn-fused"] = replay_cold_hot(
                     lambda x=x, w=w, z=z, b=b: torch.cudnn_convolution_add_relu(
                         x, w, z, 0.0, b, (1, 1), (1, 1), (1, 1), 1
                     ),
                     ref,
+                    warmups=2,
                 )
             pool = (2, 2) if pooled else (1, 1)
             configs = conv_tma.cuda_configs(m_bucket(n * H * W), OC, C, H, W, pool, 2)
@@ -102,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                     return out
 
                 try:
-                    row["providers"][label] = timed(ours, ref) | {"config": cfg.meta()}
+                    row["providers"][label] = replay_cold_hot(ours, ref, warmups=2) | {"config": cfg.meta()}
                 except Exception as e:  # a failing config is a result
                     row["providers"][label] = {"error": f"{type(e).__name__}: {e}"[:300]}
             tma = {k: v for k, v in row["providers"].items() if k.startswith("tma ") and "cold_us" in v}
@@ -113,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                     conv_tma.launch(x, w, b, out, 0.01, geometry, window, {**fixed, "PDL": False}, cfg)
                     return out
 
-                row["providers"]["best, PDL off"] = timed(ours_plain, ref)
+                row["providers"]["best, PDL off"] = replay_cold_hot(ours_plain, ref, warmups=2)
             rows.append(row)
             cells = "  ".join(
                 f"{k}: {v['cold_us']:.1f}/{v['hot_us']:.1f} e{v['err']:.0e}" if "cold_us" in v else f"{k}: {v['error']}"
