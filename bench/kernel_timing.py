@@ -73,6 +73,20 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def back_to_back_us(fn: Callable[[], object], reps: int, warmups: int) -> float:
+    """Device us per call of fn: `warmups` calls, then `reps` back to back between two CUDA events (the pool
+    study's and the conv probes' hot time; the kernel benchmark's own is kernels.hot_timing)."""
+    for _ in range(warmups):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
 def device_us(fn: Callable[[], object], timing: Timing) -> float:
     """Median device time of one call, in microseconds (CUDA only), L2 cleared before each."""
     return cold_us(fn, warmup_ms=timing.warmup_ms, rep_ms=timing.rep_ms)

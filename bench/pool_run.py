@@ -21,7 +21,7 @@ from kernels.cold_timing import cold_us
 from kernels.pool import fused_pool2d
 
 from .kernel_report import slug_of
-from .kernel_timing import timed_run
+from .kernel_timing import back_to_back_us, timed_run
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 ERROR_BOUND = {"float32": 1e-5, "float16": 1e-3}  # normwise, against float64: one rounding of the output
@@ -39,18 +39,6 @@ def _ours_op(k: int):
         return fused_pool2d(x, "avg", k, k, activation="relu")
 
     return op
-
-
-def _hot_us(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
 
 
 def _best_wall_us(fn, runs: int, device: torch.device) -> float:
@@ -133,7 +121,7 @@ def _measure_case(case: dict, plan: dict, bandwidth: float | None, started: floa
                 continue
             timing = (5, 20) if quick else (10, 50)
             cell["cold_us"] = cold_us(lambda op=op: op(x), warmup_ms=timing[0], rep_ms=timing[1])
-            cell["hot_us"] = _hot_us(lambda op=op: op(x), 20 if quick else 100)
+            cell["hot_us"] = back_to_back_us(lambda op=op: op(x), 20 if quick else 100, warmups=3)
             for memory, (src, dst) in hosts.items():
 
                 def e2e(op=op, src=src, dst=dst):

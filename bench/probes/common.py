@@ -22,7 +22,7 @@ from kernels.mlp import MLPLayer
 from service.model.loader import load_model
 from service.model.planner import group_mlps, plan
 
-from ..kernel_timing import Timing, capture, device_us
+from ..kernel_timing import Timing, back_to_back_us, capture, device_us
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,23 +44,10 @@ def graph_us(fn) -> float:
     return device_us(graph.replay, Timing())
 
 
-def back_to_back_us(fn, reps: int = 200) -> float:
-    """Device us per call of fn, `reps` calls back to back between two events after 5 warm-up calls: the conv
-    probes' hot time of a graph replay (weights and activations warm in L2, the next replay queued behind)."""
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
-
-
 def replay_cold_hot(fn, ref: torch.Tensor, warmups: int) -> dict:
     """fn captured as a CUDA graph (after `warmups` calls): its replay's cold time (L2 cleared by reads), hot time
-    (back_to_back_us) and the captured output's normwise error against `ref`, as the conv probes report them."""
+    (kernel_timing.back_to_back_us, 200 replays) and the captured output's normwise error against `ref`, as the
+    conv probes report them."""
     from kernels.cold_timing import cold_us
     from kernels.graph_capture import capture as capture_graph
 
@@ -68,7 +55,7 @@ def replay_cold_hot(fn, ref: torch.Tensor, warmups: int) -> dict:
     err = float((y.float() - ref).norm() / ref.norm())
     return {
         "cold_us": cold_us(graph.replay, warmup_ms=5, rep_ms=30),
-        "hot_us": back_to_back_us(graph.replay),
+        "hot_us": back_to_back_us(graph.replay, 200, warmups=5),
         "err": err,
     }
 
