@@ -3,6 +3,7 @@ how (c) shares the time limit among its processes. The probe itself runs on a GP
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -197,7 +198,6 @@ def test_a_worker_past_its_time_tunes_nothing_and_says_so(fake_worker, capsys):
 
 
 def test_the_sweep_judges_the_spread_on_the_float16_timings_and_lists_what_it_skipped(monkeypatch):
-    import argparse
 
     calls = []
 
@@ -214,18 +214,34 @@ def test_the_sweep_judges_the_spread_on_the_float16_timings_and_lists_what_it_sk
 
     monkeypatch.setattr(probe, "sweep_digits", sweep_digits)
     monkeypatch.setattr(probe, "run_spread", run_spread)
-    monkeypatch.setattr(probe, "sweep_wide", lambda deadline, skipped: {"wide float16 batch 1 layer 0": TIMINGS})
-    args = argparse.Namespace(time_limit=100.0, processes=2, cases="digits-float16,digits-bfloat16,wide-float16")
+
+    def sweep_wide(deadline, skipped, batches):
+        calls.append(f"wide {batches}")
+        return {"wide float16 batch 1 layer 0": TIMINGS}
+
+    monkeypatch.setattr(probe, "sweep_wide", sweep_wide)
+    args = argparse.Namespace(time_limit=100.0, processes=2, cases="digits-float16,digits-bfloat16,wide-float16",
+                              wide_batches=(1, 16))  # fmt: skip
     out = probe.sweep(args)
-    assert calls == ["torch.float16", "spread x2", "torch.bfloat16"]  # the spread right after what it needs
+    assert calls == ["torch.float16", "spread x2", "torch.bfloat16", "wide (1, 16)"]  # spread right after its input
     assert set(out["cases"]) == {"digits float16 bucket 32", "wide float16 batch 1 layer 0"}
     assert out["spread"]["cold"]["pass"] is False and out["spread"]["both"]["pass"] is True
     assert out["skipped"] == ["digits bfloat16 bucket 1"]
     json.dumps(out, default=str)  # what common.main writes
-    args = argparse.Namespace(time_limit=100.0, processes=2, cases="digits-bfloat16")
+    args = argparse.Namespace(time_limit=100.0, processes=2, cases="digits-bfloat16", wide_batches=(1,))
     assert probe.sweep(args)["skipped"] == ["spread (needs the digits-float16 sweep)", "digits bfloat16 bucket 1"]
     with pytest.raises(SystemExit, match="unknown case"):
-        probe.sweep(argparse.Namespace(time_limit=1.0, processes=0, cases="digits-fp8"))
+        probe.sweep(argparse.Namespace(time_limit=1.0, processes=0, cases="digits-fp8", wide_batches=(1,)))
+
+
+def test_wide_batches_option():
+    parser = argparse.ArgumentParser()
+    probe.options(parser)
+    assert parser.parse_args([]).wide_batches == probe.WIDE_BATCHES
+    assert parser.parse_args(["--wide-batches", "1,16,256"]).wide_batches == (1, 16, 256)
+    for bad in ("0", "x", ","):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--wide-batches", bad])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the probe would run")

@@ -148,6 +148,21 @@ def test_both_takes_the_least_worse_ratio_not_the_least_sum():
     assert pick(times, "both") == B
 
 
+def test_both_takes_the_fastest_hot_of_those_near_the_best_on_each_count():
+    # The H200's wide MLP middle layer at batch 16 (probe_tuner_picks_h200.txt): A 1.00x cold and 1.07x hot,
+    # B 1.06x cold and 1.00x hot. Only A is within 2% cold and 10% hot; minimax alone would take B.
+    times = {A: (14.85, 10.58), B: (15.81, 9.87), C: (15.62, 10.62)}
+    assert pick(times, "both") == A
+    assert pick(times, "hot") == B
+    # Within both slacks, hot decides: 1.015x cold buys 1.00x hot over 1.00x cold at 1.09x hot.
+    assert pick({A: (10.0, 10.9), B: (10.15, 10.0)}, "both") == B
+    # B just past the cold slack (1.021x) is out, though its worse count is better than A's.
+    assert pick({A: (10.0, 10.9), B: (10.21, 10.0)}, "both") == A
+    # None within both (A 1.11x hot, B 1.05x cold): the least worse count.
+    assert pick({A: (10.0, 11.1), B: (10.5, 10.0)}, "both") == B
+    assert pick({A: (10.0, 10.5), B: (10.5, 10.0), C: (10.1, 10.4)}, "both") == C  # in both slacks: hot 1.04
+
+
 def test_ties_go_to_the_other_timing_then_to_the_earlier_candidate():
     assert pick({A: (5.0, 3.0), B: (5.0, 2.0)}, "cold") == B  # equal cold: the faster hot
     assert pick({A: (4.0, 3.0), B: (3.0, 3.0)}, "hot") == B  # equal hot: the faster cold

@@ -24,7 +24,7 @@ processes then read. So the default limit is expected to cover (a) for digits fl
 run with `--cases digits-bfloat16,wide-float16 --processes 0` the rest.
 
     python -m bench.probes.tuner_picks --out DIR [--processes 4] [--time-limit 200]
-        [--cases digits-float16,digits-bfloat16,wide-float16]
+        [--cases digits-float16,digits-bfloat16,wide-float16] [--wide-batches 1,32,256]
 """
 
 from __future__ import annotations
@@ -231,8 +231,8 @@ def sweep_digits(dtype: torch.dtype, deadline: Deadline, skipped: list) -> dict[
     return out
 
 
-def sweep_wide(deadline: Deadline, skipped: list) -> dict[str, dict]:
-    """{case name: {config: Times}} per layer of the wide MLP in float16 at WIDE_BATCHES, as the service's
+def sweep_wide(deadline: Deadline, skipped: list, batches: tuple[int, ...] = WIDE_BATCHES) -> dict[str, dict]:
+    """{case name: {config: Times}} per layer of the wide MLP in float16 at `batches`, as the service's
     fused executor runs it (one FusedLinear per layer)."""
     from bench.kernel_models import build_wide
     from service.model.executors import Executor
@@ -240,7 +240,7 @@ def sweep_wide(deadline: Deadline, skipped: list) -> dict[str, dict]:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         executor = Executor(build_wide(tmp, seed=0), "fused", torch.device("cuda"), torch.float16)
-        for batch in WIDE_BATCHES:
+        for batch in batches:
             if deadline.left() < UNIT_MIN_S:
                 skipped.append(f"wide float16 batch {batch}")
                 continue
@@ -317,7 +317,7 @@ def sweep(args: argparse.Namespace) -> dict:
     if "digits-bfloat16" in cases:
         record("digits bfloat16 bucket ", sweep_digits(torch.bfloat16, deadline, skipped))
     if "wide-float16" in cases:
-        record("", sweep_wide(deadline, skipped))
+        record("", sweep_wide(deadline, skipped, args.wide_batches))
     out["skipped"] = skipped
     if skipped:
         print(f"skipped (--time-limit {args.time_limit:.0f} s): {', '.join(skipped)}", flush=True)
@@ -373,6 +373,16 @@ def options(p: argparse.ArgumentParser) -> None:
     # 200 s: with the imports and the last bucket's overrun the probe ends within bench/gpu_session.sh's 240 s
     p.add_argument("--time-limit", type=float, default=200.0, help="seconds; work that does not fit is skipped")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    p.add_argument("--wide-batches", type=batch_list, default=WIDE_BATCHES,
+                   help=f"the wide MLP's batches [{','.join(map(str, WIDE_BATCHES))}]")  # fmt: skip
+
+
+def batch_list(text: str) -> tuple[int, ...]:
+    """'1,16,256' -> (1, 16, 256); argparse reports a ValueError as a usage error naming the option."""
+    batches = tuple(int(b) for b in text.split(",") if b.strip())
+    if not batches or min(batches) < 1:
+        raise ValueError(text)
+    return batches
 
 
 if __name__ == "__main__":
