@@ -26,8 +26,9 @@ With LEAD as well, every program first multiplies a narrow first layer whole (`_
 LEAD_MAX_BYTES of weights) and the split moves to the pair after it, so what is left after the programs
 meet is that pair's output width: 16 columns for the digits MLP instead of 256 and its last layer.
 
-At entry, program 0 asks L2 for every weight and bias line (`prefetch.py`), so that a layer's first weight
-loads and its bias load after the MMA, otherwise HBM misses taken one layer after another, find them in L2.
+At entry, the first row block's programs ask L2 for every weight and bias line (`prefetch.py`), each for
+1/SPLIT of them, so that a layer's first weight loads and its bias load after the MMA, otherwise HBM misses
+taken one layer after another, find them in L2.
 
 mid_j is rounded to the model dtype before the second product, exactly as a per-layer kernel rounds its
 stored output, so the whole-MLP kernel and the per-layer kernels compute the same function.
@@ -176,10 +177,12 @@ def _mlp_kernel(
     # Layer l maps P_l -> P_l+1 with activation A_l (slope S_l) and schedule M_l; its packed weights
     # start at sum_{i<l} P_i * P_i+1. Every `if NUM_LAYERS > l` is decided at compile time, so h changes
     # width from step to step. P9, A8, S8 are padding so that layer 7 can name "the next layer".
-    if PREFETCH_LINES > 0:  # every layer's weights start their trip to L2 now, not when the layer starts
-        prefetch_l2(w_ptr, W_BYTES, PREFETCH_LINES)
+    # every layer's weights start their trip to L2 now, not when the layer starts; the first row block's SPLIT
+    # programs share the requests
+    if PREFETCH_LINES > 0:
+        prefetch_l2(w_ptr, W_BYTES, PREFETCH_LINES, SPLIT)
     if B_PREFETCH_LINES > 0:  # and the biases, each read only after its layer's MMA: one more trip each, cold
-        prefetch_l2(b_ptr, B_BYTES, B_PREFETCH_LINES)
+        prefetch_l2(b_ptr, B_BYTES, B_PREFETCH_LINES, SPLIT)
     pid_m = tl.program_id(0) // SPLIT
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, P0)

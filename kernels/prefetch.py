@@ -5,7 +5,11 @@ layer's weights are first touched only when that layer starts, and from HBM each
 ~600-800 ns on an H100/H200 (vs ~250 ns from L2). Issuing `prefetch.global.L2` for every 128-byte line
 of the packed weights at entry overlaps all those misses with the first layer's; the prefetches write
 nothing and hold no registers, and a line already in L2 (the steady state of a busy server) costs one
-L2 lookup. One program issues them, so the number of requests does not grow with the grid.
+L2 lookup. The first PARTS programs (a split kernel's first row block) issue 1/PARTS of the lines each, so
+the number of requests does not grow with the grid and no one program spends its start issuing all of them:
+with program 0 issuing all 2048 lines of the digits MLP, the forward back to back took 5.56-5.74 us at
+batch 1 (H200, fp16, two runs), 5.33 spread over its 16 split programs, 5.12 with no prefetch, which costs
+cold 8.86 against 8.19-8.61 (bench/results/prefetch_ab_h200.md).
 
 Compiled GPUs only: the interpreter has no inline PTX (callers pass LINES=0 there).
 """
@@ -25,10 +29,13 @@ def prefetch_lines(n_bytes: int) -> int:
 
 
 @triton.jit
-def prefetch_l2(ptr, n_bytes, LINES: tl.constexpr):
-    """Program 0 asks L2 for the first min(n_bytes, LINES * 128) bytes from ptr."""
-    if tl.program_id(0) == 0:
-        offset = tl.arange(0, LINES) * 128
+def prefetch_l2(ptr, n_bytes, LINES: tl.constexpr, PARTS: tl.constexpr):
+    """Programs 0 .. PARTS-1 ask L2 for the first min(n_bytes, LINES * 128) bytes from ptr, each a 1/PARTS
+    run of lines (LINES and PARTS are powers of two; with fewer lines than parts, one line each)."""
+    CHUNK: tl.constexpr = LINES // PARTS if LINES >= PARTS else 1
+    pid = tl.program_id(0)
+    if (pid < PARTS) & (pid * CHUNK < LINES):
+        offset = (pid * CHUNK + tl.arange(0, CHUNK)) * 128
         address = ptr.to(tl.pointer_type(tl.uint8)) + offset
         # setp/@p skips lines past the end; the dummy output exists only because the op must return one,
         # and is_pure=False keeps the compiler from deleting an instruction whose result goes unused.

@@ -70,11 +70,13 @@ def test_whole_mlp_kernel_compiles_for_sm90_with_its_l2_prefetch(dtype):
     for got in results:
         assert got["w_bytes"] == (64 * 256 + 256 * 256 + 256 * 16) * elem  # padded layers, end to end
         assert got["b_bytes"] == (256 + 256 + 16) * elem  # the biases, packed likewise
-        # 4 warps = 128 threads; each thread issues lines / 128 weight prefetches (2048 lines, capped, for both
-        # dtypes) and one for the biases (1056 or 2112 bytes: 16 or 32 lines, fewer than threads, so each
-        # thread asks for one)
+        # 4 warps = 128 threads; each of the SPLIT programs that share the requests issues lines / SPLIT
+        # weight lines (2048 lines, capped, for both dtypes), so each thread lines / SPLIT / 128 of them (at
+        # least one), and one for the biases (1056 or 2112 bytes: 16 or 32 lines, fewer than threads, so
+        # each thread asks for one)
         assert got["lines"] == 2048 and got["b_lines"] == 8 * elem, got
-        assert got["prefetches"] == got["lines"] // (32 * got["config"]["num_warps"]) + 1, got
+        threads = 32 * got["config"]["num_warps"]
+        assert got["prefetches"] == max(1, got["lines"] // got["config"]["SPLIT"] // threads) + 1, got
         assert got["STACK"] == 0 and got["LOCAL"] == 0, f"registers spill to local memory: {got}"
 
 
