@@ -11,7 +11,7 @@ kernels/cold_timing.py: the first batch after an idle spell) and hot (replayed b
 left in L2 by the replay before, kernels/hot_timing.py: a loaded server). `pick` chooses from both
 (FUSEDSERVE_TUNING_TIMING: `both`, the default; `cold` or `hot` alone).
 
-The file is JSON: {"<gpu> | <triton version> | <kernel>": {"<key>|timing=<policy>": {"kwargs": {...},
+The file is JSON: {"<gpu> | <triton version> | <kernel>": {"<key>|timing=<policy label>": {"kwargs": {...},
 "num_warps": 4, "num_stages": 3, "cold_us": 4.1, "hot_us": 3.2}}}. Entries are never trusted across GPUs,
 Triton versions or timing policies, and a kernel whose source changes gets a new name (`source_hash`). A
 corrupt or unwritable file costs a re-tune and a warning, never a failed start.
@@ -213,6 +213,12 @@ def pick(timings: Mapping[LaunchConfig, tuple[float, float]], policy: str = "bot
     return min(regrets, key=lambda c: (max(regrets[c]), sum(regrets[c])))
 
 
+def policy_label(policy: str) -> str:
+    """The policy as the tuning cache's keys name it: `both` with its bounds ('both:cold1.02,hot1.10'), so that a
+    pick made under other bounds, or before `both` had them, is timed again instead of reused."""
+    return f"both:cold{COLD_SLACK:.2f},hot{HOT_SLACK:.2f}" if policy == "both" else policy
+
+
 def time_candidates(
     candidates: Iterable[LaunchConfig],
     run: Callable[[LaunchConfig], None],
@@ -253,10 +259,10 @@ def tune(
     """The cached config for (scope, key) under the timing policy, or the candidate `pick` chooses from each
     one's (cold us, hot us) by `measure` (see `time_candidates`), then cached with both times.
 
-    The policy is part of the entry's key: a pick made for another policy is never reused.
+    The policy (`policy_label`) is part of the entry's key: a pick made for another policy is never reused.
     """
     policy = timing_policy()
-    entry = f"{key}|timing={policy}"
+    entry = f"{key}|timing={policy_label(policy)}"
     store = cache()
     hit = store.get(scope, entry)
     if hit is not None:

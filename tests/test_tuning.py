@@ -51,7 +51,7 @@ def test_fastest_candidate_is_chosen_and_written(cache_file):
     assert best == B
     assert calls == [A, B, C]
     saved = json.loads(cache_file.read_text())
-    assert saved["gpu | t | k@1"]["m1|timing=both"] == {**B.to_json(), "cold_us": 2.5, "hot_us": 2.5}
+    assert saved["gpu | t | k@1"]["m1|timing=both:cold1.02,hot1.10"] == {**B.to_json(), "cold_us": 2.5, "hot_us": 2.5}
 
 
 def test_a_restart_reads_the_file_and_times_nothing(cache_file):
@@ -86,7 +86,7 @@ def test_corrupt_file_is_replaced_not_fatal(cache_file, caplog):
     calls: list[LaunchConfig] = []
     assert tune("s", "k", [A, B], calls.append, _bench_by({A: 2.0, B: 1.0}, calls)) == B
     assert "unreadable" in caplog.text
-    assert json.loads(cache_file.read_text())["s"]["k|timing=both"]["num_warps"] == 8
+    assert json.loads(cache_file.read_text())["s"]["k|timing=both:cold1.02,hot1.10"]["num_warps"] == 8
 
 
 def test_unwritable_location_keeps_results_in_memory(tmp_path, monkeypatch, caplog):
@@ -163,6 +163,20 @@ def test_both_takes_the_fastest_hot_of_those_near_the_best_on_each_count():
     assert pick({A: (10.0, 10.5), B: (10.5, 10.0), C: (10.1, 10.4)}, "both") == C  # in both slacks: hot 1.04
 
 
+def test_a_pick_made_under_other_bounds_of_both_is_timed_again(cache_file, monkeypatch):
+    times = {A: (4.0, 8.0), B: (4.4, 4.0)}
+    calls: list[LaunchConfig] = []
+    assert tune("s", "k", [A, B], calls.append, _bench_by(times, calls)) == B
+    monkeypatch.setattr(tuning, "COLD_SLACK", 1.10)  # B is now within both bounds: still B, but timed again
+    tuning._cache.clear()
+    assert tune("s", "k", [A, B], calls.append, _bench_by(times, calls)) == B
+    assert calls == [A, B, A, B]
+    assert set(json.loads(cache_file.read_text())["s"]) == {
+        "k|timing=both:cold1.02,hot1.10",
+        "k|timing=both:cold1.10,hot1.10",
+    }
+
+
 def test_ties_go_to_the_other_timing_then_to_the_earlier_candidate():
     assert pick({A: (5.0, 3.0), B: (5.0, 2.0)}, "cold") == B  # equal cold: the faster hot
     assert pick({A: (4.0, 3.0), B: (3.0, 3.0)}, "hot") == B  # equal hot: the faster cold
@@ -197,7 +211,7 @@ def test_tune_picks_by_both_and_stores_both_times(cache_file, caplog):
     caplog.set_level("INFO", logger="fusedserve.tuning")
     times = {A: (4.0, 8.0), B: (4.4, 4.0), C: (6.0, 4.2)}
     assert tune("s", "k", [A, B, C], calls.append, _bench_by(times, calls)) == B
-    saved = json.loads(cache_file.read_text())["s"]["k|timing=both"]
+    saved = json.loads(cache_file.read_text())["s"]["k|timing=both:cold1.02,hot1.10"]
     assert (saved["cold_us"], saved["hot_us"]) == (4.4, 4.0)
     assert "cold 4.4 us, hot 4.0 us: 1.10x and 1.00x the best of 3 candidates; timing both" in caplog.text
 
@@ -215,7 +229,7 @@ def test_a_pick_made_under_another_policy_is_not_reused(cache_file):
     tuning.set_timing_policy("cold")
     assert tune("s", "k", [A, B], calls.append, _bench_by(times, calls)) == A
     assert len(calls) == 4
-    assert set(json.loads(cache_file.read_text())["s"]) == {"k|timing=cold", "k|timing=both"}
+    assert set(json.loads(cache_file.read_text())["s"]) == {"k|timing=cold", "k|timing=both:cold1.02,hot1.10"}
 
 
 def test_an_entry_of_the_cold_only_tuner_is_re_tuned(cache_file):
