@@ -65,7 +65,8 @@ def round_to_bf16(x):
 def apply_activation(x, ACTIVATION: tl.constexpr, negative_slope):
     """x: an fp32 tile; returns ACTIVATION(x) in fp32. `negative_slope` is used by leaky_relu only."""
     if ACTIVATION == "relu":
-        x = tl.maximum(x, 0.0)
+        # NaN stays NaN, as in torch.relu: a plain max answers 0 and hides a bad input
+        x = tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
     elif ACTIVATION == "leaky_relu":
         x = tl.where(x >= 0, x, x * negative_slope)
     elif ACTIVATION == "gelu":

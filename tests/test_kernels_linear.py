@@ -61,6 +61,20 @@ def test_without_bias(small_tile, shape, dtype):
     _check(*shape, dtype, "gelu", DEVICE, bias=False)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_a_nan_input_gives_nan_where_torch_does(small_tile, activation):
+    # A NaN in a request's row makes every output of that row NaN in torch, relu included (torch.relu keeps
+    # NaN; a plain max(x, 0) would answer 0 and hide the bad input). Other rows stay finite and right.
+    M, N, K = 5, 37, 23
+    x, w, b = _inputs(M, N, K, torch.float32, DEVICE)
+    x[2, 4] = float("nan")
+    got = fused_linear(x, w, b, activation)
+    want = reference.linear(x.double(), w.double(), b.double(), activation)
+    assert torch.isnan(got[2]).all() and torch.isnan(want[2]).all(), got[2]
+    finite = [0, 1, 3, 4]
+    assert_close_to(got[finite], want[finite], RTOL[torch.float32], f"{activation}, rows without NaN")
+
+
 @pytest.mark.parametrize("slope", [0.2, -0.5, 3.0])
 def test_leaky_relu_slope_is_honoured(small_tile, slope):
     _check(19, 40, 23, torch.float32, "leaky_relu", DEVICE, slope=slope)

@@ -336,3 +336,17 @@ def test_direct_and_fast_paths_pass_the_right_arguments(dtype, split, lead):
     assert err <= NORMWISE[dtype], f"direct with out= {dtype}: normwise error {err:.2e}"
     with pytest.raises(ValueError, match=r"x must be \(M, 13\)"):
         mlp(torch.randn(3, 12, device=DEVICE).to(dtype))
+
+
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "gelu_tanh"])
+def test_a_nan_input_row_gives_nan_outputs_as_torch_does(activation):
+    # torch keeps NaN through every layer (relu included), so the unfused mode answers NaN for that row; the
+    # whole-MLP kernel must too, and leave the other rows right.
+    layers = _layers([20, 33, 17, 3], [activation, activation, "none"], torch.float32, DEVICE)
+    x = torch.randn(4, 20, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    x[1, 7] = float("nan")
+    got = FusedMLP(layers)(x)
+    want64, _ = _reference(x, layers, torch.float32)
+    assert torch.isnan(got[1]).all() and torch.isnan(want64[1]).all(), got[1]
+    rows = [0, 2, 3]
+    assert_close_to(got[rows], want64[rows], 1e-5, f"{activation}, rows without NaN")
