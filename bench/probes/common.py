@@ -105,6 +105,16 @@ def one_store_floor() -> dict:
     return floor
 
 
+def write_named_by_gpu(out: Path, name: str, text: str, rows: list) -> None:
+    """A probe's table and rows as out/<name>_<gpu>.txt and .json (probe_conv_h100.txt: the names results/ keeps)."""
+    from bench.kernel_report import slug_of
+
+    out.mkdir(parents=True, exist_ok=True)
+    base = out / f"{name}_{slug_of(torch.cuda.get_device_name())}"
+    base.with_suffix(".txt").write_text(text)
+    base.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+
+
 def main(
     name: str, sweep: Callable[..., dict], options: Callable[[argparse.ArgumentParser], None] | None = None
 ) -> None:

@@ -25,7 +25,6 @@ slower than torch.compile and cuDNN at any batch.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -55,11 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("probe_conv needs CUDA", file=sys.stderr)
         return 2
-    from bench.kernel_report import slug_of
     from kernels.conv import fused_conv2d
     from kernels.pool import fused_pool2d
 
-    from .common import replay_cold_hot
+    from .common import replay_cold_hot, write_named_by_gpu
 
     torch.manual_seed(0)
     dtype = torch.float16
@@ -141,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(f"{time.perf_counter() - started:.0f} s. Errors (normwise vs fp32 torch) are in the JSON.")
     text = "\n".join(lines) + "\n"
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    base = args.out / f"probe_conv_{slug_of(torch.cuda.get_device_name())}"
-    base.with_suffix(".txt").write_text(text)
-    base.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    write_named_by_gpu(args.out, "probe_conv", text, rows)
     return 0
 
 

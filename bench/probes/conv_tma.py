@@ -15,7 +15,6 @@ timed cold (L2 cleared by reads) and hot (replays back to back):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -44,12 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("probe_conv_tma needs CUDA", file=sys.stderr)
         return 2
-    from bench.kernel_report import slug_of
     from kernels import conv_tma
     from kernels.conv import m_bucket
     from kernels.tiles import gemm_flags
 
-    from .common import replay_cold_hot
+    from .common import replay_cold_hot, write_named_by_gpu
 
     torch.manual_seed(0)
     dtype = torch.float16
@@ -141,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"{time.perf_counter() - started:.0f} s. Every config's times and errors are in the JSON."]
     text = "\n".join(lines) + "\n"
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    base = args.out / f"probe_conv_tma_{slug_of(torch.cuda.get_device_name())}"
-    base.with_suffix(".txt").write_text(text)
-    base.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    write_named_by_gpu(args.out, "probe_conv_tma", text, rows)
     return 0
 
 
