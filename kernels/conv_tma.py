@@ -228,8 +228,8 @@ def launch(x, weight, bias, out, negative_slope: float, geometry: dict, pool: tu
     H, W = geometry["H"], geometry["W"]
     x_desc = TensorDescriptor(x, [N, H, W, C], [H * W * C, W * C, C, 1], [img, bh, bw, bk])
     w_desc = TensorDescriptor(weight, [OC, KH * KW * C], [KH * KW * C, 1], [bn, bk])
-    y = out
-    if y_nhwc(out):
+    y, store_nhwc = out, y_nhwc(out)
+    if store_nhwc:
         _, _, poh, pow_ = out.shape
         y_box = [img, bh // PKH, bw // PKW, bn]
         y = TensorDescriptor(out, [N, poh, pow_, OC], [poh * pow_ * OC, pow_ * OC, OC, 1], y_box)
@@ -238,7 +238,7 @@ def launch(x, weight, bias, out, negative_slope: float, geometry: dict, pool: tu
         x_desc, w_desc, bias if bias is not None else weight, y,
         N, *out.stride(),
         negative_slope,
-        **geometry, OC=OC, POOL=POOL, PKH=PKH, PKW=PKW, **fixed, Y_NHWC=y_nhwc(out), **meta,
+        **geometry, OC=OC, POOL=POOL, PKH=PKH, PKW=PKW, **fixed, Y_NHWC=store_nhwc, **meta,
         **launch_options(fixed),
     )  # fmt: skip
 

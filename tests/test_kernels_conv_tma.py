@@ -229,8 +229,8 @@ def test_gpu_every_activation_tuned(activation):
 
 @pytest.mark.gpu
 def test_gpu_graph_capture():
-    """A CUDA graph of the TMA kernel (descriptors made per program, in scratch memory the graph keeps) replays
-    right on new inputs."""
+    """A CUDA graph of the TMA kernel (its descriptors made on the host at capture, kernel parameters the graph
+    keeps) replays right on new inputs written into the same tensors."""
     from kernels.graph_capture import capture
 
     x, w, b = _inputs((16, 64, 16, 16, 128, 3, 1, 1), torch.float16, "cuda")
