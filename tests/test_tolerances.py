@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tolerances import RTOL, assert_close_to
+from tests.tolerances import RTOL, assert_close_to, gemm_anchor
 
 
 def test_an_fp16_output_that_underflows_to_zero_passes():
@@ -30,3 +30,18 @@ def test_a_small_value_near_zero_still_fails_in_fp32():
     ref = torch.tensor([[1e-20]], dtype=torch.float64)
     with pytest.raises(AssertionError):
         assert_close_to(torch.tensor([[2e-20]], dtype=torch.float32), ref, RTOL[torch.float32], "tiny")
+
+
+def test_a_near_cancelling_fp32_gemm_is_judged_by_its_terms_not_its_result():
+    # x * w + b = 1e-4 from terms of 1.2: fp32's rounding of the product (5e-8) is 5e-4 of the result. Against
+    # a one-element rms that fails though the kernel is exact to fp32; against gemm_anchor's terms it passes.
+    x, w = torch.tensor([[1.2345678]]), torch.tensor([[0.9876543]])
+    b = (-(x.double() @ w.double().T) + 1e-4).float().reshape(1)
+    got = x @ w.T + b
+    want = x.double() @ w.double().T + b.double()
+    with pytest.raises(AssertionError):
+        assert_close_to(got, want, RTOL[torch.float32], "without anchor")
+    assert_close_to(got, want, RTOL[torch.float32], "with anchor", anchor=gemm_anchor(x, w, b))
+    # and the anchor does not excuse a real error: 1e-3 of the terms
+    with pytest.raises(AssertionError):
+        assert_close_to(got + 1.2e-3, want, RTOL[torch.float32], "off", anchor=gemm_anchor(x, w, b))
