@@ -91,6 +91,8 @@ def test_worker_result_is_its_last_marker_line():
 def test_layer_name_reads_the_linear_tuning_key():
     assert probe.layer_name("N4096|K1024|torch.float16|relu|bias=True|ieee|m32") == "1024->4096"
     assert probe.layer_name("something else") == "something else"
+    assert probe.key_shape("N1024|K4096|torch.float16|relu|bias") == (4096, 1024)
+    assert probe.key_shape("something else") is None
 
 
 def test_recording_times_every_candidate_takes_the_both_pick_and_restores_tune():

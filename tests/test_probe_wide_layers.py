@@ -32,10 +32,6 @@ def test_every_split_keeps_two_k_steps(bk, split, K, fits):
     assert probe.fits(config, K) is fits
 
 
-def test_key_shape_reads_k_and_n_from_a_linear_tuning_key():
-    assert probe.key_shape("N1024|K4096|torch.float16|relu|bias") == (4096, 1024)
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a compiled kernel keeps the sum of its first compile")
 @pytest.mark.parametrize("split", [2, 3, 4])
 def test_the_paired_split_k_sum_gives_the_same_bits_as_the_loop(monkeypatch, split):

@@ -28,14 +28,19 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
-def forced(module, cfg):
-    """module's kernels take cfg instead of tuning, until the block ends."""
+def tuned_by(module, tune):
+    """module's kernels call `tune` (kernels.tuning.tune's signature) instead of the tuner, until the block ends."""
     orig = module.tune
-    module.tune = lambda *a, **k: cfg
+    module.tune = tune
     try:
         yield
     finally:
         module.tune = orig
+
+
+def forced(module, cfg):
+    """module's kernels take cfg instead of tuning, until the block ends."""
+    return tuned_by(module, lambda *a, **k: cfg)
 
 
 def graph_us(fn) -> float:

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -48,7 +48,7 @@ from kernels import tuning
 from kernels.mlp import FusedMLP
 from kernels.tuning import POLICIES, LaunchConfig, Times
 
-from .common import REPO, digits_layers, main
+from .common import REPO, digits_layers, main, tuned_by
 
 BUCKETS = tuple(1 << i for i in range(13))  # 1 .. 4096, every bucket the tuner keys on
 WIDE_BATCHES = (1, 32, 256)
@@ -184,28 +184,28 @@ def worker_result(stdout: str) -> dict | None:
     return json.loads(found[-1]) if found else None
 
 
-def layer_name(key: str) -> str:
-    """'K->N' of a linear layer's tuning key ('N4096|K1024|torch.float16|...')."""
+def key_shape(key: str) -> tuple[int, int] | None:
+    """(K, N) of a linear layer's tuning key ('N4096|K1024|torch.float16|...'); None for another kernel's key."""
     m = re.match(r"N(\d+)\|K(\d+)\|", key)
-    return f"{m.group(2)}->{m.group(1)}" if m else key
+    return (int(m.group(2)), int(m.group(1))) if m else None
 
 
-@contextlib.contextmanager
-def recording(module, record: list) -> Iterator[None]:
+def layer_name(key: str) -> str:
+    """'K->N' of a linear layer's tuning key, or the key itself."""
+    shape = key_shape(key)
+    return f"{shape[0]}->{shape[1]}" if shape else key
+
+
+def recording(module, record: list) -> contextlib.AbstractContextManager:
     """module's kernels time every candidate as the tuner does, append (key, timings) to record and take the
     `both` pick, bypassing the tuning cache, until the block ends."""
-    orig = module.tune
 
     def tune(scope, key, candidates, run, measure=None):
         timings = tuning.time_candidates(candidates, run, measure, f"{scope} {key}")
         record.append((key, timings))
         return tuning.pick(timings, "both")
 
-    module.tune = tune
-    try:
-        yield
-    finally:
-        module.tune = orig
+    return tuned_by(module, tune)
 
 
 def sweep_digits(dtype: torch.dtype, deadline: Deadline, skipped: list) -> dict[int, dict]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import multiprocessing as mp
-import re
 import statistics
 import tempfile
 import time
@@ -47,8 +46,8 @@ from kernels import FusedLinear, tuning
 from kernels.tiles import device_limits
 from kernels.tuning import LaunchConfig, Times
 
-from .common import forced, main
-from .tuner_picks import short
+from .common import forced, main, tuned_by
+from .tuner_picks import key_shape, short
 
 GRID_TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (64, 256), (128, 256))
 SPLITS = (1, 2, 4, 8)
@@ -128,13 +127,6 @@ def precompile(batch: int, configs: list[LaunchConfig], reduce: str) -> None:
         list(pool.map(_compile_worker, [batch] * WORKERS, chunks))
 
 
-def key_shape(key: str) -> tuple[int, int]:
-    """(K, N) of a linear layer's tuning key ('N4096|K1024|torch.float16|...')."""
-    m = re.match(r"N(\d+)\|K(\d+)\|", key)
-    assert m, key
-    return int(m.group(2)), int(m.group(1))
-
-
 def cublaslt(batch: int, K: int, N: int, act: str) -> Times:
     x = torch.randn(batch, K, device="cuda").half()
     w = (torch.randn(N, K, device="cuda") / K**0.5).half()
@@ -152,7 +144,6 @@ def line(config: LaunchConfig, t: Times, lt: Times, own: bool) -> str:
 def sweep_layers(executor, x, configs: list[LaunchConfig]) -> list[dict]:
     """(a): every layer's tuner candidates and fitting grid configs, timed; the forward picks the tuner's `both`."""
     record: list[dict] = []
-    orig = linear_mod.tune
 
     def tune(scope, key, candidates, run, measure=None):
         own = list(candidates)
@@ -162,13 +153,9 @@ def sweep_layers(executor, x, configs: list[LaunchConfig]) -> list[dict]:
         record.append({"key": key, "K": K, "N": N, "own": [c for c in own if c in timings], "timings": timings})
         return tuning.pick({c: timings[c] for c in own if c in timings}, "both")
 
-    linear_mod.tune = tune
-    try:
-        with torch.inference_mode():
-            executor.forward(x)
-        torch.cuda.synchronize()
-    finally:
-        linear_mod.tune = orig
+    with tuned_by(linear_mod, tune), torch.inference_mode():
+        executor.forward(x)
+    torch.cuda.synchronize()
     return record
 
 
@@ -178,14 +165,9 @@ def forward_times(model, x, picks: dict[str, dict[str, LaunchConfig]]) -> dict[s
 
     executors = {}
     for variant, chosen in picks.items():
-        orig = linear_mod.tune
-        linear_mod.tune = lambda scope, key, candidates, run, measure=None, chosen=chosen: chosen[key]
-        try:
-            ex = Executor(model, "fused", torch.device("cuda"), torch.float16)
-            with torch.inference_mode():
-                ex.forward(x)  # compiles and records each layer's launch for this bucket
-        finally:
-            linear_mod.tune = orig
+        ex = Executor(model, "fused", torch.device("cuda"), torch.float16)
+        with tuned_by(linear_mod, lambda scope, key, *a, chosen=chosen, **k: chosen[key]), torch.inference_mode():
+            ex.forward(x)  # compiles and records each layer's launch for this bucket
         executors[variant] = ex
     out: dict[str, list[Times]] = {v: [] for v in picks}
     for _ in range(ROUNDS):
