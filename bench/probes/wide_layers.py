@@ -14,18 +14,11 @@ hot as the tuner times them, then the whole forward with the grid's picks agains
 
 Grid candidates are compiled first by WORKERS processes (Triton's disk cache is shared).
 
-`--reduce pairs` swaps linear.py's split-K sum (tiles.split_k_sum), in this process and the compile workers
-before anything compiles, for the same sum in the same order with two partials loaded per step. The data
-point it tests: on the H200 the last layer at batch 256 (4096->1024, 64x128 tiles split 4 ways: 128 programs
-1024 deep in K) took 12.1 us hot, the first layer (1024->4096: 128 unsplit programs, as deep) 7.3
-(bench/results/probe_tuner_picks_h200.txt), so the split-K sum, done by 32 of the 128 programs, costs about
-4.8 us. Compiled for sm_90 without a GPU (triton 3.9; 64x128x128, 4 warps, fp16), its loop loads one 32 KB
-partial per step (16 ld.global.cg.v4 a thread) and each step's adds wait for its loads before the next
-step's loads issue: four L2 round trips one after the other. Two per step: 164 registers against 163, no
-spills; all four at once (static_range) takes 255 registers and spills 136 B a thread. Run the probe twice
-in one call, with and without, and compare the split rows (with it, the grid keeps its split configs only).
+What it found on an H200 (bench/results/probe_wide_layers_h200.txt): the last layer's best is 64x64x128 tiles
+split 2 ways, 10.4 us hot against 11.8 for the tuner's 64x128 split 4, and the forward 37.4 us against 39.4;
+linear.py now offers it. The first two layers' tuner picks were within 2% of the grid's best.
 
-    python -m bench.probes.wide_layers --out DIR [--batch 256] [--reduce loop|pairs]
+    python -m bench.probes.wide_layers --out DIR [--batch 256]
 """
 
 from __future__ import annotations
@@ -39,7 +32,6 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 
 import kernels.linear as linear_mod
 from kernels import FusedLinear, tuning
@@ -69,32 +61,6 @@ def grid(shared_memory: int, element_size: int = 2) -> list[LaunchConfig]:
     return out
 
 
-@triton.jit
-def split_k_sum_pairs(acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr):  # fmt: skip
-    """tiles.split_k_sum loading two partials per step: the same sum in the same order, half the steps."""
-    tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    tl.store(ws_ptr + (tile * SPLIT_K + pid_k) * (BLOCK_M * BLOCK_N) + tile_offs, acc)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-    last = (tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32) + arrived) == SPLIT_K - 1
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(0, SPLIT_K, 2):
-        first = ws_ptr + (tile * SPLIT_K + s) * (BLOCK_M * BLOCK_N) + tile_offs
-        a = tl.load(first, mask=last, other=0.0, cache_modifier=".cg")
-        b = tl.load(first + BLOCK_M * BLOCK_N, mask=last & (s + 1 < SPLIT_K), other=0.0, cache_modifier=".cg")
-        total += a
-        total += b
-    tl.atomic_add(cnt_ptr + tile, tl.where(arrived == SPLIT_K - 1, -SPLIT_K, 0))
-    return total, last
-
-
-def use_reduce(mode: str) -> None:
-    """Make linear.py's kernel sum split-K partials the `mode` way; before its first compile in this process."""
-    if mode == "pairs":
-        linear_mod.split_k_sum = split_k_sum_pairs
-
-
 def fits(config: LaunchConfig, K: int) -> bool:
     """At least two K steps per split."""
     return triton.cdiv(K, config["BLOCK_K"]) >= 2 * config["SPLIT_K"]
@@ -120,10 +86,10 @@ def _compile_worker(batch: int, configs: list[dict]) -> int:
     return done
 
 
-def precompile(batch: int, configs: list[LaunchConfig], reduce: str) -> None:
+def precompile(batch: int, configs: list[LaunchConfig]) -> None:
     chunks = [[c.to_json() for c in configs[i::WORKERS]] for i in range(WORKERS)]
     spawn = mp.get_context("spawn")
-    with cf.ProcessPoolExecutor(WORKERS, mp_context=spawn, initializer=use_reduce, initargs=(reduce,)) as pool:
+    with cf.ProcessPoolExecutor(WORKERS, mp_context=spawn) as pool:
         list(pool.map(_compile_worker, [batch] * WORKERS, chunks))
 
 
@@ -181,15 +147,13 @@ def sweep(args: argparse.Namespace) -> dict:
     from bench.kernel_models import build_wide
     from service.model.executors import Executor
 
-    use_reduce(args.reduce)
     _, smem = device_limits(torch.device("cuda"))
-    # Unsplit configs compile the sum out (SPLIT_K is a constexpr): the same machine code either way.
-    configs = [c for c in grid(smem) if args.reduce == "loop" or c["SPLIT_K"] > 1]
+    configs = grid(smem)
     t = time.monotonic()
-    precompile(args.batch, configs, args.reduce)
-    print(f"grid: {len(configs)} configs compiled in {time.monotonic() - t:.0f} s; split-K sum: {args.reduce}",
+    precompile(args.batch, configs)
+    print(f"grid: {len(configs)} configs compiled in {time.monotonic() - t:.0f} s",
           flush=True)  # fmt: skip
-    result: dict = {"batch": args.batch, "reduce": args.reduce, "layers": [], "forward": {}}
+    result: dict = {"batch": args.batch, "layers": [], "forward": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_wide(tmp, seed=0)
         x = torch.randn(args.batch, model.input_shape[0], device="cuda").half()
@@ -239,7 +203,6 @@ def sweep(args: argparse.Namespace) -> dict:
 
 def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=256, help="rows per forward [256]")
-    p.add_argument("--reduce", choices=("loop", "pairs"), default="loop", help="how split-K partials are summed")
 
 
 if __name__ == "__main__":
