@@ -222,6 +222,13 @@ def cuda_configs(
         split = wave_split(triton.cdiv(bucket, 64) * triton.cdiv(N, 128))
         if split > 1:
             configs += [cfg(64, 128, 64, 4, 4, split), cfg(64, 128, 128, 4, 4, split)]
+        # And for 64x64 tiles: twice the tiles, so half the split (that last layer: 64 tiles split 2 ways, 16 K
+        # steps of 128 each). Best hot of 163 configs in a sweep of every tile, depth and split on an H200:
+        # 10.4 us against 11.8 for 64x128 split 4 and 10.8 for cuBLASLt; the forward 37.4 us against 39.4
+        # (bench/results/probe_wide_layers_h200.txt).
+        split = wave_split(triton.cdiv(bucket, 64) * triton.cdiv(N, 64))
+        if split > 1:
+            configs.append(cfg(64, 64, 128, 4, 4, split))
     if triton.cdiv(bucket, 64) * triton.cdiv(N, 64) < sms and bucket > 16:
         # A GEMM of fewer 64x64 tiles than SMs: 16x32 tiles, one program per 512 outputs, so loads go out
         # from many SMs at once (64x256x128 fp16: 6.7 us cold on an H200 against 7.1 for 64x64 tiles).

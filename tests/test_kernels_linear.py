@@ -280,6 +280,11 @@ def test_big_batches_are_split_only_for_long_k_and_less_than_a_wave():
     for bucket, N, K, split in [(256, 4096, 4096, 2), (256, 1024, 4096, 4), (128, 1000, 4104, 4)]:
         splits = {c["SPLIT_K"] for c in linear_mod.cuda_configs(bucket, N, K, 132) if c["BLOCK_M"] == 128}
         assert splits == {1, split}, (bucket, N, K, splits)
+    # 64x64 tiles, twice as many as 64x128 ones, split half as much: the wide MLP's last layer at batch 256
+    # (64 tiles, 2 ways) and 128 (32 tiles, 4 ways); none where 64x64 tiles already fill half the SMs
+    for bucket, N, K, splits in [(256, 1024, 4096, {2}), (128, 1024, 4096, {4}), (256, 4096, 4096, set())]:
+        narrow = [c for c in linear_mod.cuda_configs(bucket, N, K, 132) if c["BLOCK_M"] == c["BLOCK_N"] == 64]
+        assert {c["SPLIT_K"] for c in narrow if c["SPLIT_K"] > 1} == splits, (bucket, N, K, narrow)
 
 
 def test_small_gemms_get_narrow_tiles_and_big_ones_do_not():
@@ -314,7 +319,7 @@ def test_candidates_fit_shared_memory():
     assert big not in fp32 and big in linear_mod.cuda_configs(1, 1000, 4096, 132, 2)
 
 
-# 128-row tiles split along K, offered to batches of 65-256 with long K
+# Tiles split along K, offered to batches of 65-256 with long K
 MID_M_SPLIT_CANDIDATES = [
     (dt, c) for dt in DTYPES for c in linear_mod.cuda_configs(128, 1000, 4104, 132, dt.itemsize) if c["SPLIT_K"] > 1
 ]
