@@ -12,9 +12,11 @@ left in L2 by the replay before, kernels/hot_timing.py: a loaded server). `pick`
 (FUSEDSERVE_TUNING_TIMING: `both`, the default; `cold` or `hot` alone).
 
 The file is JSON: {"<gpu> | <triton version> | <kernel>": {"<key>|timing=<policy label>": {"kwargs": {...},
-"num_warps": 4, "num_stages": 3, "cold_us": 4.1, "hot_us": 3.2}}}. Entries are never trusted across GPUs,
-Triton versions or timing policies, and a kernel whose source changes gets a new name (`source_hash`). A
-corrupt or unwritable file costs a re-tune and a warning, never a failed start.
+"num_warps": 4, "num_stages": 3, "cold_us": 4.1, "hot_us": 3.2, "offered": "<hash>"}}}. Entries are never
+trusted across GPUs, Triton versions or timing policies, a kernel whose source changes gets a new name
+(`source_hash`), and a pick made from another list of candidates is made again (`offered_hash`: a release
+that offers a new candidate has it timed, rather than keep a pick made without it). A corrupt or unwritable
+file costs a re-tune and a warning, never a failed start.
 """
 
 from __future__ import annotations
@@ -97,6 +99,11 @@ def source_hash(*fns) -> str:
     return h.hexdigest()[:12]
 
 
+def offered_hash(candidates: Iterable[LaunchConfig]) -> str:
+    """A short hash of a list of candidates, in order."""
+    return hashlib.sha256(json.dumps([c.to_json() for c in candidates], sort_keys=True).encode()).hexdigest()[:12]
+
+
 class TuningCache:
     """Tuned configs in memory, backed by one JSON file shared by every kernel of the process."""
 
@@ -117,18 +124,22 @@ class TuningCache:
             log.warning("tuning cache %s unreadable (%s); re-tuning as needed and rewriting it", self.path, e)
             return {}
 
-    def get(self, scope: str, key: str) -> LaunchConfig | None:
+    def get(self, scope: str, key: str, offered: str | None = None) -> LaunchConfig | None:
+        """The config recorded for (scope, key); None where there is none, or it was picked from a list of
+        candidates other than `offered` (an `offered_hash`)."""
         entry = self._data.get(scope, {}).get(key)
-        if entry is None:
+        if entry is None or (offered is not None and entry.get("offered") != offered):
             return None
         try:
             return LaunchConfig.from_json(entry)
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
 
-    def put(self, scope: str, key: str, config: LaunchConfig, times: Times) -> None:
-        """Record the chosen config with its cold and hot time (us)."""
+    def put(self, scope: str, key: str, config: LaunchConfig, times: Times, offered: str | None = None) -> None:
+        """Record the chosen config with its cold and hot time (us), and the candidates it was picked from."""
         entry = {**config.to_json(), "cold_us": round(times.cold_us, 3), "hot_us": round(times.hot_us, 3)}
+        if offered is not None:
+            entry["offered"] = offered
         with self._lock:
             self._data.setdefault(scope, {})[key] = entry
             self._write()
@@ -259,20 +270,23 @@ def tune(
     """The cached config for (scope, key) under the timing policy, or the candidate `pick` chooses from each
     one's (cold us, hot us) by `measure` (see `time_candidates`), then cached with both times.
 
-    The policy (`policy_label`) is part of the entry's key: a pick made for another policy is never reused.
+    The policy (`policy_label`) is part of the entry's key and the candidates' `offered_hash` is stored with
+    it: a pick made for another policy, or from another list, is never reused.
     """
+    candidates = list(candidates)
     policy = timing_policy()
     entry = f"{key}|timing={policy_label(policy)}"
+    offered = offered_hash(candidates)
     store = cache()
-    hit = store.get(scope, entry)
+    hit = store.get(scope, entry, offered)
     if hit is not None:
         return hit
     if not enabled():
-        return next(iter(candidates))
+        return candidates[0]
     timings = time_candidates(candidates, run, measure, f"{scope} {key}")
     best = pick(timings, policy)
     times = timings[best]
-    store.put(scope, entry, best, times)
+    store.put(scope, entry, best, times, offered)
     cold, hot = regret(times, best_times(timings))
     log.info(
         "tuned %s %s: %s (cold %.1f us, hot %.1f us: %.2fx and %.2fx the best of %d candidates; timing %s)",

@@ -51,7 +51,12 @@ def test_fastest_candidate_is_chosen_and_written(cache_file):
     assert best == B
     assert calls == [A, B, C]
     saved = json.loads(cache_file.read_text())
-    assert saved["gpu | t | k@1"]["m1|timing=both:cold1.02,hot1.10"] == {**B.to_json(), "cold_us": 2.5, "hot_us": 2.5}
+    assert saved["gpu | t | k@1"]["m1|timing=both:cold1.02,hot1.10"] == {
+        **B.to_json(),
+        "cold_us": 2.5,
+        "hot_us": 2.5,
+        "offered": tuning.offered_hash([A, B, C]),
+    }
 
 
 def test_a_restart_reads_the_file_and_times_nothing(cache_file):
@@ -64,6 +69,28 @@ def test_a_restart_reads_the_file_and_times_nothing(cache_file):
     # another key still tunes
     assert tune("s", "k2", [A, B], again.append, _bench_by({A: 3.0, B: 2.0}, again)) == B
     assert again == [A, B]
+
+
+def test_a_new_list_of_candidates_is_tuned_again_and_an_old_entry_without_one_too(cache_file):
+    """A release that offers another candidate has it timed rather than keep the pick made without it."""
+    calls: list[LaunchConfig] = []
+    assert tune("s", "k", [A, B], calls.append, _bench_by({A: 2.0, B: 3.0}, calls)) == A
+    tuning._cache.clear()  # a new process, a new release: C offered too
+    again: list[LaunchConfig] = []
+    assert tune("s", "k", [A, B, C], again.append, _bench_by({A: 2.0, B: 3.0, C: 1.0}, again)) == C
+    assert again == [A, B, C]
+    tuning._cache.clear()  # the same list once more: read back, nothing timed
+    third: list[LaunchConfig] = []
+    assert tune("s", "k", [A, B, C], third.append, _bench_by({A: 2.0, B: 3.0, C: 1.0}, third)) == C
+    assert third == []
+    # an entry written before candidates were recorded counts as picked from another list
+    saved = json.loads(cache_file.read_text())
+    del saved["s"]["k|timing=both:cold1.02,hot1.10"]["offered"]
+    cache_file.write_text(json.dumps(saved))
+    tuning._cache.clear()
+    fourth: list[LaunchConfig] = []
+    assert tune("s", "k", [A, B, C], fourth.append, _bench_by({A: 2.0, B: 3.0, C: 1.0}, fourth)) == C
+    assert fourth == [A, B, C]
 
 
 def test_a_failing_candidate_is_skipped_and_all_failing_is_an_error(cache_file):
