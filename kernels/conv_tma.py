@@ -179,12 +179,13 @@ def cuda_configs(bucket: int, OC: int, C: int, OH: int, OW: int, pool=(1, 1), el
     channels (at most C rounded up; 32 for fp32), 3 or 4 stages where they fit in shared memory. TMA=1 marks them
     as this kernel's among the tuner's candidates.
 
-    BLOCK_N 128 with 128-byte K steps (fp16 BLOCK_K 64, fp32 32) gets 2 stages only: with 3 or 4 (triton 3.6,
-    H100, fp16) some output rows came out wrong, differently from run to run, once the grid ran more than one wave
-    (64 -> 128 channels at 16x16, 128 to 512 images: normwise error 1.4e-3 to 2.8e-2 against 2.1e-4); 2 stages,
-    BLOCK_K 32 or BLOCK_N 64 never did, over the wider CNN's layers at 128 to 1024 images (fp16). The same guard
-    covers fp32's 32-deep steps, whose tiles are the same bytes (tests/test_kernels_conv_tma.py,
-    test_gpu_every_candidate)."""
+    128-byte K steps (fp16 BLOCK_K 64, fp32 32) get 2 stages only in tiles of 128 pixels or 128 channels
+    (`racy_stages`): with 3 or 4, some outputs came out wrong, differently from run to run, once the grid ran more
+    than one wave (triton 3.6). On an H100, BLOCK_N 128 at 64 -> 128 channels, 16x16, 128 to 512 images (normwise
+    error 1.4e-3 to 2.8e-2 against 2.1e-4); on an H200, 128-pixel boxes of 2 images x 8x8 with BLOCK_N 64 at 3
+    stages, 128 -> 128 channels over 1025 images: 3 to 36 runs in 100 wrong, up to 2,053 outputs a run, with PDL
+    or without, pooled or not, y NCHW or NHWC; 0 of 100 over 129 images (one wave), and 0 for 64-pixel boxes at 3
+    or 4 stages (bench/results/probe_conv_tma_race_h200.txt). 2 stages or 64-byte steps never did."""
     full = max(16, min(128, triton.next_power_of_2(OC)))
     bns = sorted({full, 64} if full >= 128 else {full})
     widest = 64 if element_size <= 2 else 32
@@ -196,12 +197,17 @@ def cuda_configs(bucket: int, OC: int, C: int, OH: int, OW: int, pool=(1, 1), el
         img, bh, bw = box_shape(bm, OH, OW, pool)
         for bn in bns:
             for bk in ks:
-                for stages in (2,) if bn >= 128 and bk * element_size >= 128 else (3, 4):
+                for stages in (2,) if racy_stages(bm, bn, bk, element_size) else (3, 4):
                     warps = 8 if bm * bn >= 128 * 128 else 4
                     c = LaunchConfig.of(warps, stages, IMG=img, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, TMA=1)
                     if shared_memory_bytes(c, element_size) <= shared_memory:
                         out.append(c)
     return out
+
+
+def racy_stages(block_m: int, block_n: int, block_k: int, element_size: int) -> bool:
+    """Whether a tile gets 2 stages only: 128-byte K steps in a tile of 128 pixels or channels (cuda_configs)."""
+    return max(block_m, block_n) >= 128 and block_k * element_size >= 128
 
 
 def is_tma(config: LaunchConfig) -> bool:

@@ -173,7 +173,9 @@ def test_boxes_and_candidates():
                 assert conv_tma.shared_memory_bytes(c, size) <= conv_tma.HOPPER_SHARED_MEMORY
                 assert c["BH"] % pool[0] == 0 and c["BW"] % pool[1] == 0
                 assert c["BLOCK_K"] <= max(16, C) and c["BLOCK_N"] in {min(max(OC, 16), 128), 64}
-                racy = c["BLOCK_N"] == 128 and c["BLOCK_K"] * size == 128  # see conv_tma.cuda_configs
+                bm = c["IMG"] * c["BH"] * c["BW"]
+                racy = max(bm, c["BLOCK_N"]) == 128 and c["BLOCK_K"] * size == 128  # see conv_tma.cuda_configs
+                assert racy == conv_tma.racy_stages(bm, c["BLOCK_N"], c["BLOCK_K"], size)
                 assert c.num_stages == 2 if racy else c.num_stages in (3, 4)
             assert (bucket <= 64) == all(c["IMG"] * c["BH"] * c["BW"] == 64 for c in configs)
 
