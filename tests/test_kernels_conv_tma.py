@@ -39,8 +39,9 @@ def _ids(case):
 
 @pytest.fixture
 def tma_on(monkeypatch):
-    """Eligible interpreted calls run conv_tma's kernel (with a 32-pixel box, so that boxes cross image edges);
-    each launch is counted, so a test can tell that it did."""
+    """Eligible calls run conv_tma's kernel: interpreted, with a 32-pixel box, so that boxes cross image edges; on
+    CUDA, the first TMA candidate the tuner is offered (whichever would be faster). Each launch is counted, so a test
+    can tell that it did."""
     calls = []
     launch = conv_tma.launch
 
@@ -48,8 +49,14 @@ def tma_on(monkeypatch):
         calls.append(args[-1])
         return launch(*args, **kwargs)
 
+    def first_tma(scope, key, candidates, run, *args, **kwargs):
+        candidates = list(candidates)
+        return next((c for c in candidates if conv_tma.is_tma(c)), candidates[0])
+
     monkeypatch.setattr(conv_mod, "interpreter_tma", True)
     monkeypatch.setattr(conv_mod, "interpreter_tile", (32, 16, 16))
+    monkeypatch.setattr(conv_mod, "tune", first_tma)
+    monkeypatch.setattr(conv_mod, "_configs", {})  # picks made without the fixture are not reused, nor kept after
     monkeypatch.setattr(conv_tma, "launch", counted)
     return calls
 
