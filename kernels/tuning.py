@@ -124,22 +124,21 @@ class TuningCache:
             log.warning("tuning cache %s unreadable (%s); re-tuning as needed and rewriting it", self.path, e)
             return {}
 
-    def get(self, scope: str, key: str, offered: str | None = None) -> LaunchConfig | None:
+    def get(self, scope: str, key: str, offered: str) -> LaunchConfig | None:
         """The config recorded for (scope, key); None where there is none, or it was picked from a list of
         candidates other than `offered` (an `offered_hash`)."""
         entry = self._data.get(scope, {}).get(key)
-        if entry is None or (offered is not None and entry.get("offered") != offered):
+        if entry is None or entry.get("offered") != offered:
             return None
         try:
             return LaunchConfig.from_json(entry)
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
 
-    def put(self, scope: str, key: str, config: LaunchConfig, times: Times, offered: str | None = None) -> None:
+    def put(self, scope: str, key: str, config: LaunchConfig, times: Times, offered: str) -> None:
         """Record the chosen config with its cold and hot time (us), and the candidates it was picked from."""
-        entry = {**config.to_json(), "cold_us": round(times.cold_us, 3), "hot_us": round(times.hot_us, 3)}
-        if offered is not None:
-            entry["offered"] = offered
+        times_us = {"cold_us": round(times.cold_us, 3), "hot_us": round(times.hot_us, 3)}
+        entry = {**config.to_json(), **times_us, "offered": offered}
         with self._lock:
             self._data.setdefault(scope, {})[key] = entry
             self._write()
