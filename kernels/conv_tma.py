@@ -180,12 +180,9 @@ def cuda_configs(bucket: int, OC: int, C: int, OH: int, OW: int, pool=(1, 1), el
     as this kernel's among the tuner's candidates.
 
     128-byte K steps (fp16 BLOCK_K 64, fp32 32) get 2 stages only in tiles of 128 pixels or 128 channels
-    (`racy_stages`): with 3 or 4, some outputs came out wrong, differently from run to run, once the grid ran more
-    than one wave (triton 3.6). On an H100, BLOCK_N 128 at 64 -> 128 channels, 16x16, 128 to 512 images (normwise
-    error 1.4e-3 to 2.8e-2 against 2.1e-4); on an H200, 128-pixel boxes of 2 images x 8x8 with BLOCK_N 64 at 3
-    stages, 128 -> 128 channels over 1025 images: 3 to 36 runs in 100 wrong, up to 2,053 outputs a run, with PDL
-    or without, pooled or not, y NCHW or NHWC; 0 of 100 over 129 images (one wave), and 0 for 64-pixel boxes at 3
-    or 4 stages (bench/results/probe_conv_tma_race_h200.txt). 2 stages or 64-byte steps never did."""
+    (`racy_stages`): with 3 or 4, under triton 3.6, such tiles give wrong outputs in some runs (up to all 100 of 100)
+    once the grid runs more than one wave, on the H100 and the H200 alike; every config offered here was right in
+    100 of 100 on the same layers (bench/results/probe_conv_tma_race_h200.txt, docs/performance.md)."""
     full = max(16, min(128, triton.next_power_of_2(OC)))
     bns = sorted({full, 64} if full >= 128 else {full})
     widest = 64 if element_size <= 2 else 32
