@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 from .runtime import EnvChoice, EnvSwitch
 
-log = logging.getLogger("fusedserve.tuning")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

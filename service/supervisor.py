@@ -13,7 +13,7 @@ hundreds per request per core; so front ends scale over the host's cores, and ea
 Faults: a front end that dies is started again (its own connections are lost, nothing else). An engine
 that dies takes the service down: its outstanding requests get 503 at once, /health/ready turns 503,
 the front ends drain, and the supervisor exits 1 so that Docker or Kubernetes restart the whole. An engine
-whose GPU hits a sticky error (service/faults.py) answers what it holds 503, marks itself broken
+whose GPU hits a sticky error (service/engine/faults.py) answers what it holds 503, marks itself broken
 (/health/live turns 503 too) and exits 4, which ends the same way.
 SIGTERM or SIGINT: the front ends stop accepting and answer every accepted request, then the engines
 answer what they hold and stop; exit 0 within FUSEDSERVE_SHUTDOWN_GRACE_S.
@@ -33,10 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import wire
 from .config import Settings
+from .link import wire
 
-log = logging.getLogger("fusedserve.supervisor")
+log = logging.getLogger(__name__)
 
 MAX_DEFAULT_WORKERS = 8  # the empty FastAPI route gains 7% from 8 to 12 workers on a 16-core host: not worth the RAM
 RESTART_WINDOW_S, MAX_RESTARTS = 60.0, 5  # more front-end deaths than this in the window is a crash loop: stop
@@ -77,7 +77,7 @@ def engine_devices(settings: Settings, device_type: str) -> list[str | None]:
 def _reserve_port(host: str, port: int) -> socket.socket:
     """Bind (without listening) the service's port with SO_REUSEPORT: a port taken by another program is reported
     now, and none can take it while the service runs."""
-    from .main import listen_socket
+    from .frontend.app import listen_socket
 
     try:
         sock = listen_socket(host, port)
@@ -94,6 +94,8 @@ def _reserve_port(host: str, port: int) -> socket.socket:
 
 
 class Supervisor:
+    """The parent process: starts the engines and front ends, watches them, and stops them in order."""
+
     def __init__(self, settings: Settings):
         self.settings = settings
         self._stop_requested = False
@@ -104,9 +106,9 @@ class Supervisor:
 
     def run(self) -> int:
         s = self.settings
-        from .main import prepare_backend
+        from .backend import prepare_backend
+        from .frontend.state import ModelInfo
         from .model.loader import load_model
-        from .state import ModelInfo
 
         model = load_model(s.model_path())  # ModelFormatError names what is wrong, before any process starts
         device = prepare_backend(s)
@@ -132,8 +134,8 @@ class Supervisor:
         self._stop_requested = True
 
     def _run(self, model, info, devices: list[str | None], workers: int, run_dir: Path) -> int:
-        from .engine import engine_main
-        from .main import frontend_main
+        from .engine.core import engine_main
+        from .frontend.app import frontend_main
 
         s = self.settings
         endpoints = [str(run_dir / f"engine-{i}.sock") for i in range(len(devices))]

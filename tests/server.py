@@ -57,7 +57,7 @@ def free_port() -> int:
 
 
 # Read at import, before any test ran: an in-process test of a CPU app sets TRITON_INTERPRET=1 in this
-# process (service.main.prepare_backend must, before kernels are defined), and a CUDA server started
+# process (service.frontend.app.prepare_backend must, before kernels are defined), and a CUDA server started
 # later from the same worker would inherit it and run its kernels interpreted (seen on an H200).
 _TRITON_INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
 # Kernel tuning changes which config runs, never a result: the GPU session switches it off

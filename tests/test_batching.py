@@ -1,4 +1,4 @@
-"""The engine's batch queue (service/batching.py): whole requests, FIFO, dropped before the GPU when expired or
+"""The engine's batch queue (service/engine/batching.py): whole requests, FIFO, dropped before the GPU when expired or
 cancelled, bounded, and never held back when max_delay is 0."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.batching import BatchQueue, Pending
+from service.engine.batching import BatchQueue, Pending
 
 FEATURES = 4
 NOW = 1000.0

@@ -323,7 +323,7 @@ def test_the_engine_passes_the_tuning_settings_to_the_kernels(monkeypatch, tmp_p
 
     import service.model.runner
     from kernels import pdl, tuning
-    from service.engine import build_runner
+    from service.engine.core import build_runner
 
     monkeypatch.setattr(tuning, "_cache", [])
     monkeypatch.setattr(tuning.switch, "_on", None)

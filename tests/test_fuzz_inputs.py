@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service import inputs
-from service.inputs import InputError, parse_rows
+from service.frontend import inputs
+from service.frontend.inputs import InputError, parse_rows
 
 SHAPES = [(64,), (1, 8, 8)]  # the shipped MLP and CNN
 MAX_ROWS = 16

@@ -2,7 +2,7 @@
 its default checks (no 5xx, status codes, content types, headers and bodies as documented, schema-valid data
 accepted, schema-invalid data rejected, unsupported methods refused) and its default phases.
 
-The schema describes /predict's body from the model (service/openapi.py), so schemathesis generates good
+The schema describes /predict's body from the model (service/frontend/openapi.py), so schemathesis generates good
 requests (rows of 64 finite float32 values) as well as bad ones. One setting differs from schemathesis's
 defaults: 413 also counts as rejecting invalid data, since a body with more rows than the schema's maxItems
 (MAX_ROWS_PER_REQUEST) is refused with 413, as documented. schemathesis runs as its own command (`schemathesis

@@ -2,7 +2,7 @@
 CUDA error that poisons the context.
 
 Neither fault can be produced here (no GPU) nor on demand on a GPU, so each test injects it at the runner
-boundary, the one call the engine makes per forward: FS_INJECT_FAULT (service/faults.py) wraps the engine's
+boundary, the one call the engine makes per forward: FS_INJECT_FAULT (service/engine/faults.py) wraps the engine's
 runner so that `oom_above=N` raises torch.OutOfMemoryError for a forward of more than N rows, and
 `sticky_at=K` raises CUDA's "an illegal memory access was encountered" RuntimeError from the K-th forward
 on. Everything past that call, the engine's handling, the link, the front end, the supervisor, is real.
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.faults import INJECT_ENV
+from service.engine.faults import INJECT_ENV
 
 from .server import running_servers
 

@@ -122,7 +122,7 @@ def test_a_body_over_the_limit_gets_413_at_once_and_the_rest_is_never_read(serve
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "content-length"])
 def test_a_client_that_sends_its_whole_body_before_reading_still_gets_the_413(servers, chunked):
     # A plain close with unread bytes resets the connection; an asyncio client (as most clients do) then fails
-    # its write and drops the 413 it had not read yet. The lingering close (service/guard.py) sends a FIN after
+    # its write and drops the 413 it had not read yet. The lingering close (service/frontend/guard.py) sends a FIN after
     # the answer and discards the rest, so the client reads the 413. Each of 5 tries must read it.
     server = servers["guard"]
     size = 8 * 1024 * 1024

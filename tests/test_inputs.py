@@ -1,4 +1,4 @@
-"""service.inputs.parse_rows for image models: rows as [1][8][8], [8][8] or 64 flat values, mixed in one
+"""service.frontend.inputs.parse_rows for image models: rows as [1][8][8], [8][8] or 64 flat values, mixed in one
 request, each refusal naming the row and the value where it is (the e2e tests send the same over HTTP)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import orjson
 import pytest
 
-from service.inputs import InputError, parse_rows, row_layouts
+from service.frontend.inputs import InputError, parse_rows, row_layouts
 
 IMAGE = (1, 8, 8)
 PIXELS = np.arange(64, dtype=np.float32).reshape(8, 8) % 17

@@ -1,7 +1,9 @@
 """The import rules, read from the source with `ast` (every import, at module level or inside a function;
 not those under `if TYPE_CHECKING:`, which only annotations see):
 `kernels` imports nothing of ours; `service` imports no `bench` and no `fusedserve` (the console script
-dispatches to both); and no import cycle joins the modules of `bench`."""
+dispatches to both); the two kinds of process keep apart (`service.engine` imports nothing of `service.frontend`
+or `service.v2`, and they nothing of `service.engine`: what both need is in `service.link`, `service.backend`,
+`service.model`); and no import cycle joins the modules of `service`, nor those of `bench`."""
 
 from __future__ import annotations
 
@@ -13,6 +15,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 OURS = ("kernels", "service", "bench", "fusedserve")
 FORBIDDEN = {"kernels": {"service", "bench", "fusedserve"}, "service": {"bench", "fusedserve"}}
+# Packages of `service` that run in different processes, and the packages each must not import.
+APART = {
+    "service.engine": ("service.frontend", "service.v2"),
+    "service.frontend": ("service.engine",),
+    "service.v2": ("service.engine",),
+}
 
 
 def _module_name(path: Path) -> str:
@@ -64,8 +72,21 @@ def test_package_imports_only_what_its_layer_may(package):
     assert not bad, "\n".join(bad)
 
 
-def test_no_import_cycle_among_bench_modules():
-    modules = {_module_name(p): p for p in _sources("bench")}
+@pytest.mark.parametrize("package", sorted(APART))
+def test_engine_and_front_end_import_nothing_of_each_other(package):
+    path = package.replace(".", "/")
+    bad = [
+        f"{source.relative_to(REPO)} imports {name}"
+        for source in _sources(path)
+        for name in _imports(source)
+        if any(name == other or name.startswith(other + ".") for other in APART[package])
+    ]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", ["service", "bench"])
+def test_no_import_cycle_among_a_packages_modules(package):
+    modules = {_module_name(p): p for p in _sources(package)}
     graph = {m: {n for n in _imports(p) if n in modules and n != m} for m, p in modules.items()}
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
@@ -90,4 +111,6 @@ def test_the_checks_see_imports():
     imports = _imports(REPO / "bench" / "kernel_report.py")
     assert {"bench.kernel_results", "bench.kernel_targets", "json"} <= imports
     assert "service.cli" in _imports(REPO / "fusedserve" / "cli.py")
+    assert "service.link.wire" in _imports(REPO / "service" / "engine" / "core.py")
+    assert "service.frontend.serving" in _imports(REPO / "service" / "v2" / "rest.py")
     assert all((REPO / p).is_dir() for p in OURS)

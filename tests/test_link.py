@@ -23,11 +23,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service import engine_client, link, wire
-from service.arena import ALIGN, Arena
 from service.config import Settings
-from service.engine import Engine
-from service.engine_client import EngineClient, EngineGone
+from service.engine.core import Engine
+from service.frontend import engine_client
+from service.frontend.engine_client import EngineClient, EngineGone
+from service.link import stream as link
+from service.link import wire
+from service.link.arena import ALIGN, Arena
 
 SHAPE = (2, 3)  # the stub model's input shape: 6 features
 OUT = 4

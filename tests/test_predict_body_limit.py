@@ -1,5 +1,5 @@
 """The body limit on every /predict path in the process, without a server: the ASGI fast path (what a front end
-serves) and FastAPI's own route (what a caller that mounts service.api's router alone gets). A 200 MB body
+serves) and FastAPI's own route (what a caller that mounts service.frontend.routes's router alone gets). A 200 MB body
 offered 64 KiB at a time is refused with 413 after the limit's worth of pieces, and the answer closes the
 connection so that the server reads no more of it."""
 
@@ -11,12 +11,12 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from service import wire
-from service.api import router
 from service.config import Settings
+from service.frontend.fastpath import PredictFastPath
+from service.frontend.routes import router
+from service.frontend.state import FrontendState, ModelInfo
+from service.link import wire
 from service.metrics import RequestMetrics
-from service.predict import PredictFastPath
-from service.state import FrontendState, ModelInfo
 
 PIECE = 64 * 1024
 HUGE = 200 * 1024 * 1024

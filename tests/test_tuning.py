@@ -235,7 +235,7 @@ def test_regret_is_each_time_over_its_best():
 
 def test_tune_picks_by_both_and_stores_both_times(cache_file, caplog):
     calls: list[LaunchConfig] = []
-    caplog.set_level("INFO", logger="fusedserve.tuning")
+    caplog.set_level("INFO", logger="kernels.tuning")
     times = {A: (4.0, 8.0), B: (4.4, 4.0), C: (6.0, 4.2)}
     assert tune("s", "k", [A, B, C], calls.append, _bench_by(times, calls)) == B
     saved = json.loads(cache_file.read_text())["s"]["k|timing=both:cold1.02,hot1.10"]

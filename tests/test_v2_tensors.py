@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.inputs import InputError
-from service.state import ModelInfo
+from service.frontend.inputs import InputError
+from service.frontend.state import ModelInfo
 from service.v2 import tensors as t
 
 MLP = ModelInfo("digits-mlp", None, (64,), 10, [str(i) for i in range(10)])
@@ -92,7 +92,7 @@ def test_model_and_output_names():
 def test_the_rest_routes_are_in_the_openapi_schema():
     from fastapi import FastAPI
 
-    from service.api import router
+    from service.frontend.routes import router
 
     app = FastAPI()
     app.include_router(router)
@@ -105,8 +105,8 @@ def test_the_rest_routes_are_in_the_openapi_schema():
 def test_the_openapi_schema_describes_the_v2_requests_and_answers():
     from fastapi import FastAPI
 
-    from service.api import router
-    from service.openapi import describe_routes
+    from service.frontend.openapi import describe_routes
+    from service.frontend.routes import router
 
     app = FastAPI()
     app.include_router(router)

@@ -2,7 +2,7 @@
 
 `bench serve` reads the engine's forward per batch from /metrics (fusedserve_forward_seconds): on an H100 the
 fused digits MLP took 141 µs per 64-row batch there, where `runner_copies` (tuning off, no kernel timing)
-measured 45 µs. This probe runs the service's ModelRunner the way an engine builds it (service.engine.build_runner:
+measured 45 µs. This probe runs the service's ModelRunner the way an engine builds it (service.engine.core.build_runner:
 tuning on with a fresh cache, kernel timing on every 16th batch, the real EngineMetrics) on the shipped digits MLP
 and digits CNN in float16, fused and unfused, and times every `run()` on the host: CALLS batches at each row
 count, interleaved by mode. Per case: mean (what /metrics reports), median, p99 and max of all batches, and the
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from service.config import Settings
-from service.engine import build_runner
+from service.engine.core import build_runner
 from service.metrics import EngineMetrics
 from service.model.loader import load_model
 

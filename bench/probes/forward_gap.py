@@ -3,7 +3,7 @@
 In `bench serve` the engine's forward per batch (fusedserve_forward_seconds) reads 35-55 µs when batches come
 back to back, but 362 µs for 249 single-row requests when one front end sends one such batch every ~29 ms
 (serve_h100.md at a98ffa0: one worker, 256 connections). This probe runs the service's ModelRunner as an engine
-builds it (service.engine.build_runner: the tuning cache given, kernel timing every 16th batch) on the shipped
+builds it (service.engine.core.build_runner: the tuning cache given, kernel timing every 16th batch) on the shipped
 digits MLP in float16, fused and unfused, with batches made of parts as the engine gets them (one array per
 request), and waits between batches as an idle engine does (FUSEDSERVE_ENGINE_SPIN_MS of polling, 2 ms by default,
 then asleep), or polling the whole gap (spin = gap).
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from service.config import Settings
-from service.engine import build_runner
+from service.engine.core import build_runner
 from service.metrics import EngineMetrics
 from service.model.loader import load_model
 

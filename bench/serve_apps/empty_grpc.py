@@ -62,7 +62,7 @@ async def _serve(host: str, port: int, workers: int, serving) -> None:
     import grpc
 
     from service.config import Settings
-    from service.state import body_limit
+    from service.frontend.state import body_limit
     from service.v2 import grpc_predict_v2_pb2 as pb
     from service.v2 import grpc_predict_v2_pb2_grpc as pb_grpc
     from service.v2.grpc_server import address, new_server

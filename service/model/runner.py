@@ -18,7 +18,7 @@ from .executors import Executor, Mode, StepTimer
 from .graphs import GraphedExecutor, graph_buckets
 from .loader import Model
 
-log = logging.getLogger("fusedserve.runner")
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16)}

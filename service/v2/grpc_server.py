@@ -23,15 +23,15 @@ import time
 import grpc
 import numpy as np
 
-from ..inputs import InputError
-from ..predict import Refused, run_rows
-from ..state import FrontendState
+from ..frontend.inputs import InputError
+from ..frontend.serving import Refused, run_rows
+from ..frontend.state import FrontendState
 from . import grpc_predict_v2_pb2 as pb
 from . import grpc_predict_v2_pb2_grpc as pb_grpc
 from . import tensors as t
 from .rest import SERVER_METADATA
 
-log = logging.getLogger("fusedserve.grpc")
+log = logging.getLogger(__name__)
 
 PROTOCOL = "v2_grpc"
 _CODE_OF = {
@@ -177,7 +177,7 @@ def new_server(max_receive_bytes: int, max_calls: int) -> grpc.aio.Server:
             ("grpc.max_receive_message_length", max_receive_bytes),
             ("grpc.max_send_message_length", -1),
         ],
-        # The HTTP side's cap on open connections (service/guard.py), as calls in flight: past it grpcio answers
+        # The HTTP side's cap on open connections (frontend/guard.py), as calls in flight: past it grpcio answers
         # RESOURCE_EXHAUSTED at once (uncounted in the metrics, as its size refusals are).
         maximum_concurrent_rpcs=max_calls,
     )

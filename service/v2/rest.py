@@ -18,10 +18,10 @@ import time
 import numpy as np
 import orjson
 
-from ..asgi import CLOSE, JSON, RETRY, Answer, content_length, header, read_body
-from ..inputs import InputError
-from ..predict import Refused, run_rows
-from ..state import FrontendState
+from ..frontend.asgi import CLOSE, JSON, Answer, header
+from ..frontend.inputs import InputError
+from ..frontend.serving import Refused, read_request, run_rows
+from ..frontend.state import FrontendState
 from . import tensors as t
 
 PROTOCOL = "v2_rest"
@@ -98,36 +98,18 @@ def _allowed(parts: list[str]) -> str | None:
 async def handle_infer(state: FrontendState, scope: dict, receive) -> Answer:
     started = time.perf_counter()
     metrics = state.metrics
-    if not state.engines.ready():
-        metrics.observe_request("overloaded", protocol=PROTOCOL)
-        return _error(503, f"model is not ready ({state.status}); retry shortly", RETRY)
     extra = (CLOSE,) if state.draining else ()
-    limit = state.max_body_bytes
-    length = content_length(scope)
-    body = None
     try:
-        if length is not None and length > limit:
-            raise InputError(413, f"body is {length} bytes; at most {limit}", "too_large")
-        encoding = header(scope, b"content-encoding")
-        if encoding not in (None, b"identity"):
-            name = encoding.decode(errors="replace")
-            raise InputError(400, f"Content-Encoding {name} is not supported; send the body uncompressed")
-        body = await read_body(receive, limit)
-        if body is None:
-            metrics.observe_request("cancelled", protocol=PROTOCOL)
-            return _error(499, "client closed the request")
+        body = await read_request(state, scope, receive, identity_only=True)
         doc, rows, binary_out, wanted = _parse(state, scope, body)
+        arrival = time.monotonic()
+        outputs = await run_rows(state, rows, arrival, arrival + state.settings.request_timeout_ms / 1e3, receive)
     except InputError as e:
         metrics.observe_request(e.outcome, protocol=PROTOCOL)
-        # As /predict: a body refused before it is all read closes its connection, so the rest is never read.
-        return _error(e.status if e.status != 422 else 400, e.message, *((CLOSE,) if body is None else ()))
-
-    arrival = time.monotonic()
-    try:
-        outputs = await run_rows(state, rows, arrival, arrival + state.settings.request_timeout_ms / 1e3, receive)
+        return _error(e.status if e.status != 422 else 400, e.message)
     except Refused as e:
         metrics.observe_request(e.outcome, protocol=PROTOCOL)
-        return _error(e.status, e.message, *((RETRY,) if e.status == 503 else ()))
+        return _error(e.status, e.message, *e.headers)
     answer = _response(state, doc, outputs, binary_out, wanted, extra)
     metrics.observe_request("ok", time.perf_counter() - started, protocol=PROTOCOL)
     return answer

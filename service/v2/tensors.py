@@ -14,8 +14,8 @@ import math
 
 import numpy as np
 
-from ..inputs import FLOAT32_MAX, InputError, row_layouts
-from ..state import ModelInfo
+from ..frontend.inputs import FLOAT32_MAX, InputError, row_layouts
+from ..frontend.state import ModelInfo
 
 INPUT = "input"
 LOGITS = "logits"

@@ -9,7 +9,7 @@ applies, as Docker's 64 MB default would) and hands the engine the file descript
 the graph's pinned input.
 
 Slots are taken in a ring and given back when the engine answers the request (every submitted request gets
-exactly one answer, a cancelled one included: service/wire.py), so the arena never holds rows the engine may
+exactly one answer, a cancelled one included: service/link/wire.py), so the arena never holds rows the engine may
 still read. A request that does not fit (the arena full of requests still queued) travels inside its message
 as before.
 """

@@ -1,7 +1,7 @@
-"""The messages between front ends and engines: fixed-size headers and raw rows (service/link.py carries them).
+"""The messages between front ends and engines: fixed-size headers and raw rows (service/link/stream.py carries them).
 
 Engine -> front end, first on every connection: HELLO (magic, the engine's wire dtype).
-Front end -> engine, first on every connection: an empty message carrying the front end's arena (service/arena.py)
+Front end -> engine, first on every connection: an empty message carrying the front end's arena (service/link/arena.py)
     as a file descriptor (SCM_RIGHTS), when it has one.
 Front end -> engine, one message per event-loop turn (or per FLUSH_EVERY requests of a long one), holding the
     requests the front end took in since its last message:

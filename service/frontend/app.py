@@ -14,9 +14,9 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from .config import Settings
+from ..config import Settings
 
-log = logging.getLogger("fusedserve")
+log = logging.getLogger(__name__)
 
 DRAIN_MAX_S = 5.0  # longest a front end keeps answering (each answer closing its connection) after SIGTERM
 DRAIN_QUIET_S = 0.2  # a front end with no connection this long after SIGTERM has drained
@@ -24,8 +24,8 @@ DRAIN_QUIET_S = 0.2  # a front end with no connection this long after SIGTERM ha
 
 def create_app(settings: Settings, model, engines, run_dir: Path) -> FastAPI:
     """The HTTP app of one front end. `model`: a state.ModelInfo; `engines`: an EngineClient (not yet started)."""
-    from .api import router
-    from .metrics import RequestMetrics
+    from ..metrics import RequestMetrics
+    from .routes import router
     from .state import FrontendState
 
     state = FrontendState(settings, model, engines, RequestMetrics(model.name, settings.mode), run_dir)
@@ -35,7 +35,7 @@ def create_app(settings: Settings, model, engines, run_dir: Path) -> FastAPI:
         engines.start()
         grpc_server = None
         if settings.grpc_port is not None:
-            from .v2 import grpc_server as v2_grpc
+            from ..v2 import grpc_server as v2_grpc
 
             grpc_server = await v2_grpc.start(state)
         gc.freeze()  # the app lives as long as the process: keep it out of the collector's passes
@@ -70,7 +70,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 def frontend_main(settings: Settings, model, endpoints: list[str], states: list, run_dir: str, index: int) -> None:
     """Entry point of a front-end process (spawned by the supervisor)."""
-    from .processes import child_setup, configure_logging
+    from ..processes import child_setup, configure_logging
 
     child_setup(f"fs-frontend-{index}")
     configure_logging(settings.log_level)
@@ -81,7 +81,7 @@ def frontend_main(settings: Settings, model, endpoints: list[str], states: list,
 
     engines = EngineClient(endpoints, states, model.output_features)
     app = create_app(settings, model, engines, Path(run_dir))
-    from .predict import PredictFastPath
+    from .fastpath import PredictFastPath
 
     state = app.state.fusedserve
     served = PredictFastPath(app, state)  # POST /predict ahead of FastAPI's routing
@@ -93,7 +93,7 @@ def frontend_main(settings: Settings, model, endpoints: list[str], states: list,
         timeout_graceful_shutdown=settings.shutdown_grace_s,
         # Keep-alive connections are the norm under load; a client idle this long is closed.
         timeout_keep_alive=30,
-        # Slow clients (service/guard.py): header and body read timeouts, and a cap on open connections past
+        # Slow clients (service/frontend/guard.py): header and body read timeouts, and a cap on open connections past
         # which a request gets 503 at once, counted as overloaded.
         http=guarded_protocol(settings.max_connections, lambda: state.metrics.observe_request("overloaded")),
         server_header=False,
@@ -147,18 +147,3 @@ def _draining_server(base):
             return await super().on_tick(counter)
 
     return DrainingServer
-
-
-def prepare_backend(settings: Settings):
-    """Resolve the device, and pick Triton's interpreter for fused kernels on the CPU.
-
-    Triton fixes interpreted-vs-compiled when a kernel is defined, so this must run before `kernels` is first
-    imported; if it already was, compiled for CUDA, the kernels' own device check names the problem at the
-    first forward.
-    """
-    from .model.runner import resolve_device
-
-    device = resolve_device(settings.device)
-    if device.type == "cpu" and settings.mode == "fused":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    return device

@@ -1,4 +1,4 @@
-"""What the ASGI fast paths share (service/predict.py's POST /predict, service/v2/rest.py's /v2 routes): the answer
+"""What the ASGI fast paths share (frontend/predict.py's POST /predict, v2/rest.py's /v2 routes): the answer
 tuple, common headers, and the request body read with its size limit counted as the bytes arrive."""
 
 from __future__ import annotations

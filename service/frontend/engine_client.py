@@ -1,4 +1,4 @@
-"""A front end's link to the engines: submit rows, get a future of their outputs (service/link.py, wire.py).
+"""A front end's link to the engines: submit rows, get a future of their outputs (service/link/stream.py, wire.py).
 
 Built for microseconds on an asyncio loop: no task per request, no awaitable stream wrapper. `submit`
 queues the request on its engine's outbox and schedules one flush per loop turn, so the requests a
@@ -16,17 +16,17 @@ import logging
 
 import numpy as np
 
-from . import link, wire
-from .arena import Arena
+from ..link import stream, wire
+from ..link.arena import Arena
 
-log = logging.getLogger("fusedserve.link")
+log = logging.getLogger(__name__)
 
 STATE_POLL_S = 0.025  # how often engine states are read, and engines not yet reached are connected
 # A turn of a loaded front end's loop can hold hundreds of requests (one per readable connection, ~50 µs of parsing
 # each): without a cap the first of them would wait for the last to be parsed before the engine saw any. Sending
 # every 16 keeps the engine working while the rest are parsed, at one socket write per 16 requests.
 FLUSH_EVERY = 16
-# Shared memory per engine for rows on their way (service/arena.py): 512 requests of 256 float16 rows at once.
+# Shared memory per engine for rows on their way (service/link/arena.py): 512 requests of 256 float16 rows at once.
 # Pages are only touched as slots are used; a request that finds no room goes inside its message.
 ARENA_BYTES = 16 << 20
 
@@ -48,10 +48,12 @@ class EngineGone(EngineError):
 
 
 class EngineClient:
+    """A front end's side of the link: one connection per engine, requests out, answers matched back to futures."""
+
     def __init__(self, endpoints: list[str], states: list, output_features: int):
         self._endpoints = endpoints
         self._socks: list = [None] * len(endpoints)  # connected once the engine listens
-        self._readers = [link.Reader() for _ in endpoints]
+        self._readers = [stream.Reader() for _ in endpoints]
         self._unsent = [bytearray() for _ in endpoints]
         self._states = states
         self._out_features = output_features
@@ -64,10 +66,10 @@ class EngineClient:
         self._poll: asyncio.TimerHandle | None = None
         self._dead: set[int] = set()
         self._turn = 0
-        # Each engine's wire dtype (service/wire.py) as its index into wire.DTYPES, from its HELLO; None until then,
+        # Each engine's wire dtype (link/wire.py) as its index into wire.DTYPES, from its HELLO; None until then,
         # and rows go as float32.
         self._wire: list[int | None] = [None] * len(endpoints)
-        # Each engine's arena (service/arena.py), and the slot of every request whose rows are in one, until the
+        # Each engine's arena (service/link/arena.py), and the slot of every request whose rows are in one, until the
         # engine answers it.
         self._arenas: list[Arena | None] = [None] * len(endpoints)
         self._slots: dict[int, tuple[int, list]] = {}  # request id -> (engine, slot)
@@ -87,7 +89,7 @@ class EngineClient:
         self._fail_where(lambda e: True, "the front end is stopping")
 
     def _connect(self, i: int) -> None:
-        sock = link.new_socket()
+        sock = stream.new_socket()
         try:
             sock.connect(self._endpoints[i])
         except (FileNotFoundError, ConnectionRefusedError, BlockingIOError):
@@ -99,13 +101,13 @@ class EngineClient:
         except (OSError, AttributeError) as e:  # no memfd (not Linux): every request's rows go inside its message
             log.warning("no shared memory for rows (%s); they travel through the socket", e)
         # The first bytes on the connection: an empty message, the arena's descriptor attached.
-        if not link.send_fd(sock, link.frame(wire.pack([], [])), arena.fd if arena else None):
+        if not stream.send_fd(sock, stream.frame(wire.pack([], [])), arena.fd if arena else None):
             if arena:
                 arena.close()
             sock.close()
             return
         self._socks[i] = sock
-        self._readers[i] = link.Reader()
+        self._readers[i] = stream.Reader()
         self._wire[i] = None
         self._arenas[i] = arena
         self._loop.add_reader(sock.fileno(), self._drain, i)
@@ -135,7 +137,7 @@ class EngineClient:
         return [wire.ENGINE_STATES[s] for s in self.states()]
 
     def broken(self) -> bool:
-        """An engine's device hit a sticky error (service/faults.py): the service is about to exit for a restart."""
+        """An engine's device hit a sticky error (engine/faults.py): the service is about to exit for a restart."""
         return any(s.value == wire.BROKEN for s in self._states)
 
     def ready(self) -> bool:
@@ -226,11 +228,11 @@ class EngineClient:
     def _send(self, i: int) -> None:
         """Send engine i's outbox as one message."""
         headers, frames = self._outbox[i]
-        data = link.frame(wire.pack(headers, frames))
+        data = stream.frame(wire.pack(headers, frames))
         headers.clear()
         frames.clear()
         sock = self._socks[i]
-        if sock is None or not link.send_some(sock, self._unsent[i], data):
+        if sock is None or not stream.send_some(sock, self._unsent[i], data):
             self._engine_gone(i, f"engine {i} closed its connection")
         elif self._unsent[i]:
             # The engine is not reading as fast as this front end sends: the rest goes when it can.
@@ -240,7 +242,7 @@ class EngineClient:
         sock = self._socks[i]
         if sock is None:
             return
-        if not link.send_some(sock, self._unsent[i], b""):
+        if not stream.send_some(sock, self._unsent[i], b""):
             self._engine_gone(i, f"engine {i} closed its connection")
         elif not self._unsent[i]:
             self._loop.remove_writer(sock.fileno())
@@ -249,7 +251,7 @@ class EngineClient:
         sock = self._socks[i]
         if sock is None:
             return
-        messages, closed = link.read_available(sock, self._readers[i])
+        messages, closed = stream.read_available(sock, self._readers[i])
         pending = self._pending
         load = self._load
         out_features = self._out_features

@@ -1,8 +1,8 @@
 """The engine: one process per device. It owns the model, its CUDA graphs, the tuner and one batch queue, and
-answers requests from every front end over a Unix domain socket (service/link.py, service/wire.py).
+answers requests from every front end over a Unix domain socket (service/link/stream.py, service/link/wire.py).
 
 The loop is single-threaded and synchronous, since a process of its own needs no event loop: read what the
-front ends sent, take the next batch (service/batching.py), run its forward, answer each front end with
+front ends sent, take the next batch (service/engine/batching.py), run its forward, answer each front end with
 one message, repeat. While a forward runs, the kernel's socket buffers keep what arrives, so the
 requests that come meanwhile make up the next batch.
 """
@@ -23,18 +23,21 @@ from pathlib import Path
 
 import numpy as np
 
-from . import faults, link, wire
+from ..config import Settings
+from ..link import stream, wire
+from ..processes import child_setup, configure_logging
+from . import faults
 from .batching import BatchQueue, Pending
-from .config import Settings
-from .processes import child_setup, configure_logging
 
-log = logging.getLogger("fusedserve.engine")
+log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.1  # how often an idle engine looks at its stop flag
 EXIT_DEVICE_BROKEN = 4  # the engine's exit code after a sticky device error (3: it failed to start)
 
 
 class Engine:
+    """The loop of one engine process: read requests from every front end, batch them, run the model, reply."""
+
     def __init__(self, runner, listener: socket.socket, settings: Settings, input_shape: tuple[int, ...], metrics):
         self.runner = runner
         self.listener = listener
@@ -55,7 +58,7 @@ class Engine:
         # blocks: a request that comes meanwhile finds a running thread, not a sleeping core. Set for CUDA engines
         # (engine_main); a CPU engine shares its cores with the front ends.
         self.spin_s = 0.0
-        self.device_type = "cpu"  # set by engine_main; decides how a failed forward is diagnosed (service/faults.py)
+        self.device_type = "cpu"  # set by engine_main; decides how a failed forward is diagnosed (engine/faults.py)
         self.on_broken = None  # called once the device is found broken, before any request is answered 503
         self._replies: dict[int, tuple[list[bytes], list]] = {}
 
@@ -105,12 +108,12 @@ class Engine:
             if conn is None:
                 self._accept()
                 continue
-            if mask & selectors.EVENT_WRITE and not link.send_some(conn.sock, conn.pending, b""):
+            if mask & selectors.EVENT_WRITE and not stream.send_some(conn.sock, conn.pending, b""):
                 self._drop(conn)
                 continue
             if mask & selectors.EVENT_READ:
-                fds = [] if conn.fresh else None  # a front end's first bytes bring its arena (service/arena.py)
-                messages, closed = link.read_available(conn.sock, conn.reader, fds)
+                fds = [] if conn.fresh else None  # a front end's first bytes bring its arena (service/link/arena.py)
+                messages, closed = stream.read_available(conn.sock, conn.reader, fds)
                 if fds:
                     conn.map_arena(fds)
                 if messages:
@@ -163,8 +166,8 @@ class Engine:
             conn = _Conn(self._next_owner, sock)
             self._conns[conn.owner] = conn
             self.selector.register(sock, selectors.EVENT_READ, conn)
-            # The dtype this engine wants rows in and answers in (service/wire.py); a new socket takes 6 bytes.
-            if not link.send_some(sock, conn.pending, link.frame(wire.hello(self.runner.wire_dtype))):
+            # The dtype this engine wants rows in and answers in (service/link/wire.py); a new socket takes 6 bytes.
+            if not stream.send_some(sock, conn.pending, stream.frame(wire.hello(self.runner.wire_dtype))):
                 self._drop(conn)
             else:
                 self._watch_writes(conn)
@@ -224,7 +227,7 @@ class Engine:
 
     def _forward_failed(self, batch: list[Pending], rows: int, err: Exception) -> None:
         """Out of memory: retry in halves, down to one request, which alone gets 503. A sticky device error:
-        DeviceBroken (service/faults.py). Anything else: the batch fails alone with 500; the engine keeps serving."""
+        DeviceBroken (engine/faults.py). Anything else: the batch fails alone with 500; the engine keeps serving."""
         kind = faults.classify(err, self.device_type)
         if kind == faults.OOM:
             self.metrics.gpu_fault(kind)
@@ -281,7 +284,7 @@ class Engine:
             if conn is None:  # its front end is gone: only that front end's requests are lost
                 continue
             # Never blocks: what the socket does not take now goes out when it is writable (select above).
-            if not link.send_some(conn.sock, conn.pending, link.frame(wire.pack(headers, payloads))):
+            if not stream.send_some(conn.sock, conn.pending, stream.frame(wire.pack(headers, payloads))):
                 self._drop(conn)
             else:
                 self._watch_writes(conn)
@@ -293,11 +296,11 @@ class _Conn:
     def __init__(self, owner: int, sock: socket.socket):
         self.owner = owner
         self.sock = sock
-        self.reader = link.Reader()
+        self.reader = stream.Reader()
         self.pending = bytearray()
         self.events = selectors.EVENT_READ
         self.fresh = True  # nothing read yet: the first read looks for the arena's file descriptor
-        self.arena: mmap.mmap | None = None  # the front end's rows (service/arena.py), read-only here
+        self.arena: mmap.mmap | None = None  # the front end's rows (service/link/arena.py), read-only here
 
     def map_arena(self, fds: list[int]) -> None:
         """Map the front end's arena (the first descriptor; any other is closed). Requests whose rows are in it
@@ -315,7 +318,7 @@ def build_runner(settings: Settings, device, dtype: str, model, metrics):
 
     from kernels import pdl, tuning
 
-    from .model.runner import ModelRunner
+    from ..model.runner import ModelRunner
 
     # One setting for both modes: torch turns TF32 on for convolutions by default, and the fused conv follows
     # the same flag, so float32 stays IEEE float32 in both unless ALLOW_TF32 says otherwise.
@@ -356,7 +359,7 @@ def engine_main(
     if visible_device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_device
     try:
-        from .main import prepare_backend
+        from ..backend import prepare_backend
 
         device = prepare_backend(settings)  # before any kernel is defined
         import torch
@@ -364,8 +367,8 @@ def engine_main(
         # The front ends need the host's cores: a CUDA engine's host work (casts, copies) is tiny and gets one
         # thread, so that idle OpenMP workers do not spin on cores the front ends use; a CPU engine gets its share.
         torch.set_num_threads(1 if device.type == "cuda" else threads)
-        from .metrics import EngineMetrics
-        from .model.loader import load_model
+        from ..metrics import EngineMetrics
+        from ..model.loader import load_model
 
         model = load_model(settings.model_path())
         dtype = settings.compute_dtype(device.type)
@@ -374,7 +377,7 @@ def engine_main(
         where = f"cuda:{visible_device}" if device.type == "cuda" and visible_device is not None else str(device)
         metrics = EngineMetrics(model.name, settings.mode, where, dtype, engine=label)
         runner = faults.maybe_inject(build_runner(settings, device, dtype, model, metrics))
-        listener = link.new_socket()
+        listener = stream.new_socket()
         listener.bind(endpoint)
         listener.listen(256)
         engine = Engine(runner, listener, settings, model.input_shape, metrics)
@@ -383,7 +386,7 @@ def engine_main(
         if device.type == "cuda":
             engine.spin_s = settings.engine_spin_ms / 1e3
         if index == 0:
-            from .state import write_plan
+            from ..link.plan import write_plan
 
             write_plan(Path(run_dir), runner.executor, str(device))
         state.value = wire.WARMING

@@ -1,5 +1,5 @@
 """The byte stream between a front end and an engine: a Unix domain socket carrying length-prefixed messages
-(service/wire.py says what is in them).
+(service/link/wire.py says what is in them).
 
 Why a plain socket and not ZeroMQ: a ZeroMQ message crosses two I/O threads on its way (sender's, receiver's),
 so a round trip wakes six threads instead of two. On an idle host each wake-up can land on a sleeping core:

@@ -1,13 +1,14 @@
-"""HTTP routes only. /predict's work lives in service/predict.py (served ahead of FastAPI), inputs and the engines."""
+"""FastAPI routes: health, /model, /metrics, and /predict and the v2 routes for the OpenAPI schema (a front end
+serves those two ahead of FastAPI, service/frontend/fastpath.py, with the same handlers)."""
 
 from __future__ import annotations
 
 import orjson
 from fastapi import APIRouter, Request, Response
 
+from ..v2.rest import handle_v2
 from .predict import handle_predict
 from .state import FrontendState
-from .v2.rest import handle_v2
 
 router = APIRouter()
 
@@ -24,7 +25,7 @@ def _json(doc: object, status: int = 200) -> Response:
 async def predict(request: Request) -> Response:
     """{"inputs": [[...], ...]} -> {"outputs", "predictions", "model", "mode"}.
 
-    A front end serves this route through service/predict.py's PredictFastPath, ahead of FastAPI; this
+    A front end serves this route through service/frontend/fastpath.py's PredictFastPath, ahead of FastAPI; this
     route runs the same code for a caller that mounts the router alone.
     """
     status, body, headers = await handle_predict(_state(request), request.scope, request.receive)
@@ -60,7 +61,7 @@ async def model_info(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    from .metrics import CONTENT_TYPE
+    from ..metrics import CONTENT_TYPE
 
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
 

@@ -1,5 +1,5 @@
 """The OpenAPI schema of a front end, with what FastAPI cannot infer: /predict reads its body itself (at the ASGI
-level, service/predict.py), so its request and answers are described here from the model being served, and
+level, service/frontend/predict.py), so its request and answers are described here from the model being served, and
 every status a route can answer is listed with its body. Schema-driven clients and fuzzers (schemathesis in
 tests/test_fuzz_openapi.py) then know what a good request is and what each answer looks like.
 """

@@ -12,7 +12,7 @@ nothing for `body_timeout_s`, is closed: with a 408 when no request has started 
 transport (the handler then sees the client gone and counts the request `cancelled`).
 
 Cost: no timer per request. The hot path only stores the phase of the connection (a few attribute writes
-per request, one per body chunk); `sweep()` runs on the server's own 0.1 s tick (service/main.py) every
+per request, one per body chunk); `sweep()` runs on the server's own 0.1 s tick (service/frontend/app.py) every
 SWEEP_EVERY_TICKS ticks, stamps connections it sees in a reading phase for the first time and closes those
 that stayed there too long. So a timeout fires between T and T + the sweep period (0.5 s) after it is due.
 

@@ -1,6 +1,6 @@
 """GPU faults at the forward: which kind an exception is, and a hook that injects them for tests.
 
-Three kinds, handled by service/engine.py:
+Three kinds, handled by service/engine/core.py:
 - OOM: the allocator could not get memory for this batch (torch.OutOfMemoryError, or a CUDA "out of
   memory" error). The context is intact: the cache is released and the batch is retried in halves, down to
   single requests; a request that still does not fit alone gets 503.

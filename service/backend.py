@@ -1,0 +1,23 @@
+"""What the supervisor and every engine do before they touch torch's devices or define a kernel: choose the device
+and, for fused kernels on the CPU, Triton's interpreter. Both sides import this; neither imports the other."""
+
+from __future__ import annotations
+
+import os
+
+from .config import Settings
+
+
+def prepare_backend(settings: Settings):
+    """Resolve the device, and pick Triton's interpreter for fused kernels on the CPU.
+
+    Triton fixes interpreted-vs-compiled when a kernel is defined, so this must run before `kernels` is first
+    imported; if it already was, compiled for CUDA, the kernels' own device check names the problem at the
+    first forward.
+    """
+    from .model.runner import resolve_device
+
+    device = resolve_device(settings.device)
+    if device.type == "cpu" and settings.mode == "fused":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return device

@@ -1,0 +1,54 @@
+"""POST /predict: {"inputs": [[...], ...]} rows in, {"outputs", "predictions", "model", "mode"} out.
+
+Served at the ASGI level by service/frontend/fastpath.py; FastAPI's own /predict route (kept for the OpenAPI schema
+and for any caller that mounts the router alone) calls the same `handle_predict`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import orjson
+
+from .asgi import CLOSE, JSON, Answer
+from .inputs import InputError, parse_rows
+from .serving import Refused, read_request, run_rows
+from .state import FrontendState
+
+
+def _answer(status: int, doc: object, *extra: tuple[bytes, bytes]) -> Answer:
+    body = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    return status, body, [JSON, (b"content-length", str(len(body)).encode()), *extra]
+
+
+def _error(status: int, message: str, *extra: tuple[bytes, bytes]) -> Answer:
+    return _answer(status, {"detail": message}, *extra)
+
+
+async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
+    """{"inputs": [[...], ...]} -> {"outputs", "predictions", "model", "mode"}, as (status, body, headers)."""
+    started = time.perf_counter()
+    metrics = state.metrics
+    # While draining (SIGTERM), requests are still answered, each answer closing its connection.
+    extra = (CLOSE,) if state.draining else ()
+    try:
+        body = await read_request(state, scope, receive)
+        rows = parse_rows(body, state.model.input_shape, state.settings.max_rows_per_request)
+        arrival = time.monotonic()
+        outputs = await run_rows(state, rows, arrival, arrival + state.settings.request_timeout_ms / 1e3, receive)
+    except InputError as e:
+        metrics.observe_request(e.outcome)
+        return _error(e.status, e.message)
+    except Refused as e:
+        metrics.observe_request(e.outcome)
+        return _error(e.status, e.message, *e.headers)
+    doc = {
+        "outputs": outputs,
+        "predictions": state.predictions(np.argmax(outputs, axis=1)),
+        "model": state.model.name,
+        "mode": state.settings.mode,
+    }
+    answer = _answer(200, doc, *extra)
+    metrics.observe_request("ok", time.perf_counter() - started)
+    return answer

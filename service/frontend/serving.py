@@ -1,0 +1,111 @@
+"""The steps every inference route of a front end takes, whatever its protocol: admit the request (ready, size) and
+read its body (`read_request`), then hand its rows to an engine and await the outputs (`run_rows`). `/predict`
+(service/frontend/predict.py), the Open Inference Protocol's REST infer (service/v2/rest.py) and its gRPC ModelInfer
+(service/v2/grpc_server.py) each call these and answer in their own format."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+
+from ..link import wire
+from .asgi import CLOSE, RETRY, ClientGone, content_length, header, read_body, watch_disconnect
+from .engine_client import EngineError, EngineGone
+from .inputs import InputError
+from .state import FrontendState
+
+log = logging.getLogger(__name__)
+
+# A request not answered this long starts watching for its client leaving. Below it no watcher exists: a task
+# per request would cost more than the whole forward of a small model, and a request answered within 50 ms
+# gains nothing from being dropped.
+WATCH_AFTER_S = 0.05
+_STATUS_OF = {
+    wire.OVERLOADED: (503, "overloaded", "server overloaded: "),
+    wire.TIMEOUT: (504, "timeout", "request waited longer than its timeout in the queue: "),
+    wire.FAILED: (500, "error", "inference failed: "),
+    wire.SHUTTING_DOWN: (503, "overloaded", "server is shutting down: "),
+}
+
+
+class Refused(Exception):
+    """A request the engines did not answer: HTTP status, outcome label and a message naming why."""
+
+    def __init__(self, status: int, outcome: str, message: str, close: bool = False):
+        super().__init__(message)
+        self.status = status
+        self.outcome = outcome
+        self.message = message
+        self.close = close  # refused before the whole body was read: close the connection, so it is never read
+
+    @property
+    def headers(self) -> tuple[tuple[bytes, bytes], ...]:
+        """Retry-After on a 503 (not ready, overloaded, shutting down); Connection: close where `close`."""
+        return ((RETRY,) if self.status == 503 else ()) + ((CLOSE,) if self.close else ())
+
+
+async def read_request(state: FrontendState, scope: dict, receive, identity_only: bool = False) -> bytes:
+    """The body of an inference request, or Refused: 503 while the model is not ready, 413 past the size limit
+    (counted while the bytes arrive), 499 when the client left, and with `identity_only` 400 for a compressed body.
+
+    A body refused before it is all read closes its connection (`Refused.close`): uvicorn then reads no more of it
+    (it would otherwise read and discard the rest, 200 MB of it if the client says so, to keep the connection).
+    """
+    if not state.engines.ready():
+        raise Refused(503, "overloaded", f"model is not ready ({state.status}); retry shortly")
+    limit = state.max_body_bytes
+    length = content_length(scope)
+    if length is not None and length > limit:
+        raise Refused(413, "too_large", f"body is {length} bytes; at most {limit}", close=True)
+    if identity_only:
+        encoding = header(scope, b"content-encoding")
+        if encoding not in (None, b"identity"):
+            name = encoding.decode(errors="replace")
+            raise Refused(400, "invalid", f"Content-Encoding {name} is not supported; send the body uncompressed", True)
+    try:
+        body = await read_body(receive, limit)
+    except InputError as e:
+        raise Refused(e.status, e.outcome, e.message, close=True) from None
+    if body is None:
+        raise Refused(499, "cancelled", "client closed the request")
+    return body
+
+
+async def run_rows(state: FrontendState, rows: np.ndarray, arrival: float, deadline: float, receive=None) -> np.ndarray:
+    """Submit `rows` to an engine and await their outputs ((n, output_features) float32), or raise Refused.
+
+    `receive` (ASGI) is watched for the client leaving once the request is older than WATCH_AFTER_S; a caller
+    without one (gRPC) is cancelled by its server instead, and the engine is told to drop the request either way.
+    """
+    engines = state.engines
+    rid, fut = engines.submit(rows, deadline, arrival)
+    loop = asyncio.get_running_loop()
+    watcher: list[asyncio.Task] = []
+
+    def watch() -> None:
+        if not fut.done():
+            watcher.append(loop.create_task(watch_disconnect(receive, fut)))
+
+    timer = loop.call_later(WATCH_AFTER_S, watch) if receive is not None else None
+    try:
+        return await fut
+    except (ClientGone, asyncio.CancelledError) as e:
+        engines.cancel(rid)  # dropped before its forward if it is still queued
+        if isinstance(e, asyncio.CancelledError):
+            raise
+        raise Refused(499, "cancelled", "client closed the request") from None
+    except EngineGone as e:
+        raise Refused(503, "overloaded", f"engine unavailable: {e.message}") from None
+    except EngineError as e:
+        status, outcome, prefix = _STATUS_OF[e.status]
+        raise Refused(status, outcome, prefix + e.message) from None
+    except Exception as e:  # a bug, not a bad request: count it and say so, never an uncounted 500
+        log.exception("unexpected error serving a request")
+        raise Refused(500, "error", f"internal error: {type(e).__name__}: {e}") from None
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if watcher:
+            watcher[0].cancel()

@@ -1,0 +1,98 @@
+"""What a front end holds: settings, what the model takes and gives, its engine link, its metrics."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config import Settings
+from ..link import wire
+from ..link.plan import read_plan
+from ..metrics import RequestMetrics
+from .engine_client import EngineClient
+
+# Longest JSON number orjson writes for a float ("-1.2345678901234567e-308," is 25 bytes), rounded up.
+BYTES_PER_VALUE = 32
+
+
+def body_limit(max_rows: int, input_features: int) -> int:
+    """The largest request body (or gRPC message) a front end reads: max_rows rows of JSON numbers, plus 4 KiB."""
+    return max_rows * input_features * BYTES_PER_VALUE + 4096
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a front end must know of the model to validate requests and label answers (no tensors, no torch)."""
+
+    name: str
+    description: str | None
+    input_shape: tuple[int, ...]
+    output_features: int
+    labels: list[str] | None
+
+    @classmethod
+    def of(cls, model) -> ModelInfo:
+        spec = model.spec
+        return cls(model.name, spec.description, tuple(model.input_shape), model.output_features, spec.labels)
+
+    @property
+    def input_features(self) -> int:
+        return math.prod(self.input_shape)
+
+
+@dataclass
+class FrontendState:
+    """Everything one front-end process serves requests with."""
+
+    settings: Settings
+    model: ModelInfo
+    engines: EngineClient
+    metrics: RequestMetrics
+    run_dir: Path
+    draining: bool = False  # SIGTERM came: answers close their connections, /health/ready reads 503
+    _plan: dict | None = None
+
+    @property
+    def ready(self) -> bool:
+        return not self.draining and self.engines.ready()
+
+    @property
+    def status(self) -> str:
+        """draining, or the least advanced engine's state: loading, warming, ready, failed, broken or stopped."""
+        if self.draining:
+            return "draining"
+        states = self.engines.states()
+        worst = next((s for s in (wire.FAILED_START, wire.BROKEN, wire.STOPPED) if s in states), min(states))
+        return wire.ENGINE_STATES[worst]
+
+    @property
+    def max_body_bytes(self) -> int:
+        return body_limit(self.settings.max_rows_per_request, self.model.input_features)
+
+    def predictions(self, indices: np.ndarray) -> list:
+        labels = self.model.labels
+        return [labels[i] for i in indices.tolist()] if labels else indices.tolist()
+
+    def plan(self) -> dict:
+        if self._plan is None:
+            self._plan = read_plan(self.run_dir)
+        return self._plan or {}
+
+    def describe(self) -> dict:
+        plan = self.plan()
+        s = self.settings
+        return {
+            **{k: v for k, v in asdict(self.model).items() if k != "input_shape"},
+            "input_shape": list(self.model.input_shape),
+            "mode": s.mode,
+            "device": plan.get("device"),
+            "dtype": plan.get("dtype"),
+            "engines": len(self.engines.states()),
+            "max_batch_size": s.max_batch_size,
+            "max_rows_per_request": s.max_rows_per_request,
+            "plan": plan.get("plan"),
+            "status": self.status,
+        }

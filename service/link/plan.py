@@ -1,0 +1,31 @@
+"""The plan file: engine 0 publishes what it runs (steps, dtype, device) in the run directory, and every front end
+reads it for `GET /model`. A file rather than a message: it is written once, before the engine is ready."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..model.describe import describe_plan
+
+PLAN_FILE = "model.json"  # in the run directory
+
+
+def write_plan(run_dir: Path, executor, device: str) -> None:
+    """Engine side: publish what this engine runs, for the front ends' `GET /model`."""
+    doc = {
+        "plan": describe_plan(executor.steps, executor.tensors),
+        "dtype": str(executor.dtype).removeprefix("torch."),
+        "device": device,
+    }
+    tmp = run_dir / (PLAN_FILE + ".tmp")
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(run_dir / PLAN_FILE)
+
+
+def read_plan(run_dir: Path) -> dict | None:
+    """Front end side: what engine 0 published, or None before it has."""
+    path = run_dir / PLAN_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
