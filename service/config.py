@@ -91,7 +91,8 @@ class Settings(BaseSettings):
         None,
         ge=1,
         le=64,
-        description="HTTP front-end processes (default: one per core the host can spare, at most 8)",
+        description="HTTP front-end processes (default: one per core the host can spare after the engines, at most 8 "
+        "per engine: 8 on a 16-core host with one GPU, 16 on a 32-core host with two)",
     )
     engines: int | None = Field(
         None,

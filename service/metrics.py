@@ -186,6 +186,19 @@ def render(registry: CollectorRegistry) -> bytes:
     return generate_latest(registry)
 
 
+_ENGINE_RESTARTS: Counter | None = None
+
+
+def engine_restarted(engine: int) -> None:
+    """Count an engine started again by the supervisor after it died (the supervisor's one metric)."""
+    global _ENGINE_RESTARTS
+    if _ENGINE_RESTARTS is None:
+        _ENGINE_RESTARTS = Counter(
+            "fusedserve_engine_restarts", "Engines started again after they died", ["engine"], registry=_registry()
+        )
+    _ENGINE_RESTARTS.labels(engine=str(engine)).inc()
+
+
 def process_exited(pid: int) -> None:
     """Forget an exited process's live gauges (its queue depth), so they stop counting."""
     if multiprocess_mode():

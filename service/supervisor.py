@@ -10,11 +10,15 @@ Why processes: a small model's forward takes microseconds on the GPU, while Pyth
 hundreds per request per core; so front ends scale over the host's cores, and each GPU keeps one queue
 (one engine), where batches form from every front end's requests.
 
-Faults: a front end that dies is started again (its own connections are lost, nothing else). An engine
-that dies takes the service down: its outstanding requests get 503 at once, /health/ready turns 503,
-the front ends drain, and the supervisor exits 1 so that Docker or Kubernetes restart the whole. An engine
-whose GPU hits a sticky error (service/engine/faults.py) answers what it holds 503, marks itself broken
-(/health/live turns 503 too) and exits 4, which ends the same way.
+Faults: a front end that dies is started again (its own connections are lost, nothing else). An engine that
+dies is started again in place: its outstanding requests get 503 at once, and until it is ready again every
+request gets 503 with Retry-After and /health/ready reads 503, while the front ends keep their connections. The
+new engine finds Triton's compile cache and the tuner's cache on disk, so it is ready in seconds rather than a
+cold start. An engine that dies MAX_ENGINE_DEATHS times within ENGINE_DEATH_WINDOW_S, or fails to start, takes
+the service down: the front ends drain and the supervisor exits 1, for Docker or Kubernetes to restart the
+whole. So does an engine whose GPU hits a sticky error (service/engine/faults.py): it answers what it holds 503,
+marks itself broken (/health/live turns 503 too) and exits 4; only a new process tree is sure to get a working
+device.
 SIGTERM or SIGINT: the front ends stop accepting and answer every accepted request, then the engines
 answer what they hold and stop; exit 0 within FUSEDSERVE_SHUTDOWN_GRACE_S.
 """
@@ -38,9 +42,14 @@ from .link import wire
 
 log = logging.getLogger(__name__)
 
-MAX_DEFAULT_WORKERS = 8  # the empty FastAPI route gains 7% from 8 to 12 workers on a 16-core host: not worth the RAM
+# Front ends per engine at most: on a 16-core host with one GPU, the empty FastAPI route gains 7% from 8 to 12 workers,
+# not worth the memory; a host with more GPUs has more cores, and its front ends were the limit with 8 (two H200s
+# served a CNN no faster than one): so the cap grows with the engines (docs/configuration.md, FUSEDSERVE_WORKERS).
+WORKERS_PER_ENGINE = 8
 RESTART_WINDOW_S, MAX_RESTARTS = 60.0, 5  # more front-end deaths than this in the window is a crash loop: stop
-ENGINE_DEATH_DRAIN_S = 1.0  # after an engine dies, /health/ready reads 503 this long before the front ends stop
+ENGINE_DEATH_DRAIN_S = 1.0  # before stopping for a dead engine, /health/ready reads 503 this long
+# An engine that dies this often within the window is not helped by starting it again: stop the service instead.
+ENGINE_DEATH_WINDOW_S, MAX_ENGINE_DEATHS = 300.0, 3
 ENGINE_STOP_MIN_S = 5.0  # engines get at least this long to answer what they hold, whatever the grace left
 
 
@@ -56,9 +65,9 @@ def host_cores() -> int:
 
 
 def default_workers(engines: int, cores: int | None = None) -> int:
-    """One front end per core left after the engines, at most MAX_DEFAULT_WORKERS, at least one."""
+    """One front end per core left after the engines, at most WORKERS_PER_ENGINE per engine, at least one."""
     cores = host_cores() if cores is None else cores
-    return max(1, min(MAX_DEFAULT_WORKERS, cores - engines))
+    return max(1, min(WORKERS_PER_ENGINE * engines, cores - engines))
 
 
 def engine_devices(settings: Settings, device_type: str) -> list[str | None]:
@@ -103,6 +112,7 @@ class Supervisor:
         self.engines: list[multiprocessing.process.BaseProcess] = []
         self.frontends: list[multiprocessing.process.BaseProcess] = []
         self._restarts: list[float] = []
+        self._engine_deaths: list[float] = []
 
     def run(self) -> int:
         s = self.settings
@@ -141,14 +151,21 @@ class Supervisor:
         endpoints = [str(run_dir / f"engine-{i}.sock") for i in range(len(devices))]
         states = [self._ctx.Value("i", wire.LOADING, lock=False) for _ in devices]
         threads = max(1, (host_cores() - workers) // len(devices))  # torch threads of a CPU engine
-        for i, dev in enumerate(devices):
+
+        def start_engine(i: int) -> multiprocessing.process.BaseProcess:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(endpoints[i])  # a dead engine's socket file: the new one binds the same path
+            states[i].value = wire.LOADING
             p = self._ctx.Process(
                 target=engine_main,
-                args=(s, i, endpoints[i], states[i], dev, str(run_dir), threads),
+                args=(s, i, endpoints[i], states[i], devices[i], str(run_dir), threads),
                 name=f"engine-{i}",
             )
             p.start()
-            self.engines.append(p)
+            return p
+
+        for i in range(len(devices)):
+            self.engines.append(start_engine(i))
 
         def start_frontend(k: int) -> multiprocessing.process.BaseProcess:
             p = self._ctx.Process(
@@ -173,12 +190,17 @@ class Supervisor:
                 announced = True
                 log.info("fusedserve ready on http://%s:%d", s.host, s.port)
             dead = [(i, p) for i, p in enumerate(self.engines) if not p.is_alive()]
-            if dead:
-                for i, p in dead:
-                    if states[i].value not in (wire.FAILED_START, wire.BROKEN):
-                        states[i].value = wire.STOPPED
-                    log.error("engine %d exited with code %s; stopping the service", i, p.exitcode)
+            for i, p in dead:
+                _forget_process(p.pid)
+                if self._restart_engine(i, p.exitcode, states[i].value):
+                    self.engines[i] = start_engine(i)
+                    if announced:
+                        announced = False  # "ready" is logged again once every engine is back
+                    continue
+                if states[i].value not in (wire.FAILED_START, wire.BROKEN):
+                    states[i].value = wire.STOPPED
                 code = 1
+            if code:
                 # Front ends see the engine gone within STATE_POLL_S and answer 503; let load balancers see
                 # /health/ready fail before the port closes.
                 time.sleep(ENGINE_DEATH_DRAIN_S)
@@ -199,6 +221,26 @@ class Supervisor:
             if code:
                 break
         return self._shutdown(code)
+
+    def _restart_engine(self, i: int, exitcode: int | None, state: int) -> bool:
+        """Whether engine i, just dead, is started again (and why not, logged)."""
+        if state in (wire.FAILED_START, wire.BROKEN):
+            why = "could not start" if state == wire.FAILED_START else "hit a sticky device error"
+            log.error("engine %d exited with code %s: it %s; stopping the service", i, exitcode, why)
+            return False
+        now = time.monotonic()
+        self._engine_deaths = [t for t in self._engine_deaths if now - t < ENGINE_DEATH_WINDOW_S] + [now]
+        if len(self._engine_deaths) >= MAX_ENGINE_DEATHS:
+            log.error(
+                "engine %d exited with code %s, engine death %d within %g s; stopping the service",
+                i, exitcode, len(self._engine_deaths), ENGINE_DEATH_WINDOW_S,
+            )  # fmt: skip
+            return False
+        log.error("engine %d exited with code %s; starting it again", i, exitcode)
+        from .metrics import engine_restarted
+
+        engine_restarted(i)
+        return True
 
     def _shutdown(self, code: int) -> int:
         """Front ends first (they stop accepting and answer what they accepted), then the engines."""

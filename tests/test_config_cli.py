@@ -339,3 +339,15 @@ def test_the_engine_passes_the_tuning_settings_to_the_kernels(monkeypatch, tmp_p
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     assert tuning.timing_policy() == "hot" and tuning.enabled() is False and pdl.enabled() is False
     assert tuning.cache().path == tmp_path / "t.json"
+
+
+def test_default_workers_follow_the_cores_and_the_engines():
+    from service.supervisor import default_workers
+
+    # One front end per core left after the engines, at most 8 per engine, at least one.
+    assert default_workers(1, cores=16) == 8
+    assert default_workers(2, cores=32) == 16
+    assert default_workers(2, cores=16) == 14
+    assert default_workers(1, cores=4) == 3
+    assert default_workers(1, cores=1) == 1
+    assert default_workers(8, cores=8) == 1

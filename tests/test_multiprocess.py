@@ -2,7 +2,8 @@
 real uvicorn on a loopback port, real signals and kills.
 
 - two engines and two front ends share the traffic, and /metrics of any front end counts it once;
-- an engine that dies: what it held gets 503 at once, /health/ready turns 503, the service exits 1;
+- an engine that dies: what it held gets 503 at once, /health/ready reads 503 until the supervisor has started it
+  again in place, and the third death within the window stops the service with exit 1;
 - a front end that dies loses only its own connections and is started again;
 - SIGTERM: every accepted request is answered, and the service exits 0 within the grace period.
 
@@ -97,8 +98,20 @@ def test_two_engines_share_the_traffic_and_metrics_count_it_once():
         assert doc["engines"] == ["ready", "ready"], doc
 
 
-@pytest.mark.timeout(120)
-def test_an_engine_that_dies_fails_its_requests_at_once_and_stops_the_service():
+def wait_engine_back(server, old_pid: int, timeout_s: float) -> int:
+    """The pid of the engine started in place of `old_pid`, once /health/ready reads 200 again."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = httpx.get(server.url + "/health/ready", timeout=TIMEOUT)
+        pid = children(server.process.proc.pid).get("fs-engine-0")
+        if r.status_code == 200 and pid not in (None, old_pid):
+            return pid
+        time.sleep(0.1)
+    raise AssertionError(f"the engine was not back within {timeout_s} s\n{server.log()}")
+
+
+@pytest.mark.timeout(180)
+def test_an_engine_that_dies_fails_its_requests_at_once_and_is_started_again_in_place():
     # A long max_delay: the requests sit in the engine's queue when it is killed.
     env = {"workers": 1, "max_delay_ms": 5000, "max_batch_size": 64, "shutdown_grace_s": 20}
     with running_servers({"s": ("unfused", env)}) as servers:
@@ -106,7 +119,8 @@ def test_an_engine_that_dies_fails_its_requests_at_once_and_stops_the_service():
         engine = children(server.process.proc.pid)["fs-engine-0"]
 
         async def scenario():
-            async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as client:
+            limits = httpx.Limits(max_connections=1)  # one kept-alive connection, used before, during and after
+            async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT, limits=limits) as client:
                 posts = [asyncio.ensure_future(client.post("/predict", json={"inputs": rows(2, i)})) for i in range(5)]
                 await asyncio.sleep(0.5)
                 assert not any(p.done() for p in posts), "the requests should be waiting in the engine"
@@ -115,15 +129,33 @@ def test_an_engine_that_dies_fails_its_requests_at_once_and_stops_the_service():
                 answers = await asyncio.gather(*posts)
                 waited = time.monotonic() - killed
                 ready = await client.get("/health/ready")
-                return answers, waited, ready
+                meanwhile = await client.post("/predict", json={"inputs": rows(1, 99)})
+                return answers, waited, ready, meanwhile
 
-        answers, waited, ready = asyncio.run(scenario())
+        answers, waited, ready, meanwhile = asyncio.run(scenario())
         assert [r.status_code for r in answers] == [503] * 5, [r.text for r in answers]
         assert all("engine" in r.json()["detail"] and r.headers.get("retry-after") for r in answers)
         assert waited < 1.0, f"the requests of a dead engine were answered {waited:.2f} s after it died"
-        assert ready.status_code == 503 and ready.json()["status"] == "stopped", ready.text
+        assert ready.status_code == 503 and ready.json()["status"] in ("stopped", "loading", "warming"), ready.text
+        assert meanwhile.status_code == 503 and meanwhile.headers.get("retry-after"), meanwhile.text
+        assert meanwhile.headers.get("connection") != "close", "a restart must not close the clients' connections"
+
+        started = time.monotonic()
+        new_engine = wait_engine_back(server, engine, 60)
+        back_s = time.monotonic() - started
+        r = httpx.post(server.url + "/predict", json={"inputs": rows(3, 7)}, timeout=TIMEOUT)
+        assert r.status_code == 200 and len(r.json()["outputs"]) == 3, r.text
+        assert server.process.proc.poll() is None, "the service must keep running"
+        restarts = total(scrape(server.url), "fusedserve_engine_restarts", "fusedserve_engine_restarts_total")
+        assert restarts == 1, f"{restarts} engine restarts counted for one death (back after {back_s:.1f} s)"
+
+        # The third death within the window stops the service: a crash loop is for the orchestrator to handle.
+        os.kill(new_engine, signal.SIGKILL)
+        third = wait_engine_back(server, new_engine, 60)
+        os.kill(third, signal.SIGKILL)
         code = wait_exit(server, 30)
-        assert code == 1, f"the service exited {code} after losing its engine\n{server.log()}"
+        assert code == 1, f"the service exited {code} after its engine died three times\n{server.log()}"
+        assert "engine death 3 within" in server.log()
 
 
 @pytest.mark.timeout(120)

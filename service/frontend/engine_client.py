@@ -5,7 +5,8 @@ queues the request on its engine's outbox and schedules one flush per loop turn,
 front end takes in one turn reach the engine as one message (or one per FLUSH_EVERY of them); answers
 are read by a reader callback on the socket. The least-loaded engine (fewest requests outstanding from
 this front end) gets each request. The engines' states are shared integers written by the engines and
-the supervisor; an engine whose socket closes has died, and its outstanding requests fail at once.
+the supervisor; an engine whose socket closes has died, and its outstanding requests fail at once. The supervisor
+starts a dead engine again on the same socket path: once the new one is warming or ready, it is connected again.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ class EngineClient:
     def states(self) -> list[int]:
         """Each engine's state; one not connected to yet reads as loading."""
         return [
-            (wire.BROKEN if s.value == wire.BROKEN else wire.STOPPED)
+            (s.value if s.value in (wire.BROKEN, wire.LOADING, wire.WARMING) else wire.STOPPED)  # LOADING: restarting
             if i in self._dead
             else (s.value if self._socks[i] is not None else min(s.value, wire.LOADING))
             for i, s in enumerate(self._states)
@@ -302,6 +303,13 @@ class EngineClient:
     def _watch_states(self) -> None:
         for i, state in enumerate(self._states):
             if i in self._dead:
+                # Started again by the supervisor? Until the old engine's death is seen there, its state still
+                # reads as before, but nothing listens on the path and the connect is refused.
+                if state.value in (wire.WARMING, wire.READY) and self._socks[i] is None:
+                    self._connect(i)
+                    if self._socks[i] is not None:
+                        self._dead.discard(i)
+                        log.info("engine %d is back", i)
                 continue
             if state.value in (wire.STOPPED, wire.FAILED_START, wire.BROKEN):
                 self._engine_gone(i, f"engine {i} stopped before answering")
