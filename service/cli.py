@@ -21,7 +21,7 @@ def _add_setting_options(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         env = ENV_PREFIX + name.upper()
         default = field.default
-        help_text = f"{field.description} [env {env}; default {default}]"
+        help_text = f"{field.description} [env {env}; default {default}]".replace("%", "%%")  # argparse formats it
         choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
         if field.annotation is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
