@@ -1,5 +1,6 @@
 """The docs say what the code does. The README opens with the two commands CI runs and documents every
-setting and metric family; every shell command in the README, CONTRIBUTING.md, bench/README.md and
+setting and metric family; docs/configuration.md and docs/metrics.md are what `fusedserve docs` generates from
+the Settings and the metrics registry; every shell command in the README, CONTRIBUTING.md, bench/README.md and
 docs/performance.md is run here, or, where it needs Docker or a GPU, checked against the files it uses;
 and the benchmark tables the docs quote match the committed results."""
 
@@ -22,7 +23,17 @@ from service.metrics import EngineMetrics, RequestMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
-DOCS = ("README.md", "CONTRIBUTING.md", "bench/README.md", "bench/probes/README.md", "docs/performance.md")
+CONFIGURATION = REPO / "docs" / "configuration.md"
+METRICS = REPO / "docs" / "metrics.md"
+DOCS = (
+    "README.md",
+    "CONTRIBUTING.md",
+    "bench/README.md",
+    "bench/probes/README.md",
+    "docs/performance.md",
+    "docs/configuration.md",
+    "docs/metrics.md",
+)
 FUSEDSERVE = ".venv/bin/fusedserve"
 RESULTS_MD = REPO / "bench" / "results" / "kernels_h200.md"
 
@@ -77,6 +88,7 @@ KINDS = {
     "help": rf"^{FUSEDSERVE} [\w -]*--help$",
     "serve": rf"^{_ENV}{FUSEDSERVE} serve(?: .*)?$",
     "check-model": rf"^{FUSEDSERVE} check-model \S+$",
+    "docs": rf"^{FUSEDSERVE} docs(?: --check)?$",
     "bench-smoke": rf"^{FUSEDSERVE} bench kernels --device cpu --quick --out \S+$",
     "gpu": rf"^(?:{_ENV}bash bench/gpu_session\.sh.*|{FUSEDSERVE} bench (?:kernels|serve|pool|soak)"
     r"(?! --device cpu).*)$",
@@ -152,6 +164,25 @@ def test_every_metric_family_is_documented():
     assert len(names) >= 8, names
     missing = sorted(n for n in names if n not in README)
     assert not missing, f"README's metrics table lacks {missing}"
+
+
+def test_generated_docs_match_the_code(tmp_path):
+    """`fusedserve docs --check` passes on the committed files; `fusedserve docs` writes exactly them, twice alike;
+    and --check on a stale copy exits 1 with a diff, writing nothing."""
+    assert _commands("docs"), "no doc shows the command that generates the reference pages"
+    res = _run(_fusedserve_argv(f"{FUSEDSERVE} docs --check"), REPO)
+    assert res.returncode == 0, f"the committed docs differ from the code; run `fusedserve docs`:\n{res.stdout}"
+    for out in (tmp_path / "a", tmp_path / "b"):
+        res = _run([*_fusedserve_argv(f"{FUSEDSERVE} docs"), "--out", str(out)], REPO)
+        assert res.returncode == 0, res.stdout + res.stderr
+    for page in (CONFIGURATION, METRICS):
+        assert (tmp_path / "a" / page.name).read_text() == page.read_text() == (tmp_path / "b" / page.name).read_text()
+    stale = tmp_path / "a" / METRICS.name
+    stale.write_text(stale.read_text().replace("Requests by outcome", "Requests by result"))
+    res = _run([*_fusedserve_argv(f"{FUSEDSERVE} docs --check"), "--out", str(tmp_path / "a")], REPO)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "-| `fusedserve_requests_total`" in res.stdout and "+| `fusedserve_requests_total`" in res.stdout, res.stdout
+    assert "Requests by result" in stale.read_text(), "--check must not write"
 
 
 # ------------------------------------------------------------------------------------ the commands
