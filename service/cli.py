@@ -1,4 +1,6 @@
-"""`fusedserve` command line: `serve` (the HTTP service) and `check-model` (validate a model dir).
+"""`fusedserve` command line: `serve` (the HTTP service), `check-model` and `docs`.
+`check-model` validates a model directory; `docs` writes docs/configuration.md and docs/metrics.md from the
+code (service/docs_gen.py).
 The console script is fusedserve/cli.py, which adds `bench` through `extend`: the service imports
 no benchmark.
 
@@ -13,6 +15,7 @@ import sys
 import typing
 from pathlib import Path
 
+from . import docs_gen
 from .config import ENV_PREFIX, Settings, SettingsError, load_settings
 
 
@@ -21,7 +24,7 @@ def _add_setting_options(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         env = ENV_PREFIX + name.upper()
         default = field.default
-        help_text = f"{field.description} [env {env}; default {default}]"
+        help_text = f"{field.description} [env {env}; default {default}]".replace("%", "%%")  # argparse formats it
         choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
         if field.annotation is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
@@ -81,6 +84,9 @@ def main(argv: list[str] | None = None, extend=None) -> int:
     check = sub.add_parser("check-model", help="validate a model directory and print its fused plan")
     check.add_argument("path", help="a model directory (config.json + model.safetensors)")
     check.set_defaults(func=_check_model)
+    docs = sub.add_parser("docs", help="write docs/configuration.md and docs/metrics.md from the code")
+    docs_gen.add_arguments(docs)
+    docs.set_defaults(func=docs_gen.run)
     if extend is not None:  # more subcommands: extend(subparsers)
         extend(sub)
     argv = sys.argv[1:] if argv is None else list(argv)

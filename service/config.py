@@ -24,15 +24,23 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_file=ENV_FILE, extra="ignore")
 
     mode: Literal["fused", "unfused"] = Field(
-        "fused", description="fused: Triton kernels (GEMM+bias+act in one); unfused: plain torch, one op at a time"
+        "fused",
+        description="fused: Triton kernels (GEMM+bias+act in one); unfused: plain torch, one op at a time (the A/B "
+        "baseline)",
     )
     device: Literal["auto", "cuda", "cpu"] = Field(
         "auto", description="auto picks cuda when present; fused on cpu runs Triton's interpreter (slow)"
     )
     model: str = Field("digits-mlp", description="a model name under model_dir, or a path to a model directory")
-    model_dir: Path = Field(DEFAULT_MODEL_DIR, description="where model names are looked up")
+    model_dir: Path = Field(
+        DEFAULT_MODEL_DIR,
+        description="where model names are looked up (left at its default where the working directory has none: "
+        "the model_weights beside the package)",
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="compute dtype; weights are cast at load. auto: float16 on CUDA, float32 on the CPU"
+        "auto",
+        description="compute dtype; weights are cast at load, kernels accumulate in fp32. auto: float16 on CUDA, "
+        "float32 on the CPU",
     )
     allow_tf32: bool = Field(False, description="let float32 matmuls use TF32 on GPU (both modes alike)")
     # 1024: with 64-row requests under load a 256-row batch held 4 requests and the engine's ~0.1 ms of host
@@ -65,7 +73,11 @@ class Settings(BaseSettings):
         description="time kernels on every Nth batch (0: never); on CUDA that batch replays a copy of its bucket's "
         "CUDA graph with events recorded between the steps",
     )
-    cuda_graphs: bool = Field(True, description="on CUDA, replay one captured CUDA graph per batch bucket")
+    cuda_graphs: bool = Field(
+        True,
+        description="on CUDA, a batch is one replay of the CUDA graph captured for its bucket (powers of two below "
+        "max_batch_size, then max_batch_size)",
+    )
     tuning: bool = Field(
         True, description="time candidate kernel configs per batch bucket at warm-up (false: first candidate, untimed)"
     )
@@ -73,26 +85,32 @@ class Settings(BaseSettings):
     # reverse for the first batch after an idle spell (kernels/tuning.py, pick).
     tuning_timing: Literal["both", "cold", "hot"] = Field(
         "both",
-        description="which device time picks a kernel config: both (the config closest to the best cold and the "
-        "best back to back, on its worse count), cold (L2 cleared before each call) or hot (calls back to back)",
+        description="which device time picks a kernel config, since a config can win one and lose the other: cold "
+        "(L2 cleared before each call: the first batch after a pause) or hot (calls back to back: a loaded server). "
+        "both takes the fastest hot of the candidates within 2% of the best cold time and 10% of the best hot, or, "
+        "when none is, the one closest to the best on its worse count. A pick made under another value is not "
+        "reused",
     )
     tuning_cache: Path | None = Field(
         None,
-        description="JSON file of tuned kernel configs kept across restarts "
-        "(default $XDG_CACHE_HOME/fusedserve/tuning.json)",
+        description="JSON file of tuned kernel configs with their cold and hot times, kept across restarts, per "
+        "GPU, Triton version, kernel source, tuning_timing and list of candidates (a release that offers new ones "
+        "times them again) (default $XDG_CACHE_HOME/fusedserve/tuning.json)",
     )
     pdl: bool = Field(
         True,
         description="on sm_90+ GPUs, launch each layer's GEMM kernel as a programmatic dependent launch, so it "
         "starts loading weights while the previous layer finishes",
     )
-    warmup: bool = Field(True, description="compile and autotune kernels for every batch-size bucket before ready")
+    warmup: bool = Field(
+        True, description="compile, tune and capture every batch bucket before reporting ready (/health/ready)"
+    )
     workers: int | None = Field(
         None,
         ge=1,
         le=64,
-        description="HTTP front-end processes (default: one per core the host can spare after the engines, at most 8 "
-        "per engine: 8 on a 16-core host with one GPU, 16 on a 32-core host with two)",
+        description="HTTP front-end processes (FastAPI + uvicorn, sharing the port; default: one per core the host "
+        "can spare after the engines, at most 8 per engine: 8 on a 16-core host with one GPU, 16 on 32 cores with two)",
     )
     engines: int | None = Field(
         None,
@@ -108,7 +126,9 @@ class Settings(BaseSettings):
         2048,
         ge=2,
         le=1_000_000,
-        description="open HTTP connections one front end serves; a request on one more gets 503 at once",
+        description="open HTTP connections one front end serves; a request on one more gets 503 at once "
+        "(Retry-After: 1, counted overloaded); on the gRPC port, calls in flight per front end (past it: "
+        "RESOURCE_EXHAUSTED)",
     )
     header_timeout_s: float = Field(
         10.0,
@@ -118,16 +138,24 @@ class Settings(BaseSettings):
         "opening) is closed (408)",
     )
     body_timeout_s: float = Field(
-        30.0, gt=0, le=3600, description="a request body that sends no bytes for this long is dropped and closed"
+        30.0,
+        gt=0,
+        le=3600,
+        description="a request body that sends no bytes for this long is dropped and its connection closed",
     )
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 in containers)")
-    port: int = Field(8000, ge=1, le=65535, description="port to listen on")
+    port: int = Field(
+        8000,
+        ge=1,
+        le=65535,
+        description="port to listen on (/predict, the Open Inference Protocol's REST /v2 routes, /metrics)",
+    )
     grpc_port: int | None = Field(
         None,
         ge=1,
         le=65535,
-        description="port for the Open Inference Protocol over gRPC (unset: no gRPC; the REST /v2 routes are "
-        "always served on port)",
+        description="port for the Open Inference Protocol over gRPC, shared by every front end (unset: no gRPC; the "
+        "REST /v2 routes are always served on port)",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
 

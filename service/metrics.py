@@ -1,7 +1,8 @@
 """Every Prometheus metric of the service, one prefix `fusedserve_`, histograms in seconds.
 
-Two owners: a front end counts requests (`RequestMetrics`), an engine times batches and kernels
-(`EngineMetrics`, labelled with its `engine` index and, in `fusedserve_model_info`, its device). Labels:
+Three owners: a front end counts requests (`RequestMetrics`), an engine times batches and kernels
+(`EngineMetrics`, labelled with its `engine` index and, in `fusedserve_model_info`, its device), and the
+supervisor counts engine restarts (`SupervisorMetrics`). Labels:
 `model`, `mode` (fused|unfused) everywhere, `kernel` (a plan step name such as `linear_0_relu`) on
 kernel time, `outcome` on the request counter. Histograms, not summaries, so processes and replicas
 aggregate.
@@ -156,6 +157,19 @@ class EngineMetrics:
         return render(self.registry)
 
 
+class SupervisorMetrics:
+    """The supervisor's metrics: engines it started again after they died."""
+
+    def __init__(self):
+        self.registry = r = _registry()
+        self.engine_restarts = Counter(
+            "fusedserve_engine_restarts", "Engines started again in place after they died", ["engine"], registry=r
+        )
+
+    def engine_restarted(self, engine: int) -> None:
+        self.engine_restarts.labels(engine=str(engine)).inc()
+
+
 def observe_many(child, values: list[float]) -> None:
     """`child.observe(v)` for every v, with one write per touched bucket instead of two per value.
 
@@ -184,19 +198,6 @@ def render(registry: CollectorRegistry) -> bytes:
         multiprocess.MultiProcessCollector(merged)
         return generate_latest(merged)
     return generate_latest(registry)
-
-
-_ENGINE_RESTARTS: Counter | None = None
-
-
-def engine_restarted(engine: int) -> None:
-    """Count an engine started again by the supervisor after it died (the supervisor's one metric)."""
-    global _ENGINE_RESTARTS
-    if _ENGINE_RESTARTS is None:
-        _ENGINE_RESTARTS = Counter(
-            "fusedserve_engine_restarts", "Engines started again after they died", ["engine"], registry=_registry()
-        )
-    _ENGINE_RESTARTS.labels(engine=str(engine)).inc()
 
 
 def process_exited(pid: int) -> None:

@@ -113,6 +113,7 @@ class Supervisor:
         self.frontends: list[multiprocessing.process.BaseProcess] = []
         self._restarts: list[float] = []
         self._engine_deaths: list[float] = []
+        self._metrics = None  # SupervisorMetrics, once an engine is restarted
 
     def run(self) -> int:
         s = self.settings
@@ -237,9 +238,11 @@ class Supervisor:
             )  # fmt: skip
             return False
         log.error("engine %d exited with code %s; starting it again", i, exitcode)
-        from .metrics import engine_restarted
+        if self._metrics is None:  # made here, long after PROMETHEUS_MULTIPROC_DIR is set (service/metrics.py)
+            from .metrics import SupervisorMetrics
 
-        engine_restarted(i)
+            self._metrics = SupervisorMetrics()
+        self._metrics.engine_restarted(i)
         return True
 
     def _shutdown(self, code: int) -> int:

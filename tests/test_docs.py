@@ -1,7 +1,8 @@
-"""The docs say what the code does. The README opens with the two commands CI runs and documents every
-setting and metric family; every shell command in the README, CONTRIBUTING.md, bench/README.md and
-docs/performance.md is run here, or, where it needs Docker or a GPU, checked against the files it uses;
-and the benchmark tables the docs quote match the committed results."""
+"""The docs say what the code does. The README opens with the two commands CI runs, fits in 12 KiB and
+links to the rest; docs/configuration.md and docs/metrics.md are what `fusedserve docs` generates from the
+Settings and the metrics registry, and document every setting and metric family; every link between the docs
+resolves; every shell command in them is run here, or, where it needs Docker or a GPU, checked against the
+files it uses; and the benchmark figures the docs quote match the committed results."""
 
 from __future__ import annotations
 
@@ -18,11 +19,26 @@ import pytest
 import yaml
 
 from service.config import ENV_PREFIX, Settings, SettingsError, load_settings
-from service.metrics import EngineMetrics, RequestMetrics
+from service.metrics import EngineMetrics, RequestMetrics, SupervisorMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
-DOCS = ("README.md", "CONTRIBUTING.md", "bench/README.md", "bench/probes/README.md", "docs/performance.md")
+README_MAX_BYTES = 12 * 1024
+CONFIGURATION = REPO / "docs" / "configuration.md"
+METRICS = REPO / "docs" / "metrics.md"
+API = REPO / "docs" / "api.md"
+DOCS = (
+    "README.md",
+    "CONTRIBUTING.md",
+    "bench/README.md",
+    "bench/probes/README.md",
+    "docs/performance.md",
+    "docs/api.md",
+    "docs/models.md",
+    "docs/scaling.md",
+    "docs/configuration.md",
+    "docs/metrics.md",
+)
 FUSEDSERVE = ".venv/bin/fusedserve"
 RESULTS_MD = REPO / "bench" / "results" / "kernels_h200.md"
 
@@ -77,6 +93,7 @@ KINDS = {
     "help": rf"^{FUSEDSERVE} [\w -]*--help$",
     "serve": rf"^{_ENV}{FUSEDSERVE} serve(?: .*)?$",
     "check-model": rf"^{FUSEDSERVE} check-model \S+$",
+    "docs": rf"^{FUSEDSERVE} docs(?: --check)?$",
     "bench-smoke": rf"^{FUSEDSERVE} bench kernels --device cpu --quick --out \S+$",
     "gpu": rf"^(?:{_ENV}bash bench/gpu_session\.sh.*|{FUSEDSERVE} bench (?:kernels|serve|pool|soak)"
     r"(?! --device cpu).*)$",
@@ -130,28 +147,121 @@ def test_ci_lints_before_it_tests():
     assert ".venv/bin/ruff check ." in ci[:test] and ".venv/bin/ruff format --check ." in ci[:test], ci
 
 
+def test_readme_fits_in_12_kib():
+    size = len(README.encode())
+    assert size <= README_MAX_BYTES, f"README.md is {size} bytes; at most {README_MAX_BYTES}: move detail to docs/"
+
+
+def test_readme_links_to_the_reference_and_the_story():
+    for page in ("docs/configuration.md", "docs/metrics.md", "docs/performance.md", "docs/api.md", "CONTRIBUTING.md"):
+        assert f"]({page})" in README, f"README does not link to {page}"
+
+
+def _links(doc: str) -> list[str]:
+    return re.findall(r"\]\(([^)\s]+)\)", (REPO / doc).read_text())
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_docs_resolves():
+    broken, checked = [], 0
+    for doc in DOCS:
+        for target in _links(doc):
+            if re.match(r"[a-z]+://|mailto:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (REPO / doc).parent / path if path else REPO / doc
+            checked += 1
+            if not dest.exists():
+                broken.append(f"{doc}: {target}")
+            elif anchor and dest.suffix == ".md":
+                headings = {_anchor(h) for h in re.findall(r"^#+ (.*)$", dest.read_text(), re.M)}
+                if anchor not in headings:
+                    broken.append(f"{doc}: {target} (no such heading)")
+    assert checked >= 30 and not broken, broken
+
+
+def _table(path: Path) -> list[list[str]]:
+    """The rows of every markdown table in `path`, as cells (`\\|` inside a cell kept)."""
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.startswith("| ") and not line.startswith("|---"):
+            rows.append([c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])])
+    return rows
+
+
 def test_every_setting_is_documented():
-    missing = [ENV_PREFIX + f.upper() for f in Settings.model_fields if f"`{ENV_PREFIX}{f.upper()}`" not in README]
-    assert not missing, f"README's configuration table lacks {missing}"
+    documented = {row[0].strip("`") for row in _table(CONFIGURATION)}
+    missing = [ENV_PREFIX + f.upper() for f in Settings.model_fields if ENV_PREFIX + f.upper() not in documented]
+    assert not missing, f"docs/configuration.md lacks {missing}: run `fusedserve docs`"
+    for name, field in Settings.model_fields.items():
+        row = next(r for r in _table(CONFIGURATION) if r[0] == f"`{ENV_PREFIX}{name.upper()}`")
+        assert row[-1] == field.description, f"{name}: docs/configuration.md's description is not the Field's"
 
 
 def test_documented_defaults_are_the_settings_defaults():
-    rows = dict(re.findall(r"^\| `(FUSEDSERVE_\w+)` \| ([^|]+) \|", README, re.M))
+    header, *rows = _table(CONFIGURATION)
+    column = header.index("default")
+    shown = {row[0].strip("`"): row[column].strip("`") for row in rows}
     for name, field in Settings.model_fields.items():
         default = field.default
-        if default is None or isinstance(default, Path):
-            continue
-        shown = rows[ENV_PREFIX + name.upper()].strip().strip("`")
-        want = str(default).lower() if isinstance(default, bool) else str(default)
-        assert shown in (want, want.removesuffix(".0")), f"{name}: README says {shown!r}, Settings {default!r}"
+        if isinstance(default, Path):
+            default = str(default)
+        want = "unset" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
+        got = shown[ENV_PREFIX + name.upper()]
+        assert got in (want, want.removesuffix(".0")), f"{name}: docs say {got!r}, Settings {default!r}"
+
+
+def test_every_variable_the_docs_name_is_a_setting():
+    """A FUSEDSERVE_ name in the docs is a setting, or a variable setup.sh or bench/gpu_session.sh reads."""
+    scripts = (REPO / "setup.sh").read_text() + (REPO / "bench" / "gpu_session.sh").read_text()
+    known = {ENV_PREFIX + f.upper() for f in Settings.model_fields}
+    named = {n for doc in DOCS for n in re.findall(r"\bFUSEDSERVE_[A-Z0-9_]*[A-Z0-9]\b", (REPO / doc).read_text())}
+    unknown = sorted(n for n in named if n not in known and n not in scripts)
+    assert len(named) >= 20 and not unknown, unknown
+
+
+def _metric_families() -> dict[str, str]:
+    registries = (
+        RequestMetrics("m", "fused").registry,
+        EngineMetrics("m", "fused", "cpu", "float32").registry,
+        SupervisorMetrics().registry,
+    )
+    return {m.name: m.type for r in registries for m in r.collect() if m.name.startswith("fusedserve_")}
 
 
 def test_every_metric_family_is_documented():
-    registries = (RequestMetrics("m", "fused").registry, EngineMetrics("m", "fused", "cpu", "float32").registry)
-    names = {m.name for r in registries for m in r.collect() if m.name.startswith("fusedserve_")}
-    assert len(names) >= 8, names
-    missing = sorted(n for n in names if n not in README)
-    assert not missing, f"README's metrics table lacks {missing}"
+    families = _metric_families()
+    assert len(families) >= 8, families
+    header, *rows = _table(METRICS)
+    documented = {row[0].strip("`"): row[header.index("type")] for row in rows if row[0].startswith("`fusedserve_")}
+    for name, kind in families.items():
+        series = f"{name}_total" if kind == "counter" else name
+        assert series in documented, f"docs/metrics.md lacks {series}: run `fusedserve docs`"
+        assert documented[series].split(",")[0] == kind, f"{series}: docs say {documented[series]!r}, code {kind!r}"
+    assert len(documented) == len(families), sorted(set(documented) - {f"{n}_total" for n in families} - set(families))
+
+
+def test_generated_docs_match_the_code(tmp_path):
+    """`fusedserve docs --check` passes on the committed files; `fusedserve docs` writes exactly them, twice alike;
+    and --check on a stale copy exits 1 with a diff, writing nothing."""
+    assert _commands("docs"), "no doc shows the command that generates the reference pages"
+    res = _run(_fusedserve_argv(f"{FUSEDSERVE} docs --check"), REPO)
+    assert res.returncode == 0, f"the committed docs differ from the code; run `fusedserve docs`:\n{res.stdout}"
+    for out in (tmp_path / "a", tmp_path / "b"):
+        res = _run([*_fusedserve_argv(f"{FUSEDSERVE} docs"), "--out", str(out)], REPO)
+        assert res.returncode == 0, res.stdout + res.stderr
+    for page in (CONFIGURATION, METRICS):
+        assert (tmp_path / "a" / page.name).read_text() == page.read_text() == (tmp_path / "b" / page.name).read_text()
+    stale = tmp_path / "a" / METRICS.name
+    stale.write_text(stale.read_text().replace("Requests by outcome", "Requests by result"))
+    res = _run([*_fusedserve_argv(f"{FUSEDSERVE} docs --check"), "--out", str(tmp_path / "a")], REPO)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "-| `fusedserve_requests_total`" in res.stdout and "+| `fusedserve_requests_total`" in res.stdout, res.stdout
+    assert "Requests by result" in stale.read_text(), "--check must not write"
 
 
 # ------------------------------------------------------------------------------------ the commands
@@ -318,12 +428,12 @@ def test_try_it_against_a_real_server():
 
 @pytest.mark.slow
 def test_open_inference_protocol_example_against_a_real_server():
-    """The README's tritonclient example, as written but for the ports, against a real server with gRPC on, prints
-    the labels the README shows."""
+    """docs/api.md's tritonclient example, as written but for the ports, against a real server with gRPC on, prints
+    the labels it shows."""
     from .server import free_port, running_server
 
     pytest.importorskip("tritonclient.grpc", reason="tritonclient[http,grpc] is not installed (the test extra)")
-    (snippet,) = [b for b in _blocks(README, "python") if "tritonclient" in b]
+    (snippet,) = [b for b in _blocks(API.read_text(), "python") if "tritonclient" in b]
     expected = re.search(r"^# (\[.*\])", snippet, re.M).group(1)
     grpc_port = free_port()
     with running_server("unfused", grpc_port=grpc_port, max_batch_size=8):
@@ -373,6 +483,47 @@ def test_quoted_benchmark_tables_match_the_committed_results(doc):
                 assert figure in row, f"{doc}: {figure!r} ({line.strip()}) is not in {row}"
         checked += 1
     assert checked >= 8, f"{doc}: found only {checked} benchmark rows"
+
+
+def _serve_closed_loop() -> dict[tuple[str, int, int, int], dict[str, str]]:
+    """The committed bench serve run's closed-loop rows: (system, workers, rows, conns) -> {column: cell}."""
+    text = (REPO / "bench" / "results" / "serve_h100.md").read_text()
+    section = text.split("## Closed loop", 1)[1].split("\n## ", 1)[0]
+    header, *rows = [
+        [c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line[:2] == "| "
+    ]
+    found = {}
+    for row in rows:
+        if not row[0].startswith("-"):
+            cells = dict(zip(header, row, strict=True))
+            found[row[0], int(cells["workers"]), int(cells["rows"]), int(cells["conns"])] = cells
+    return found
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/performance.md"])
+def test_quoted_serve_figures_match_the_committed_run(doc):
+    """Every cell of the docs' end-to-end tables (a row `N workers, M connections, [64-row] req/s | p50 ms | rows/s`,
+    a column per system) is the same case's figure in the committed bench serve run, a p99 in brackets too."""
+    run = _serve_closed_loop()
+    systems = {"empty FastAPI route": "empty", "fusedserve fused": "fused", "fusedserve unfused": "unfused"}
+    header, checked = [], 0
+    for line in (REPO / doc).read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) > 1 and cells[1] in systems:
+            header = cells
+        m = re.fullmatch(
+            r"(\d+) workers?, (\d+) connections?, (?:single-row )?(64-row )?(req/s|p50 ms|rows/s)", cells[0]
+        )
+        if not m:
+            continue
+        workers, conns, rows, metric = int(m[1]), int(m[2]), 64 if m[3] else 1, m[4]
+        for column, cell in zip(header[1:], cells[1:], strict=True):
+            case = run[systems[column], workers, rows, conns]
+            value, p99 = re.fullmatch(r"([\d.,]+)(?: \(p99 ([\d.]+) ms\))?", cell).groups()
+            assert value == case[metric], f"{doc}: {cell!r} ({line}): the run has {metric} {case[metric]}"
+            assert p99 in (None, case["p99 ms"]), f"{doc}: {cell!r} ({line}): the run has p99 {case['p99 ms']}"
+            checked += 1
+    assert checked >= 9, f"{doc}: found only {checked} end-to-end figures"
 
 
 def test_result_files_the_docs_and_code_cite_exist():
