@@ -117,27 +117,36 @@ class Supervisor:
 
     def run(self) -> int:
         s = self.settings
-        from .backend import prepare_backend
-        from .frontend.state import ModelInfo
-        from .model.loader import load_model
-
-        model = load_model(s.model_path())  # ModelFormatError names what is wrong, before any process starts
-        device = prepare_backend(s)
-        devices = engine_devices(s, device.type)
-        workers = s.workers or default_workers(len(devices))
-        port_hold = _reserve_port(s.host, s.port)
         run_dir = Path(tempfile.mkdtemp(prefix="fusedserve-"))
-        metrics_dir = run_dir / "metrics"
-        metrics_dir.mkdir()
-        # Before any child imports prometheus_client: each process writes its values there (service/metrics.py).
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._request_stop)
+        multiproc_before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         try:
-            return self._run(model, ModelInfo.of(model), devices, workers, run_dir)
+            metrics_dir = run_dir / "metrics"
+            metrics_dir.mkdir()
+            # Before this process or any child imports prometheus_client, which picks its multiprocess values at
+            # import: each process writes its values there (service/metrics.py).
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+            from .backend import prepare_backend
+            from .frontend.state import ModelInfo
+            from .model.loader import load_model
+
+            model = load_model(s.model_path())  # ModelFormatError names what is wrong, before any process starts
+            device = prepare_backend(s)
+            devices = engine_devices(s, device.type)
+            workers = s.workers or default_workers(len(devices))
+            port_hold = _reserve_port(s.host, s.port)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._request_stop)
+            try:
+                return self._run(model, ModelInfo.of(model), devices, workers, run_dir)
+            finally:
+                port_hold.close()
         finally:
-            port_hold.close()
             shutil.rmtree(run_dir, ignore_errors=True)
+            # A caller in the same process (a test, a library user) must not inherit a directory that is gone.
+            if multiproc_before is None:
+                os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            else:
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = multiproc_before
 
     def _request_stop(self, signum, frame) -> None:
         if not self._stop_requested:
@@ -190,6 +199,8 @@ class Supervisor:
             if not announced and all(st.value == wire.READY for st in states):
                 announced = True
                 log.info("fusedserve ready on http://%s:%d", s.host, s.port)
+            if self._stop_requested:  # an engine the stop signal reached too (a signal to the group) stays down
+                break
             dead = [(i, p) for i, p in enumerate(self.engines) if not p.is_alive()]
             for i, p in dead:
                 _forget_process(p.pid)

@@ -119,8 +119,10 @@ def test_an_engine_that_dies_fails_its_requests_at_once_and_is_started_again_in_
         engine = children(server.process.proc.pid)["fs-engine-0"]
 
         async def scenario():
-            limits = httpx.Limits(max_connections=1)  # one kept-alive connection, used before, during and after
-            async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT, limits=limits) as client:
+            async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as client:
+                # One kept-alive connection, opened before the kill and used while the engine is away.
+                kept = httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT, limits=httpx.Limits(max_connections=1))
+                assert (await kept.get("/health/live")).status_code == 200
                 posts = [asyncio.ensure_future(client.post("/predict", json={"inputs": rows(2, i)})) for i in range(5)]
                 await asyncio.sleep(0.5)
                 assert not any(p.done() for p in posts), "the requests should be waiting in the engine"
@@ -128,8 +130,9 @@ def test_an_engine_that_dies_fails_its_requests_at_once_and_is_started_again_in_
                 os.kill(engine, signal.SIGKILL)
                 answers = await asyncio.gather(*posts)
                 waited = time.monotonic() - killed
-                ready = await client.get("/health/ready")
-                meanwhile = await client.post("/predict", json={"inputs": rows(1, 99)})
+                ready = await kept.get("/health/ready")
+                meanwhile = await kept.post("/predict", json={"inputs": rows(1, 99)})
+                await kept.aclose()
                 return answers, waited, ready, meanwhile
 
         answers, waited, ready, meanwhile = asyncio.run(scenario())
