@@ -66,6 +66,7 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._poll: asyncio.TimerHandle | None = None
         self._dead: set[int] = set()
+        self._restarting: set[int] = set()  # dead engines whose state has read LOADING since: started again
         self._turn = 0
         # Each engine's wire dtype (link/wire.py) as its index into wire.DTYPES, from its HELLO; None until then,
         # and rows go as float32.
@@ -303,12 +304,16 @@ class EngineClient:
     def _watch_states(self) -> None:
         for i, state in enumerate(self._states):
             if i in self._dead:
-                # Started again by the supervisor? Until the old engine's death is seen there, its state still
-                # reads as before, but nothing listens on the path and the connect is refused.
-                if state.value in (wire.WARMING, wire.READY) and self._socks[i] is None:
+                # Started again by the supervisor? Until it has seen the death, the state still reads as the old
+                # engine left it, and the old engine's listening socket may outlive its connection by a moment:
+                # so only a state that went back to LOADING since the death is a new engine.
+                if state.value == wire.LOADING:
+                    self._restarting.add(i)
+                elif i in self._restarting and state.value in (wire.WARMING, wire.READY):
                     self._connect(i)
                     if self._socks[i] is not None:
                         self._dead.discard(i)
+                        self._restarting.discard(i)
                         log.info("engine %d is back", i)
                 continue
             if state.value in (wire.STOPPED, wire.FAILED_START, wire.BROKEN):
