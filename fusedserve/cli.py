@@ -15,13 +15,13 @@ import sys
 
 from service import cli as service_cli
 
-# `fusedserve bench NAME` -> module. Each module imports no torch at module level, so building the
-# parser stays cheap for every command.
+# `fusedserve bench NAME` -> its argument module, bench/NAME/cli.py. Each imports no torch at module level, so
+# building the parser stays cheap for every command.
 BENCHMARKS = {
-    "kernels": "bench.kernels",
-    "serve": "bench.serve",
-    "pool": "bench.pool",
-    "soak": "bench.soak",
+    "kernels": "bench.kernels.cli",
+    "serve": "bench.serve.cli",
+    "pool": "bench.pool.cli",
+    "soak": "bench.soak.cli",
 }
 
 

@@ -81,7 +81,7 @@ KINDS = {
     "gpu": rf"^(?:{_ENV}bash bench/gpu_session\.sh.*|{FUSEDSERVE} bench (?:kernels|serve|pool|soak)"
     r"(?! --device cpu).*)$",
     "probe": r"^\.venv/bin/python -m bench\.probes\.\w+(?: --out \S+)?$",
-    "report": r"^\.venv/bin/python -m bench\.kernel_report \S+$",
+    "report": r"^\.venv/bin/python -m bench\.kernels\.report \S+$",
     "docker": r"^docker compose (?:--profile \w+ )?up --build$",
     "git": r"^git show [0-9a-f]{7,40}:\S+$",
 }
@@ -263,8 +263,8 @@ def test_probe_commands_name_importable_probes():
 
 
 def test_report_command_rerenders_the_committed_results(tmp_path):
-    """`python -m bench.kernel_report JSON` on the committed run writes exactly the committed markdown."""
-    from bench.kernel_report import main as rerender
+    """`python -m bench.kernels.report JSON` on the committed run writes exactly the committed markdown."""
+    from bench.kernels.report import main as rerender
 
     for cmd in _commands("report"):
         src = REPO / shlex.split(cmd)[3]

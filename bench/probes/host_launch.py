@@ -32,7 +32,7 @@ from kernels import FusedLinear
 from kernels.launch import c_launch_of
 from kernels.mlp import FusedMLP
 
-from ..kernel_timing import timed_run
+from ..kernels.timing import timed_run
 from .common import digits_layers, main
 
 CALLS = 1000

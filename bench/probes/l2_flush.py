@@ -31,8 +31,8 @@ import torch
 from kernels import FusedLinear
 from kernels.cold_timing import FLUSH_BYTES, cold_us
 
-from ..kernel_models import ModelProviders, build_wide, load_named
-from ..kernel_timing import capture
+from ..kernels.models import ModelProviders, build_wide, load_named
+from ..kernels.timing import capture
 from .common import main, one_store, stream_sum
 
 FLUSHES = ("write", "read")

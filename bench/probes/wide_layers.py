@@ -144,7 +144,7 @@ def forward_times(model, x, picks: dict[str, dict[str, LaunchConfig]]) -> dict[s
 
 
 def sweep(args: argparse.Namespace) -> dict:
-    from bench.kernel_models import build_wide
+    from bench.kernels.models import build_wide
     from service.model.executors import Executor
 
     _, smem = device_limits(torch.device("cuda"))

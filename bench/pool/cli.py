@@ -17,7 +17,7 @@ beats the CPU. Writes pool_<gpu>.md, .json and .png under --out.
 """
 
 # This module only parses arguments (no torch import: ~2 s, and a CLI builds every parser); the run is
-# bench/pool_run.py.
+# bench/pool/run.py.
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     if plan["device"] == "cuda" and not torch.cuda.is_available():
         print("bench pool: no CUDA device; run it on a GPU, or pass --device cpu --quick", file=sys.stderr)
         return 2
-    from .pool_run import execute
+    from .run import execute
 
     return execute(plan, command)
 
@@ -111,7 +111,3 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     return run(parser.parse_args(argv), shlex.join(["python", "-m", "bench.pool", *argv]))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,9 +27,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .kernel_models import WIDE_CNN_CONVS, WIDE_CNN_INPUT
-from .kernel_providers import COMPILE_MODES, NotAvailable, compiled
-from .kernel_timing import ELEMENT_BYTES, Prepared, describe, synchronize
+from .models import WIDE_CNN_CONVS, WIDE_CNN_INPUT
+from .providers import COMPILE_MODES, NotAvailable, compiled
+from .timing import ELEMENT_BYTES, Prepared, describe, synchronize
 
 CONV_PROVIDERS = ("cudnn", "cudnn-fused", "compile", "ours")
 NHWC = torch.channels_last

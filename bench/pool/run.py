@@ -1,9 +1,9 @@
-"""The run behind `python -m bench.pool` (bench/pool.py parses the flags and says what is measured).
+"""The run behind `python -m bench.pool` (bench/pool/cli.py parses the flags and says what is measured).
 
 Timing: device time cold is kernels.cold_timing.cold_us (L2 cleared by reading 256 MB before each call);
 hot is the mean of back-to-back calls between two events after a warm-up (inputs in L2 where they fit, as a
 busy server's are); end to end is the host's wall clock around H2D copy + op + D2H copy + synchronize, the
-best of a few runs (bench/kernel_timing.timed_run). CPU time is the wall clock, best of a few runs.
+best of a few runs (bench/kernels/timing.timed_run). CPU time is the wall clock, best of a few runs.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from kernels.cold_timing import cold_us
 from kernels.pool import fused_pool2d
 
-from .kernel_report import slug_of
-from .kernel_timing import back_to_back_us, timed_run
+from ..kernels.report import slug_of
+from ..kernels.timing import back_to_back_us, timed_run
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 ERROR_BOUND = {"float32": 1e-5, "float16": 1e-3}  # normwise, against float64: one rounding of the output

@@ -1,4 +1,4 @@
-"""The soak's run (bench/soak.py): start the server, run the client processes, sample memory, judge, report."""
+"""The soak's run (bench/soak/cli.py): start the server, run the client processes, sample memory, judge, report."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import threading
 import time
 from pathlib import Path
 
-from .local_server import children, free_port, get
-from .serve_run import gpu_name, gpu_slug
-from .soak_clients import MIX, client_main
+from ..local_server import children, free_port, get
+from ..serve.run import gpu_name, gpu_slug
+from .clients import MIX, client_main
 
 HEADER_TIMEOUT_S = 2.0  # the server's header and body timeouts in the soak: slow clients are cut within the run
 READY_TIMEOUT_S = 600.0  # a fused CUDA server compiles and tunes every batch bucket before it is ready

@@ -18,7 +18,7 @@ run) to the last ones. Writes soak_<gpu>.md and .json under --out.
 """
 
 # This module only parses arguments (the `fusedserve` parser imports it for every command); the run is
-# bench/soak_run.py.
+# bench/soak/run.py.
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def plan_of(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace, command: str) -> int:
     """Exit status: 0 nothing lost or grown, 1 something was, 2 the server did not start."""
-    from .soak_run import execute
+    from .run import execute
 
     return execute(plan_of(args), command)
 
@@ -69,7 +69,3 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     args = p.parse_args(argv)
     return run(args, "python -m bench.soak " + " ".join(argv if argv is not None else sys.argv[1:]))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
