@@ -14,13 +14,15 @@ import json
 import math
 import types
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
 
+from bench.gpu import results_dir, slug_of
 from bench.kernels.budget import Budget
 from bench.kernels.cli import SHAPES, resolve
-from bench.kernels.report import markdown, ours_failed, slug_of, summary
+from bench.kernels.report import markdown, ours_failed, summary
 from fusedserve.cli import main
 
 HAS_CUDA = torch.cuda.is_available()
@@ -210,11 +212,15 @@ def test_budget_drops_compile_max_before_compile():
 
 
 def test_gpu_slug():
-    # The results are named by GPU model alone: kernels_h100.md, as serve_h100.md and pool_h100.md.
+    # The results are named by GPU model alone: kernels_h100.md, as serve_h100.md and pool_h100.md, in a folder of
+    # that name: bench/results/h100/.
     assert slug_of("NVIDIA H200") == "h200"
     assert slug_of("NVIDIA H100 80GB HBM3") == "h100"
     assert slug_of("NVIDIA H100 PCIe") == "h100"
+    assert slug_of("NVIDIA H200 (x2)") == "h200"  # bench serve's name for a host of two
     assert slug_of("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"
+    assert slug_of(None) == slug_of("") == "cpu"
+    assert results_dir("h100") == Path("bench/results/h100")
 
 
 @pytest.mark.gpu

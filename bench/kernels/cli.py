@@ -11,7 +11,7 @@ linear, cublaslt, compile, compile-max, ours), `models` (the shipped digits MLP 
 providers eager, linear, compile, compile-max, and the service's executors) and `convs` (the wider CNN's
 conv layers alone: ours against cuDNN's conv + bias + ReLU, plain and fused, and torch.compile). Every
 provider plain and under a CUDA graph; every graph timed cold (L2 cleared) and hot (replays back to back).
-Writes kernels_<gpu>.md, .json and .png under --out and prints a summary last. How it measures:
+Writes kernels_<gpu>.md, .json and .png under --out (bench/results/<gpu>) and prints a summary last. How it measures:
 bench/kernels/timing.py.
 """
 
@@ -71,7 +71,7 @@ class Plan:
     quick: bool
     time_limit: float
     seed: int
-    out: Path
+    out: Path | None  # None: bench/results/<gpu>
     timing: tuple[int, int, float]
 
 
@@ -109,7 +109,7 @@ def _batches(text: str) -> tuple[int, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     all_providers = tuple(dict.fromkeys(LAYER_PROVIDERS + MODEL_PROVIDERS + CONV_PROVIDERS))
-    p.add_argument("--out", type=Path, default=Path("bench/results"), help="output directory [bench/results]")
+    p.add_argument("--out", type=Path, help="output directory [bench/results/<gpu>, e.g. bench/results/h100]")
     p.add_argument(
         "--device",
         choices=("cuda", "cpu"),

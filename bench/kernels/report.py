@@ -10,21 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
 from .plot import plot
 from .results import ANCHORS, best_anchor, best_cudnn, hot, primary, us, wall
 from .targets import checks
 from .targets import table as targets_table
-
-
-def slug_of(gpu_name: str) -> str:
-    """'NVIDIA H200' -> 'h200'; 'NVIDIA H100 80GB HBM3' -> 'h100' (the results' names: kernels_h100.md);
-    a name without a model number like those: its words joined by dashes."""
-    s = re.sub(r"^nvidia\s+", "", gpu_name.strip().lower())
-    m = re.match(r"([a-z]+\d+[a-z]*)\b", s)
-    return m.group(1) if m else (re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu")
 
 
 def _cells(res: dict) -> list[dict]:

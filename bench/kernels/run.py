@@ -23,9 +23,10 @@ import torch
 from kernels.activations import torch_activation
 from kernels.hot_timing import HOT_MAX_REPLAYS, HOT_MIN_REPLAYS, HOT_SPIN_MARGIN, HOT_WINDOW_US, HOT_WINDOWS
 
+from ..gpu import results_dir, slug_of
 from .budget import CONV_START_ESTIMATE_S, MODEL_START_ESTIMATE_S, Budget, section_shares
 from .providers import COMPILE_MODES, NotAvailable, inductor_settings, layer_provider
-from .report import ours_failed, slug_of, summary, write_report
+from .report import ours_failed, summary, write_report
 from .results import hot, primary
 from .timing import (
     DTYPES,
@@ -128,7 +129,7 @@ def _execute(plan, command: str, device: torch.device, tf32: bool, settings: dic
 
     def save(png: bool = False) -> list[Path]:
         results["meta"]["elapsed_s"] = round(budget.elapsed(), 1)
-        return write_report(results, plan.out, slug, png=png)
+        return write_report(results, plan.out or results_dir(slug), slug, png=png)
 
     ctx = _Ctx(plan, device, tf32, timing, budget, ceilings, save)
     # The convs run before the models: 12 cases that carry issue 20's conv target, which the models' last

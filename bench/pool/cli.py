@@ -13,7 +13,7 @@ to back), and end to end from host memory:
 H2D copy, the op, D2H copy, synchronised, from pinned and from pageable buffers (best of a few runs). Reported:
 ours' % of the bandwidth floor (input read once + output written once, over a measured 1 GiB copy's rate),
 ours against torch's two kernels, and per (N, C, dtype, window) the smallest size from which the GPU end to end
-beats the CPU. Writes pool_<gpu>.md, .json and .png under --out.
+beats the CPU. Writes pool_<gpu>.md, .json and .png under --out (bench/results/<gpu>).
 """
 
 # This module only parses arguments (no torch import: ~2 s, and a CLI builds every parser); the run is
@@ -58,7 +58,7 @@ def _names(allowed: tuple[str, ...], what: str):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("bench/results"), help="output directory [bench/results]")
+    p.add_argument("--out", type=Path, help="output directory [bench/results/<gpu>, e.g. bench/results/h100]")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda, or cpu: smoke run [cuda]")
     p.add_argument("--sizes", type=_ints, help=f"input side lengths [{','.join(map(str, SIZES))}]")
     p.add_argument("--windows", type=_ints, help="pooling windows (kernel = stride) [8,2]")

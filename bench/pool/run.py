@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from kernels.cold_timing import cold_us
 from kernels.pool import fused_pool2d
 
-from ..kernels.report import slug_of
+from ..gpu import results_dir, slug_of
 from ..kernels.timing import back_to_back_us, timed_run
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -313,7 +313,7 @@ def execute(plan: dict, command: str) -> int:
     if cuda:
         result["crossover_pinned"] = _crossovers(rows, "e2e_pinned_us")
         result["crossover_pageable"] = _crossovers(rows, "e2e_pageable_us")
-    out = Path(plan["out"])
+    out = Path(plan["out"] or results_dir(slug))
     out.mkdir(parents=True, exist_ok=True)
     base = out / f"pool_{slug}"
     base.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))

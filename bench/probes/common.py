@@ -110,12 +110,15 @@ def one_store_floor() -> dict:
     return floor
 
 
-def write_named_by_gpu(out: Path, name: str, text: str, rows: list) -> None:
-    """A probe's table and rows as out/<name>_<gpu>.txt and .json (probe_conv_h100.txt: the names results/ keeps)."""
-    from bench.kernels.report import slug_of
+def write_named_by_gpu(out: Path | None, name: str, text: str, rows: list) -> None:
+    """A probe's table and rows as out/<name>_<gpu>.txt and .json (probe_conv_h100.txt: the names results/ keeps);
+    without --out, into bench/results/<gpu>/."""
+    from bench.gpu import results_dir, slug_of
 
+    slug = slug_of(torch.cuda.get_device_name())
+    out = results_dir(slug) if out is None else out
     out.mkdir(parents=True, exist_ok=True)
-    base = out / f"{name}_{slug_of(torch.cuda.get_device_name())}"
+    base = out / f"{name}_{slug}"
     base.with_suffix(".txt").write_text(text)
     base.with_suffix(".json").write_text(json.dumps(rows, indent=1))
 

@@ -20,7 +20,8 @@ requests sent = answers by status + connection errors, no connection error, no u
 server's counters agree; a SIGTERM in the middle of a fused phase must leave every request on an open
 connection answered. The run exits 1 if any phase lost anything.
 
-Writes serve_<gpu>.md (tables, targets), .json (every number) and .png under --out; prints a summary last.
+Writes serve_<gpu>.md (tables, targets), .json (every number) and .png under --out (bench/results/<gpu>);
+prints a summary last.
 """
 
 # This module only parses arguments (the `fusedserve` parser may import it for every command): no numpy,
@@ -109,7 +110,7 @@ def parse_systems(text: str, workers: int) -> tuple[System, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("bench/results"), help="output directory [bench/results]")
+    p.add_argument("--out", type=Path, help="output directory [bench/results/<gpu>, e.g. bench/results/h100]")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (default) or cpu (smoke runs)")
     p.add_argument(
         "--dtype", choices=("float16", "bfloat16", "float32"), help="fusedserve and eager dtype [float16; cpu: float32]"

@@ -56,4 +56,4 @@ class Plan:
     rounds: int  # how many times a fused/unfused pair runs each shared phase
     quick: bool
     seed: int
-    out: Path
+    out: Path | None  # None: bench/results/<gpu>

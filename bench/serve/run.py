@@ -33,6 +33,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ..gpu import gpu_name, results_dir, slug_of
 from ..local_server import free_port
 from . import v2
 from .accounting import account, delta, scrape, server_split
@@ -518,35 +519,6 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def gpu_name() -> str | None:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
-        )
-        names = [n.strip() for n in out.stdout.splitlines() if n.strip()]
-        if out.returncode == 0 and names:
-            return names[0] + (f" (x{len(names)})" if len(names) > 1 else "")
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    code = "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-
-
-def gpu_slug(name: str | None) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'h100'; 'NVIDIA H200' -> 'h200'; no GPU -> 'cpu'."""
-    import re
-
-    if not name:
-        return "cpu"
-    s = re.sub(r"^nvidia\s+", "", name.strip().lower())
-    m = re.match(r"([a-z]+\d+[a-z]*)", s)
-    return m.group(1) if m else (re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu")
-
-
 def meta(plan: Plan, command: str, gpu: str | None) -> dict:
     import platform
 
@@ -563,7 +535,7 @@ def meta(plan: Plan, command: str, gpu: str | None) -> dict:
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "device": plan.device,
         "gpu": gpu,
-        "slug": gpu_slug(gpu) if plan.device == "cuda" else "cpu",
+        "slug": slug_of(gpu) if plan.device == "cuda" else "cpu",
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
         "cpu": platform.processor() or platform.machine(),
         "python": platform.python_version(),
@@ -610,7 +582,7 @@ def execute(plan: Plan, command: str) -> int:
 
     from .report import write_all
 
-    write_all(results, plan.out)
+    write_all(results, plan.out or results_dir(results["meta"]["slug"]))
     return 1 if results["problems"] else 0
 
 

@@ -14,7 +14,7 @@ server's request counters.
 Fails (exit 1) when anything is lost (a request that should be answered got no answer, or an unexpected
 status, or a slow client was held past its timeout) or grows: a process's RSS by more than --rss-bound-mb
 or the GPU memory by more than --gpu-bound-mb, from the first samples after the warm-up (the first 20% of the
-run) to the last ones. Writes soak_<gpu>.md and .json under --out.
+run) to the last ones. Writes soak_<gpu>.md and .json under --out (bench/results/<gpu>).
 """
 
 # This module only parses arguments (the `fusedserve` parser imports it for every command); the run is
@@ -28,7 +28,7 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("bench/results"), help="output directory [bench/results]")
+    p.add_argument("--out", type=Path, help="output directory [bench/results/<gpu>, e.g. bench/results/h100]")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="the server's device [auto]")
     p.add_argument("--mode", choices=("fused", "unfused"), default="fused", help="the server's mode [fused]")
     p.add_argument("--minutes", type=float, default=5.0, help="minutes of load [5; --quick: 8 s]")
