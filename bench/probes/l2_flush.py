@@ -16,7 +16,7 @@ launch gaps, not the kernel.
 
     python -m bench.probes.l2_flush --out DIR
 
-What it finds (H200; bench/results/probe_l2_flush_h200.txt), zeroing against reading: one-store 3.94
+What it finds (H200; bench/results/h200/probe_l2_flush_h200.txt), zeroing against reading: one-store 3.94
 against 3.01 us; reading 48 MB 24.6 against 19.2; 1024^3 fp16 ours 10.78 against 10.30, cuBLASLt 10.21
 against 9.84; the wide MLP at batch 1 ours 26.1 against 21.3, torch.compile 37.9 against 33.2.
 """
