@@ -35,7 +35,11 @@ def _run_bench(module, args: argparse.Namespace) -> int:
 
 
 def add_bench(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks (not tests)", description="Benchmarks (results: bench/results).")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks (not tests)",
+        description="Benchmarks (results: bench/results/<gpu>/; index: bench/README.md).",
+    )
     try:
         modules = {name: importlib.import_module(path) for name, path in BENCHMARKS.items()}
     except ImportError as e:  # an install without `bench` (the Docker image): every other command still works
