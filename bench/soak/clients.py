@@ -1,4 +1,4 @@
-"""The soak's clients (bench/soak.py): one process runs every kind at once on raw asyncio streams, so that each
+"""The soak's clients (bench/soak/cli.py): one process runs every kind at once on raw asyncio streams, so that each
 byte (half a header, a body past the limit, a request left mid-body) is under its control.
 
 Each kind counts what happened to it under `kind:what`: `good:200`, `bad:400`, `oversized:413`,

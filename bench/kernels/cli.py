@@ -11,12 +11,12 @@ linear, cublaslt, compile, compile-max, ours), `models` (the shipped digits MLP 
 providers eager, linear, compile, compile-max, and the service's executors) and `convs` (the wider CNN's
 conv layers alone: ours against cuDNN's conv + bias + ReLU, plain and fused, and torch.compile). Every
 provider plain and under a CUDA graph; every graph timed cold (L2 cleared) and hot (replays back to back).
-Writes kernels_<gpu>.md, .json and .png under --out and prints a summary last. How it measures:
-bench/kernel_timing.py.
+Writes kernels_<gpu>.md, .json and .png under --out (bench/results/<gpu>) and prints a summary last. How it measures:
+bench/kernels/timing.py.
 """
 
 # This module only parses arguments: the `fusedserve` parser imports it for every command, so it
-# imports no torch (~2 s). The run itself is bench/kernel_run.py.
+# imports no torch (~2 s). The run itself is bench/kernels/run.py.
 
 from __future__ import annotations
 
@@ -32,18 +32,18 @@ DTYPE_NAMES = ("float16", "bfloat16", "float32")
 ACTS = ("relu", "gelu_tanh")
 SHAPES = ((64, 256, 128), (128, 256, 256), (1024, 1024, 1024), (1, 4096, 4096), (16, 4096, 4096), (4096, 4096, 4096))
 BATCHES = (1, 8, 32, 256, 4096)
-# Mirrors of kernel_providers.LAYER_PROVIDERS / kernel_models.MODEL_PROVIDERS / MODELS (those import torch).
+# Mirrors of providers.LAYER_PROVIDERS / models.MODEL_PROVIDERS / MODELS (those import torch).
 LAYER_PROVIDERS = ("eager", "linear", "cublaslt", "compile", "compile-max", "ours")
 MODEL_PROVIDERS = ("eager", "linear", "compile", "compile-max", "ours-unfused-graph", "ours-eager", "ours")
 MODELS = ("digits", "wide", "digits-cnn", "wide-cnn")
-CONV_PROVIDERS = ("cudnn", "cudnn-fused", "compile", "ours")  # mirror of kernel_convs.CONV_PROVIDERS
+CONV_PROVIDERS = ("cudnn", "cudnn-fused", "compile", "ours")  # mirror of convs.CONV_PROVIDERS
 # Issue 19 judges the digits MLP in fp16 and bf16: by default it runs in both, the other models in fp16.
 EXTRA_MODEL_DTYPES = {"digits": ("bfloat16",)}
 CONV_BATCHES = (1, 32, 256)  # the wider CNN's conv layers alone (bench/probes/conv.py's batches)
 # The wider CNN's whole forward carries no target (its convs do, in the convs section) and costs the most
 # per case (at 4096: 560 GFLOP, ~1-5 ms a call, a float64 reference of GBs): by default the convs' batches.
 MODEL_BATCHES = {"wide-cnn": CONV_BATCHES}
-N_CONV_LAYERS = 4  # len(kernel_convs.wide_cnn_convs())
+N_CONV_LAYERS = 4  # len(convs.wide_cnn_convs())
 QUICK_SHAPE = (64, 256, 128)
 TIMING = (10, 50, 0.02)  # do_bench warmup ms, rep ms; seconds per wall-time run
 QUICK_TIMING = (5, 20, 0.01)
@@ -64,14 +64,14 @@ class Plan:
     models: tuple[str, ...]
     batches: tuple[int, ...]
     conv_batches: tuple[int, ...]
-    conv_layers: tuple[int, ...]  # indices into kernel_convs.wide_cnn_convs()
+    conv_layers: tuple[int, ...]  # indices into convs.wide_cnn_convs()
     model_dtype: str  # the first of the models' dtypes (the report's default)
     model_runs: tuple[tuple[str, str, tuple[int, ...]], ...]  # (model, dtype, batches) in run order
     tf32: bool
     quick: bool
     time_limit: float
     seed: int
-    out: Path
+    out: Path | None  # None: bench/results/<gpu>
     timing: tuple[int, int, float]
 
 
@@ -109,7 +109,7 @@ def _batches(text: str) -> tuple[int, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     all_providers = tuple(dict.fromkeys(LAYER_PROVIDERS + MODEL_PROVIDERS + CONV_PROVIDERS))
-    p.add_argument("--out", type=Path, default=Path("bench/results"), help="output directory [bench/results]")
+    p.add_argument("--out", type=Path, help="output directory [bench/results/<gpu>, e.g. bench/results/h100]")
     p.add_argument(
         "--device",
         choices=("cuda", "cpu"),
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace, command: str) -> int:
             file=sys.stderr,
         )
         return 2
-    from .kernel_run import execute
+    from .run import execute
 
     return execute(plan, command)
 
@@ -244,7 +244,3 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     return run(parser.parse_args(argv), shlex.join(["python", "-m", "bench.kernels", *argv]))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,30 +1,21 @@
 """The benchmark's outputs: kernels_<gpu>.md (tables), kernels_<gpu>.json (raw results), the summary
-printed last (the device call returns only the last 12,000 characters), and the plot (kernel_plot).
+printed last (the device call returns only the last 12,000 characters), and the plot (plot.py).
 
 A provider's result: {"plain": cell, "graph": cell, "compile_s", "seconds"} or {"na" | "error" |
 "skipped": why}; a cell: {"device_us", "wall_us", "err", "finite", "bad"} or {"error": why}; a graph
-cell on CUDA also {"hot_us", "hot_replays", "hot_host_bound"} (kernel_timing, "hot").
+cell on CUDA also {"hot_us", "hot_replays", "hot_host_bound"} (timing.py, "hot").
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
-from .kernel_plot import plot
-from .kernel_results import ANCHORS, best_anchor, best_cudnn, hot, primary, us, wall
-from .kernel_targets import checks
-from .kernel_targets import table as targets_table
-
-
-def slug_of(gpu_name: str) -> str:
-    """'NVIDIA H200' -> 'h200'; 'NVIDIA H100 80GB HBM3' -> 'h100' (the results' names: kernels_h100.md);
-    a name without a model number like those: its words joined by dashes."""
-    s = re.sub(r"^nvidia\s+", "", gpu_name.strip().lower())
-    m = re.match(r"([a-z]+\d+[a-z]*)\b", s)
-    return m.group(1) if m else (re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu")
+from .plot import plot
+from .results import ANCHORS, best_anchor, best_cudnn, hot, primary, us, wall
+from .targets import checks
+from .targets import table as targets_table
 
 
 def _cells(res: dict) -> list[dict]:
@@ -462,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     several JSON files of one GPU, merge them first (see `merge`) and write the merged report to --out."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m bench.kernel_report", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.kernels.report", description=main.__doc__)
     parser.add_argument(
         "json", type=Path, nargs="+", help="kernels_<gpu>.json files written by `fusedserve bench kernels`"
     )

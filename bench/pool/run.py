@@ -1,9 +1,9 @@
-"""The run behind `python -m bench.pool` (bench/pool.py parses the flags and says what is measured).
+"""The run behind `python -m bench.pool` (bench/pool/cli.py parses the flags and says what is measured).
 
 Timing: device time cold is kernels.cold_timing.cold_us (L2 cleared by reading 256 MB before each call);
 hot is the mean of back-to-back calls between two events after a warm-up (inputs in L2 where they fit, as a
 busy server's are); end to end is the host's wall clock around H2D copy + op + D2H copy + synchronize, the
-best of a few runs (bench/kernel_timing.timed_run). CPU time is the wall clock, best of a few runs.
+best of a few runs (bench/kernels/timing.timed_run). CPU time is the wall clock, best of a few runs.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from kernels.cold_timing import cold_us
 from kernels.pool import fused_pool2d
 
-from .kernel_report import slug_of
-from .kernel_timing import back_to_back_us, timed_run
+from ..gpu import results_dir, slug_of
+from ..kernels.timing import back_to_back_us, timed_run
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 ERROR_BOUND = {"float32": 1e-5, "float16": 1e-3}  # normwise, against float64: one rounding of the output
@@ -313,7 +313,7 @@ def execute(plan: dict, command: str) -> int:
     if cuda:
         result["crossover_pinned"] = _crossovers(rows, "e2e_pinned_us")
         result["crossover_pageable"] = _crossovers(rows, "e2e_pageable_us")
-    out = Path(plan["out"])
+    out = Path(plan["out"] or results_dir(slug))
     out.mkdir(parents=True, exist_ok=True)
     base = out / f"pool_{slug}"
     base.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))

@@ -1,4 +1,4 @@
-"""The soak's run (bench/soak.py): start the server, run the client processes, sample memory, judge, report."""
+"""The soak's run (bench/soak/cli.py): start the server, run the client processes, sample memory, judge, report."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import threading
 import time
 from pathlib import Path
 
-from .local_server import children, free_port, get
-from .serve_run import gpu_name, gpu_slug
-from .soak_clients import MIX, client_main
+from ..gpu import gpu_name, results_dir, slug_of
+from ..local_server import children, free_port, get
+from .clients import MIX, client_main
 
 HEADER_TIMEOUT_S = 2.0  # the server's header and body timeouts in the soak: slow clients are cut within the run
 READY_TIMEOUT_S = 600.0  # a fused CUDA server compiles and tunes every batch bucket before it is ready
@@ -208,7 +208,7 @@ def _judge(plan, counts, server_counts, memory, alive, exit_code) -> list[str]:
 
 def _report(plan, command, device, counts, server_counts, memory, samples, alive, exit_code) -> int:
     gpu = gpu_name() if device.startswith("cuda") else None
-    slug = gpu_slug(gpu)
+    slug = slug_of(gpu)
     problems = _judge(plan, counts, server_counts, memory, alive, exit_code)
     doc = {
         "command": command,
@@ -227,7 +227,7 @@ def _report(plan, command, device, counts, server_counts, memory, samples, alive
         "problems": problems,
         "passed": not problems,
     }
-    out: Path = plan["out"]
+    out: Path = plan["out"] or results_dir(slug)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"soak_{slug}.json").write_text(json.dumps(doc, indent=1))
     lines = [

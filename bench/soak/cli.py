@@ -14,11 +14,11 @@ server's request counters.
 Fails (exit 1) when anything is lost (a request that should be answered got no answer, or an unexpected
 status, or a slow client was held past its timeout) or grows: a process's RSS by more than --rss-bound-mb
 or the GPU memory by more than --gpu-bound-mb, from the first samples after the warm-up (the first 20% of the
-run) to the last ones. Writes soak_<gpu>.md and .json under --out.
+run) to the last ones. Writes soak_<gpu>.md and .json under --out (bench/results/<gpu>).
 """
 
 # This module only parses arguments (the `fusedserve` parser imports it for every command); the run is
-# bench/soak_run.py.
+# bench/soak/run.py.
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("bench/results"), help="output directory [bench/results]")
+    p.add_argument("--out", type=Path, help="output directory [bench/results/<gpu>, e.g. bench/results/h100]")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="the server's device [auto]")
     p.add_argument("--mode", choices=("fused", "unfused"), default="fused", help="the server's mode [fused]")
     p.add_argument("--minutes", type=float, default=5.0, help="minutes of load [5; --quick: 8 s]")
@@ -59,7 +59,7 @@ def plan_of(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace, command: str) -> int:
     """Exit status: 0 nothing lost or grown, 1 something was, 2 the server did not start."""
-    from .soak_run import execute
+    from .run import execute
 
     return execute(plan_of(args), command)
 
@@ -69,7 +69,3 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     args = p.parse_args(argv)
     return run(args, "python -m bench.soak " + " ".join(argv if argv is not None else sys.argv[1:]))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

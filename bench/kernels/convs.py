@@ -12,7 +12,7 @@ runs it: issue 20's "within 10% of cuDNN's conv + bias + activation" is judged o
 
 x is channels_last (NHWC) for every provider: the layout the fused executor hands from one conv or pool to the
 next (service/model/executors.py, channels_last_outputs), and the faster one for cuDNN too on Hopper (64 -> 64
-channels at 32x32, 256 images, H100: cuDNN 179 against 253 us NCHW; bench/results/probe_conv_h100.txt). The
+channels at 32x32, 256 images, H100: cuDNN 179 against 253 us NCHW; bench/results/h100/probe_conv_h100.txt). The
 weights: channels_last for cuDNN and torch.compile (what `model.to(memory_format=torch.channels_last)` gives a
 user), for ours as the executor keeps them (kernels.conv_tma.weight_for: channels_last where the TMA kernel can run
 the layer); y: channels_last from each. The TF32 setting
@@ -27,9 +27,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .kernel_models import WIDE_CNN_CONVS, WIDE_CNN_INPUT
-from .kernel_providers import COMPILE_MODES, NotAvailable, compiled
-from .kernel_timing import ELEMENT_BYTES, Prepared, describe, synchronize
+from .models import WIDE_CNN_CONVS, WIDE_CNN_INPUT
+from .providers import COMPILE_MODES, NotAvailable, compiled
+from .timing import ELEMENT_BYTES, Prepared, describe, synchronize
 
 CONV_PROVIDERS = ("cudnn", "cudnn-fused", "compile", "ours")
 NHWC = torch.channels_last

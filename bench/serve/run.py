@@ -1,5 +1,5 @@
 """`bench serve`'s run: start each system as a real server, run its phases within the time budget, stop it
-with SIGTERM and check how it exited; then the report (bench/serve_report.py).
+with SIGTERM and check how it exited; then the report (bench/serve/report.py).
 
 Order: the systems as given; by default the empty route first (so that `--rates auto` knows its peak), then the
 empty gRPC server, fusedserve fused and unfused, and the eager app last, so that a run short of time loses the
@@ -32,18 +32,16 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from . import serve_v2
+from ..gpu import gpu_name, results_dir, slug_of
+from ..local_server import free_port
+from . import v2
+from .accounting import account, delta, scrape, server_split
 from .loadgen import ClientPool, PhaseSpec, make_bodies, percentiles
-from .local_server import free_port
-from .serve_accounting import account, delta, scrape, server_split
-from .serve_report import CDF_POINTS
+from .plan import Plan, System
+from .report import CDF_POINTS
 
-if TYPE_CHECKING:  # bench.serve parses the flags and imports this module to run them: no import back
-    from .serve import Plan, System
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PHASE_OVERHEAD_S = 0.5
 SHUTDOWN_GRACE_S = 30.0  # fusedserve's default FUSEDSERVE_SHUTDOWN_GRACE_S
 STOP_WAIT_S = SHUTDOWN_GRACE_S + 15.0
@@ -106,10 +104,10 @@ class Server:
                 "--log-level", "info", "--grpc-port", str(self.grpc_port),
             ]  # fmt: skip
         if s.grpc_only:
-            return [sys.executable, "-m", f"bench.serve_apps.{s.name}", "--host", "127.0.0.1", "--port",
+            return [sys.executable, "-m", f"bench.serve.apps.{s.name}", "--host", "127.0.0.1", "--port",
                     str(self.grpc_port), "--workers", str(s.workers)]  # fmt: skip
         return [
-            sys.executable, "-m", "uvicorn", f"bench.serve_apps.{s.name}:app", *host, "--workers", str(s.workers),
+            sys.executable, "-m", "uvicorn", f"bench.serve.apps.{s.name}:app", *host, "--workers", str(s.workers),
             "--log-level", "info", "--no-access-log",
         ]  # fmt: skip
 
@@ -157,7 +155,7 @@ class Server:
     def _grpc_probe(self, timeout_s: float) -> subprocess.Popen:
         """The ServerReady poll, in a process of its own: this one forks the client processes (again after a
         failed phase), and a fork of a process that has used grpcio is not one its children can use grpcio in."""
-        argv = [sys.executable, "-m", "bench.serve_apps.empty_grpc", "--host", "127.0.0.1", "--port",
+        argv = [sys.executable, "-m", "bench.serve.apps.empty_grpc", "--host", "127.0.0.1", "--port",
                 str(self.grpc_port), "--wait-ready", f"{timeout_s:g}"]  # fmt: skip
         return subprocess.Popen(
             argv, env=self.env(), cwd=REPO, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
@@ -402,9 +400,9 @@ def run_phase(pool: ClientPool, server: Server, system: System, phase: dict, pla
     protocol = phase.get("protocol", "predict")
     port, path, headers = server.port, "/predict", b""
     if protocol == "v2_binary":
-        path, headers = serve_v2.REST_PATH, serve_v2.binary_bodies(phase["rows"], 1, plan.seed)[1]
+        path, headers = v2.REST_PATH, v2.binary_bodies(phase["rows"], 1, plan.seed)[1]
     elif protocol == "v2_grpc":
-        port, path = server.grpc_port, serve_v2.GRPC_METHOD
+        port, path = server.grpc_port, v2.GRPC_METHOD
     spec = PhaseSpec(
         host="127.0.0.1", port=port, path=path, bodies=tuple(bodies[protocol, phase["rows"]]),
         connections=phase["connections"], warmup_s=plan.warmup_s, duration_s=plan.duration_s, rate=rate,
@@ -521,35 +519,6 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def gpu_name() -> str | None:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
-        )
-        names = [n.strip() for n in out.stdout.splitlines() if n.strip()]
-        if out.returncode == 0 and names:
-            return names[0] + (f" (x{len(names)})" if len(names) > 1 else "")
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    code = "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-
-
-def gpu_slug(name: str | None) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'h100'; 'NVIDIA H200' -> 'h200'; no GPU -> 'cpu'."""
-    import re
-
-    if not name:
-        return "cpu"
-    s = re.sub(r"^nvidia\s+", "", name.strip().lower())
-    m = re.match(r"([a-z]+\d+[a-z]*)", s)
-    return m.group(1) if m else (re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu")
-
-
 def meta(plan: Plan, command: str, gpu: str | None) -> dict:
     import platform
 
@@ -566,7 +535,7 @@ def meta(plan: Plan, command: str, gpu: str | None) -> dict:
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "device": plan.device,
         "gpu": gpu,
-        "slug": gpu_slug(gpu) if plan.device == "cuda" else "cpu",
+        "slug": slug_of(gpu) if plan.device == "cuda" else "cpu",
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
         "cpu": platform.processor() or platform.machine(),
         "python": platform.python_version(),
@@ -611,9 +580,9 @@ def execute(plan: Plan, command: str) -> int:
         for p in r["accounting"]["problems"]:
             results["problems"].append(f"{r['system']} {r['kind']} rows={r['rows']} conns={r['connections']}: {p}")
 
-    from .serve_report import write_all
+    from .report import write_all
 
-    write_all(results, plan.out)
+    write_all(results, plan.out or results_dir(results["meta"]["slug"]))
     return 1 if results["problems"] else 0
 
 
@@ -631,9 +600,9 @@ class _Run:
         if any(s.fusedserve or s.grpc_only for s in plan.systems):
             for rows in {plan.v2_rows, 1}:
                 if "v2_binary" in plan.v2:
-                    self.bodies["v2_binary", rows] = serve_v2.binary_bodies(rows, 16, plan.seed)[0]
+                    self.bodies["v2_binary", rows] = v2.binary_bodies(rows, 16, plan.seed)[0]
                 if "v2_grpc" in plan.v2:
-                    self.bodies["v2_grpc", rows] = serve_v2.grpc_bodies(rows, 16, plan.seed)
+                    self.bodies["v2_grpc", rows] = v2.grpc_bodies(rows, 16, plan.seed)
         sigterm_system = pick_sigterm_system(plan)
         self.work = pair_up([(s, phase_list(s, plan, sigterm_system)) for s in plan.systems])
         self.peaks: dict[str, float] = {}
@@ -678,7 +647,7 @@ class _Run:
         budget = self.budget
         live: dict[System, tuple[Server, dict]] = {}  # member order
         for k, (system, phases) in enumerate(members):
-            if not phases:  # empty_grpc in a run without gRPC phases (bench.serve refuses that plan)
+            if not phases:  # empty_grpc in a run without gRPC phases (bench.serve.cli refuses that plan)
                 self.skip(system, "every phase", "no phase of this system in the run")
                 continue
             cheapest = min(budget.phase_cost(p) for p in phases)

@@ -13,11 +13,11 @@ to back), and end to end from host memory:
 H2D copy, the op, D2H copy, synchronised, from pinned and from pageable buffers (best of a few runs). Reported:
 ours' % of the bandwidth floor (input read once + output written once, over a measured 1 GiB copy's rate),
 ours against torch's two kernels, and per (N, C, dtype, window) the smallest size from which the GPU end to end
-beats the CPU. Writes pool_<gpu>.md, .json and .png under --out.
+beats the CPU. Writes pool_<gpu>.md, .json and .png under --out (bench/results/<gpu>).
 """
 
 # This module only parses arguments (no torch import: ~2 s, and a CLI builds every parser); the run is
-# bench/pool_run.py.
+# bench/pool/run.py.
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def _names(allowed: tuple[str, ...], what: str):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("bench/results"), help="output directory [bench/results]")
+    p.add_argument("--out", type=Path, help="output directory [bench/results/<gpu>, e.g. bench/results/h100]")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda, or cpu: smoke run [cuda]")
     p.add_argument("--sizes", type=_ints, help=f"input side lengths [{','.join(map(str, SIZES))}]")
     p.add_argument("--windows", type=_ints, help="pooling windows (kernel = stride) [8,2]")
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     if plan["device"] == "cuda" and not torch.cuda.is_available():
         print("bench pool: no CUDA device; run it on a GPU, or pass --device cpu --quick", file=sys.stderr)
         return 2
-    from .pool_run import execute
+    from .run import execute
 
     return execute(plan, command)
 
@@ -111,7 +111,3 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     return run(parser.parse_args(argv), shlex.join(["python", "-m", "bench.pool", *argv]))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,7 +14,7 @@ provider runs them.
     ours-eager          Executor(model, "fused").forward: one launch per step from Python, no graph
     ours-unfused-graph  Executor(model, "unfused") under GraphedExecutor: the service's A/B baseline
 
-Every provider except ours-* also runs under a CUDA graph captured here (kernel_timing.measure).
+Every provider except ours-* also runs under a CUDA graph captured here (timing.measure).
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ from kernels.conv import conv_output_size
 from service.model.loader import Model, load_model
 from service.model.planner import ActivationStep, Conv2dStep, FlattenStep, LinearStep, Pool2dStep, plan
 
-from .kernel_providers import COMPILE_MODES, NotAvailable, compiled
-from .kernel_timing import ELEMENT_BYTES, Prepared, describe, synchronize
+from .providers import COMPILE_MODES, NotAvailable, compiled
+from .timing import ELEMENT_BYTES, Prepared, describe, synchronize
 
 MODEL_PROVIDERS = ("eager", "linear", "compile", "compile-max", "ours-unfused-graph", "ours-eager", "ours")
 MODELS = ("digits", "wide", "digits-cnn", "wide-cnn")
-WEIGHTS = Path(__file__).resolve().parents[1] / "model_weights"
+WEIGHTS = Path(__file__).resolve().parents[2] / "model_weights"
 DIGITS_DIR = WEIGHTS / "digits-mlp"
 # conv16 (1 -> 16, 8x8) - conv16 (16 -> 16) - maxpool 2 - fc64 - fc10, ReLU; 3 kernels fused (the pool rides
 # in the second conv, the MLP tail is one kernel), 8 unfused.

@@ -20,11 +20,12 @@ requests sent = answers by status + connection errors, no connection error, no u
 server's counters agree; a SIGTERM in the middle of a fused phase must leave every request on an open
 connection answered. The run exits 1 if any phase lost anything.
 
-Writes serve_<gpu>.md (tables, targets), .json (every number) and .png under --out; prints a summary last.
+Writes serve_<gpu>.md (tables, targets), .json (every number) and .png under --out (bench/results/<gpu>);
+prints a summary last.
 """
 
 # This module only parses arguments (the `fusedserve` parser may import it for every command): no numpy,
-# no torch. The run is bench/serve_run.py.
+# no torch. It resolves them into bench/serve/plan.py's Plan; the run is bench/serve/run.py.
 
 from __future__ import annotations
 
@@ -32,12 +33,10 @@ import argparse
 import os
 import shlex
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-SYSTEMS = ("empty", "empty_grpc", "eager", "fused", "unfused")
-FUSEDSERVE = ("fused", "unfused")
-GRPC_ONLY = ("empty_grpc",)  # no HTTP: only the single-row gRPC phases (bench/serve_apps/empty_grpc.py)
+from .plan import SYSTEMS, Plan, System
+
 # The gRPC ceiling before fusedserve, so that a run short of time keeps it with fused@N's gRPC phases; dropped from
 # the defaults when --v2 has no grpc.
 DEFAULT_SYSTEMS = "empty@1,empty@N,empty_grpc@1,empty_grpc@N,fused@1,fused@N,unfused@1,unfused@N,eager@N,eager@1"
@@ -56,54 +55,6 @@ def default_workers(cores: int | None = None) -> int:
     """What fusedserve picks for FUSEDSERVE_WORKERS: one front end per core the host can spare, at most 8."""
     cores = host_cores() if cores is None else cores
     return max(1, min(8, cores - 2))
-
-
-@dataclass(frozen=True)
-class System:
-    name: str  # empty | empty_grpc | eager | fused | unfused
-    workers: int
-
-    @property
-    def key(self) -> str:
-        return f"{self.name}@{self.workers}"
-
-    @property
-    def fusedserve(self) -> bool:
-        return self.name in FUSEDSERVE
-
-    @property
-    def grpc_only(self) -> bool:
-        return self.name in GRPC_ONLY
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One run, resolved from the flags."""
-
-    device: str
-    dtype: str
-    systems: tuple[System, ...]
-    workers: int
-    connections: tuple[int, ...]
-    rows: tuple[int, ...]
-    duration_s: float
-    warmup_s: float
-    rates: tuple[float, ...] | None  # None: auto (fractions of the empty route's closed-loop peak)
-    open_systems: tuple[System, ...]
-    open_connections: int
-    clients: int
-    client: str
-    sigterm: bool
-    time_budget_s: float
-    drain_timeout_s: float
-    ready_timeout_s: float
-    tuning_cache: Path | None
-    v2: tuple[str, ...]  # Open Inference Protocol phases: v2_binary, v2_grpc
-    v2_rows: int
-    rounds: int  # how many times a fused/unfused pair runs each shared phase
-    quick: bool
-    seed: int
-    out: Path
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -159,7 +110,7 @@ def parse_systems(text: str, workers: int) -> tuple[System, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("bench/results"), help="output directory [bench/results]")
+    p.add_argument("--out", type=Path, help="output directory [bench/results/<gpu>, e.g. bench/results/h100]")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (default) or cpu (smoke runs)")
     p.add_argument(
         "--dtype", choices=("float16", "bfloat16", "float32"), help="fusedserve and eager dtype [float16; cpu: float32]"
@@ -285,7 +236,7 @@ def resolve(args: argparse.Namespace) -> Plan:
 def run(args: argparse.Namespace, command: str) -> int:
     """Exit status: 0 every phase accounted for, 1 something was lost (or a server failed), 2 cannot run here."""
     plan = resolve(args)
-    from .serve_run import execute
+    from .run import execute
 
     return execute(plan, command)
 
@@ -300,7 +251,3 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     return run(parser.parse_args(argv), shlex.join(["python", "-m", "bench.serve", *argv]))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """`bench serve`'s outputs: serve_<gpu>.md (tables, targets), serve_<gpu>.json (every number), serve_<gpu>.png
 (throughput against connections, latency percentiles and CDF), and the summary printed last.
 
-`python -m bench.serve_report RESULTS.json` re-renders the markdown, plot and summary from a run's JSON.
+`python -m bench.serve.report RESULTS.json` re-renders the markdown, plot and summary from a run's JSON.
 """
 
 from __future__ import annotations
@@ -287,7 +287,7 @@ def markdown(results: dict) -> str:
             *([
                 "`empty_grpc` (no target): grpcio's asyncio server with fusedserve's gRPC service and server options, "
                 "its worker processes sharing one port as fusedserve's front ends do, and no model "
-                "(bench/serve_apps/empty_grpc.py). Its ModelInfer returns a constant answer shaped like fusedserve's, "
+                "(bench/serve/apps/empty_grpc.py). Its ModelInfer returns a constant answer shaped like fusedserve's, "
                 "so its single-row req/s is the most a grpc.aio server answers on this host: the gRPC counterpart of "
                 "the `empty` route.", "",
             ] if any(r["name"] == "empty_grpc" for r in v2) else []),
@@ -491,7 +491,7 @@ def write_all(results: dict, out: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m bench.serve_report RESULTS.json", file=sys.stderr)
+        print("usage: python -m bench.serve.report RESULTS.json", file=sys.stderr)
         return 2
     path = Path(argv[0])
     results = json.loads(path.read_text())

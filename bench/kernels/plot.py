@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .kernel_results import primary
+from .results import primary
 
 OURS_STYLE = {"color": "tab:red", "linewidth": 3, "zorder": 5}
 # One color per model provider, none of them ours's red but ours-eager's dashed pink.

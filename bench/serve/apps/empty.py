@@ -2,7 +2,7 @@
 fusedserve's (10 zero logits and a label per row it got), with no model. Nothing a server adds to a request
 can cost less than this in FastAPI.
 
-    python -m uvicorn bench.serve_apps.empty:app --workers N --port P
+    python -m uvicorn bench.serve.apps.empty:app --workers N --port P
 """
 
 from __future__ import annotations

@@ -23,11 +23,12 @@ import torch
 from kernels.activations import torch_activation
 from kernels.hot_timing import HOT_MAX_REPLAYS, HOT_MIN_REPLAYS, HOT_SPIN_MARGIN, HOT_WINDOW_US, HOT_WINDOWS
 
-from .kernel_budget import CONV_START_ESTIMATE_S, MODEL_START_ESTIMATE_S, Budget, section_shares
-from .kernel_providers import COMPILE_MODES, NotAvailable, inductor_settings, layer_provider
-from .kernel_report import ours_failed, slug_of, summary, write_report
-from .kernel_results import hot, primary
-from .kernel_timing import (
+from ..gpu import results_dir, slug_of
+from .budget import CONV_START_ESTIMATE_S, MODEL_START_ESTIMATE_S, Budget, section_shares
+from .providers import COMPILE_MODES, NotAvailable, inductor_settings, layer_provider
+from .report import ours_failed, summary, write_report
+from .results import hot, primary
+from .timing import (
     DTYPES,
     ELEMENT_BYTES,
     WALL_ROUNDS,
@@ -43,7 +44,7 @@ from .kernel_timing import (
 )
 
 if TYPE_CHECKING:
-    from .kernel_models import ModelProviders
+    from .models import ModelProviders
 
 TIME_UP = "skipped: --time-limit reached"
 
@@ -52,7 +53,7 @@ TIME_UP = "skipped: --time-limit reached"
 class _Ctx:
     """What every case of one run shares."""
 
-    plan: object  # bench.kernels.Plan
+    plan: object  # bench.kernels.cli.Plan
     device: torch.device
     tf32: bool
     timing: Timing
@@ -65,7 +66,7 @@ class _Ctx:
 
 
 def execute(plan, command: str) -> int:
-    """Run the plan (bench.kernels.Plan); 0 when done, 1 when one of ours gave a wrong or non-finite result."""
+    """Run the plan (bench.kernels.cli.Plan); 0 when done, 1 when one of ours gave a wrong or non-finite result."""
     device = torch.device(plan.device)
     tf32 = plan.tf32 and device.type == "cuda"
     saved_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -128,7 +129,7 @@ def _execute(plan, command: str, device: torch.device, tf32: bool, settings: dic
 
     def save(png: bool = False) -> list[Path]:
         results["meta"]["elapsed_s"] = round(budget.elapsed(), 1)
-        return write_report(results, plan.out, slug, png=png)
+        return write_report(results, plan.out or results_dir(slug), slug, png=png)
 
     ctx = _Ctx(plan, device, tf32, timing, budget, ceilings, save)
     # The convs run before the models: 12 cases that carry issue 20's conv target, which the models' last
@@ -197,7 +198,7 @@ def _layers(ctx: _Ctx, out: list) -> None:
 
 def _models(ctx: _Ctx, out: list) -> None:
     # Imported here: the models need the service's loader (pydantic, safetensors), the layers only torch.
-    from .kernel_models import ModelProviders, load_named
+    from .models import ModelProviders, load_named
 
     plan, device = ctx.plan, ctx.device
     total = sum(len(b) for _, _, b in plan.model_runs)
@@ -227,7 +228,7 @@ def _models(ctx: _Ctx, out: list) -> None:
 
 
 def _convs(ctx: _Ctx, out: list) -> None:
-    from .kernel_convs import NHWC, conv_bytes_and_flops, conv_label, conv_provider, reference_conv, wide_cnn_convs
+    from .convs import NHWC, conv_bytes_and_flops, conv_label, conv_provider, reference_conv, wide_cnn_convs
 
     plan, device, budget = ctx.plan, ctx.device, ctx.budget
     dtype = plan.model_dtype
@@ -246,7 +247,7 @@ def _convs(ctx: _Ctx, out: list) -> None:
             gen = torch.Generator(device=device).manual_seed(plan.seed * 100_003 + 90_000 + i)
             dt = DTYPES[dtype]
             # Unit-scale x, w scaled by 1/sqrt(9C): pre-activations ~N(0, 1), plus a bias of 0.5 scale.
-            # x channels_last, as the fused executor hands it between convs (kernel_convs.py says why)
+            # x channels_last, as the fused executor hands it between convs (convs.py says why)
             x = torch.randn(batch, C, H, W, device=device, generator=gen).to(dt).contiguous(memory_format=NHWC)
             w = (torch.randn(OC, C, 3, 3, device=device, generator=gen) / math.sqrt(9 * C)).to(dt)
             b = (0.5 * torch.randn(OC, device=device, generator=gen)).to(dt)
@@ -262,7 +263,7 @@ def _convs(ctx: _Ctx, out: list) -> None:
 
 
 def _model_case(ctx: _Ctx, providers: ModelProviders, batch: int, dtype: str, seed: int, cases_after: int) -> dict:
-    from .kernel_models import bytes_and_flops, model_dims, reference_forward
+    from .models import bytes_and_flops, model_dims, reference_forward
 
     plan, device = ctx.plan, ctx.device
     model = providers.model
@@ -293,7 +294,7 @@ def _run_case(
 ) -> None:
     """Every provider of one case, in order; a failure is recorded in its cell and the case goes on.
 
-    Wall times are taken last, the providers' runs interleaved round by round (kernel_timing's docstring
+    Wall times are taken last, the providers' runs interleaved round by round (timing.py's docstring
     says why), so each provider stays alive until then, held by its WallRuns; a torch.compile provider is
     timed on the spot instead and dropped at once: compiled code kept across the next compiles is unsafe.
     """

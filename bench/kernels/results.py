@@ -1,6 +1,6 @@
 """Reading one case's results: the time each provider is compared by, the best anchor, and how a
-time is printed. Shared by the report (kernel_report), the targets (kernel_targets) and the plot
-(kernel_plot), which import it and not each other.
+time is printed. Shared by the report (report.py), the targets (targets.py) and the plot
+(plot.py), which import it and not each other.
 """
 
 from __future__ import annotations

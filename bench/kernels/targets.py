@@ -1,12 +1,12 @@
 """The kernel targets (issues 3, 19, 20), checked against one benchmark run's results: met or not, how far.
 
-Issue 3 (cold: each provider's primary time, its graph replay with L2 cleared, kernel_results.primary):
+Issue 3 (cold: each provider's primary time, its graph replay with L2 cleared, results.primary):
     published shapes (64x256x128, 128x256x256, 1024x1024x1024), every dtype and activation:
         eager wall / ours wall >= 2                 (wall time per call from Python)
         ours device <= cuBLASLt epilogue device     (graph-replay device time)
     digits MLP, batch 1-256: ours device <= 6 us, and best anchor / ours >= 2
     wide MLP, batch 1: floor / ours >= 75%;  batch 4096: ours device <= F.linear + relu device
-Issue 19 (hot: back-to-back replays, kernel_results.hot, every anchor hot too):
+Issue 19 (hot: back-to-back replays, results.hot, every anchor hot too):
     digits MLP, every batch, every dtype run (fp16 and bf16 by default): best anchor / ours >= 1.3
     wide MLP, every batch: best anchor / ours >= 1; batch 1: >= 1.5
     (and: cold no more than 3% slower than the committed H200 run: `compare_cold`, not a row here; with
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .kernel_results import ANCHORS, best_anchor, best_cudnn, hot, primary, us, wall
+from .results import ANCHORS, best_anchor, best_cudnn, hot, primary, us, wall
 
 PUBLISHED_SHAPES = ((64, 256, 128), (128, 256, 256), (1024, 1024, 1024))
 DIGITS_DEVICE_US = 6.0
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     import json
     from pathlib import Path
 
-    parser = argparse.ArgumentParser(prog="python -m bench.kernel_targets", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.kernels.targets", description=main.__doc__)
     parser.add_argument("json", type=Path, help="a kernels_<gpu>.json written by `fusedserve bench kernels`")
     parser.add_argument("--cold-baseline", type=Path, help="an earlier kernels_<gpu>.json of the same GPU")
     parser.add_argument(

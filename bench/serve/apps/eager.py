@@ -2,7 +2,7 @@
 with no batching: body -> orjson -> tensor on the device -> each op of config.json (F.linear, activations)
 -> .cpu(). What a quick port of a training script looks like.
 
-    BENCH_EAGER_DEVICE=cuda BENCH_EAGER_DTYPE=float16 python -m uvicorn bench.serve_apps.eager:app --workers N
+    BENCH_EAGER_DEVICE=cuda BENCH_EAGER_DTYPE=float16 python -m uvicorn bench.serve.apps.eager:app --workers N
 
 Environment: BENCH_EAGER_MODEL (a model directory; default model_weights/digits-mlp), BENCH_EAGER_DEVICE
 (cuda | cpu; default cuda when present), BENCH_EAGER_DTYPE (float16 | bfloat16 | float32; default float16
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from fastapi import FastAPI, Request, Response
 from safetensors.torch import load_file
 
-MODEL_DIR = Path(os.environ.get("BENCH_EAGER_MODEL", Path(__file__).resolve().parents[2] / "model_weights/digits-mlp"))
+MODEL_DIR = Path(os.environ.get("BENCH_EAGER_MODEL", Path(__file__).resolve().parents[3] / "model_weights/digits-mlp"))
 DEVICE = torch.device(os.environ.get("BENCH_EAGER_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))
 DTYPE = getattr(torch, os.environ.get("BENCH_EAGER_DTYPE") or ("float16" if DEVICE.type == "cuda" else "float32"))
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from kernels.activations import torch_activation
 
-from .kernel_timing import Prepared, describe, synchronize
+from .timing import Prepared, describe, synchronize
 
 LAYER_PROVIDERS = ("eager", "linear", "cublaslt", "compile", "compile-max", "ours")
 COMPILE_MODES = {"compile": "default", "compile-max": "max-autotune-no-cudagraphs"}

@@ -2,10 +2,10 @@
 ModelInfer answers with a constant ModelInferResponse shaped like fusedserve's (`logits` FP32 [n, 10] of zeros and
 `label` BYTES [n] of "0", in raw_output_contents), built once per row count (the single row's at start): no engine,
 no batching, no checks. Nothing fusedserve's gRPC front ends add to a call can cost less than this in grpc.aio, as
-nothing its HTTP front ends add can cost less than bench/serve_apps/empty.py in FastAPI.
+nothing its HTTP front ends add can cost less than bench/serve/apps/empty.py in FastAPI.
 
-    python -m bench.serve_apps.empty_grpc --port P --workers W     # serve: W processes on one port
-    python -m bench.serve_apps.empty_grpc --port P --wait-ready S  # exit 0 once ServerReady is true (S s at most)
+    python -m bench.serve.apps.empty_grpc --port P --workers W     # serve: W processes on one port
+    python -m bench.serve.apps.empty_grpc --port P --wait-ready S  # exit 0 once ServerReady is true (S s at most)
 
 What it shares with fusedserve's front ends, so that the two compare: the generated stubs of service/v2 (grpcio
 parses each request and serializes each answer as it does there), the server's options
@@ -33,9 +33,9 @@ import sys
 import time
 
 from ..loadgen import FEATURES
-from ..serve_v2 import MODEL
+from ..v2 import MODEL
 
-OUTPUTS = 10  # the digits model's classes, as bench/serve_apps/empty.py answers
+OUTPUTS = 10  # the digits model's classes, as bench/serve/apps/empty.py answers
 GRACE_S = 5.0  # calls under way when a worker stops (each is answered at once: this is never waited out)
 STOP_WAIT_S = GRACE_S + 5.0  # then the parent kills a worker still running
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
@@ -190,7 +190,7 @@ def wait_ready(host: str, port: int, timeout_s: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.serve_apps.empty_grpc", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.serve.apps.empty_grpc", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1", help="address to listen on [127.0.0.1]")
     p.add_argument("--port", type=int, required=True, help="port of every worker (SO_REUSEPORT)")
     p.add_argument("--workers", type=int, default=1, help="worker processes [1]")
