@@ -5,7 +5,7 @@ call, event; the median), with one change: L2 is cleared by *reading* a 256 MB b
 Zeroing leaves L2 (50 MB on an H200) full of dirty lines, so a timed call that reads from memory first
 writes them back, a cost no serving loop has (between two forwards L2 holds the last one's weights and a
 few KB of activations). On an H200 a cold read of 48 MB takes 24.6 us after zeroing and 19.2 after
-reading (bench/results/probe_l2_flush_h200.txt; docs/performance.md, "Cold, but clean").
+reading (bench/results/h200/probe_l2_flush_h200.txt; docs/performance.md, "Cold, but clean").
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def _linear_kernel(
     # Rows and columns past the edge read the last one (clamped) so loads need no mask; they compute
     # throw-away values that the masked store below never writes. A clamp is one instruction, a `% M`
     # wrap an integer division per element: with the early bias load below, 1024^3 fp16 runs as fast as
-    # a bare tile loop (10.8 us, H200 cold; bench/results/probe_linear_1024_h200.txt).
+    # a bare tile loop (10.8 us, H200 cold; bench/results/h200/probe_linear_1024_h200.txt).
     offs_m = tl.minimum(rows, M - 1)
     offs_n = tl.minimum(cols, N - 1)
     if HAS_BIAS:
@@ -191,7 +191,7 @@ def cuda_configs(
         # small loads: 32-row tiles with 128- and 256-deep steps, split so that every SM streams, as the
         # 16-row tiles of smaller batches do. On an H100 the best of the list above took 11.6 us hot for the
         # wide MLP's 4096x4096 layer at batch 32, against 10.5 for the 16-row tiles at batch 16
-        # (bench/results/probe_tuner_picks_h100.txt, kernels_h100.md).
+        # (bench/results/h100/probe_tuner_picks_h100.txt, kernels_h100.md).
         for bn in (32, 64):
             for bk in (128, 256):
                 configs.append(cfg(32, bn, bk, 4, 3, split_for(bn, bk, 32)))
@@ -203,7 +203,7 @@ def cuda_configs(
             cfg(64, 128, 64, 4, 4),
             cfg(64, 64, 64, 4, 4),  # small GEMMs (64x256x128: 4 tiles of 32x64) want more programs
             # Deeper pipelines for 64x128, the 1024^3 tile (128 programs): fastest in a 57-config sweep at
-            # 1024^3 on an H200 (bench/results/probe_linear_1024_h200.txt: 64x128x64 at 5-6 stages, 64x128x128
+            # 1024^3 on an H200 (bench/results/h200/probe_linear_1024_h200.txt: 64x128x64 at 5-6 stages, 64x128x128
             # at 4). Each is left out below where its stages do not fit in shared memory (fp32 for the first two).
             cfg(64, 128, 128, 4, 4),
             cfg(64, 128, 64, 4, 6),
@@ -218,14 +218,14 @@ def cuda_configs(
             configs += [cfg(128, 128, 64, 8, 3, split), cfg(128, 128, 64, 4, 4, split)]
         # The same for 64x128 tiles: 256x1024x4096 (the wide MLP's last layer at batch 256) has 32 of them, each
         # 64 K steps long; unsplit, the best candidate took 14.2 us hot on an H100, 4x its 4096-wide layer's
-        # share (bench/results/probe_tuner_picks_h100.txt).
+        # share (bench/results/h100/probe_tuner_picks_h100.txt).
         split = wave_split(triton.cdiv(bucket, 64) * triton.cdiv(N, 128))
         if split > 1:
             configs += [cfg(64, 128, 64, 4, 4, split), cfg(64, 128, 128, 4, 4, split)]
         # And for 64x64 tiles: twice the tiles, so half the split (that last layer: 64 tiles split 2 ways, 16 K
         # steps of 128 each). Best hot of 163 configs in a sweep of every tile, depth and split on an H200:
         # 10.4 us against 11.8 for 64x128 split 4 and 10.8 for cuBLASLt; the forward 37.4 us against 39.4
-        # (bench/results/probe_wide_layers_h200.txt).
+        # (bench/results/h200/probe_wide_layers_h200.txt).
         split = wave_split(triton.cdiv(bucket, 64) * triton.cdiv(N, 64))
         if split > 1:
             configs.append(cfg(64, 64, 128, 4, 4, split))

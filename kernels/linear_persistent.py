@@ -4,7 +4,7 @@ For the big GEMMs, where the pointer-based kernel of linear.py trails cuBLAS on 
 cuBLAS has and that kernel lacks: TMA copies (one instruction per tile, no address math in the main loop,
 no registers held for in-flight loads) and a persistent grid (one program per SM walking the tiles, so
 the next tile's loads overlap this tile's epilogue). Cold graph replay, fp16, H200
-(bench/results/probe_linear_tma_h200.txt): 4096^3 200.6 us against 267.9 for linear.py's kernel and
+(bench/results/h200/probe_linear_tma_h200.txt): 4096^3 200.6 us against 267.9 for linear.py's kernel and
 204.0 for cuBLASLt. With fewer tiles than SMs it is slower than linear.py's kernel (1024^3: 15.4 against
 12.4 us), so FusedLinear offers its configs to the tuner only for GEMMs of at least one 128x128 tile per
 SM (`offered`).

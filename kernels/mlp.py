@@ -200,7 +200,7 @@ def _mlp_kernel(
         # A narrow first layer (digits MLP: 64 -> 256, 32 KB in fp16) whole in every program, then the split
         # of the pair after it: each program takes 1/SPLIT of layer 1's outputs and that slice's share of
         # layer 2's pre-activation, so what is left after the programs meet is a P3-wide sum (16 for the
-        # digits MLP, against 256 without LEAD) and no more weights (bench/results/probe_mlp_split_h200.txt:
+        # digits MLP, against 256 without LEAD) and no more weights (bench/results/h200/probe_mlp_split_h200.txt:
         # the tuner's pick at every batch bucket up to 256 on an H200).
         MODE_S: tl.constexpr = M1  # the split step: layer 1's; if a pair, layer 2's bias and act follow the sum
         P_OUT0: tl.constexpr = P3 if M1 == 1 else P2
@@ -361,7 +361,7 @@ def cuda_configs(
             if bm > max(16, 2 * bucket):
                 continue
             # 16 programs of one 16-wide chunk each, at 16-row tiles only: they beat 8 programs by 0.1-0.35 us at
-            # batches 1-32 and lose at 256; 8 warps lose everywhere (H200, bench/results/probe_mlp_split_h200.txt)
+            # batches 1-32 and lose at 256; 8 warps lose everywhere (H200, bench/results/h200/probe_mlp_split_h200.txt)
             for bn, split in ((32, 8), (32, 4), (64, 4), (16, 16)):
                 chunks = lead_hidden // min(bn, lead_hidden)
                 if chunks % split == 0 and (split < 16 or bm == 16):

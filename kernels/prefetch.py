@@ -9,7 +9,7 @@ L2 lookup. The first PARTS programs (a split kernel's first row block) issue 1/P
 the number of requests does not grow with the grid and no one program spends its start issuing all of them:
 with program 0 issuing all 2048 lines of the digits MLP, the forward back to back took 5.56-5.74 us at
 batch 1 (H200, fp16, two runs), 5.33 spread over its 16 split programs, 5.12 with no prefetch, which costs
-cold 8.86 against 8.19-8.61 (bench/results/prefetch_ab_h200.md).
+cold 8.86 against 8.19-8.61 (bench/results/h200/prefetch_ab_h200.md).
 
 Compiled GPUs only: the interpreter has no inline PTX (callers pass LINES=0 there).
 """

@@ -204,7 +204,7 @@ def pick(timings: Mapping[LaunchConfig, tuple[float, float]], policy: str = "bot
     the best on its worse count, the lower sum of the two ratios breaking a tie. Either way neither a loaded
     server (hot) nor the first batch after an idle spell (cold) pays much for the other. On an H200 the wide
     MLP's middle layer at batch 16 has candidates at 1.00x cold and 1.07x hot and at 1.06x cold and 1.00x hot
-    (bench/results/probe_tuner_picks_h200.txt): `both` takes the first, `hot` the second. Equal scores go to
+    (bench/results/h200/probe_tuner_picks_h200.txt): `both` takes the first, `hot` the second. Equal scores go to
     the earlier candidate.
     """
     if policy not in POLICIES:

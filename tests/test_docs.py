@@ -487,7 +487,7 @@ def test_quoted_benchmark_tables_match_the_committed_results(doc):
 
 def _serve_closed_loop() -> dict[tuple[str, int, int, int], dict[str, str]]:
     """The committed bench serve run's closed-loop rows: (system, workers, rows, conns) -> {column: cell}."""
-    text = (REPO / "bench" / "results" / "serve_h100.md").read_text()
+    text = (RESULTS / "h100" / "serve_h100.md").read_text()
     section = text.split("## Closed loop", 1)[1].split("\n## ", 1)[0]
     header, *rows = [
         [c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line[:2] == "| "

@@ -196,7 +196,7 @@ def channels_last_outputs(steps: list[Step]) -> list[bool]:
     """Per step: whether the fused executor has it write channels_last (NHWC). A conv or pool step whose output
     goes straight into another conv or pool does: the next one then gathers each pixel's channels as one
     contiguous run, 2x faster than NCHW at 256 images of 64 -> 64 channels at 32x32 on an H100
-    (bench/results/probe_conv_h100.txt). Every other step keeps NCHW, so the model reads NCHW rows and its
+    (bench/results/h100/probe_conv_h100.txt). Every other step keeps NCHW, so the model reads NCHW rows and its
     flatten (a view) sees torch's feature order; the first conv reads NCHW and writes NHWC in the same kernel."""
     image_steps = (Conv2dStep, Pool2dStep)
     return [

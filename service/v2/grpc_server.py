@@ -10,7 +10,7 @@ after uvicorn's drain, giving RPCs under way half the grace to finish.
 
 The generated modules register `inference.*` in protobuf's default descriptor pool, as tritonclient.grpc's own
 copy of the protocol does: one process cannot import both (a duplicate-symbol TypeError). The server never imports
-tritonclient; tests and clients that use tritonclient never import these modules (bench/serve_v2.py builds its
+tritonclient; tests and clients that use tritonclient never import these modules (bench/serve/v2.py builds its
 requests with them in a process that has no tritonclient).
 """
 
@@ -169,7 +169,7 @@ def address(host: str, port: int) -> str:
 
 
 def new_server(max_receive_bytes: int, max_calls: int) -> grpc.aio.Server:
-    """A grpc.aio server with a front end's options, not yet bound. bench/serve_apps/empty_grpc.py builds its
+    """A grpc.aio server with a front end's options, not yet bound. bench/serve/apps/empty_grpc.py builds its
     no-model server (the benchmark's gRPC ceiling) with it too, so that both run grpcio with the same options."""
     return grpc.aio.server(
         options=[
