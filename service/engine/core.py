@@ -231,12 +231,13 @@ class Engine:
             n = req.rows.shape[0]
             self._reply(req.owner, req.id, wire.OK, n, out[start : start + n])
             start += n
+        replied = time.monotonic()
         self._flush()
         # A forward that is not a graph replay (CPU, or beyond the graphs' buckets) ran whole inside launch().
         ran_in_launch = getattr(inflight, "done", None) is not None
-        self._answered(batch, taken, launching if ran_in_launch else launched, collected)
+        self._answered(batch, taken, launching if ran_in_launch else launched, collected, replied)
 
-    def _answered(self, batch: list[Pending], taken: float, started: float, collected: float) -> None:
+    def _answered(self, batch: list[Pending], taken: float, started: float, collected: float, replied: float) -> None:
         """Count a batch answered with outputs in Triton's statistics (service/metrics.py: EngineMetrics.answered;
         service/v2/extensions.py shapes them). Each request's time in the engine is cut into four phases, back to
         back, each counted once per request (a batch's compute time once for each request in it, as Triton does):
@@ -250,15 +251,15 @@ class Engine:
           launch runs it whole, rows in and outputs out: `started` is then when the launch began.
         - compute_infer: `started` to `collected`: the forward (a graph's copy in, kernels and copy out) until its
           outputs are in host memory of their own; the engine takes in new requests meanwhile, while the GPU works.
-        - compute_output: `collected` to now: the outputs split into one answer per request and handed to the
-          sockets of their front ends.
+        - compute_output: `collected` to `replied`: the outputs split into one answer per request, packed for their
+          front ends.
 
-        The front end's own part (reading and decoding the request before `arrival`; the answer's way back and its
-        encoding after) is in success's time only."""
-        done = time.monotonic()
+        So each phase ends before the request's answer is sent back, and the four lie inside the front end's timing
+        of the request (success), whatever the scheduler does: the rest of success is the front end's own part
+        (reading and decoding the request before `arrival`; encoding the answer after) and the link back."""
         n = len(batch)
         queue_s = n * taken - sum(r.enqueued_at for r in batch)
-        self.metrics.answered(n, (queue_s, n * (started - taken), n * (collected - started), n * (done - collected)))
+        self.metrics.answered(n, (queue_s, n * (started - taken), n * (collected - started), n * (replied - collected)))
 
     def _forward_failed(self, batch: list[Pending], rows: int, err: Exception, taken: float) -> None:
         """Out of memory: retry in halves, down to one request, which alone gets 503. A sticky device error:

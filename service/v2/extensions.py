@@ -110,9 +110,9 @@ def statistics(state: FrontendState) -> dict:
     - queue, compute_input, compute_infer, compute_output: the four back-to-back parts of each answered request's
       time in its engine, counted by the engine as it answers (service/engine/core.py, Engine._answered, says which
       interval each is; a batch's compute time counts once per request in it, as in Triton). One count for all four,
-      so they always agree, as perf_analyzer requires. They lie inside success's interval: per request,
-      queue + compute_input + compute_infer + compute_output <= success, and the rest of success is the front end's
-      own work (reading, decoding, answering) and the link back.
+      so they always agree, as perf_analyzer requires. Each ends before the request's answer leaves the engine, so
+      per request queue + compute_input + compute_infer + compute_output <= success, and the rest of success is the
+      front end's own work (reading, decoding, answering) and the link back.
     - cache_hit, cache_miss: 0 (no response cache); batch_stats: empty (batch sizes are fusedserve_batch_rows).
 
     Counts lag by up to ANSWERED_WRITE_EVERY_S (service/metrics.py) under load; an idle service's are exact.
