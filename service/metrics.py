@@ -172,31 +172,32 @@ class EngineMetrics:
         )
         self._last = self.last_inference.labels(**labels)
         self._answered = [0] + [0.0] * len(PHASES)  # what answered() took in and has not written yet
-        self._answered_at = 0.0  # time.time() of the last batch answered
+        self._answered_at = 0.0  # time.monotonic() of the last batch answered
         self._written_at = time.monotonic()
 
-    def answered(self, requests: int, phase_seconds: tuple[float, ...]) -> None:
-        """One batch answered with outputs: its `requests`, and each phase's seconds (PHASES' order) summed over
-        them. Kept here, and written out once ANSWERED_WRITE_EVERY_S has passed since the last write, or by
-        write_answered."""
+    def answered(self, requests: int, phase_seconds: tuple[float, ...], now: float) -> None:
+        """One batch answered with outputs at `now` (time.monotonic()): its `requests`, and each phase's seconds
+        (PHASES' order) summed over them. Kept here, and written out once ANSWERED_WRITE_EVERY_S has passed since the
+        last write, or by write_answered."""
         pending = self._answered
         pending[0] += requests
         for i, seconds in enumerate(phase_seconds, 1):
             pending[i] += seconds
-        self._answered_at = time.time()
-        if time.monotonic() - self._written_at >= ANSWERED_WRITE_EVERY_S:
+        self._answered_at = now
+        if now - self._written_at >= ANSWERED_WRITE_EVERY_S:
             self.write_answered()
 
     def write_answered(self) -> None:
         """Write what answered() kept (the engine calls this when it goes idle, so that an idle service's counts are
         exact): every count from the same batches, so the requests counter is each phase's count."""
         pending = self._answered
-        self._written_at = time.monotonic()
+        now = time.monotonic()
+        self._written_at = now
         if not pending[0]:
             return
         for child, value in zip(self._answered_children, pending, strict=True):
             child.inc(value)
-        self._last.set(self._answered_at)
+        self._last.set(time.time() - (now - self._answered_at))  # the last batch's time, as Unix time
         self._answered = [0] + [0.0] * len(PHASES)
 
     def observe_kernel(self, kernel: str, seconds: float) -> None:

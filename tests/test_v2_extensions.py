@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
-from service.metrics import PHASES, EngineMetrics, RequestMetrics, inference_totals
+from service.metrics import ANSWERED_WRITE_EVERY_S, PHASES, EngineMetrics, RequestMetrics, inference_totals
 from service.v2.extensions import EXTENSIONS, instance_groups
 
 from .server import free_port, running_servers
@@ -35,9 +35,9 @@ STATS = ("success", "fail", *PHASES, "cache_hit", "cache_miss")
 def test_answered_counts_are_kept_then_written_together():
     m = EngineMetrics("m", "fused", "cuda:0", "float16", engine="0")
     m.batch(12)
-    m.answered(3, (0.3, 0.03, 0.6, 0.003))  # the first batch: the last write was at construction, just now
+    m.answered(3, (0.3, 0.03, 0.6, 0.003), time.monotonic())  # the last write was at construction, just now
     m.batch(4)
-    m.answered(1, (0.1, 0.01, 0.2, 0.001))
+    m.answered(1, (0.1, 0.01, 0.2, 0.001), time.monotonic())
     t = inference_totals(m.registry, "m")
     assert (t.requests, t.rows, t.batches) == (0, 16, 2), "written before ANSWERED_WRITE_EVERY_S passed"
     m.write_answered()
@@ -50,6 +50,8 @@ def test_answered_counts_are_kept_then_written_together():
     assert inference_totals(m.registry, "other").requests == 0
     m.write_answered()  # nothing new: nothing written twice
     assert inference_totals(m.registry, "m").requests == 4
+    m.answered(2, (0.0, 0.0, 0.0, 0.0), time.monotonic() + ANSWERED_WRITE_EVERY_S)  # the interval passed: written
+    assert inference_totals(m.registry, "m").requests == 6
 
 
 def test_front_end_totals_split_ok_from_failed():

@@ -259,7 +259,8 @@ class Engine:
         (reading and decoding the request before `arrival`; encoding the answer after) and the link back."""
         n = len(batch)
         queue_s = n * taken - sum(r.enqueued_at for r in batch)
-        self.metrics.answered(n, (queue_s, n * (started - taken), n * (collected - started), n * (replied - collected)))
+        phases = (queue_s, n * (started - taken), n * (collected - started), n * (replied - collected))
+        self.metrics.answered(n, phases, replied)
 
     def _forward_failed(self, batch: list[Pending], rows: int, err: Exception, taken: float) -> None:
         """Out of memory: retry in halves, down to one request, which alone gets 503. A sticky device error:
