@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import io
 import json
 import os
@@ -66,10 +67,17 @@ COLUMNS = {
 
 
 def find() -> str | None:
-    """perf_analyzer beside the running interpreter (a venv used without activating it), else on the PATH."""
+    """perf_analyzer beside the running interpreter (a venv used without activating it), else the binary inside the
+    perf_analyzer wheel's package where Python imports it from (its console script is a wrapper that exits 0
+    whatever the binary did), else on the PATH."""
     beside = Path(sys.executable).with_name(BINARY)
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
+    candidates = [beside]
+    spec = importlib.util.find_spec(BINARY)
+    if spec is not None and spec.origin:
+        candidates.append(Path(spec.origin).parent / "bin" / BINARY)
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
     return shutil.which(BINARY)
 
 
@@ -79,8 +87,8 @@ def version(binary: str) -> str | None:
         run = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    text = (run.stdout + run.stderr).strip()
-    return text.splitlines()[0] if run.returncode == 0 and text else None
+    found = re.search(r"^Perf Analyzer Version .*$", run.stdout + run.stderr, re.M)
+    return found.group(0).strip() if run.returncode == 0 and found else None
 
 
 def command(

@@ -169,6 +169,11 @@ def test_a_run_killed_at_its_timeout_is_a_failure_and_nothing_else(tmp_path, mon
 
 
 def test_without_a_binary_that_runs_nothing_runs(tmp_path):
+    # The wheel's console script exits 0 whatever its binary did: an error on a 0 exit is no version.
+    wrapper = tmp_path / "wrapper"
+    wrapper.write_text("#!/bin/sh\necho 'perf_analyzer: error while loading shared libraries: libb64.so.0d' >&2\n")
+    wrapper.chmod(0o755)
+    assert pa.version(str(wrapper)) is None
     missing = pa.run("h:1", None, tmp_path, binary=str(tmp_path / "nope"))
     assert missing["runs"] == [] and "does not run here" in missing["skipped"][0]
     assert pa.markdown(missing)[-1].startswith("Not run:")
