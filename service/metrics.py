@@ -12,12 +12,17 @@ multiprocess mode: the supervisor sets PROMETHEUS_MULTIPROC_DIR before any child
 every process writes its values there, and `/metrics` on any front end renders the whole deployment
 once (counters and histograms summed over processes, the queue gauge summed over live engines).
 Without that variable (tests, a library user) each object has its own registry, as a single process would.
+
+The same values answer Triton's statistics extension (service/v2/extensions.py): `inference_totals` reads them, merged
+over processes as `/metrics` renders them.
 """
 
 from __future__ import annotations
 
 import bisect
 import os
+import time
+from dataclasses import dataclass, field
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -39,6 +44,13 @@ ROWS_BUCKETS = tuple(float(2**i) for i in range(17))
 OUTCOMES = ("ok", "invalid", "too_large", "overloaded", "timeout", "cancelled", "error")
 # How the request came: POST /predict, the Open Inference Protocol over REST (/v2/...), or over gRPC.
 PROTOCOLS = ("predict", "v2_rest", "v2_grpc")
+# The parts of an answered request's time in its engine, back to back (Engine._answered in service/engine/core.py
+# says which interval each is): the `phase` label of fusedserve_inference_phase_seconds, and Triton's names for them.
+PHASES = ("queue", "compute_input", "compute_infer", "compute_output")
+# An engine keeps its answered-request counts in memory and writes them out at most this often, and whenever it goes
+# idle: writing them per batch (6 locked writes to memory-mapped files in multiprocess mode, ~2 us each on a CI core)
+# would add ~5-10% to a loaded engine's host time per batch. So under load they lag by up to this much.
+ANSWERED_WRITE_EVERY_S = 0.02
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -68,6 +80,12 @@ class RequestMetrics:
             lm, buckets=SECONDS_BUCKETS, registry=r,
         )  # fmt: skip
         self.requests = Counter("fusedserve_requests", "Requests by outcome", [*lm, "outcome"], registry=r)
+        self.failed_seconds = Counter(
+            "fusedserve_failed_request_seconds",
+            "Time from the request reaching the handler to its error answer, summed over requests answered with an "
+            "error (any outcome but ok)",
+            lm, registry=r,
+        )  # fmt: skip
         # Every outcome of every protocol visible from the start, at 0, so rates are defined; children resolved
         # once (labels() costs a dict lookup and a lock per call).
         self._outcomes = {
@@ -76,11 +94,17 @@ class RequestMetrics:
             for o in OUTCOMES
         }
         self._request = {p: self.request_seconds.labels(model=model, mode=mode, protocol=p) for p in PROTOCOLS}
+        self._failed = {p: self.failed_seconds.labels(model=model, mode=mode, protocol=p) for p in PROTOCOLS}
 
     def observe_request(self, outcome: str, seconds: float | None = None, protocol: str = "predict") -> None:
+        """Count a request by outcome; `seconds` (handler to answer) goes to fusedserve_request_seconds when it is
+        ok, to fusedserve_failed_request_seconds when it is not."""
         self._outcomes[protocol, outcome].inc()
         if seconds is not None:
-            self._request[protocol].observe(seconds)
+            if outcome == "ok":
+                self._request[protocol].observe(seconds)
+            else:
+                self._failed[protocol].inc(seconds)
 
     def render(self) -> bytes:
         return render(self.registry)
@@ -120,6 +144,20 @@ class EngineMetrics:
             "fusedserve_gpu_faults", "Forwards that failed on a device fault, by kind (oom, sticky)",
             [*lm, "kind"], registry=r,
         )  # fmt: skip
+        # Requests answered with outputs, for Triton's statistics (service/v2/extensions.py).
+        self.inference_requests = Counter(
+            "fusedserve_inference_requests", "Requests answered with outputs", lm, registry=r
+        )
+        self.inference_phase_seconds = Counter(
+            "fusedserve_inference_phase_seconds",
+            "Time of each answered request in each phase in its engine, summed over requests (a batch's time counts "
+            "once per request in it): queue, compute_input, compute_infer, compute_output",
+            [*lm, "phase"], registry=r,
+        )  # fmt: skip
+        self.last_inference = Gauge(
+            "fusedserve_last_inference_timestamp_seconds", "Unix time at which the last batch was answered",
+            lm, registry=r, multiprocess_mode="max",
+        )  # fmt: skip
         self._labels = labels = {"model": model, "mode": mode, "engine": engine}
         self._faults = {k: self.gpu_faults.labels(**labels, kind=k) for k in ("oom", "sticky")}
         self.model_info.labels(**labels, device=device, dtype=dtype).set(1)
@@ -129,6 +167,39 @@ class EngineMetrics:
         self._depth = self.queue_depth_gauge.labels(**labels)
         self._depth.set(0)
         self._kernels: dict[str, object] = {}
+        self._answered_children = (
+            self.inference_requests.labels(**labels),
+            *(self.inference_phase_seconds.labels(**labels, phase=p) for p in PHASES),
+        )
+        self._last = self.last_inference.labels(**labels)
+        self._answered = [0] + [0.0] * len(PHASES)  # what answered() took in and has not written yet
+        self._answered_at = 0.0  # time.monotonic() of the last batch answered
+        self._written_at = time.monotonic()
+
+    def answered(self, requests: int, phase_seconds: tuple[float, ...], now: float) -> None:
+        """One batch answered with outputs at `now` (time.monotonic()): its `requests`, and each phase's seconds
+        (PHASES' order) summed over them. Kept here, and written out once ANSWERED_WRITE_EVERY_S has passed since the
+        last write, or by write_answered."""
+        pending = self._answered
+        pending[0] += requests
+        for i, seconds in enumerate(phase_seconds, 1):
+            pending[i] += seconds
+        self._answered_at = now
+        if now - self._written_at >= ANSWERED_WRITE_EVERY_S:
+            self.write_answered()
+
+    def write_answered(self) -> None:
+        """Write what answered() kept (the engine calls this when it goes idle, so that an idle service's counts are
+        exact): every count from the same batches, so the requests counter is each phase's count."""
+        pending = self._answered
+        now = time.monotonic()
+        self._written_at = now
+        if not pending[0]:
+            return
+        for child, value in zip(self._answered_children, pending, strict=True):
+            child.inc(value)
+        self._last.set(time.time() - (now - self._answered_at))  # the last batch's time, as Unix time
+        self._answered = [0] + [0.0] * len(PHASES)
 
     def observe_kernel(self, kernel: str, seconds: float) -> None:
         child = self._kernels.get(kernel)
@@ -191,13 +262,70 @@ def observe_many(child, values: list[float]) -> None:
         buckets[i].inc(n)
 
 
+def _deployment(registry: CollectorRegistry) -> CollectorRegistry:
+    """Every process's values merged (counters and histograms summed, gauges by their multiprocess_mode) in
+    multiprocess mode, else `registry` itself."""
+    if not multiprocess_mode():
+        return registry
+    merged = CollectorRegistry()
+    multiprocess.MultiProcessCollector(merged)
+    return merged
+
+
 def render(registry: CollectorRegistry) -> bytes:
     """The exposition text: of every process of the deployment in multiprocess mode, else of `registry`."""
-    if multiprocess_mode():
-        merged = CollectorRegistry()
-        multiprocess.MultiProcessCollector(merged)
-        return generate_latest(merged)
-    return generate_latest(registry)
+    return generate_latest(_deployment(registry))
+
+
+@dataclass
+class InferenceTotals:
+    """One model's totals over the deployment, for Triton's statistics extension (service/v2/extensions.py)."""
+
+    ok: int = 0  # requests answered with outputs, by the front ends (fusedserve_request_seconds_count)
+    ok_s: float = 0.0  # their time in the front ends, handler to answer
+    failed: int = 0  # requests answered with an error (fusedserve_requests_total, every outcome but ok)
+    failed_s: float = 0.0
+    requests: int = 0  # requests answered with outputs, by the engines (fusedserve_inference_requests_total)
+    rows: int = 0  # rows of the batches run (fusedserve_batch_rows_sum)
+    batches: int = 0  # batches run (fusedserve_batch_rows_count)
+    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    last_inference_s: float = 0.0  # Unix time; 0 before the first batch
+    devices: dict[str, str] = field(default_factory=dict)  # engine index -> its device, from fusedserve_model_info
+
+
+def inference_totals(registry: CollectorRegistry, model: str) -> InferenceTotals:
+    """The totals of `model` over every process (in multiprocess mode; else over `registry` alone): what /metrics
+    would show at this moment, summed over protocols, outcomes and engines."""
+    t = InferenceTotals()
+    counts: dict[str, float] = {}
+    for family in _deployment(registry).collect():
+        for s in family.samples:
+            if s.labels.get("model") != model:
+                continue
+            name = s.name
+            if name == "fusedserve_requests_total" and s.labels.get("outcome") != "ok":
+                counts["failed"] = counts.get("failed", 0.0) + s.value
+            elif name == "fusedserve_inference_phase_seconds_total":
+                t.phase_s[s.labels["phase"]] = t.phase_s.get(s.labels["phase"], 0.0) + s.value
+            elif name == "fusedserve_last_inference_timestamp_seconds":
+                t.last_inference_s = max(t.last_inference_s, s.value)
+            elif name == "fusedserve_model_info" and s.value:
+                t.devices[s.labels.get("engine", "0")] = s.labels.get("device", "")
+            elif name in _TOTALS:
+                counts[_TOTALS[name]] = counts.get(_TOTALS[name], 0.0) + s.value
+    for key, value in counts.items():
+        setattr(t, key, value if key.endswith("_s") else round(value))
+    return t
+
+
+_TOTALS = {  # sample name -> InferenceTotals field, summed over every label but the model
+    "fusedserve_request_seconds_count": "ok",
+    "fusedserve_request_seconds_sum": "ok_s",
+    "fusedserve_failed_request_seconds_total": "failed_s",
+    "fusedserve_inference_requests_total": "requests",
+    "fusedserve_batch_rows_sum": "rows",
+    "fusedserve_batch_rows_count": "batches",
+}
 
 
 def process_exited(pid: int) -> None:

@@ -11,6 +11,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from . import perf_analyzer
+
 CDF_POINTS = (*range(0, 100), 99.5, 99.9, 99.99, 100)  # percentiles of each phase's latency CDF
 
 UNFUSED_NOISE = 0.02  # fused counts as "at least as fast" within 2% (run-to-run noise when both hit the HTTP ceiling)
@@ -343,6 +345,7 @@ def markdown(results: dict) -> str:
     for t in results["targets"]:
         met = {True: "met", False: "**not met**", None: "n/a"}[t["met"]]
         lines.append(f"| {t['target']} | {t['measured']} | {met} |")
+    lines += perf_analyzer.markdown(results.get("perf_analyzer"))
     lines += ["", "## Servers", "", "| system | ready after s | exit |", "|---|---:|---|"]
     for s in results["servers"]:
         if not s.get("ready"):

@@ -690,6 +690,7 @@ class _Run:
                 self.skip(system, what, "time budget")
                 continue
             if phase["kind"] == "sigterm":  # its server's last phase, run alone: the others stop first
+                self._perf_analyzer(system, server, budget.left() - keep - cost)
                 for other, (other_server, other_info) in live.items():
                     if other != system:
                         self._stop(other_server, other_info)
@@ -698,8 +699,31 @@ class _Run:
                 self.peaks[system.key] = max(self.peaks.get(system.key, 0.0), r["req_per_s"])
             if r and phase["kind"] == "sigterm":
                 info["exit"] = r["exit"]
+        for system, (server, _) in live.items():  # a run without a SIGTERM phase
+            self._perf_analyzer(system, server, budget.left() - budget.reserve(later))
         for server, info in live.values():
             self._stop(server, info)
+
+    def _perf_analyzer(self, system: System, server: Server, seconds: float) -> None:
+        """perf_analyzer against fused@N (bench/perf_analyzer.py), once, where its binary runs: before that server's
+        SIGTERM phase, or after its phases in a run without one; within `seconds`."""
+        plan = self.plan
+        if system.key != f"fused@{plan.workers}" or "perf_analyzer" in self.results or server.proc.poll() is not None:
+            return
+        from . import perf_analyzer
+
+        protocols = tuple(p for p, v2 in (("http", "v2_binary"), ("grpc", "v2_grpc")) if v2 in plan.v2)
+        if self.interrupted or seconds < 20 or not protocols:
+            why = "interrupted" if self.interrupted else "no --v2 protocol" if not protocols else "time budget"
+            self.results["perf_analyzer"] = {"version": None, "runs": [], "skipped": [f"every run: {why}"],
+                                             "problems": []}  # fmt: skip
+            return
+        http, grpc = server.url.removeprefix("http://"), f"127.0.0.1:{server.grpc_port}"
+        rows = tuple(dict.fromkeys((1, plan.v2_rows)))
+        pa = perf_analyzer.run(http, grpc, self.tmp / "perf_analyzer", protocols=protocols, rows=rows,
+                               concurrency=plan.connections, time_budget_s=seconds)  # fmt: skip
+        self.results["perf_analyzer"] = pa
+        self.results["problems"] += pa["problems"]
 
     def _start(self, system: System) -> tuple[Server, dict] | None:
         server = Server(system, self.plan, self.tmp, self.tuning_cache)

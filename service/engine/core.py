@@ -84,6 +84,7 @@ class Engine:
             self._run_batch()
         self._flush()
         self._finish_writes()
+        self.metrics.write_answered()
 
     def _finish_writes(self, timeout_s: float = 5.0) -> None:
         """At stop: push out answers the sockets did not take yet (a front end that reads nothing is left)."""
@@ -92,7 +93,9 @@ class Engine:
             self._receive(0.05)
 
     def _idle(self) -> None:
-        """Wait for work: spin for `spin_s` (selector polls with no timeout), then block."""
+        """Wait for work: spin for `spin_s` (selector polls with no timeout), then block. The answered-request counts
+        kept since the last write go out first, so that an idle engine's are exact."""
+        self.metrics.write_answered()
         if self.spin_s:
             end = time.perf_counter() + self.spin_s
             while time.perf_counter() < end:
@@ -202,30 +205,64 @@ class Engine:
             self.metrics.queue_waits(waits)
             self.metrics.batch(rows)
             self.metrics.queue_depth(len(self.queue))
-            self._forward(batch, rows)
+            self._forward(batch, rows, now)
         self._flush()
 
-    def _forward(self, batch: list[Pending], rows: int) -> None:
+    def _forward(self, batch: list[Pending], rows: int, taken: float) -> None:
+        """Run `batch` (taken from the queue at `taken`, time.monotonic()) and answer each of its requests."""
+        launching = time.monotonic()
         try:
             inflight = self.runner.launch([r.rows for r in batch])
         except Exception as err:
-            self._forward_failed(batch, rows, err)
+            self._forward_failed(batch, rows, err, taken)
             return
+        launched = time.monotonic()
         # While the GPU runs the batch (a graphed forward returns once queued), take in what the front ends sent:
         # those requests are the next batch, and their bytes leave the sockets' buffers sooner.
         self._receive(0)
         try:
             out = self.runner.collect(inflight)
         except Exception as err:
-            self._forward_failed(batch, rows, err)
+            self._forward_failed(batch, rows, err, taken)
             return
+        collected = time.monotonic()
         start = 0
         for req in batch:
             n = req.rows.shape[0]
             self._reply(req.owner, req.id, wire.OK, n, out[start : start + n])
             start += n
+        replied = time.monotonic()
+        self._flush()
+        # A forward that is not a graph replay (CPU, or beyond the graphs' buckets) ran whole inside launch().
+        ran_in_launch = getattr(inflight, "done", None) is not None
+        self._answered(batch, taken, launching if ran_in_launch else launched, collected, replied)
 
-    def _forward_failed(self, batch: list[Pending], rows: int, err: Exception) -> None:
+    def _answered(self, batch: list[Pending], taken: float, started: float, collected: float, replied: float) -> None:
+        """Count a batch answered with outputs in Triton's statistics (service/metrics.py: EngineMetrics.answered;
+        service/v2/extensions.py shapes them). Each request's time in the engine is cut into four phases, back to
+        back, each counted once per request (a batch's compute time once for each request in it, as Triton does):
+
+        - queue: its front end's `arrival` (time.monotonic() once its body was read and its tensors decoded and
+          checked, just before it went to the link) to `taken`, its batch leaving the queue: the link to the engine,
+          the wait behind the forward under way, and any MAX_DELAY_MS hold; fusedserve_queue_wait_seconds's interval.
+        - compute_input: `taken` to `started`, the forward started: the batch's bookkeeping, then, for a CUDA graph
+          replay, its rows copied from the link's buffers into the pinned input of its bucket's graph and the replay
+          queued. Where the forward is not a graph replay (CPU, or a batch beyond the graphs' buckets) the runner's
+          launch runs it whole, rows in and outputs out: `started` is then when the launch began.
+        - compute_infer: `started` to `collected`: the forward (a graph's copy in, kernels and copy out) until its
+          outputs are in host memory of their own; the engine takes in new requests meanwhile, while the GPU works.
+        - compute_output: `collected` to `replied`: the outputs split into one answer per request, packed for their
+          front ends.
+
+        So each phase ends before the request's answer is sent back, and the four lie inside the front end's timing
+        of the request (success), whatever the scheduler does: the rest of success is the front end's own part
+        (reading and decoding the request before `arrival`; encoding the answer after) and the link back."""
+        n = len(batch)
+        queue_s = n * taken - sum(r.enqueued_at for r in batch)
+        phases = (queue_s, n * (started - taken), n * (collected - started), n * (replied - collected))
+        self.metrics.answered(n, phases, replied)
+
+    def _forward_failed(self, batch: list[Pending], rows: int, err: Exception, taken: float) -> None:
         """Out of memory: retry in halves, down to one request, which alone gets 503. A sticky device error:
         DeviceBroken (engine/faults.py). Anything else: the batch fails alone with 500; the engine keeps serving."""
         kind = faults.classify(err, self.device_type)
@@ -240,7 +277,7 @@ class Engine:
             log.warning("GPU out of memory on a batch of %d rows (%d requests); retrying in halves", rows, len(batch))
             half = len(batch) // 2
             for part in (batch[:half], batch[half:]):
-                self._forward(part, sum(r.rows.shape[0] for r in part))
+                self._forward(part, sum(r.rows.shape[0] for r in part), taken)
             return
         if kind == faults.STICKY:
             self.metrics.gpu_fault(kind)

@@ -38,10 +38,10 @@ async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
         arrival = time.monotonic()
         outputs = await run_rows(state, rows, arrival, arrival + state.settings.request_timeout_ms / 1e3, receive)
     except InputError as e:
-        metrics.observe_request(e.outcome)
+        metrics.observe_request(e.outcome, time.perf_counter() - started)
         return _error(e.status, e.message)
     except Refused as e:
-        metrics.observe_request(e.outcome)
+        metrics.observe_request(e.outcome, time.perf_counter() - started)
         return _error(e.status, e.message, *e.headers)
     doc = {
         "outputs": outputs,

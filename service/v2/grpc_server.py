@@ -6,7 +6,8 @@ end binds the same port: grpcio sets SO_REUSEPORT on Linux, so the kernel spread
 does uvicorn's. A message larger than the front end's body limit is refused by grpcio with RESOURCE_EXHAUSTED
 before it is read in full (in grpcio's core, before any handler: so it is not counted in fusedserve_requests_total);
 the client's deadline, when it has one, shortens the request's timeout in the queue. On shutdown the server stops
-after uvicorn's drain, giving RPCs under way half the grace to finish.
+after uvicorn's drain, giving RPCs under way half the grace to finish. ModelConfig and ModelStatistics (Triton's
+extensions) answer the documents REST's /config and /stats do (service/v2/extensions.py).
 
 The generated modules register `inference.*` in protobuf's default descriptor pool, as tritonclient.grpc's own
 copy of the protocol does: one process cannot import both (a duplicate-symbol TypeError). The server never imports
@@ -22,10 +23,12 @@ import time
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
 
 from ..frontend.inputs import InputError
 from ..frontend.serving import Refused, run_rows
 from ..frontend.state import FrontendState
+from . import extensions
 from . import grpc_predict_v2_pb2 as pb
 from . import grpc_predict_v2_pb2_grpc as pb_grpc
 from . import tensors as t
@@ -81,6 +84,23 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(_CODE_OF[e.status], e.message)
         return self._metadata
 
+    async def ModelConfig(self, request, context):
+        """Triton's model configuration extension: the document REST's /config answers, as its message."""
+        try:
+            t.check_model(self.state.model, request.name, request.version)
+        except InputError as e:
+            await context.abort(_CODE_OF[e.status], e.message)
+        return json_format.ParseDict({"config": extensions.model_config(self.state)}, pb.ModelConfigResponse())
+
+    async def ModelStatistics(self, request, context):
+        """Triton's statistics extension: an empty name asks for every model's, as REST's /v2/models/stats."""
+        if request.name:
+            try:
+                t.check_model(self.state.model, request.name, request.version)
+            except InputError as e:
+                await context.abort(_CODE_OF[e.status], e.message)
+        return json_format.ParseDict(extensions.statistics(self.state), pb.ModelStatisticsResponse())
+
     async def ModelInfer(self, request, context):
         started = time.perf_counter()
         state = self.state
@@ -102,7 +122,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             # The client left, or its deadline passed (grpcio cancels the handler either way).
             remaining = context.time_remaining()
             metrics.observe_request("timeout" if remaining is not None and remaining <= 0 else "cancelled",
-                                    protocol=PROTOCOL)  # fmt: skip
+                                    time.perf_counter() - started, protocol=PROTOCOL)  # fmt: skip
             raise
         except Exception as e:  # a bug, not a bad request: count it and say so, never an uncounted failure
             log.exception("unexpected error serving ModelInfer")
@@ -111,7 +131,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             response = _response(state, request, outputs, wanted)
             metrics.observe_request("ok", time.perf_counter() - started, protocol=PROTOCOL)
             return response
-        metrics.observe_request(outcome, protocol=PROTOCOL)
+        metrics.observe_request(outcome, time.perf_counter() - started, protocol=PROTOCOL)
         await context.abort(code, message)
 
 
