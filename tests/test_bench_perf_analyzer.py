@@ -1,4 +1,4 @@
-"""bench/perf_analyzer.py: perf_analyzer's CSV and summary parsed from canned output (a real run of perf_analyzer
+"""bench/serve/perf_analyzer.py: perf_analyzer's CSV and summary parsed from canned output (a real run of perf_analyzer
 2.41 against fusedserve), the checks of the server's counts, a run's plumbing with a stand-in binary, and, where the
 real perf_analyzer runs (the GPU host: its wheel needs glibc 2.38), a real run against the real service."""
 
@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from bench import perf_analyzer as pa
+from bench.serve import perf_analyzer as pa
 
 from .server import free_port, running_servers
 

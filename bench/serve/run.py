@@ -705,8 +705,8 @@ class _Run:
             self._stop(server, info)
 
     def _perf_analyzer(self, system: System, server: Server, seconds: float) -> None:
-        """perf_analyzer against fused@N (bench/perf_analyzer.py), once, where its binary runs: before that server's
-        SIGTERM phase, or after its phases in a run without one; within `seconds`."""
+        """perf_analyzer against fused@N (perf_analyzer.py), once, where its binary runs: before that server's SIGTERM
+        phase, or after its phases in a run without one; within `seconds`."""
         plan = self.plan
         if system.key != f"fused@{plan.workers}" or "perf_analyzer" in self.results or server.proc.poll() is not None:
             return

@@ -2,7 +2,7 @@
 own statistics (Triton's statistics extension) read before and after each run, so that the report shows the server's
 counts agreeing with the client's.
 
-    python -m bench.perf_analyzer --http 127.0.0.1:8000 --grpc 127.0.0.1:8001 --out bench/results
+    python -m bench.serve.perf_analyzer --http 127.0.0.1:8000 --grpc 127.0.0.1:8001 --out bench/results
 
 needs a fusedserve serving the model on both ports (`fusedserve serve --grpc-port 8001`) and perf_analyzer on the
 PATH (or beside this Python); its wheel's binary needs glibc 2.38 or newer, so it runs on the GPU host, not in CI.
@@ -341,7 +341,7 @@ def _ms(us: float | None) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 every run passed its checks, 1 a run failed or disagreed, 2 perf_analyzer does not run here."""
     p = argparse.ArgumentParser(
-        prog="python -m bench.perf_analyzer",
+        prog="python -m bench.serve.perf_analyzer",
         description=__doc__.splitlines()[0],
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
