@@ -48,7 +48,7 @@ DEFAULT_POD_GRACE_S = 30  # a pod's terminationGracePeriodSeconds when it sets n
 # service/supervisor.py's _stop: a front end still alive at the deadline is killed and joined for 1 s more.
 KILL_JOIN_S = 1.0
 
-PREFIX_CORE = {"v1", "apps/v1", "autoscaling/v2"}  # what kubernetes-validate has schemas for, among ours
+CORE_API_VERSIONS = {"v1", "apps/v1", "autoscaling/v2"}  # what kubernetes-validate has schemas for, among ours
 
 # Field names of the custom resources, from their APIs' Go types (json tags):
 # KServe pkg/apis/serving/v1alpha1/servingruntime_types.go: ServingRuntimeSpec with ServingRuntimePodSpec inline.
@@ -247,7 +247,7 @@ def test_every_manifest_is_rendered_or_standalone():
 @pytest.mark.parametrize("name", ["base", *OVERLAYS])
 def test_core_objects_validate_against_the_kubernetes_schemas(name):
     objects = variant(name)
-    core = [o for o in objects if o["apiVersion"] in PREFIX_CORE]
+    core = [o for o in objects if o["apiVersion"] in CORE_API_VERSIONS]
     assert {o["kind"] for o in core} >= {"Namespace", "ConfigMap", "Service", "Deployment"}
     for obj in core:
         validate_core(obj)
