@@ -102,6 +102,19 @@ def _op_for(module: nn.Module, index: int, tensors: dict[str, torch.Tensor]) -> 
     )
 
 
+def write_model(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write config.json (each op on one line, for reading) and model.safetensors (float32 as given, 0644)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    st = out / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(st), metadata={"format": "pt"})
+    st.chmod(0o644)  # safetensors creates the file 0600
+    top = [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in config.items() if k != "ops"]
+    ops = ",\n".join(f"    {json.dumps(op)}" for op in config["ops"])
+    (out / "config.json").write_text("{\n" + "\n".join(top) + f'\n  "ops": [\n{ops}\n  ]\n}}\n')
+    return out
+
+
 def export_sequential(
     model: nn.Sequential,
     out_dir: str | Path,
