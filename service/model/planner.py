@@ -452,3 +452,23 @@ def step_ops(step: Step) -> list[str]:
     if pool is not None:
         parts.append(f"{pool.kind}pool2d")
     return parts
+
+
+def step_extras(step: LinearStep | Conv2dStep) -> dict:
+    """What a conv or linear step fuses beyond the format-1 ops, for `GET /model`'s plan ({} for none)."""
+    out: dict = {}
+    if step.batchnorm is not None:
+        out["batchnorm"] = True
+    if step.residual is not None:
+        out["residual"] = step.residual
+    if getattr(step, "groups", 1) != 1:
+        out["groups"] = step.groups
+    return out
+
+
+def describe_step(step: Step) -> dict:
+    """A step of the graph-only kinds (add, batchnorm, concat, softmax) for `GET /model`'s plan."""
+    doc: dict = {"op": step_ops(step)[0], "inputs": list(step.inputs)}
+    if isinstance(step, AddStep):
+        doc["activation"] = step.activation
+    return doc
