@@ -71,8 +71,9 @@ def _onnx():
 
 
 @dataclass
-class _Graph:
-    """What the importer has built so far: ops (format-2 dicts), tensors, per-row shapes of data tensors."""
+class GraphBuilder:
+    """What an importer has built so far: ops (format-2 dicts), tensors, per-row shapes of data tensors (this one's
+    and torch_import.py's)."""
 
     ops: list[dict] = field(default_factory=list)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -181,7 +182,7 @@ class _Importer:
         for init in graph.initializer:
             self.consts[init.name] = onnx.numpy_helper.to_array(init)
         self.alias: dict[str, str] = {}
-        self.g = _Graph()
+        self.g = GraphBuilder()
 
     def refuse(self, node, index: int, why: str):
         raise _Refused(f"{self.path}: node {_node_label(node, index)} ({node.op_type}): {why}")
@@ -312,7 +313,7 @@ class _Importer:
 
     # ---- the walk ----
 
-    def run(self) -> _Graph:
+    def run(self) -> GraphBuilder:
         self.input_name, self.input_shape, _ = self._input()
         outputs = list(self.graph.output)
         if len(outputs) != 1:
