@@ -31,7 +31,9 @@ class Settings(BaseSettings):
     device: Literal["auto", "cuda", "cpu"] = Field(
         "auto", description="auto picks cuda when present; fused on cpu runs Triton's interpreter (slow)"
     )
-    model: str = Field("digits-mlp", description="a model name under model_dir, or a path to a model directory")
+    model: str = Field(
+        "digits-mlp", description="a model name under model_dir, or a path to a model directory or an .onnx file"
+    )
     model_dir: Path = Field(
         DEFAULT_MODEL_DIR,
         description="where model names are looked up (left at its default where the working directory has none: "
@@ -189,7 +191,7 @@ class Settings(BaseSettings):
         model_dir that was set is taken as given, so a typo in it is reported, not papered over.
         """
         given = Path(self.model)
-        if given.is_dir():
+        if given.is_dir() or given.is_file():  # a file: an .onnx model, imported at load
             return given
         base = self.model_dir
         if base == DEFAULT_MODEL_DIR and not base.exists() and PACKAGE_MODEL_DIR.is_dir():

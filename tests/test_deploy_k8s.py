@@ -27,7 +27,7 @@ from service.frontend import routes
 from service.frontend.app import DRAIN_MAX_S
 from service.metrics import EngineMetrics, RequestMetrics
 from service.model.loader import load_model
-from service.model.spec import FORMAT
+from service.model.spec import FORMAT, FORMAT_V2
 from service.supervisor import ENGINE_STOP_MIN_S
 from tests.binaries import find_binary, require_binary
 from tests.test_deploy_static import dockerfile_env, dockerfile_instructions, final_stage, require_promtool
@@ -468,8 +468,8 @@ def test_serving_runtime_fields_and_formats():
     for f in formats:
         assert set(f) <= SUPPORTED_MODEL_FORMAT, f
     # The format service/model/spec.py reads, at its version. ONNX is claimed only once the server loads it.
-    _, version = FORMAT.rsplit("/", 1)
-    assert {(f["name"], f["version"]) for f in formats} >= {("fusedserve", version)}
+    versions = {("fusedserve", f.rsplit("/", 1)[1]) for f in (FORMAT, FORMAT_V2)}
+    assert {(f["name"], f["version"]) for f in formats} >= versions
     loads_onnx = any("import onnx" in p.read_text() for p in (REPO / "service").rglob("*.py"))
     assert ("onnx" in {f["name"] for f in formats}) == loads_onnx, "supportedModelFormats vs what loads"
     validate_containers(spec["containers"], "servingruntime")

@@ -155,7 +155,9 @@ def _parse(state: FrontendState, request) -> tuple[np.ndarray, list[str]]:
         name = t.dtype_name(dtype)
         if name == "FP16":
             raise InputError(400, f"input {t.INPUT!r} is FP16: FP16 travels only in raw_input_contents")
-        values = contents.fp32_contents if name == "FP32" else contents.fp64_contents
+        values = {"FP32": contents.fp32_contents, "FP64": contents.fp64_contents, "UINT8": contents.uint_contents}[name]
+        if name == "UINT8" and values and max(values) > 255:
+            raise InputError(400, f"input {t.INPUT!r} is UINT8: its uint_contents must be 0..255")
         if not values:
             raise InputError(400, f"input {t.INPUT!r} has no {name.lower()}_contents and no raw_input_contents")
         rows = t.rows_from_buffer(model, np.asarray(values, dtype=dtype).tobytes(), dtype, shape)
