@@ -1,4 +1,5 @@
-"""Shared pytest set-up: the `gpu` marker skips cleanly where CUDA is absent; every test gets a seed derived from its
+"""Shared pytest set-up: the `gpu` marker skips cleanly where CUDA is absent; the kernels' every-candidate sweeps are
+marked `sweep` and run longest first (tests/sweeps.py); every test gets a seed derived from its
 id, printed when it fails (tests/seeding.py: replay one with FUSEDSERVE_TEST_SEED=N); what real servers logged
 during a test is printed after it (pytest shows it when the test failed)."""
 
@@ -15,11 +16,14 @@ from tests.seeding import (  # noqa: F401  (hooks and an autouse fixture, regist
     pytest_runtest_makereport,
 )
 from tests.server import dump_new_logs
+from tests.sweeps import mark_and_order
 
 HAS_CUDA = torch.cuda.is_available()
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: `-m sweep` must see the marker
 def pytest_collection_modifyitems(config, items):
+    mark_and_order(items)  # the every-candidate sweeps: marked `sweep`, longest first (tests/sweeps.py)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs CUDA: run on the lent GPU (see ../shared/gpu/README.md)")
