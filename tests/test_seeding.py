@@ -58,7 +58,8 @@ def run_tiny(tmp_path: Path, *args: str, hashseed: str, seed: str | None = None)
     (tmp_path / "test_tiny.py").write_text(TINY)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     env = {k: v for k, v in os.environ.items() if k != SEED_ENV}
-    env.update(PYTHONHASHSEED=hashseed, PYTHONPATH=str(ROOT), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env.update(PYTHONHASHSEED=hashseed, PYTHONPATH=path, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     if seed is not None:
         env[SEED_ENV] = seed
     cmd = [sys.executable, "-m", "pytest", "-p", "tests.seeding", "-p", "no:cacheprovider", "-s"]
