@@ -2,7 +2,8 @@
 # The test suite on a GPU host, in parts that each finish well inside one 600 s device call (issue 37).
 #
 #   bash tests/gpu_suite.sh PART            on the GPU host (after the wheel prologue of ../shared/gpu/README.md)
-#   bash tests/gpu_suite.sh record DIR...   here: the parts' files, fetched into DIR..., into one record per GPU
+#   bash tests/gpu_suite.sh record DIR...   here: the parts' files, fetched into DIR..., into one record per GPU,
+#                                           bench/results/<gpu>/gpu_tests_<gpu>.txt (bench/README.md's index has it)
 #
 # PART       what                                                                           expected (cold caches,
 #                                                                                           16 workers, H100/H200)
@@ -10,13 +11,13 @@
 #            sets by name on tests/test_kernels_*.py (227 tests), the longest first             test ~230 s (pool's)
 # kernels-b  every other test of tests/test_kernels_*.py, test_launch, test_pdl, test_tuning    ~150-250 s
 #            (1,436 tests; 588 of them gpu-marked, the rest run compiled on CUDA too)
-# service    the rest of tests/ (1,751: model format, executors, graphs, the service end to      ~150-250 s, then
+# service    the rest of tests/ (1,760: model format, executors, graphs, the service end to      ~150-250 s, then
 #            end, v2, bench), then the `gpu_timing` tests alone, one at a time                  ~30-90 s
 # two-gpu    test_multiprocess.py's two-GPU test, on a host of two GPUs (nvidia-h100-x2 or      ~60-120 s
 #            nvidia-h200-x2; it skips below two)
 # all        kernels-a, kernels-b, service in order, and their record: ~12-15 min, so only where one command may
 #            run that long (not in the lent machines' 600 s calls)
-# The estimates come from the single-run logs in bench/results/gpu_tests_*.txt (the whole suite, cut off at 390 s
+# The estimates come from the single-run logs in bench/results/<gpu>/gpu_tests_*.txt (the whole suite, cut off at 390 s
 # on an H100 with ~50 sweeps unreached; 611 kernel tests in 282 s on an H200; pool's sweep 226 s alone).
 #
 # Each part runs under `timeout -s INT` (PART_LIMIT, default 510 s, then SIGKILL 20 s later; in `service` the
@@ -73,7 +74,7 @@ if [[ $part == record ]]; then
   gpu=$(sed -n 's/^# gpu: \([^ ]*\).*/\1/p' "${files[0]}" | head -n 1)
   [[ -n $gpu ]] || { echo "${files[0]}: no '# gpu:' line" >&2; exit 2; }
   mkdir -p "bench/results/$gpu"
-  record "bench/results/$gpu/gpu_tests.txt" "${files[@]}"
+  record "bench/results/$gpu/gpu_tests_$gpu.txt" "${files[@]}"
   exit $?
 fi
 
@@ -96,8 +97,8 @@ common=(-v -rfE --tb=short -p no:cacheprovider --durations=30 --durations-min=5)
 # One test at a time per worker beyond the first two (tests/sweeps.py): a long sweep never queues behind another.
 spread=(-n "$xdist" --dist load --maxschedchunk 1)
 
-gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
-gpu=$(echo "${gpu_name:-none}" | sed -E 's/^NVIDIA //; s/[ -].*//' | tr '[:upper:]' '[:lower:]')
+# The GPU's short name as every benchmark writes it (bench/gpu.py): 'NVIDIA H100 80GB HBM3' -> h100, no GPU -> cpu
+read -r gpu gpu_name < <(python3 -c "from bench.gpu import gpu_name, slug_of; n = gpu_name(); print(slug_of(n), n)")
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
 header() {  # header FILE PART
@@ -200,6 +201,6 @@ for p in "${parts[@]}"; do run_part "$p" "$@"; done
 for p in "${parts[@]}"; do grep -h '^# summary ' "$out/gpu_tests_$p.txt"; done
 if [[ $part == all ]]; then
   record "$out/gpu_tests.txt" "$out"/gpu_tests_{kernels-a,kernels-b,service}.txt > /dev/null
-  echo "record: $out/gpu_tests.txt (for bench/results/$gpu/gpu_tests.txt)"
+  echo "record: $out/gpu_tests.txt (for bench/results/$gpu/gpu_tests_$gpu.txt)"
 fi
 exit $status

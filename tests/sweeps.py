@@ -21,7 +21,7 @@ import pytest
 SWEEP_NAME = re.compile(r"every_candidate|every_\w*config|each_\w*config|_for_sm90")
 SWEEP_FILE = re.compile(r"(^|/)tests/test_kernels_\w+\.py$")
 
-# Seconds, cold Triton cache, 16 xdist workers on a 16-core H100 / H200 host (bench/results/gpu_tests_*.txt);
+# Seconds, cold Triton cache, 16 xdist workers on a 16-core H100 / H200 host (bench/results/<gpu>/gpu_tests_*.txt);
 # the first entry whose text is in a test's node id gives its estimate. Only the order depends on them.
 ESTIMATED_S = [
     ("test_kernels_pool.py::test_gpu_every_candidate", 226),

@@ -3,7 +3,7 @@ input, and both K loops (FLAT_K=1: k over all C * KH * KW; FLAT_K=0: one tap at 
 a fused pool, through the public launcher, against the float64 reference.
 
 Why a matrix: on an H100 the compiled kernel without a bias gave wrong outputs for NHWC input with the per-tap
-K loop only; every other corner was right (bench/results/gpu_tests_h100.txt). The older tests covered those
+K loop only; every other corner was right (bench/results/h100/gpu_tests_h100.txt). The older tests covered those
 switches in pairs, never all three at once.
 
 How the K loop is forced: under the interpreter (CPU), `kernels.conv.interpreter_flat_k` and the small tile
