@@ -11,7 +11,7 @@
 #            sets by name on tests/test_kernels_*.py (227 tests), the longest first             test ~230 s (pool's)
 # kernels-b  every other test of tests/test_kernels_*.py, test_launch, test_pdl, test_tuning    ~150-250 s
 #            (1,436 tests; 588 of them gpu-marked, the rest run compiled on CUDA too)
-# service    the rest of tests/ (1,760: model format, executors, graphs, the service end to      ~150-250 s, then
+# service    the rest of tests/ (1,828: model format, executors, graphs, the service end to      ~150-250 s, then
 #            end, v2, bench), then the `gpu_timing` tests alone, one at a time                  ~30-90 s
 # two-gpu    test_multiprocess.py's two-GPU test, on a host of two GPUs (nvidia-h100-x2 or      ~60-120 s
 #            nvidia-h200-x2; it skips below two)
