@@ -79,6 +79,8 @@ def engine_devices(settings: Settings, device_type: str) -> list[str | None]:
     count = torch.cuda.device_count()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [v.strip() for v in visible.split(",") if v.strip()][:count] if visible else [str(i) for i in range(count)]
+    if not ids:  # else no engine at all, or a modulo by zero below
+        raise StartError(f"no CUDA device visible (torch sees {count}; CUDA_VISIBLE_DEVICES={visible!r})")
     n = settings.engines or len(ids)
     return [ids[i % len(ids)] for i in range(n)]
 
