@@ -93,6 +93,7 @@ KINDS = {
     "help": rf"^{FUSEDSERVE} [\w -]*--help$",
     "serve": rf"^{_ENV}{FUSEDSERVE} serve(?: .*)?$",
     "check-model": rf"^{FUSEDSERVE} check-model \S+$",
+    "import": rf"^{FUSEDSERVE} import \S+\.onnx \S+(?: --name \S+)?$",
     "docs": rf"^{FUSEDSERVE} docs(?: --check)?$",
     "bench-smoke": rf"^{FUSEDSERVE} bench kernels --device cpu --quick --out \S+$",
     "gpu": rf"^(?:{_ENV}bash bench/gpu_session\.sh.*|{FUSEDSERVE} bench (?:kernels|serve|pool|soak)"
@@ -318,12 +319,15 @@ def test_help_commands(tmp_path):
 
 
 def test_export_snippet_and_check_model_commands(tmp_path):
-    """The README's export snippet runs as written (in an empty directory), and each check-model
-    command there then validates its model and prints the fused plan."""
+    """The README's export snippet runs as written (in an empty directory), its import commands write model
+    directories, and each check-model command there then validates its model and prints the fused plan."""
     (snippet,) = [b for b in _blocks(README, "python") if "export_sequential" in b]
     (tmp_path / "model_weights").symlink_to(REPO / "model_weights")
     res = _run([sys.executable, "-c", snippet], tmp_path)
     assert res.returncode == 0, res.stderr
+    for cmd in _commands("import"):  # before check-model, which reads what they write
+        res = _run(_fusedserve_argv(cmd), tmp_path)
+        assert res.returncode == 0, f"{cmd}:\n{res.stdout}{res.stderr}"
     for cmd in _commands("check-model"):
         res = _run(_fusedserve_argv(cmd), tmp_path)
         assert res.returncode == 0 and "fused plan" in res.stdout, f"{cmd}:\n{res.stdout}{res.stderr}"
