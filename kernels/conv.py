@@ -331,8 +331,8 @@ def cuda_configs(
                 # 64x128x64 on 4 warps spilled (224 bytes, fp16, taps, NCHW x: 128 -> 128 at 8x8); on 8 it did not
                 out.append(cfg(8 if (bm, bn, bk) == (64, 128, 64) else warps, stages, bm, bn, bk, flat))
     if C >= 128 and element_size == 2 and not pooled:
-        # Wide fp16/bf16 layers: a quarter of the K steps (128 -> 128 channels at 8x8, 32 images, took 18 us hot
-        # on an H100 in 36 steps of 32 channels, cuDNN 8; bench/results/kernels_h100.md). fp32 spilled (96 bytes).
+        # Wide fp16/bf16 layers: 128-channel K steps, a quarter as many as 32-channel ones (docs/performance.md,
+        # "CNNs"). fp32 spilled (96 bytes).
         out.append(cfg(8, 3, 64, bn, 128, 0))
     if triton.cdiv(bucket, 64) * triton.cdiv(OC, bn) < sms:
         split = split_for(64, bn, ks[0], flats[-1])
@@ -358,9 +358,9 @@ _workspaces: dict[torch.device, SplitKWorkspace] = {}
 
 
 def _zeros_for(weight: torch.Tensor) -> torch.Tensor:
-    """A zero bias for a CUDA layer without one: the kernel's HAS_BIAS=False variant gives wrong outputs with NHWC
-    input and FLAT_K=0 on an H100 (triton 3.6; tests/test_kernels_conv.py, test_gpu_shapes_layouts_and_no_bias,
-    bench/results/gpu_tests_h100.txt). Loading OC zeros costs a program one small read."""
+    """A zero bias for a CUDA layer without one: compiled, the kernel's HAS_BIAS=False variant gives wrong outputs
+    with NHWC input and FLAT_K=0 (triton 3.6; tests/test_kernels_conv.py, test_gpu_shapes_layouts_and_no_bias;
+    docs/performance.md). Loading OC zeros costs a program one small read."""
     key = (weight.shape[0], weight.dtype, weight.device)
     zeros = _zero_bias.get(key)
     if zeros is None:
@@ -397,8 +397,8 @@ def fused_conv2d(
 
     memory_format: of the returned tensor (when `out` is None), torch.contiguous_format or torch.channels_last;
     None: torch's rule above. A CNN reads NCHW and writes channels_last, keeps channels_last between its convs
-    and pools (2x faster at 256 images of 64 -> 64 channels at 32x32 on an H100: bench/results/probe_conv_h100.txt),
-    and writes NCHW again before its flatten.
+    and pools (2x faster at 256 images of 64 -> 64 channels at 32x32; docs/performance.md, "CNNs"), and writes
+    NCHW again before its flatten.
     """
     _check(x, weight, bias, activation)
     s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")

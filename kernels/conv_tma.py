@@ -16,8 +16,8 @@ window), so the conv output never goes to memory. y is stored by TMA as an NHWC 
 
 The descriptors are made on the host, per call, and passed as kernel parameters: made by each program instead
 (tl.make_tensor_descriptor, 3 x 128 bytes written and fenced before the first copy) the 64 -> 64 conv at 32x32
-over 256 images took 76.5 us against 62.5 (cold, H100; bench/results/probe_conv_tma_h100.txt). Inside a CUDA graph
-(the service) the host's part is paid once, at capture.
+over 256 images took 76.5 us against 62.5 (docs/performance.md, "CNNs"). Inside a CUDA graph (the service) the
+host's part is paid once, at capture.
 
 Stride 1 only: a strided conv's inputs for a box of outputs are not a box of x. C and OC must make 16-byte rows
 (C * element size a multiple of 16) for the descriptors; C need not be a multiple of BLOCK_K: past C the x box is
@@ -106,8 +106,8 @@ def _conv2d_tma_kernel(
     if PDL:
         # The next layer may start once every program is here. Not first thing, as the other kernels do: the next
         # layer's programs would take SM slots and shared memory while later waves of this grid still wait for
-        # them (64 -> 64 channels at 32x32, 32 images: 19.9 us a replay back to back with PDL, 12.8 without,
-        # H100; bench/results/probe_conv_tma_h100.txt).
+        # them (64 -> 64 channels at 32x32, 32 images: 19.9 us a replay back to back against 13.4 alone;
+        # docs/performance.md, "CNNs").
         gdc_launch_dependents()
 
     cols = o0 + tl.arange(0, BLOCK_N)
@@ -181,8 +181,8 @@ def cuda_configs(bucket: int, OC: int, C: int, OH: int, OW: int, pool=(1, 1), el
 
     128-byte K steps (fp16 BLOCK_K 64, fp32 32) get 2 stages only in tiles of 128 pixels or 128 channels
     (`racy_stages`): with 3 or 4, under triton 3.6, such tiles give wrong outputs in some runs (up to all 100 of 100)
-    once the grid runs more than one wave, on the H100 and the H200 alike; every config offered here was right in
-    100 of 100 on the same layers (bench/results/probe_conv_tma_race_h200.txt, docs/performance.md)."""
+    once the grid runs more than one wave, on every Hopper GPU tried; every config offered here was right in 100 of
+    100 on the same layers (docs/performance.md, "CNNs"; probe conv_tma_race)."""
     full = max(16, min(128, triton.next_power_of_2(OC)))
     bns = sorted({full, 64} if full >= 128 else {full})
     widest = 64 if element_size <= 2 else 32

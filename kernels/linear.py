@@ -72,7 +72,7 @@ def _linear_kernel(
     # Rows and columns past the edge read the last one (clamped) so loads need no mask; they compute
     # throw-away values that the masked store below never writes. A clamp is one instruction, a `% M`
     # wrap an integer division per element: with the early bias load below, 1024^3 fp16 runs as fast as
-    # a bare tile loop (10.8 us, H200 cold; bench/results/probe_linear_1024_h200.txt).
+    # a bare tile loop (docs/performance.md, "How each case is served").
     offs_m = tl.minimum(rows, M - 1)
     offs_n = tl.minimum(cols, N - 1)
     if HAS_BIAS:
@@ -98,7 +98,7 @@ def _linear_kernel(
         w_step = w_tile + k * BLOCK_K * stride_wk
         # The mask must read `arange < scalar`: Triton then sees it constant over 16-element runs (K % 16
         # == 0) and issues 16-byte cp.async copies. Written as `scalar - arange > 0` it cannot, and every
-        # load becomes a 2-byte one with no pipelining: 4x slower than cuBLAS at 4096^3 (H200).
+        # load becomes a 2-byte one with no pipelining: 4x slower than cuBLAS at 4096^3.
         k_left = K - k * BLOCK_K
         a = tl.load(x_step, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(w_step, mask=offs_k[:, None] < k_left, other=0.0)
@@ -128,7 +128,7 @@ def _linear_kernel(
 def pipeline_shared_memory(config: LaunchConfig, element_size: int) -> int:
     """Shared memory the software pipeline takes for the x and W tiles. Tiles of 64+ rows run Hopper's
     warpgroup MMA, whose pipeline keeps num_stages buffers of each; smaller ones keep num_stages - 1.
-    Both measured on an H200: 128x256x64 fp32 at 3 stages asked for 294,912 B = 3 x (128*64 + 64*256) x 4;
+    Both as Triton's compile for sm_90 asks: 128x256x64 fp32 at 3 stages for 294,912 B = 3 x (128*64 + 64*256) x 4;
     16x64x256 fp32 at 4 stages for 245,760 B = 3 x (16*256 + 256*64) x 4."""
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     buffers = config.num_stages if bm >= 64 else max(1, config.num_stages - 1)
@@ -173,7 +173,7 @@ def cuda_configs(
         return LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split)
 
     # Each candidate is a compile (~1 s) and a timing the first time a shape is tuned, so the lists are
-    # short: the winners of wider sweeps on an H200 (docs/performance.md) and their neighbours.
+    # short: the winners of wider sweeps (docs/performance.md) and their neighbours.
     configs = []
     if bucket <= 16:
         for bn in (32, 64):
@@ -189,9 +189,8 @@ def cuda_configs(
                     configs.append(cfg(bm, bn, 64, 4, 4, split_for(bn, 64)))
         # Still weight streams (32x4096x4096 fp16: 32 MB for 1 GFLOP), which the 64-deep K steps above feed in
         # small loads: 32-row tiles with 128- and 256-deep steps, split so that every SM streams, as the
-        # 16-row tiles of smaller batches do. On an H100 the best of the list above took 11.6 us hot for the
-        # wide MLP's 4096x4096 layer at batch 32, against 10.5 for the 16-row tiles at batch 16
-        # (bench/results/probe_tuner_picks_h100.txt, kernels_h100.md).
+        # 16-row tiles of smaller batches do (without them the wide MLP's 4096x4096 layer took longer at batch
+        # 32 than at 16: docs/performance.md).
         for bn in (32, 64):
             for bk in (128, 256):
                 configs.append(cfg(32, bn, bk, 4, 3, split_for(bn, bk, 32)))
@@ -202,9 +201,9 @@ def cuda_configs(
             cfg(128, 128, 64, 4, 4),
             cfg(64, 128, 64, 4, 4),
             cfg(64, 64, 64, 4, 4),  # small GEMMs (64x256x128: 4 tiles of 32x64) want more programs
-            # Deeper pipelines for 64x128, the 1024^3 tile (128 programs): fastest in a 57-config sweep at
-            # 1024^3 on an H200 (bench/results/probe_linear_1024_h200.txt: 64x128x64 at 5-6 stages, 64x128x128
-            # at 4). Each is left out below where its stages do not fit in shared memory (fp32 for the first two).
+            # Deeper pipelines for 64x128, the 1024^3 tile (128 programs): the fastest of a sweep of depths and
+            # K steps at 1024^3 (docs/performance.md). Each is left out below where its stages do not fit in
+            # shared memory (fp32 for the first two).
             cfg(64, 128, 128, 4, 4),
             cfg(64, 128, 64, 4, 6),
         ]
@@ -212,26 +211,24 @@ def cuda_configs(
             configs.append(cfg(64, 128, 32, 4, 6))
         # 128x128 tiles split along K to fill one wave: only with 16+ K steps per split (256x4096x4096: 64
         # tiles for 132 SMs), where each program streams long enough to pay for the partials' round trip.
-        # With 8 (1024^3) they lose: 17.4 us against 11.6 for 64x128x64 (H200, cold).
+        # With 8 (1024^3) they lose: 17.4 us against 11.6 for 64x128x64 (docs/performance.md, "Tried and lost").
         split = wave_split(triton.cdiv(bucket, 128) * triton.cdiv(N, 128))
         if split > 1:
             configs += [cfg(128, 128, 64, 8, 3, split), cfg(128, 128, 64, 4, 4, split)]
         # The same for 64x128 tiles: 256x1024x4096 (the wide MLP's last layer at batch 256) has 32 of them, each
-        # 64 K steps long; unsplit, the best candidate took 14.2 us hot on an H100, 4x its 4096-wide layer's
-        # share (bench/results/probe_tuner_picks_h100.txt).
+        # 64 K steps long; unsplit, the best candidate took 14.2 us hot for 2.1 GFLOP (docs/performance.md).
         split = wave_split(triton.cdiv(bucket, 64) * triton.cdiv(N, 128))
         if split > 1:
             configs += [cfg(64, 128, 64, 4, 4, split), cfg(64, 128, 128, 4, 4, split)]
         # And for 64x64 tiles: twice the tiles, so half the split (that last layer: 64 tiles split 2 ways, 16 K
-        # steps of 128 each). Best hot of 163 configs in a sweep of every tile, depth and split on an H200:
-        # 10.4 us against 11.8 for 64x128 split 4 and 10.8 for cuBLASLt; the forward 37.4 us against 39.4
-        # (bench/results/probe_wide_layers_h200.txt).
+        # steps of 128 each). The fastest hot in a sweep of every tile, depth and split: 10.4 us against 11.8 for
+        # 64x128 split 4 (docs/performance.md, "The wide MLP's last layer at batch 256").
         split = wave_split(triton.cdiv(bucket, 64) * triton.cdiv(N, 64))
         if split > 1:
             configs.append(cfg(64, 64, 128, 4, 4, split))
     if triton.cdiv(bucket, 64) * triton.cdiv(N, 64) < sms and bucket > 16:
         # A GEMM of fewer 64x64 tiles than SMs: 16x32 tiles, one program per 512 outputs, so loads go out
-        # from many SMs at once (64x256x128 fp16: 6.7 us cold on an H200 against 7.1 for 64x64 tiles).
+        # from many SMs at once (64x256x128 fp16: 6.7 us cold against 7.1 for 64x64 tiles; docs/performance.md).
         configs += [cfg(16, 32, 64, 4, 4), cfg(16, 32, 256, 4, 2), cfg(16, 64, 256, 4, 2)]
     if bucket == 1:
         configs += gemv.cuda_configs(N, K, sms)  # CUDA cores, no 16-row padding: see linear_gemv.py
@@ -365,7 +362,7 @@ class FusedLinear:
         # Direct path, once this bucket's kernel is compiled: one cheap test for everything _check_x would
         # reject (it runs, and names the problem, whenever this test fails), one lookup of the batch size's
         # launch record, the output, the launch. The Python around a launch is most of a small layer's
-        # wall time (64x256x128 fp16 on an H200: ~3 us of GPU work, 9.3 us per call on this path).
+        # wall time (64x256x128 fp16: 9.3 us per call on this path, for ~3 us of GPU work; docs/performance.md).
         if self.direct and plain_rows(x, w.dtype, w.device, K) and (x_ptr := x.data_ptr()) % 16 == 0:
             M = x.shape[0]
             fast = None

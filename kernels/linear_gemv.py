@@ -5,9 +5,9 @@ in flight, not FLOPs. linear.py's kernel pads the row to a 16-row MMA tile (tl.d
 one drops the MMA: each program multiplies a (BLOCK_N, BLOCK_K) tile of W by a BLOCK_K slice of x
 elementwise into an fp32 tile and reduces it once, at the end, so its registers hold loads in flight
 rather than an MMA tile that is 15/16 padding; split-K (shared with linear.py) spreads K over more
-programs so every SM streams. 1x4096x4096 fp16 takes 14.0 us cold on an H200 against 16.7 for
-cuBLASLt's epilogue (bench/results/kernels_h200.md). Each program loads its first W tile before it reads
-x: launched with PDL (pdl.py) that load is in flight while the previous layer finishes.
+programs so every SM streams. 1x4096x4096 fp16 takes 14.0 us cold against 16.7 for cuBLASLt's epilogue
+(docs/performance.md). Each program loads its first W tile before it reads x: launched with PDL (pdl.py)
+that load is in flight while the previous layer finishes.
 
 Its launch signature is linear.py's kernel's, argument for argument (BLOCK_M is always 1; GROUP_M,
 INPUT_PRECISION and UPCAST_DOT are accepted and unused: products are formed in fp32 whatever the dtype),
@@ -106,12 +106,11 @@ def is_gemv(config: LaunchConfig) -> bool:
 
 def cuda_configs(N: int, K: int, sms: int) -> list[LaunchConfig]:
     """Candidates for one-row batches: W tiles of 16 KB (fp16) per K step in three shapes over 4 warps and
-    one of 32 KB over 8, each split along K until about two programs per SM: the four fastest of a 38-config
-    sweep on an H200 (bench/results/probe_linear_gemv_h200.txt; 8x1024 wins at 1x4096x4096 and
-    1x1024x4096, 8x2048 over 8 warps at 1x4096x1024). Splitting for four programs per SM is slower
-    everywhere (21.8 against 19.5 us for 16x512). One stage: Triton pipelines only loads that feed an MMA,
-    so stages change nothing here (sm_90 compile: the same code). GEMV=1 marks these among the tuner's
-    candidates (and in its cache file)."""
+    one of 32 KB over 8, each split along K until about two programs per SM: the four fastest of a sweep of
+    GEMV tiles (docs/performance.md). Splitting for four programs per SM is slower everywhere (21.8 against
+    19.5 us for 16x512; docs/performance.md, "Tried and lost"). One stage: Triton pipelines only loads that
+    feed an MMA, so stages change nothing here (sm_90 compile: the same code). GEMV=1 marks these among the
+    tuner's candidates (and in its cache file)."""
     configs = []
     for bn, bk, warps in ((8, 1024, 4), (16, 512, 4), (32, 256, 4), (8, 2048, 8)):
         tiles, split = triton.cdiv(N, bn), 1

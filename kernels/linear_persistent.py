@@ -1,13 +1,12 @@
 """GEMM + bias + activation as a persistent kernel fed by TMA (Hopper's tensor memory accelerator).
 
-For the big GEMMs, where the pointer-based kernel of linear.py trails cuBLAS on an H200. It has what
-cuBLAS has and that kernel lacks: TMA copies (one instruction per tile, no address math in the main loop,
-no registers held for in-flight loads) and a persistent grid (one program per SM walking the tiles, so
-the next tile's loads overlap this tile's epilogue). Cold graph replay, fp16, H200
-(bench/results/probe_linear_tma_h200.txt): 4096^3 200.6 us against 267.9 for linear.py's kernel and
-204.0 for cuBLASLt. With fewer tiles than SMs it is slower than linear.py's kernel (1024^3: 15.4 against
-12.4 us), so FusedLinear offers its configs to the tuner only for GEMMs of at least one 128x128 tile per
-SM (`offered`).
+For the big GEMMs, where the pointer-based kernel of linear.py trails cuBLAS. It has what cuBLAS has and
+that kernel lacks: TMA copies (one instruction per tile, no address math in the main loop, no registers
+held for in-flight loads) and a persistent grid (one program per SM walking the tiles, so the next tile's
+loads overlap this tile's epilogue): 4096^3 fp16 in 200.6 us cold against 267.9 for linear.py's kernel
+(docs/performance.md). With fewer tiles than SMs it is slower than linear.py's kernel (1024^3), so
+FusedLinear offers its configs to the tuner only for GEMMs of at least one 128x128 tile per SM
+(`offered`).
 
 TMA needs 16-byte aligned row strides: K * element size and N * element size multiples of 16
 (`tma_eligible`). Edges need no masks: TMA loads fill rows and columns past the tensor with zeros and

@@ -200,8 +200,8 @@ def _mlp_kernel(
         # A narrow first layer (digits MLP: 64 -> 256, 32 KB in fp16) whole in every program, then the split
         # of the pair after it: each program takes 1/SPLIT of layer 1's outputs and that slice's share of
         # layer 2's pre-activation, so what is left after the programs meet is a P3-wide sum (16 for the
-        # digits MLP, against 256 without LEAD) and no more weights (bench/results/probe_mlp_split_h200.txt:
-        # the tuner's pick at every batch bucket up to 256 on an H200).
+        # digits MLP, against 256 without LEAD) and no more weights (the tuner's pick at every batch bucket up
+        # to 256: docs/performance.md, "Narrow MLPs: one kernel").
         MODE_S: tl.constexpr = M1  # the split step: layer 1's; if a pair, layer 2's bias and act follow the sum
         P_OUT0: tl.constexpr = P3 if M1 == 1 else P2
         B_AT: tl.constexpr = P1 + P2
@@ -212,7 +212,7 @@ def _mlp_kernel(
                       PRECISION, UPCAST, ROUND_BF16, SPLIT, tl.program_id(0) % SPLIT)  # fmt: skip
     else:
         # Small batches: one program alone streams every weight through one SM (digits MLP: 172 KB, ~5 us
-        # even from L2, H200). Here SPLIT programs per row block share the first step (a pair's hidden
+        # even from L2). Here SPLIT programs per row block share the first step (a pair's hidden
         # chunks are a split of layer B's K), each streaming 1/SPLIT of its weights; each stores its fp32
         # share, and the last to arrive sums the shares in a fixed order (deterministic) and runs the rest
         # of the network alone, as linear.py's split-K: barrier, then an acq_rel arrival on a counter that
@@ -322,7 +322,7 @@ def cuda_configs(
 ) -> list[LaunchConfig]:
     """BLOCK_M from 16 (batch 1-16 fills one MMA tile) to 64. BLOCK_N sets the hidden chunk: each chunk
     is a dependent step (wait for its weights, two MMAs, an epilogue), so wide chunks mean fewer steps
-    (digits MLP at BLOCK_N 32: 8 + 1 steps, ~10 us on an H200). 8 warps split the
+    (digits MLP at BLOCK_N 32: 8 + 1 steps). 8 warps split the
     second MMA's 256 output columns further. Configs over the shared-memory limit fail and are skipped.
 
     `hidden`: the padded output width of the first layer. Up to 64 row blocks (bucket <= 1024 at BLOCK_M
@@ -333,7 +333,7 @@ def cuda_configs(
 
     `lead_hidden` (0: none): the padded output width of the second layer, given when the first layer may
     run whole in every program (LEAD, see _mlp_kernel); LEAD configs split the pair after it, 1-2 hidden
-    chunks per program (fewer, more weight per program: 2 programs are 1.4 us slower than 8, H200), up to
+    chunks per program (fewer, more weight per program: 2 programs are 1.4 us slower than 8), up to
     16 programs of one 16-wide chunk."""
     configs = []
     for bm in (16, 32, 64):
@@ -361,7 +361,7 @@ def cuda_configs(
             if bm > max(16, 2 * bucket):
                 continue
             # 16 programs of one 16-wide chunk each, at 16-row tiles only: they beat 8 programs by 0.1-0.35 us at
-            # batches 1-32 and lose at 256; 8 warps lose everywhere (H200, bench/results/probe_mlp_split_h200.txt)
+            # batches 1-32 and lose at 256; 8 warps lose everywhere (docs/performance.md, "Narrow MLPs")
             for bn, split in ((32, 8), (32, 4), (64, 4), (16, 16)):
                 chunks = lead_hidden // min(bn, lead_hidden)
                 if chunks % split == 0 and (split < 16 or bm == 16):

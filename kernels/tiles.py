@@ -11,7 +11,7 @@ import triton.language as tl
 from .pdl import use_pdl
 from .runtime import bf16_on_interpreter
 
-HOPPER_SHARED_MEMORY = 232_448  # bytes per block (opt-in) on H100/H200, as Triton reports it
+HOPPER_SHARED_MEMORY = 232_448  # bytes per block (opt-in) on sm_90, as Triton reports it
 
 
 _limits: dict[torch.device, tuple[int, int]] = {}
