@@ -209,8 +209,16 @@ def _conv2d_kernel(
     tl.store(y_ptrs, result.to(y_ptr.dtype.element_ty), mask=y_ok)
 
 
+# ---- the launcher ----
+
+
 def conv_output_size(size: int, k: int, s: int, p: int, d: int) -> int:
     return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def m_bucket(m: int) -> int:
+    """Batches share tuned configs by power-of-two bucket of M = N * OH * OW (1 .. 2**20)."""
+    return min(1 << max(m - 1, 0).bit_length(), 1 << 20)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> None:
@@ -240,114 +248,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
             raise ValueError(f"bias must have shape ({weight.shape[0]},) to match weight; got {tuple(bias.shape)}")
         if bias.dtype != x.dtype or bias.device != x.device:
             raise TypeError(f"bias has dtype {bias.dtype} on {bias.device}; want {x.dtype} on {x.device}")
-
-
-# Interpreter (CPU): no timing, cost per program and per K step, so the largest tile the problem fills; tests
-# force the small one (`interpreter_tile`) so awkward shapes cross every block edge, and pick the K loop
-# (`interpreter_flat_k`, None: FLAT_K when K is small) so both are checked.
-SMALL_INTERPRETER_TILE = (16, 16, 16)
-interpreter_tile: tuple[int, int, int] | None = None
-interpreter_flat_k: bool | None = None
-interpreter_split_k = 1  # > 1: unpooled calls split K so the reduction is checked (pooled ones never split)
-interpreter_pool_apart = False  # True: pooled calls run the conv, then fused_pool2d (the tuner's APART candidates)
-interpreter_tma = False  # True: calls conv_tma can run (conv_tma.eligible) run it, with the box of `interpreter_tile`
-
-
-def _fit(n: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(n)))  # tl.dot needs every block dim >= 16
-
-
-def _interpreter_config(M: int, OC: int, C: int, K: int, pooled: bool) -> LaunchConfig:
-    bm, bn, bk = interpreter_tile or (_fit(M, 16, 64), _fit(OC, 16, 128), _fit(K, 16, 64))
-    flat = interpreter_flat_k if interpreter_flat_k is not None else (C < 16)
-    apart = {"APART": 1} if pooled and interpreter_pool_apart else {}
-    split = 1 if pooled and not apart else interpreter_split_k
-    return LaunchConfig.of(
-        4, 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, FLAT_K=int(flat), SPLIT_K=split, **apart
-    )
-
-
-def _interpreter_tma_config(OC: int, C: int, OH: int, OW: int, pool: tuple[int, int]) -> LaunchConfig:
-    bm, bn, bk = interpreter_tile or (64, _fit(OC, 16, 128), _fit(C, 16, 64))
-    img, bh, bw = conv_tma.box_shape(bm, OH, OW, pool)
-    return LaunchConfig.of(4, 1, IMG=img, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, TMA=1)
-
-
-def m_bucket(m: int) -> int:
-    """Batches share tuned configs by power-of-two bucket of M = N * OH * OW (1 .. 2**20)."""
-    return min(1 << max(m - 1, 0).bit_length(), 1 << 20)
-
-
-def cuda_configs(
-    bucket: int,
-    OC: int,
-    C: int,
-    K: int,
-    fma: bool = False,
-    pooled: bool = False,
-    sms: int = 132,
-    element_size: int = 2,
-) -> list[LaunchConfig]:
-    """Candidates the tuner times for one layer and M bucket. The GEMM is tall and thin (M up to millions,
-    OC 16-128, K = C * KH * KW 9-1152): BLOCK_N covers all of OC when it can, BLOCK_K no wider than K (few
-    channels) or C, and few channels get only FLAT_K (a tap at a time would leave most of each K step empty).
-
-    Compiled for sm_90 here (Triton 3.9, fp16, 3x3 over 64 channels to 128): a 128x128 tile on 4 warps spilled
-    (16-1064 bytes of stack per thread: a 128-register accumulator plus the pipeline's gathered tiles), on 8
-    warps it did not, nor did 64x128 on 4; so 128-row tiles run on 8 warps where BLOCK_N is 128. `fma`: fp32
-    multiplied in full precision, which Triton does on the CUDA cores: there BLOCK_K 64 spilled 1.6-9.5 KB per
-    thread, so it stops at 32. `pooled`: a pool fused after the conv keeps a second accumulator and one K loop
-    per window element; 128-row tiles on 4 warps spilled there (40 bytes, tf32, 16 -> 32 channels).
-
-    Small M (the wider CNN at batch 1: 1024 pixels at 32x32, 64 at 8x8) fills few of the `sms` with tiles, each
-    walking all of K: there unpooled calls also get split-K variants (SPLIT_K programs per tile, 2+ K steps
-    each, the partials summed by the tile's last program: tiles.split_k_sum), so more SMs gather at once."""
-    bn = _fit(OC, 16, 128)
-    width = K if C < 16 else C
-    ks = sorted({_fit(width, 16, 32 if fma else 64), _fit(width, 16, 16 if fma else 32)})
-    flats = (1,) if C < 16 else (0, 1)
-    taps = K // C
-
-    def split_for(bm: int, bn: int, bk: int, flat: int) -> int:
-        if pooled:
-            return 1
-        tiles = triton.cdiv(bucket, bm) * triton.cdiv(OC, bn)
-        steps = triton.cdiv(K, bk) if flat else taps * triton.cdiv(C, bk)
-        split = 1
-        while tiles * split * 2 <= sms and steps >= 4 * split and split < 16:  # >= 2 K steps per program
-            split *= 2
-        return split
-
-    def cfg(warps, stages, bm, bn, bk, flat, split=1):
-        return LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLAT_K=flat, SPLIT_K=split)
-
-    tiles = [(64, 4, 4), (128, 8, 3)] + ([(128, 4, 3)] if bn <= 64 and not pooled else [])
-    out = []
-    for flat in flats:
-        for bk in ks:
-            for bm, warps, stages in tiles:
-                if bm > 64 and bucket <= 64:
-                    continue
-                # 64x128x64 on 4 warps spilled (224 bytes, fp16, taps, NCHW x: 128 -> 128 at 8x8); on 8 it did not
-                out.append(cfg(8 if (bm, bn, bk) == (64, 128, 64) else warps, stages, bm, bn, bk, flat))
-    if C >= 128 and element_size == 2 and not pooled:
-        # Wide fp16/bf16 layers: 128-channel K steps, a quarter as many as 32-channel ones (docs/performance.md,
-        # "CNNs"). fp32 spilled (96 bytes).
-        out.append(cfg(8, 3, 64, bn, 128, 0))
-    if triton.cdiv(bucket, 64) * triton.cdiv(OC, bn) < sms:
-        split = split_for(64, bn, ks[0], flats[-1])
-        if split > 1:
-            out.append(cfg(4, 4, 64, bn, ks[0], flats[-1], split))
-        # Fewer 64-row tiles than the GPU has SMs: 32-row tiles, and narrower ones along O, so that more SMs
-        # gather at once, and each of them split along K where that still leaves SMs idle.
-        for bn_small in sorted({bn, min(bn, 64)}):
-            for bk in ks:
-                out.append(cfg(4, 3, 32, bn_small, bk, flats[-1]))
-            # split at the narrower K step only: 32x128x64 split 8 spilled (48 bytes, fp32 as TF32)
-            split = split_for(32, bn_small, ks[0], flats[-1])
-            if split > 1:
-                out.append(cfg(4, 3, 32, bn_small, ks[0], flats[-1], split))
-    return out
 
 
 _configs: dict[tuple, LaunchConfig] = {}  # per (layer signature, M bucket): the tuned config
@@ -536,3 +436,112 @@ def fused_conv2d(
         _configs[signature] = config
     run(config)
     return out
+
+
+# ---- candidate configs (the tuner times them on CUDA) ----
+
+
+def _fit(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(n)))  # tl.dot needs every block dim >= 16
+
+
+def cuda_configs(
+    bucket: int,
+    OC: int,
+    C: int,
+    K: int,
+    fma: bool = False,
+    pooled: bool = False,
+    sms: int = 132,
+    element_size: int = 2,
+) -> list[LaunchConfig]:
+    """Candidates the tuner times for one layer and M bucket. The GEMM is tall and thin (M up to millions,
+    OC 16-128, K = C * KH * KW 9-1152): BLOCK_N covers all of OC when it can, BLOCK_K no wider than K (few
+    channels) or C, and few channels get only FLAT_K (a tap at a time would leave most of each K step empty).
+
+    Compiled for sm_90 here (Triton 3.9, fp16, 3x3 over 64 channels to 128): a 128x128 tile on 4 warps spilled
+    (16-1064 bytes of stack per thread: a 128-register accumulator plus the pipeline's gathered tiles), on 8
+    warps it did not, nor did 64x128 on 4; so 128-row tiles run on 8 warps where BLOCK_N is 128. `fma`: fp32
+    multiplied in full precision, which Triton does on the CUDA cores: there BLOCK_K 64 spilled 1.6-9.5 KB per
+    thread, so it stops at 32. `pooled`: a pool fused after the conv keeps a second accumulator and one K loop
+    per window element; 128-row tiles on 4 warps spilled there (40 bytes, tf32, 16 -> 32 channels).
+
+    Small M (the wider CNN at batch 1: 1024 pixels at 32x32, 64 at 8x8) fills few of the `sms` with tiles, each
+    walking all of K: there unpooled calls also get split-K variants (SPLIT_K programs per tile, 2+ K steps
+    each, the partials summed by the tile's last program: tiles.split_k_sum), so more SMs gather at once."""
+    bn = _fit(OC, 16, 128)
+    width = K if C < 16 else C
+    ks = sorted({_fit(width, 16, 32 if fma else 64), _fit(width, 16, 16 if fma else 32)})
+    flats = (1,) if C < 16 else (0, 1)
+    taps = K // C
+
+    def split_for(bm: int, bn: int, bk: int, flat: int) -> int:
+        if pooled:
+            return 1
+        tiles = triton.cdiv(bucket, bm) * triton.cdiv(OC, bn)
+        steps = triton.cdiv(K, bk) if flat else taps * triton.cdiv(C, bk)
+        split = 1
+        while tiles * split * 2 <= sms and steps >= 4 * split and split < 16:  # >= 2 K steps per program
+            split *= 2
+        return split
+
+    def cfg(warps, stages, bm, bn, bk, flat, split=1):
+        return LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLAT_K=flat, SPLIT_K=split)
+
+    tiles = [(64, 4, 4), (128, 8, 3)] + ([(128, 4, 3)] if bn <= 64 and not pooled else [])
+    out = []
+    for flat in flats:
+        for bk in ks:
+            for bm, warps, stages in tiles:
+                if bm > 64 and bucket <= 64:
+                    continue
+                # 64x128x64 on 4 warps spilled (224 bytes, fp16, taps, NCHW x: 128 -> 128 at 8x8); on 8 it did not
+                out.append(cfg(8 if (bm, bn, bk) == (64, 128, 64) else warps, stages, bm, bn, bk, flat))
+    if C >= 128 and element_size == 2 and not pooled:
+        # Wide fp16/bf16 layers: 128-channel K steps, a quarter as many as 32-channel ones (docs/performance.md,
+        # "CNNs"). fp32 spilled (96 bytes).
+        out.append(cfg(8, 3, 64, bn, 128, 0))
+    if triton.cdiv(bucket, 64) * triton.cdiv(OC, bn) < sms:
+        split = split_for(64, bn, ks[0], flats[-1])
+        if split > 1:
+            out.append(cfg(4, 4, 64, bn, ks[0], flats[-1], split))
+        # Fewer 64-row tiles than the GPU has SMs: 32-row tiles, and narrower ones along O, so that more SMs
+        # gather at once, and each of them split along K where that still leaves SMs idle.
+        for bn_small in sorted({bn, min(bn, 64)}):
+            for bk in ks:
+                out.append(cfg(4, 3, 32, bn_small, bk, flats[-1]))
+            # split at the narrower K step only: 32x128x64 split 8 spilled (48 bytes, fp32 as TF32)
+            split = split_for(32, bn_small, ks[0], flats[-1])
+            if split > 1:
+                out.append(cfg(4, 3, 32, bn_small, ks[0], flats[-1], split))
+    return out
+
+
+# ---- under the interpreter: the fixed config, and the choices tests change ----
+
+
+# Interpreter (CPU): no timing, cost per program and per K step, so the largest tile the problem fills; tests
+# force the small one (`interpreter_tile`) so awkward shapes cross every block edge, and pick the K loop
+# (`interpreter_flat_k`, None: FLAT_K when K is small) so both are checked.
+SMALL_INTERPRETER_TILE = (16, 16, 16)
+interpreter_tile: tuple[int, int, int] | None = None
+interpreter_flat_k: bool | None = None
+interpreter_split_k = 1  # > 1: unpooled calls split K so the reduction is checked (pooled ones never split)
+interpreter_pool_apart = False  # True: pooled calls run the conv, then fused_pool2d (the tuner's APART candidates)
+interpreter_tma = False  # True: calls conv_tma can run (conv_tma.eligible) run it, with the box of `interpreter_tile`
+
+
+def _interpreter_config(M: int, OC: int, C: int, K: int, pooled: bool) -> LaunchConfig:
+    bm, bn, bk = interpreter_tile or (_fit(M, 16, 64), _fit(OC, 16, 128), _fit(K, 16, 64))
+    flat = interpreter_flat_k if interpreter_flat_k is not None else (C < 16)
+    apart = {"APART": 1} if pooled and interpreter_pool_apart else {}
+    split = 1 if pooled and not apart else interpreter_split_k
+    return LaunchConfig.of(
+        4, 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, FLAT_K=int(flat), SPLIT_K=split, **apart
+    )
+
+
+def _interpreter_tma_config(OC: int, C: int, OH: int, OW: int, pool: tuple[int, int]) -> LaunchConfig:
+    bm, bn, bk = interpreter_tile or (64, _fit(OC, 16, 128), _fit(C, 16, 64))
+    img, bh, bw = conv_tma.box_shape(bm, OH, OW, pool)
+    return LaunchConfig.of(4, 1, IMG=img, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, TMA=1)

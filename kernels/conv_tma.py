@@ -137,6 +137,9 @@ def _conv2d_tma_kernel(
         tl.store(y + rows[:, None] + (cols * stride_yc)[None, :], out, mask=ok)
 
 
+# ---- the launcher ----
+
+
 def eligible(x: torch.Tensor, weight: torch.Tensor, stride, pool: tuple | None, out: torch.Tensor) -> bool:
     """Whether this kernel can run the conv: stride 1; x and the weight channels_last and contiguous so, with
     16-byte aligned bases and rows of channels; a pool, if any, non-overlapping (stride = window) of a power-of-two
@@ -162,6 +165,45 @@ def eligible(x: torch.Tensor, weight: torch.Tensor, stride, pool: tuple | None, 
 
 def y_nhwc(out: torch.Tensor) -> bool:
     return out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
+
+
+def weight_for(weight: torch.Tensor, stride) -> torch.Tensor:
+    """The weight as a model should keep it for fused_conv2d: channels_last (OC, KH, KW, C) where this kernel
+    can run the layer (stride 1, 16-byte rows of channels), so that the tuner may pick it; else unchanged."""
+    if tuple(stride) == (1, 1) and (weight.shape[1] * weight.element_size()) % 16 == 0:
+        return weight.contiguous(memory_format=torch.channels_last)
+    return weight
+
+
+def launch(x, weight, bias, out, negative_slope: float, geometry: dict, pool: tuple, fixed: dict,
+           config: LaunchConfig):  # fmt: skip
+    """One launch: x (N, C, H, W) and weight (OC, C, KH, KW) channels_last (`eligible`), out the (pooled) output;
+    geometry: C, H, W, KH, KW, PH, PW, DH, DW, OH, OW (the conv's output); pool: (POOL, PKH, PKW)."""
+    meta = {k: v for k, v in config.meta().items() if k != "TMA"}
+    img, bh, bw, bn, bk = meta["IMG"], meta["BH"], meta["BW"], meta["BLOCK_N"], meta["BLOCK_K"]
+    N, OC = x.shape[0], weight.shape[0]
+    C, KH, KW = geometry["C"], geometry["KH"], geometry["KW"]
+    POOL, PKH, PKW = pool
+    # Strides from the sizes, not the tensors': both are contiguous NHWC, and torch may give a size-1 dim any stride.
+    H, W = geometry["H"], geometry["W"]
+    x_desc = TensorDescriptor(x, [N, H, W, C], [H * W * C, W * C, C, 1], [img, bh, bw, bk])
+    w_desc = TensorDescriptor(weight, [OC, KH * KW * C], [KH * KW * C, 1], [bn, bk])
+    y, store_nhwc = out, y_nhwc(out)
+    if store_nhwc:
+        _, _, poh, pow_ = out.shape
+        y_box = [img, bh // PKH, bw // PKW, bn]
+        y = TensorDescriptor(out, [N, poh, pow_, OC], [poh * pow_ * OC, pow_ * OC, OC, 1], y_box)
+    boxes = triton.cdiv(N, img) * triton.cdiv(geometry["OH"], bh) * triton.cdiv(geometry["OW"], bw)
+    return _conv2d_tma_kernel[(boxes * triton.cdiv(OC, bn),)](
+        x_desc, w_desc, bias if bias is not None else weight, y,
+        N, *out.stride(),
+        negative_slope,
+        **geometry, OC=OC, POOL=POOL, PKH=PKH, PKW=PKW, **fixed, Y_NHWC=store_nhwc, **meta,
+        **launch_options(fixed),
+    )  # fmt: skip
+
+
+# ---- candidate configs (the tuner times them on CUDA) ----
 
 
 def box_shape(block_m: int, OH: int, OW: int, pool: tuple[int, int] = (1, 1)) -> tuple[int, int, int]:
@@ -216,39 +258,3 @@ def shared_memory_bytes(config: LaunchConfig, element_size: int) -> int:
     bm = config["IMG"] * config["BH"] * config["BW"]
     bn, bk = config["BLOCK_N"], config["BLOCK_K"]
     return config.num_stages * (bm + bn) * bk * element_size + bm * bn * element_size
-
-
-def launch(x, weight, bias, out, negative_slope: float, geometry: dict, pool: tuple, fixed: dict,
-           config: LaunchConfig):  # fmt: skip
-    """One launch: x (N, C, H, W) and weight (OC, C, KH, KW) channels_last (`eligible`), out the (pooled) output;
-    geometry: C, H, W, KH, KW, PH, PW, DH, DW, OH, OW (the conv's output); pool: (POOL, PKH, PKW)."""
-    meta = {k: v for k, v in config.meta().items() if k != "TMA"}
-    img, bh, bw, bn, bk = meta["IMG"], meta["BH"], meta["BW"], meta["BLOCK_N"], meta["BLOCK_K"]
-    N, OC = x.shape[0], weight.shape[0]
-    C, KH, KW = geometry["C"], geometry["KH"], geometry["KW"]
-    POOL, PKH, PKW = pool
-    # Strides from the sizes, not the tensors': both are contiguous NHWC, and torch may give a size-1 dim any stride.
-    H, W = geometry["H"], geometry["W"]
-    x_desc = TensorDescriptor(x, [N, H, W, C], [H * W * C, W * C, C, 1], [img, bh, bw, bk])
-    w_desc = TensorDescriptor(weight, [OC, KH * KW * C], [KH * KW * C, 1], [bn, bk])
-    y, store_nhwc = out, y_nhwc(out)
-    if store_nhwc:
-        _, _, poh, pow_ = out.shape
-        y_box = [img, bh // PKH, bw // PKW, bn]
-        y = TensorDescriptor(out, [N, poh, pow_, OC], [poh * pow_ * OC, pow_ * OC, OC, 1], y_box)
-    boxes = triton.cdiv(N, img) * triton.cdiv(geometry["OH"], bh) * triton.cdiv(geometry["OW"], bw)
-    return _conv2d_tma_kernel[(boxes * triton.cdiv(OC, bn),)](
-        x_desc, w_desc, bias if bias is not None else weight, y,
-        N, *out.stride(),
-        negative_slope,
-        **geometry, OC=OC, POOL=POOL, PKH=PKH, PKW=PKW, **fixed, Y_NHWC=store_nhwc, **meta,
-        **launch_options(fixed),
-    )  # fmt: skip
-
-
-def weight_for(weight: torch.Tensor, stride) -> torch.Tensor:
-    """The weight as a model should keep it for fused_conv2d: channels_last (OC, KH, KW, C) where this kernel
-    can run the layer (stride 1, 16-byte rows of channels), so that the tuner may pick it; else unchanged."""
-    if tuple(stride) == (1, 1) and (weight.shape[1] * weight.element_size()) % 16 == 0:
-        return weight.contiguous(memory_format=torch.channels_last)
-    return weight

@@ -125,137 +125,7 @@ def _linear_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N) & last)
 
 
-def pipeline_shared_memory(config: LaunchConfig, element_size: int) -> int:
-    """Shared memory the software pipeline takes for the x and W tiles. Tiles of 64+ rows run Hopper's
-    warpgroup MMA, whose pipeline keeps num_stages buffers of each; smaller ones keep num_stages - 1.
-    Both as Triton's compile for sm_90 asks: 128x256x64 fp32 at 3 stages for 294,912 B = 3 x (128*64 + 64*256) x 4;
-    16x64x256 fp32 at 4 stages for 245,760 B = 3 x (16*256 + 256*64) x 4."""
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    buffers = config.num_stages if bm >= 64 else max(1, config.num_stages - 1)
-    return buffers * (bm * bk + bk * bn) * element_size
-
-
-def cuda_configs(
-    bucket: int,
-    N: int,
-    K: int,
-    sms: int,
-    element_size: int = 2,
-    shared_memory: int = HOPPER_SHARED_MEMORY,
-    tma: bool = False,
-) -> list[LaunchConfig]:
-    """Candidates the tuner times for one (batch bucket, N, K) on a GPU with `sms` multiprocessors, for
-    elements of `element_size` bytes; a candidate whose pipeline would not fit `shared_memory` is left out
-    (the tuner would skip it anyway, after a failed compile). `tma`: the operands suit TMA, so the
-    persistent kernel's configs (linear_persistent.py) join where it can win (`persistent.offered`).
-
-    Batches of 1-16 rows are weight-streaming problems (M=1, 4096x4096 fp16: 32 MB read for 32 kFLOP):
-    a 16-row MMA tile, narrow N tiles and split-K so that every SM streams weights, and deep pipelines
-    for bytes in flight. Bigger batches get the usual square-ish tiles.
-    """
-
-    def split_for(bn: int, bk: int, bm: int = 16) -> int:
-        tiles = triton.cdiv(N, bn) * triton.cdiv(bucket, bm)
-        split = 1
-        while tiles * split < sms and split < 8 and triton.cdiv(K, bk) >= 4 * split:  # >= 2 K steps per split
-            split *= 2
-        return split
-
-    def wave_split(tiles: int) -> int:
-        """Splits along K (a power of two) for `tiles` output tiles of a big batch: as many as keep every
-        program in one wave of the SMs and 16+ K steps of 64 long."""
-        split = 1
-        while tiles * split * 2 <= sms and triton.cdiv(K, 64) >= 16 * split * 2:
-            split *= 2
-        return split
-
-    def cfg(bm, bn, bk, warps, stages, split=1):
-        return LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split)
-
-    # Each candidate is a compile (~1 s) and a timing the first time a shape is tuned, so the lists are
-    # short: the winners of wider sweeps (docs/performance.md) and their neighbours.
-    configs = []
-    if bucket <= 16:
-        for bn in (32, 64):
-            for bk in (128, 256):
-                configs.append(cfg(16, bn, bk, 4, 4))
-                if split_for(bn, bk) > 1:
-                    configs.append(cfg(16, bn, bk, 4, 4, split_for(bn, bk)))
-    elif bucket <= 64:
-        for bm in (32, 64):
-            for bn in (64, 128):
-                configs.append(cfg(bm, bn, 64, 4, 4))
-                if split_for(bn, 64) > 1:
-                    configs.append(cfg(bm, bn, 64, 4, 4, split_for(bn, 64)))
-        # Still weight streams (32x4096x4096 fp16: 32 MB for 1 GFLOP), which the 64-deep K steps above feed in
-        # small loads: 32-row tiles with 128- and 256-deep steps, split so that every SM streams, as the
-        # 16-row tiles of smaller batches do (without them the wide MLP's 4096x4096 layer took longer at batch
-        # 32 than at 16: docs/performance.md).
-        for bn in (32, 64):
-            for bk in (128, 256):
-                configs.append(cfg(32, bn, bk, 4, 3, split_for(bn, bk, 32)))
-    else:
-        configs += [
-            cfg(128, 256, 64, 8, 3),
-            cfg(128, 128, 64, 8, 3),
-            cfg(128, 128, 64, 4, 4),
-            cfg(64, 128, 64, 4, 4),
-            cfg(64, 64, 64, 4, 4),  # small GEMMs (64x256x128: 4 tiles of 32x64) want more programs
-            # Deeper pipelines for 64x128, the 1024^3 tile (128 programs): the fastest of a sweep of depths and
-            # K steps at 1024^3 (docs/performance.md). Each is left out below where its stages do not fit in
-            # shared memory (fp32 for the first two).
-            cfg(64, 128, 128, 4, 4),
-            cfg(64, 128, 64, 4, 6),
-        ]
-        if element_size == 4:
-            configs.append(cfg(64, 128, 32, 4, 6))
-        # 128x128 tiles split along K to fill one wave: only with 16+ K steps per split (256x4096x4096: 64
-        # tiles for 132 SMs), where each program streams long enough to pay for the partials' round trip.
-        # With 8 (1024^3) they lose: 17.4 us against 11.6 for 64x128x64 (docs/performance.md, "Tried and lost").
-        split = wave_split(triton.cdiv(bucket, 128) * triton.cdiv(N, 128))
-        if split > 1:
-            configs += [cfg(128, 128, 64, 8, 3, split), cfg(128, 128, 64, 4, 4, split)]
-        # The same for 64x128 tiles: 256x1024x4096 (the wide MLP's last layer at batch 256) has 32 of them, each
-        # 64 K steps long; unsplit, the best candidate took 14.2 us hot for 2.1 GFLOP (docs/performance.md).
-        split = wave_split(triton.cdiv(bucket, 64) * triton.cdiv(N, 128))
-        if split > 1:
-            configs += [cfg(64, 128, 64, 4, 4, split), cfg(64, 128, 128, 4, 4, split)]
-        # And for 64x64 tiles: twice the tiles, so half the split (that last layer: 64 tiles split 2 ways, 16 K
-        # steps of 128 each). The fastest hot in a sweep of every tile, depth and split: 10.4 us against 11.8 for
-        # 64x128 split 4 (docs/performance.md, "The wide MLP's last layer at batch 256").
-        split = wave_split(triton.cdiv(bucket, 64) * triton.cdiv(N, 64))
-        if split > 1:
-            configs.append(cfg(64, 64, 128, 4, 4, split))
-    if triton.cdiv(bucket, 64) * triton.cdiv(N, 64) < sms and bucket > 16:
-        # A GEMM of fewer 64x64 tiles than SMs: 16x32 tiles, one program per 512 outputs, so loads go out
-        # from many SMs at once (64x256x128 fp16: 6.7 us cold against 7.1 for 64x64 tiles; docs/performance.md).
-        configs += [cfg(16, 32, 64, 4, 4), cfg(16, 32, 256, 4, 2), cfg(16, 64, 256, 4, 2)]
-    if bucket == 1:
-        configs += gemv.cuda_configs(N, K, sms)  # CUDA cores, no 16-row padding: see linear_gemv.py
-    configs = [c for c in configs if pipeline_shared_memory(c, element_size) <= shared_memory]
-    if tma and persistent.offered(bucket, N, sms):
-        configs += persistent.cuda_configs(element_size, shared_memory)
-    return configs
-
-
-# Interpreter (CPU): no tuning: nothing can be timed there (the interpreter runs numpy, not the kernel).
-# Its cost is per program and per K step, not per element (64x256x128: 900 ms with 16x32x32 tiles,
-# 27 ms with 64x256x128), so it takes the largest tile the problem fills. Tests force the small
-# tile too (`interpreter_tile`) so that awkward shapes cross block edges in every dimension, and
-# split-K (`interpreter_split_k`) so its reduction is checked.
-SMALL_INTERPRETER_TILE = (16, 32, 32)
-interpreter_tile: tuple[int, int, int] | None = None  # (BLOCK_M, BLOCK_N, BLOCK_K) override, for tests
-interpreter_split_k = 1
-# Any candidate (a GEMV or persistent one too) to run instead, for tests; a persistent one only where TMA can.
-interpreter_override: LaunchConfig | None = None
-
-
-def _interpreter_config(M: int, N: int, K: int) -> LaunchConfig:
-    def fit(n: int, hi: int) -> int:
-        return max(16, min(hi, triton.next_power_of_2(n)))  # tl.dot needs every block dim >= 16
-
-    bm, bn, bk = interpreter_tile or (fit(M, 64), fit(N, 256), fit(K, 128))
-    return LaunchConfig.of(4, 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, SPLIT_K=interpreter_split_k)
+# ---- the launcher ----
 
 
 def m_bucket(m: int) -> int:
@@ -509,3 +379,142 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
 def _pointer_kernel(config: LaunchConfig):
     """The kernel of a non-persistent config: the GEMV one or the MMA one (they take the same arguments)."""
     return gemv._gemv_kernel if gemv.is_gemv(config) else _linear_kernel
+
+
+# ---- candidate configs (the tuner times them on CUDA) ----
+
+
+def pipeline_shared_memory(config: LaunchConfig, element_size: int) -> int:
+    """Shared memory the software pipeline takes for the x and W tiles. Tiles of 64+ rows run Hopper's
+    warpgroup MMA, whose pipeline keeps num_stages buffers of each; smaller ones keep num_stages - 1.
+    Both as Triton's compile for sm_90 asks: 128x256x64 fp32 at 3 stages for 294,912 B = 3 x (128*64 + 64*256) x 4;
+    16x64x256 fp32 at 4 stages for 245,760 B = 3 x (16*256 + 256*64) x 4."""
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    buffers = config.num_stages if bm >= 64 else max(1, config.num_stages - 1)
+    return buffers * (bm * bk + bk * bn) * element_size
+
+
+def cuda_configs(
+    bucket: int,
+    N: int,
+    K: int,
+    sms: int,
+    element_size: int = 2,
+    shared_memory: int = HOPPER_SHARED_MEMORY,
+    tma: bool = False,
+) -> list[LaunchConfig]:
+    """Candidates the tuner times for one (batch bucket, N, K) on a GPU with `sms` multiprocessors, for
+    elements of `element_size` bytes; a candidate whose pipeline would not fit `shared_memory` is left out
+    (the tuner would skip it anyway, after a failed compile). `tma`: the operands suit TMA, so the
+    persistent kernel's configs (linear_persistent.py) join where it can win (`persistent.offered`).
+
+    Batches of 1-16 rows are weight-streaming problems (M=1, 4096x4096 fp16: 32 MB read for 32 kFLOP):
+    a 16-row MMA tile, narrow N tiles and split-K so that every SM streams weights, and deep pipelines
+    for bytes in flight. Bigger batches get the usual square-ish tiles.
+    """
+
+    def split_for(bn: int, bk: int, bm: int = 16) -> int:
+        tiles = triton.cdiv(N, bn) * triton.cdiv(bucket, bm)
+        split = 1
+        while tiles * split < sms and split < 8 and triton.cdiv(K, bk) >= 4 * split:  # >= 2 K steps per split
+            split *= 2
+        return split
+
+    def wave_split(tiles: int) -> int:
+        """Splits along K (a power of two) for `tiles` output tiles of a big batch: as many as keep every
+        program in one wave of the SMs and 16+ K steps of 64 long."""
+        split = 1
+        while tiles * split * 2 <= sms and triton.cdiv(K, 64) >= 16 * split * 2:
+            split *= 2
+        return split
+
+    def cfg(bm, bn, bk, warps, stages, split=1):
+        return LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split)
+
+    # Each candidate is a compile (~1 s) and a timing the first time a shape is tuned, so the lists are
+    # short: the winners of wider sweeps (docs/performance.md) and their neighbours.
+    configs = []
+    if bucket <= 16:
+        for bn in (32, 64):
+            for bk in (128, 256):
+                configs.append(cfg(16, bn, bk, 4, 4))
+                if split_for(bn, bk) > 1:
+                    configs.append(cfg(16, bn, bk, 4, 4, split_for(bn, bk)))
+    elif bucket <= 64:
+        for bm in (32, 64):
+            for bn in (64, 128):
+                configs.append(cfg(bm, bn, 64, 4, 4))
+                if split_for(bn, 64) > 1:
+                    configs.append(cfg(bm, bn, 64, 4, 4, split_for(bn, 64)))
+        # Still weight streams (32x4096x4096 fp16: 32 MB for 1 GFLOP), which the 64-deep K steps above feed in
+        # small loads: 32-row tiles with 128- and 256-deep steps, split so that every SM streams, as the
+        # 16-row tiles of smaller batches do (without them the wide MLP's 4096x4096 layer took longer at batch
+        # 32 than at 16: docs/performance.md).
+        for bn in (32, 64):
+            for bk in (128, 256):
+                configs.append(cfg(32, bn, bk, 4, 3, split_for(bn, bk, 32)))
+    else:
+        configs += [
+            cfg(128, 256, 64, 8, 3),
+            cfg(128, 128, 64, 8, 3),
+            cfg(128, 128, 64, 4, 4),
+            cfg(64, 128, 64, 4, 4),
+            cfg(64, 64, 64, 4, 4),  # small GEMMs (64x256x128: 4 tiles of 32x64) want more programs
+            # Deeper pipelines for 64x128, the 1024^3 tile (128 programs): the fastest of a sweep of depths and
+            # K steps at 1024^3 (docs/performance.md). Each is left out below where its stages do not fit in
+            # shared memory (fp32 for the first two).
+            cfg(64, 128, 128, 4, 4),
+            cfg(64, 128, 64, 4, 6),
+        ]
+        if element_size == 4:
+            configs.append(cfg(64, 128, 32, 4, 6))
+        # 128x128 tiles split along K to fill one wave: only with 16+ K steps per split (256x4096x4096: 64
+        # tiles for 132 SMs), where each program streams long enough to pay for the partials' round trip.
+        # With 8 (1024^3) they lose: 17.4 us against 11.6 for 64x128x64 (docs/performance.md, "Tried and lost").
+        split = wave_split(triton.cdiv(bucket, 128) * triton.cdiv(N, 128))
+        if split > 1:
+            configs += [cfg(128, 128, 64, 8, 3, split), cfg(128, 128, 64, 4, 4, split)]
+        # The same for 64x128 tiles: 256x1024x4096 (the wide MLP's last layer at batch 256) has 32 of them, each
+        # 64 K steps long; unsplit, the best candidate took 14.2 us hot for 2.1 GFLOP (docs/performance.md).
+        split = wave_split(triton.cdiv(bucket, 64) * triton.cdiv(N, 128))
+        if split > 1:
+            configs += [cfg(64, 128, 64, 4, 4, split), cfg(64, 128, 128, 4, 4, split)]
+        # And for 64x64 tiles: twice the tiles, so half the split (that last layer: 64 tiles split 2 ways, 16 K
+        # steps of 128 each). The fastest hot in a sweep of every tile, depth and split: 10.4 us against 11.8 for
+        # 64x128 split 4 (docs/performance.md, "The wide MLP's last layer at batch 256").
+        split = wave_split(triton.cdiv(bucket, 64) * triton.cdiv(N, 64))
+        if split > 1:
+            configs.append(cfg(64, 64, 128, 4, 4, split))
+    if triton.cdiv(bucket, 64) * triton.cdiv(N, 64) < sms and bucket > 16:
+        # A GEMM of fewer 64x64 tiles than SMs: 16x32 tiles, one program per 512 outputs, so loads go out
+        # from many SMs at once (64x256x128 fp16: 6.7 us cold against 7.1 for 64x64 tiles; docs/performance.md).
+        configs += [cfg(16, 32, 64, 4, 4), cfg(16, 32, 256, 4, 2), cfg(16, 64, 256, 4, 2)]
+    if bucket == 1:
+        configs += gemv.cuda_configs(N, K, sms)  # CUDA cores, no 16-row padding: see linear_gemv.py
+    configs = [c for c in configs if pipeline_shared_memory(c, element_size) <= shared_memory]
+    if tma and persistent.offered(bucket, N, sms):
+        configs += persistent.cuda_configs(element_size, shared_memory)
+    return configs
+
+
+# ---- under the interpreter: the fixed config, and the choices tests change ----
+
+
+# Interpreter (CPU): no tuning: nothing can be timed there (the interpreter runs numpy, not the kernel).
+# Its cost is per program and per K step, not per element (64x256x128: 900 ms with 16x32x32 tiles,
+# 27 ms with 64x256x128), so it takes the largest tile the problem fills. Tests force the small
+# tile too (`interpreter_tile`) so that awkward shapes cross block edges in every dimension, and
+# split-K (`interpreter_split_k`) so its reduction is checked.
+SMALL_INTERPRETER_TILE = (16, 32, 32)
+interpreter_tile: tuple[int, int, int] | None = None  # (BLOCK_M, BLOCK_N, BLOCK_K) override, for tests
+interpreter_split_k = 1
+# Any candidate (a GEMV or persistent one too) to run instead, for tests; a persistent one only where TMA can.
+interpreter_override: LaunchConfig | None = None
+
+
+def _interpreter_config(M: int, N: int, K: int) -> LaunchConfig:
+    def fit(n: int, hi: int) -> int:
+        return max(16, min(hi, triton.next_power_of_2(n)))  # tl.dot needs every block dim >= 16
+
+    bm, bn, bk = interpreter_tile or (fit(M, 64), fit(N, 256), fit(K, 128))
+    return LaunchConfig.of(4, 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, SPLIT_K=interpreter_split_k)

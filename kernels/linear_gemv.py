@@ -100,8 +100,15 @@ def _gemv_kernel(
     tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=(cols[None, :] < N) & last)
 
 
-def is_gemv(config: LaunchConfig) -> bool:
-    return ("GEMV", 1) in config.kwargs
+# ---- the launcher ----
+
+
+def kernel_meta(config: LaunchConfig) -> dict:
+    """The kernel's meta-parameters and launch options: the config without its GEMV marker."""
+    return {name: v for name, v in config.meta().items() if name != "GEMV"}
+
+
+# ---- candidate configs (the tuner times them on CUDA) ----
 
 
 def cuda_configs(N: int, K: int, sms: int) -> list[LaunchConfig]:
@@ -120,6 +127,5 @@ def cuda_configs(N: int, K: int, sms: int) -> list[LaunchConfig]:
     return configs
 
 
-def kernel_meta(config: LaunchConfig) -> dict:
-    """The kernel's meta-parameters and launch options: the config without its GEMV marker."""
-    return {name: v for name, v in config.meta().items() if name != "GEMV"}
+def is_gemv(config: LaunchConfig) -> bool:
+    return ("GEMV", 1) in config.kwargs

@@ -289,6 +289,9 @@ def _mlp_kernel(
         )
 
 
+# ---- the launcher ----
+
+
 def padded_width(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
@@ -315,62 +318,6 @@ class MLPLayer:
 def mlp_fits(widths: Sequence[int]) -> bool:
     """Whether an MLP with these feature widths (input, hidden..., output) runs as one kernel."""
     return 2 <= len(widths) <= MAX_LAYERS + 1 and all(padded_width(w) <= MAX_WIDTH for w in widths)
-
-
-def cuda_configs(
-    bucket: int, hidden: int = MAX_WIDTH, element_size: int = 2, lead_hidden: int = 0
-) -> list[LaunchConfig]:
-    """BLOCK_M from 16 (batch 1-16 fills one MMA tile) to 64. BLOCK_N sets the hidden chunk: each chunk
-    is a dependent step (wait for its weights, two MMAs, an epilogue), so wide chunks mean fewer steps
-    (digits MLP at BLOCK_N 32: 8 + 1 steps). 8 warps split the
-    second MMA's 256 output columns further. Configs over the shared-memory limit fail and are skipped.
-
-    `hidden`: the padded output width of the first layer. Up to 64 row blocks (bucket <= 1024 at BLOCK_M
-    16) also get SPLIT = 2, 4, 8 programs per row block sharing the first step's hidden chunks, where the
-    split divides them; the first step holds most of the weights (digits MLP: 80 of 84 k). fp32 programs
-    keep 2+ chunks each: with one, ptxas for sm_90 spills (255 registers and 40-64 B of stack per thread
-    at 32 and 64 wide; 16-bit ones use 112-180 registers and no stack).
-
-    `lead_hidden` (0: none): the padded output width of the second layer, given when the first layer may
-    run whole in every program (LEAD, see _mlp_kernel); LEAD configs split the pair after it, 1-2 hidden
-    chunks per program (fewer, more weight per program: 2 programs are 1.4 us slower than 8), up to
-    16 programs of one 16-wide chunk."""
-    configs = []
-    for bm in (16, 32, 64):
-        if bm > max(16, 2 * bucket):  # a tile more than half padding is never the fastest
-            continue
-        for bn in (32, 64, 128):
-            for warps in (4, 8):
-                stages = 3 if bn == 32 else 2
-                configs.append(
-                    LaunchConfig.of(
-                        num_warps=warps, num_stages=1, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, SPLIT=1, LEAD=0
-                    )
-                )
-    if bucket <= 1024:
-        for bn in (32, 64):
-            chunks = hidden // min(bn, hidden)
-            for split in (2, 4, 8):
-                if chunks % split == 0 and (element_size < 4 or chunks // split >= 2):
-                    configs.append(
-                        LaunchConfig.of(
-                            num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=bn, STAGES=2, SPLIT=split, LEAD=0
-                        )
-                    )
-        for bm in (16, 32, 64) if lead_hidden else ():
-            if bm > max(16, 2 * bucket):
-                continue
-            # 16 programs of one 16-wide chunk each, at 16-row tiles only: they beat 8 programs by 0.1-0.35 us at
-            # batches 1-32 and lose at 256; 8 warps lose everywhere (docs/performance.md, "Narrow MLPs")
-            for bn, split in ((32, 8), (32, 4), (64, 4), (16, 16)):
-                chunks = lead_hidden // min(bn, lead_hidden)
-                if chunks % split == 0 and (split < 16 or bm == 16):
-                    configs.append(
-                        LaunchConfig.of(
-                            num_warps=4, num_stages=1, BLOCK_M=bm, BLOCK_N=bn, STAGES=2, SPLIT=split, LEAD=1
-                        )
-                    )
-    return configs
 
 
 class FusedMLP:
@@ -554,6 +501,68 @@ class FusedMLP:
             hit = tune(scope, key, candidates, lambda c: self._launch(x, out, precision, c))
             self._configs[(bucket, precision)] = hit
         return hit
+
+
+# ---- candidate configs (the tuner times them on CUDA) ----
+
+
+def cuda_configs(
+    bucket: int, hidden: int = MAX_WIDTH, element_size: int = 2, lead_hidden: int = 0
+) -> list[LaunchConfig]:
+    """BLOCK_M from 16 (batch 1-16 fills one MMA tile) to 64. BLOCK_N sets the hidden chunk: each chunk
+    is a dependent step (wait for its weights, two MMAs, an epilogue), so wide chunks mean fewer steps
+    (digits MLP at BLOCK_N 32: 8 + 1 steps). 8 warps split the
+    second MMA's 256 output columns further. Configs over the shared-memory limit fail and are skipped.
+
+    `hidden`: the padded output width of the first layer. Up to 64 row blocks (bucket <= 1024 at BLOCK_M
+    16) also get SPLIT = 2, 4, 8 programs per row block sharing the first step's hidden chunks, where the
+    split divides them; the first step holds most of the weights (digits MLP: 80 of 84 k). fp32 programs
+    keep 2+ chunks each: with one, ptxas for sm_90 spills (255 registers and 40-64 B of stack per thread
+    at 32 and 64 wide; 16-bit ones use 112-180 registers and no stack).
+
+    `lead_hidden` (0: none): the padded output width of the second layer, given when the first layer may
+    run whole in every program (LEAD, see _mlp_kernel); LEAD configs split the pair after it, 1-2 hidden
+    chunks per program (fewer, more weight per program: 2 programs are 1.4 us slower than 8), up to
+    16 programs of one 16-wide chunk."""
+    configs = []
+    for bm in (16, 32, 64):
+        if bm > max(16, 2 * bucket):  # a tile more than half padding is never the fastest
+            continue
+        for bn in (32, 64, 128):
+            for warps in (4, 8):
+                stages = 3 if bn == 32 else 2
+                configs.append(
+                    LaunchConfig.of(
+                        num_warps=warps, num_stages=1, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, SPLIT=1, LEAD=0
+                    )
+                )
+    if bucket <= 1024:
+        for bn in (32, 64):
+            chunks = hidden // min(bn, hidden)
+            for split in (2, 4, 8):
+                if chunks % split == 0 and (element_size < 4 or chunks // split >= 2):
+                    configs.append(
+                        LaunchConfig.of(
+                            num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=bn, STAGES=2, SPLIT=split, LEAD=0
+                        )
+                    )
+        for bm in (16, 32, 64) if lead_hidden else ():
+            if bm > max(16, 2 * bucket):
+                continue
+            # 16 programs of one 16-wide chunk each, at 16-row tiles only: they beat 8 programs by 0.1-0.35 us at
+            # batches 1-32 and lose at 256; 8 warps lose everywhere (docs/performance.md, "Narrow MLPs")
+            for bn, split in ((32, 8), (32, 4), (64, 4), (16, 16)):
+                chunks = lead_hidden // min(bn, lead_hidden)
+                if chunks % split == 0 and (split < 16 or bm == 16):
+                    configs.append(
+                        LaunchConfig.of(
+                            num_warps=4, num_stages=1, BLOCK_M=bm, BLOCK_N=bn, STAGES=2, SPLIT=split, LEAD=1
+                        )
+                    )
+    return configs
+
+
+# ---- under the interpreter: the fixed config, and the choices tests change ----
 
 
 interpreter_block_n = 32  # tests set 16 so that every width > 16 takes several chunks
