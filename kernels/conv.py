@@ -30,12 +30,15 @@ run-time size, not specialised, so every batch size shares one compiled kernel p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from . import conv_tma
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
+from .interpreter import InterpreterSwitches
 from .pdl import gdc_launch_dependents, gdc_wait
 from .pool import _max_propagating_nan, _pool_channels_kernel, _pool_rows_kernel, fused_pool2d, pair
 from .pool import channels_last as _channels_last
@@ -387,7 +390,7 @@ def fused_conv2d(
         return fused_pool2d(conv_out, POOL, (PKH, PKW), (PSH, PSW), out=out)
 
     if interpreting():
-        if interpreter_tma and tma:
+        if INTERPRETER.choice.tma and tma:
             run(_interpreter_tma_config(OC, C, CH, CW, (PKH, PKW)))
         else:
             run(_interpreter_config(M, OC, C, K, POOL != "none"))
@@ -517,31 +520,39 @@ def cuda_configs(
     return out
 
 
-# ---- under the interpreter: the fixed config, and the choices tests change ----
+# ---- under the interpreter: one config, from choices that tests change (interpreter.py) ----
 
 
-# Interpreter (CPU): no timing, cost per program and per K step, so the largest tile the problem fills; tests
-# force the small one (`interpreter_tile`) so awkward shapes cross every block edge, and pick the K loop
-# (`interpreter_flat_k`, None: FLAT_K when K is small) so both are checked.
-SMALL_INTERPRETER_TILE = (16, 16, 16)
-interpreter_tile: tuple[int, int, int] | None = None
-interpreter_flat_k: bool | None = None
-interpreter_split_k = 1  # > 1: unpooled calls split K so the reduction is checked (pooled ones never split)
-interpreter_pool_apart = False  # True: pooled calls run the conv, then fused_pool2d (the tuner's APART candidates)
-interpreter_tma = False  # True: calls conv_tma can run (conv_tma.eligible) run it, with the box of `interpreter_tile`
+SMALL_INTERPRETER_TILE = (16, 16, 16)  # tests' tile: awkward shapes cross every block edge
+
+
+@dataclass(frozen=True)
+class InterpreterChoice:
+    """What fused_conv2d runs under the interpreter. Its cost is per program and per K step, so by default the
+    largest tile the problem fills."""
+
+    tile: tuple[int, int, int] | None = None  # (BLOCK_M, BLOCK_N, BLOCK_K); with `tma`, BLOCK_M is the box's pixels
+    flat_k: bool | None = None  # the K loop: FLAT_K or one tap at a time; None: FLAT_K below 16 channels
+    split_k: int = 1  # > 1: unpooled calls split K so that the reduction runs (pooled ones never split)
+    pool_apart: bool = False  # pooled calls run the conv, then fused_pool2d (the tuner's APART candidates)
+    tma: bool = False  # calls conv_tma can run (conv_tma.eligible) run it
+
+
+INTERPRETER = InterpreterSwitches(InterpreterChoice())
 
 
 def _interpreter_config(M: int, OC: int, C: int, K: int, pooled: bool) -> LaunchConfig:
-    bm, bn, bk = interpreter_tile or (_fit(M, 16, 64), _fit(OC, 16, 128), _fit(K, 16, 64))
-    flat = interpreter_flat_k if interpreter_flat_k is not None else (C < 16)
-    apart = {"APART": 1} if pooled and interpreter_pool_apart else {}
-    split = 1 if pooled and not apart else interpreter_split_k
+    choice = INTERPRETER.choice
+    bm, bn, bk = choice.tile or (_fit(M, 16, 64), _fit(OC, 16, 128), _fit(K, 16, 64))
+    flat = choice.flat_k if choice.flat_k is not None else (C < 16)
+    apart = {"APART": 1} if pooled and choice.pool_apart else {}
+    split = 1 if pooled and not apart else choice.split_k
     return LaunchConfig.of(
         4, 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, FLAT_K=int(flat), SPLIT_K=split, **apart
     )
 
 
 def _interpreter_tma_config(OC: int, C: int, OH: int, OW: int, pool: tuple[int, int]) -> LaunchConfig:
-    bm, bn, bk = interpreter_tile or (64, _fit(OC, 16, 128), _fit(C, 16, 64))
+    bm, bn, bk = INTERPRETER.choice.tile or (64, _fit(OC, 16, 128), _fit(C, 16, 64))
     img, bh, bw = conv_tma.box_shape(bm, OH, OW, pool)
     return LaunchConfig.of(4, 1, IMG=img, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, TMA=1)

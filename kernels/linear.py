@@ -10,6 +10,7 @@ Shapes (PyTorch's nn.Linear layout): x (M, K), weight (N, K), bias (N,) or None,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -19,6 +20,7 @@ import triton.language as tl
 from . import linear_gemv as gemv
 from . import linear_persistent as persistent
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
+from .interpreter import InterpreterSwitches
 from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail, plain_rows
 from .pdl import gdc_launch_dependents, gdc_wait
 from .runtime import check_device, interpreting
@@ -350,7 +352,7 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
         )  # fmt: skip
 
     if interpreting():
-        config = interpreter_override or _interpreter_config(M, N, K)
+        config = INTERPRETER.choice.config or _interpreter_config(M, N, K)
         run(_interpreter_config(M, N, K) if persistent.is_persistent(config) and not tma else config)
         return out
     sms, shared_memory = device_limits(x.device)
@@ -497,24 +499,30 @@ def cuda_configs(
     return configs
 
 
-# ---- under the interpreter: the fixed config, and the choices tests change ----
+# ---- under the interpreter: one config, from choices that tests change (interpreter.py) ----
 
 
-# Interpreter (CPU): no tuning: nothing can be timed there (the interpreter runs numpy, not the kernel).
-# Its cost is per program and per K step, not per element (64x256x128: 900 ms with 16x32x32 tiles,
-# 27 ms with 64x256x128), so it takes the largest tile the problem fills. Tests force the small
-# tile too (`interpreter_tile`) so that awkward shapes cross block edges in every dimension, and
-# split-K (`interpreter_split_k`) so its reduction is checked.
-SMALL_INTERPRETER_TILE = (16, 32, 32)
-interpreter_tile: tuple[int, int, int] | None = None  # (BLOCK_M, BLOCK_N, BLOCK_K) override, for tests
-interpreter_split_k = 1
-# Any candidate (a GEMV or persistent one too) to run instead, for tests; a persistent one only where TMA can.
-interpreter_override: LaunchConfig | None = None
+SMALL_INTERPRETER_TILE = (16, 32, 32)  # tests' tile: awkward shapes cross block edges in every dimension
+
+
+@dataclass(frozen=True)
+class InterpreterChoice:
+    """What fused_linear and FusedLinear run under the interpreter. Its cost is per program and per K step, not
+    per element (64x256x128: 900 ms with 16x32x32 tiles, 27 ms with 64x256x128), so by default the largest tile
+    the problem fills."""
+
+    tile: tuple[int, int, int] | None = None  # (BLOCK_M, BLOCK_N, BLOCK_K); None: the largest the problem fills
+    split_k: int = 1  # > 1: programs per tile, so that the split-K reduction runs
+    config: LaunchConfig | None = None  # any candidate instead, GEMV or persistent (that one only where TMA can)
+
+
+INTERPRETER = InterpreterSwitches(InterpreterChoice())
 
 
 def _interpreter_config(M: int, N: int, K: int) -> LaunchConfig:
     def fit(n: int, hi: int) -> int:
         return max(16, min(hi, triton.next_power_of_2(n)))  # tl.dot needs every block dim >= 16
 
-    bm, bn, bk = interpreter_tile or (fit(M, 64), fit(N, 256), fit(K, 128))
-    return LaunchConfig.of(4, 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, SPLIT_K=interpreter_split_k)
+    choice = INTERPRETER.choice
+    bm, bn, bk = choice.tile or (fit(M, 64), fit(N, 256), fit(K, 128))
+    return LaunchConfig.of(4, 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, SPLIT_K=choice.split_k)

@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
+from .interpreter import InterpreterSwitches
 from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail, plain_rows
 from .linear import MAX_FAST_BATCH_SIZES, SUPPORTED_DTYPES, m_bucket
 from .prefetch import prefetch_l2, prefetch_lines
@@ -488,10 +489,10 @@ class FusedMLP:
 
     def _config(self, x, out, precision) -> LaunchConfig:
         if interpreting():
-            # One tile size: the interpreter's cost is per program and per chunk, and no timing is possible.
-            lead = interpreter_lead if self._lead_hidden else 0
-            return LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=interpreter_block_n, STAGES=1,
-                                   SPLIT=interpreter_split, LEAD=lead)  # fmt: skip
+            choice = INTERPRETER.choice
+            lead = choice.lead if self._lead_hidden else 0
+            return LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=choice.block_n, STAGES=1,
+                                   SPLIT=choice.split, LEAD=lead)  # fmt: skip
         bucket = m_bucket(x.shape[0])
         hit = self._configs.get((bucket, precision))
         if hit is None:
@@ -562,9 +563,16 @@ def cuda_configs(
     return configs
 
 
-# ---- under the interpreter: the fixed config, and the choices tests change ----
+# ---- under the interpreter: one config, from choices that tests change (interpreter.py) ----
 
 
-interpreter_block_n = 32  # tests set 16 so that every width > 16 takes several chunks
-interpreter_split = 1  # tests set 2 or 4 (dividing the first step's chunks) to check the shared first step
-interpreter_lead = 0  # tests set 1 (with a split) to check LEAD, where the MLP allows it
+@dataclass(frozen=True)
+class InterpreterChoice:
+    """What FusedMLP runs under the interpreter: one 16-row tile. Its cost is per program and per chunk."""
+
+    block_n: int = 32  # the hidden chunk; tests take 16, so that every width over 16 takes several chunks
+    split: int = 1  # 2 or 4 (dividing the first step's chunks): the shared first step runs
+    lead: int = 0  # 1 (with a split): LEAD runs, where the MLP allows it
+
+
+INTERPRETER = InterpreterSwitches(InterpreterChoice())

@@ -23,11 +23,14 @@ Two kernels, one per layout, both taking any strides (so each is tested on both 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
+from .interpreter import InterpreterSwitches
 from .pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from .runtime import bf16_on_interpreter, check_device, interpreting
 from .tuning import LaunchConfig, scope_for, tune
@@ -286,8 +289,8 @@ def fused_pool2d(
         return out
 
     layout = "channels" if fmt == torch.channels_last else "rows"
-    if interpreting() and interpreter_layout is not None:
-        layout = interpreter_layout
+    if interpreting() and INTERPRETER.choice.layout is not None:
+        layout = INTERPRETER.choice.layout
     # Non-overlapping windows along W with a power-of-two stride: one contiguous load per input row segment.
     span = k[1] <= s[1] and s[1] & (s[1] - 1) == 0 and s[1] <= 64
     fixed = dict(
@@ -318,8 +321,8 @@ def fused_pool2d(
         )  # fmt: skip
 
     if interpreting():
-        if interpreter_tile is not None:
-            config = LaunchConfig.of(4, 1, **dict(zip(names, interpreter_tile, strict=True)))
+        if INTERPRETER.choice.tile is not None:
+            config = LaunchConfig.of(4, 1, **dict(zip(names, INTERPRETER.choice.tile, strict=True)))
         elif layout == "rows":
             config = _rows_config(count, OW, s[1], span, 4096, 4)
         else:
@@ -380,12 +383,18 @@ def cuda_configs(layout: str, rows_or_positions: int, inner: int, SW: int, span:
     return out
 
 
-# ---- under the interpreter: the fixed config, and the choices tests change ----
+# ---- under the interpreter: one config, from choices that tests change (interpreter.py) ----
 
 
-# Interpreter (CPU): nothing to time, and the cost is per program, so one big tile; tests set the small one
-# (`interpreter_tile`) so that awkward shapes cross tile edges in both dimensions.
-SMALL_INTERPRETER_TILE = (2, 4)  # (BLOCK_R or BLOCK_P, BLOCK_OW or BLOCK_C)
-interpreter_tile: tuple[int, int] | None = None
-# The kernel to run, for tests: "rows" or "channels" (None: by x's memory format).
-interpreter_layout: str | None = None
+SMALL_INTERPRETER_TILE = (2, 4)  # tests' tile: awkward shapes cross tile edges in both dimensions
+
+
+@dataclass(frozen=True)
+class InterpreterChoice:
+    """What fused_pool2d runs under the interpreter. Its cost is per program, so by default one big tile."""
+
+    tile: tuple[int, int] | None = None  # (BLOCK_R or BLOCK_P, BLOCK_OW or BLOCK_C); None: about 4096 elements
+    layout: str | None = None  # the kernel: "rows" or "channels"; None: by x's memory format
+
+
+INTERPRETER = InterpreterSwitches(InterpreterChoice())

@@ -68,8 +68,9 @@ def _check(case, dtype, activation, device, bias=True, slope=0.01, channels_last
 
 
 @pytest.fixture
-def small_tile(monkeypatch):
-    monkeypatch.setattr(conv_mod, "interpreter_tile", conv_mod.SMALL_INTERPRETER_TILE)
+def small_tile():
+    with conv_mod.INTERPRETER.override(tile=conv_mod.SMALL_INTERPRETER_TILE):
+        yield
 
 
 @pytest.fixture
@@ -86,9 +87,9 @@ def untuned():
 
 
 @pytest.fixture(params=[True, False], ids=["flat_k", "taps"])
-def k_loop(request, monkeypatch):
-    monkeypatch.setattr(conv_mod, "interpreter_flat_k", request.param)
-    return request.param
+def k_loop(request):
+    with conv_mod.INTERPRETER.override(flat_k=request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
@@ -152,12 +153,12 @@ def test_ints_or_pairs_are_taken():
 
 @pytest.mark.parametrize("split", [2, 3], ids=["split2", "split3"])
 @pytest.mark.parametrize("case", [AWKWARD[0], AWKWARD[2], AWKWARD[6], SERVING[2]], ids=_ids)
-def test_split_k_both_k_loops(small_tile, k_loop, monkeypatch, case, split):
+def test_split_k_both_k_loops(small_tile, k_loop, case, split):
     """Split-K: each program sums part of the K steps and the tile's last one adds the partials. 3 splits of a
     1-step K loop (the digits' first layer, flat) leave programs with no step: they add zeros."""
-    monkeypatch.setattr(conv_mod, "interpreter_split_k", split)
-    _check(case, torch.float32, "gelu", DEVICE)
-    _check(case, torch.float16, "relu", DEVICE, channels_last=True, bias=False)
+    with conv_mod.INTERPRETER.override(split_k=split):
+        _check(case, torch.float32, "gelu", DEVICE)
+        _check(case, torch.float16, "relu", DEVICE, channels_last=True, bias=False)
 
 
 def test_k_loops_and_tiles_agree():
@@ -166,11 +167,8 @@ def test_k_loops_and_tiles_agree():
     results = []
     for flat in (True, False):
         for tile in (None, conv_mod.SMALL_INTERPRETER_TILE):
-            conv_mod.interpreter_flat_k, conv_mod.interpreter_tile = flat, tile
-            try:
+            with conv_mod.INTERPRETER.override(flat_k=flat, tile=tile):
                 results.append(fused_conv2d(x, w, b, padding=1, activation="silu", allow_tf32=False))
-            finally:
-                conv_mod.interpreter_flat_k = conv_mod.interpreter_tile = None
     for r in results[1:]:
         assert_close_to(r, results[0].double(), RTOL[torch.float32], "K loop / tile")
 
@@ -406,12 +404,11 @@ def test_conv_act_pool_dtypes(dtype, activation):
 @pytest.mark.parametrize(
     "case,pool", POOLED[:2] + POOLED[3:4], ids=[_ids(c) + f"-{p}" for c, p in POOLED[:2] + POOLED[3:4]]
 )
-def test_conv_then_pool_apart(small_tile, monkeypatch, case, pool, channels_last):
+def test_conv_then_pool_apart(small_tile, case, pool, channels_last):
     """The tuner's APART candidates: the conv to its full output (split-K allowed), then fused_pool2d."""
-    monkeypatch.setattr(conv_mod, "interpreter_pool_apart", True)
-    monkeypatch.setattr(conv_mod, "interpreter_split_k", 2)
-    _check_pooled(case, pool, torch.float32, "silu", DEVICE, channels_last=channels_last)
-    _check_pooled(case, pool, torch.bfloat16, "relu", DEVICE, channels_last=channels_last, bias=False)
+    with conv_mod.INTERPRETER.override(pool_apart=True, split_k=2):
+        _check_pooled(case, pool, torch.float32, "silu", DEVICE, channels_last=channels_last)
+        _check_pooled(case, pool, torch.bfloat16, "relu", DEVICE, channels_last=channels_last, bias=False)
 
 
 @pytest.mark.parametrize("pool", [None, ("max", 2)], ids=["conv", "conv-pool"])

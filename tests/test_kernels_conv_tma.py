@@ -3,7 +3,7 @@
 5x3 windows), every dtype and activation, fused 2x2 / 1x2 / 4x4 pools, NHWC and NCHW outputs. Outputs start as NaN:
 an element not written fails.
 
-On the CPU through Triton's interpreter (kernels.conv.interpreter_tma routes eligible calls to this kernel); on the
+On the CPU through Triton's interpreter (kernels.conv.INTERPRETER's `tma` routes eligible calls to this kernel); on the
 GPU every candidate the tuner may pick, forced; compiled for sm_90 here (TMA copies, warpgroup MMAs, no spills).
 """
 
@@ -53,12 +53,11 @@ def tma_on(monkeypatch):
         candidates = list(candidates)
         return next((c for c in candidates if conv_tma.is_tma(c)), candidates[0])
 
-    monkeypatch.setattr(conv_mod, "interpreter_tma", True)
-    monkeypatch.setattr(conv_mod, "interpreter_tile", (32, 16, 16))
     monkeypatch.setattr(conv_mod, "tune", first_tma)
     monkeypatch.setattr(conv_mod, "_configs", {})  # picks made without the fixture are not reused, nor kept after
     monkeypatch.setattr(conv_tma, "launch", counted)
-    return calls
+    with conv_mod.INTERPRETER.override(tma=True, tile=(32, 16, 16)):
+        yield calls
 
 
 def _inputs(case, dtype, device, bias=True):

@@ -46,8 +46,9 @@ def _check(M, N, K, dtype, activation, device, bias=True, slope=0.01, allow_tf32
 
 
 @pytest.fixture
-def small_tile(monkeypatch):
-    monkeypatch.setattr(linear_mod, "interpreter_tile", linear_mod.SMALL_INTERPRETER_TILE)
+def small_tile():
+    with linear_mod.INTERPRETER.override(tile=linear_mod.SMALL_INTERPRETER_TILE):
+        yield
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
@@ -97,12 +98,12 @@ def test_empty_batch_returns_empty():
     assert y.shape == (0, 4)
 
 
-def test_outputs_do_not_depend_on_tile(monkeypatch):
+def test_outputs_do_not_depend_on_tile():
     """The small and the serving tile agree to rounding: tiling changes nothing but the order of sums."""
     x, w, b = _inputs(45, 70, 150, torch.float32, DEVICE)
     big = fused_linear(x, w, b, "silu")
-    monkeypatch.setattr(linear_mod, "interpreter_tile", linear_mod.SMALL_INTERPRETER_TILE)
-    small = fused_linear(x, w, b, "silu")
+    with linear_mod.INTERPRETER.override(tile=linear_mod.SMALL_INTERPRETER_TILE):
+        small = fused_linear(x, w, b, "silu")
     assert_close_to(small, big.double(), RTOL[torch.float32], "small vs serving tile")
 
 
@@ -214,17 +215,17 @@ def test_gelu_is_accurate_in_the_negative_tail():
 
 @pytest.mark.parametrize("split", [2, 3])
 @pytest.mark.parametrize("shape", [(1, 40, 200), (5, 33, 97), (17, 70, 129)], ids=lambda s: "x".join(map(str, s)))
-def test_split_k_sums_every_partial_and_resets_its_counters(small_tile, monkeypatch, shape, split):
+def test_split_k_sums_every_partial_and_resets_its_counters(small_tile, shape, split):
     """Split-K: the last program of each tile adds all partials (some splits get no K tile at all when
     the K tiles do not divide evenly) and leaves its counter at 0, so the next call needs no memset."""
-    monkeypatch.setattr(linear_mod, "interpreter_split_k", split)
     x, w, b = _inputs(*shape, torch.float32, DEVICE)
     layer = FusedLinear(w, b, "gelu_tanh")
     want = reference.linear(x.double(), w.double(), b.double(), "gelu_tanh")
-    for _ in range(2):  # the second call reuses the workspace and its counters
-        out = torch.full((shape[0], shape[1]), float("nan"), device=DEVICE)
-        assert_close_to(layer(x, out=out), want, RTOL[torch.float32], f"split-K {split} {shape}")
-        assert int(layer.workspace.counters.abs().sum()) == 0, "split-K counters not reset"
+    with linear_mod.INTERPRETER.override(split_k=split):
+        for _ in range(2):  # the second call reuses the workspace and its counters
+            out = torch.full((shape[0], shape[1]), float("nan"), device=DEVICE)
+            assert_close_to(layer(x, out=out), want, RTOL[torch.float32], f"split-K {split} {shape}")
+            assert int(layer.workspace.counters.abs().sum()) == 0, "split-K counters not reset"
 
 
 def test_workspace_is_sized_for_split_k_only():
@@ -410,21 +411,21 @@ def test_persistent_configs_are_offered_for_a_full_wave_of_tma_eligible_tiles():
 @pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's override; on CUDA the tuner picks")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_prepared_layer_runs_the_persistent_kernel_where_tma_can_and_the_pointer_kernel_where_not(monkeypatch, dtype):
-    monkeypatch.setattr(linear_mod, "interpreter_override", PERSISTENT_SMALL)
-    calls = []
-    real = linear_mod.persistent.launch
-    monkeypatch.setattr(linear_mod.persistent, "launch", lambda *a: calls.append(a[0].shape) or real(*a))
-    x, w, b = _inputs(37, 56, 72, dtype, DEVICE)
-    layer = FusedLinear(w, b, "gelu_tanh")
-    want = reference.linear(x.double(), w.double(), b.double(), "gelu_tanh")
-    out = torch.full((37, 56), float("nan"), device=DEVICE).to(dtype)
-    assert_close_to(layer(x, out=out), want, RTOL[dtype], f"persistent via FusedLinear {dtype}")
-    assert calls == [(37, 72)]
-    # x one element past an aligned base: TMA cannot address it, so the pointer kernel runs, just as right
-    shifted = torch.empty(37 * 72 + 1, device=DEVICE, dtype=dtype)[1:].view(37, 72)
-    shifted.copy_(x)
-    assert_close_to(layer(shifted), want, RTOL[dtype], f"unaligned x via FusedLinear {dtype}")
-    assert calls == [(37, 72)]
+    with linear_mod.INTERPRETER.override(config=PERSISTENT_SMALL):
+        calls = []
+        real = linear_mod.persistent.launch
+        monkeypatch.setattr(linear_mod.persistent, "launch", lambda *a: calls.append(a[0].shape) or real(*a))
+        x, w, b = _inputs(37, 56, 72, dtype, DEVICE)
+        layer = FusedLinear(w, b, "gelu_tanh")
+        want = reference.linear(x.double(), w.double(), b.double(), "gelu_tanh")
+        out = torch.full((37, 56), float("nan"), device=DEVICE).to(dtype)
+        assert_close_to(layer(x, out=out), want, RTOL[dtype], f"persistent via FusedLinear {dtype}")
+        assert calls == [(37, 72)]
+        # x one element past an aligned base: TMA cannot address it, so the pointer kernel runs, just as right
+        shifted = torch.empty(37 * 72 + 1, device=DEVICE, dtype=dtype)[1:].view(37, 72)
+        shifted.copy_(x)
+        assert_close_to(layer(shifted), want, RTOL[dtype], f"unaligned x via FusedLinear {dtype}")
+        assert calls == [(37, 72)]
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA the real direct launch runs in the gpu test below")
@@ -490,25 +491,25 @@ def _gemv_small(split: int) -> linear_mod.LaunchConfig:
 @pytest.mark.parametrize("split", [1, 2, 3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 1, 1), (1, 37, 71), (1, 53, 130), (3, 17, 33)], ids=str)
-def test_gemv_kernel_on_awkward_shapes(monkeypatch, shape, dtype, split):
+def test_gemv_kernel_on_awkward_shapes(shape, dtype, split):
     """One row (and, though only offered for one, several), N and K past the 16x32 tile's edges, splits
     that get no K step at all (K=1 split 3): every element written and right, split-K counters back at 0."""
-    monkeypatch.setattr(linear_mod, "interpreter_override", _gemv_small(split))
-    x, w, b = _inputs(*shape, dtype, DEVICE)
-    layer = FusedLinear(w, b, "gelu_tanh")
-    want = reference.linear(x.double(), w.double(), b.double(), "gelu_tanh")
-    for _ in range(2):
-        out = torch.full(shape[:2], float("nan"), device=DEVICE).to(dtype)
-        assert_close_to(layer(x, out=out), want, RTOL[dtype], f"gemv {shape} {dtype} split {split}")
-        assert int(layer.workspace.counters.abs().sum()) == 0, "split-K counters not reset"
+    with linear_mod.INTERPRETER.override(config=_gemv_small(split)):
+        x, w, b = _inputs(*shape, dtype, DEVICE)
+        layer = FusedLinear(w, b, "gelu_tanh")
+        want = reference.linear(x.double(), w.double(), b.double(), "gelu_tanh")
+        for _ in range(2):
+            out = torch.full(shape[:2], float("nan"), device=DEVICE).to(dtype)
+            assert_close_to(layer(x, out=out), want, RTOL[dtype], f"gemv {shape} {dtype} split {split}")
+            assert int(layer.workspace.counters.abs().sum()) == 0, "split-K counters not reset"
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's override; on CUDA the gpu test below")
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_gemv_kernel_every_activation_and_no_bias(monkeypatch, activation):
-    monkeypatch.setattr(linear_mod, "interpreter_override", _gemv_small(2))
-    for bias in (True, False):
-        _check(1, 40, 100, torch.float32, activation, DEVICE, bias=bias, slope=0.3)
+def test_gemv_kernel_every_activation_and_no_bias(activation):
+    with linear_mod.INTERPRETER.override(config=_gemv_small(2)):
+        for bias in (True, False):
+            _check(1, 40, 100, torch.float32, activation, DEVICE, bias=bias, slope=0.3)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA the real direct launch runs in the gpu test below")

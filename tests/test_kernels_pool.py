@@ -59,8 +59,9 @@ def _check(shape, kind, k, s, p, ceil, dtype, activation, device, cip=True, slop
 
 
 @pytest.fixture
-def small_tile(monkeypatch):
-    monkeypatch.setattr(pool_mod, "interpreter_tile", pool_mod.SMALL_INTERPRETER_TILE)
+def small_tile():
+    with pool_mod.INTERPRETER.override(tile=pool_mod.SMALL_INTERPRETER_TILE):
+        yield
 
 
 @pytest.fixture
@@ -76,10 +77,10 @@ def untuned():
 
 
 @pytest.fixture(params=["rows", "channels"])
-def kernel_layout(request, monkeypatch):
+def kernel_layout(request):
     """Both kernels on the same inputs (each takes any strides; on CUDA the memory format picks)."""
-    monkeypatch.setattr(pool_mod, "interpreter_layout", request.param)
-    return request.param
+    with pool_mod.INTERPRETER.override(layout=request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("kind,cip", [("avg", True), ("avg", False), ("max", True)], ids=["avg", "avg-nocip", "max"])
@@ -130,11 +131,8 @@ def test_tiles_agree():
     """The small and the serving tile agree exactly: tiling changes no sum's order in pooling."""
     x = torch.randn(2, 3, 19, 21, device=DEVICE)
     big = fused_pool2d(x, "avg", 3, 2, 1, ceil_mode=True)
-    pool_mod.interpreter_tile = pool_mod.SMALL_INTERPRETER_TILE
-    try:
+    with pool_mod.INTERPRETER.override(tile=pool_mod.SMALL_INTERPRETER_TILE):
         small = fused_pool2d(x, "avg", 3, 2, 1, ceil_mode=True)
-    finally:
-        pool_mod.interpreter_tile = None
     assert torch.equal(big, small)
 
 
