@@ -200,6 +200,20 @@ def test_prepared_layer_checks_x_per_call():
         FusedLinear(w, b, "gelu_fast")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ["relu6", "hardswish"])
+def test_relu6_and_hardswish_over_their_whole_range(dtype, activation):
+    """Both bends of each (0 and 6; -3 and 3), which the GEMM tests' O(1) outputs seldom reach, and NaN and the
+    infinities as torch answers them (NaN stays NaN; hardswish(-inf) is NaN, -inf * 0, in torch too)."""
+    x = torch.cat([torch.linspace(-10, 10, 2001), torch.tensor([float("nan"), float("inf"), -float("inf")])])
+    x = x.to(device=DEVICE, dtype=dtype)
+    got = fused_activation(x, activation).cpu()
+    want = reference.activation(x.cpu().double(), activation)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    finite = want.isfinite()
+    assert_close_to(got[finite], want[finite], RTOL[dtype], f"{activation} {dtype}")
+
+
 def test_gelu_is_accurate_in_the_negative_tail():
     """The erf form's 1 + erf(x / sqrt 2) cancels for x < 0 (torch's fp32 gelu: 8.8e-4 relative error
     at x = -3, zero below -4); ours goes through erfc. Checked elementwise, relative, against math.erfc."""
