@@ -1,11 +1,13 @@
-"""Fused linear layer: y = act(x @ W^T + b) in one Triton kernel.
+"""Fused linear layer: y = act(x @ W^T + b [+ residual]) in one Triton kernel.
 
 Unfused, eager torch runs this as three kernels (mm, bias add, activation): the (M, N) result is
 written to memory by the GEMM and read back twice. Here the bias and the activation are applied to
 the fp32 accumulator tile while it is still in registers, so y is written once, in its final dtype:
-3 launches -> 1, and 2*M*N fewer elements written plus 2*M*N fewer read.
+3 launches -> 1, and 2*M*N fewer elements written plus 2*M*N fewer read. A residual (a skip connection,
+added before the activation) is one more read of M*N in the same epilogue, where eager torch runs one
+more add kernel: a write and two reads of M*N.
 
-Shapes (PyTorch's nn.Linear layout): x (M, K), weight (N, K), bias (N,) or None, y (M, N).
+Shapes (PyTorch's nn.Linear layout): x (M, K), weight (N, K), bias (N,) or None, residual and y (M, N).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .tiles import (
     gemm_flags,
     grouped_tile,
     launch_options,
+    residual_like,
     split_k_sum,
 )
 from .tuning import LaunchConfig, scope_for, tune
@@ -41,8 +44,9 @@ MAX_FAST_BATCH_SIZES = 4096  # distinct batch sizes whose launch records a layer
 
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _linear_kernel(
-    # pointers (ws_ptr, cnt_ptr: split-K workspace and per-tile arrival counters; unused when SPLIT_K == 1)
-    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+    # pointers (r_ptr: the residual, with y's strides, unused without HAS_RESIDUAL; ws_ptr, cnt_ptr: split-K
+    # workspace and per-tile arrival counters, unused when SPLIT_K == 1)
+    x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ws_ptr, cnt_ptr,
     # sizes
     M, N, K,
     # strides
@@ -55,6 +59,7 @@ def _linear_kernel(
     M_BUCKET,
     # meta-parameters
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     ACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32"; only fp32 operands care
     UPCAST_DOT: tl.constexpr,  # bf16 operands multiplied as fp32 (interpreter workaround, see launcher)
@@ -116,15 +121,18 @@ def _linear_kernel(
     else:
         last = True
 
-    # Epilogue on the fp32 accumulator: bias, activation, one rounding to the output dtype.
+    # Epilogue on the fp32 accumulator: bias, residual, activation, one rounding to the output dtype.
     if HAS_BIAS:
         acc = acc + bias.to(tl.float32)[None, :]
+    y_offs = rows[:, None] * stride_ym + cols[None, :] * stride_yn
+    y_mask = (rows[:, None] < M) & (cols[None, :] < N) & last
+    if HAS_RESIDUAL:  # before the activation, as relu(x @ W^T + b + identity); read by the storing program only
+        acc = acc + tl.load(r_ptr + y_offs, mask=y_mask, other=0.0).to(tl.float32)
     acc = apply_activation(acc, ACTIVATION, negative_slope)
 
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
     if ROUND_BF16:
         acc = round_to_bf16(acc)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N) & last)
+    tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 # ---- the launcher ----
@@ -217,9 +225,9 @@ class FusedLinear:
         self.activation = activation
         self.negative_slope = float(negative_slope)
         self.allow_tf32 = allow_tf32
-        # (M bucket, input precision, TMA candidates offered) -> tuned config
-        self.configs: dict[tuple[int, str, bool], LaunchConfig] = {}
-        # (M bucket, input precision) -> the compiled kernel of aligned calls, and its config
+        # (M bucket, input precision, TMA candidates offered, with a residual) -> tuned config
+        self.configs: dict[tuple[int, str, bool, bool], LaunchConfig] = {}
+        # (M bucket, input precision) -> the compiled kernel of aligned calls without a residual, and its config
         self.direct: dict[tuple[int, str], tuple[DirectLaunch, LaunchConfig]] = {}
         self.workspace = SplitKWorkspace(weight.device)
         # (rows, TF32 on) -> what a call of that size needs, filled on the first direct launch of each size
@@ -227,7 +235,11 @@ class FusedLinear:
         self._fast: dict[tuple[int, bool], LaunchRecord] = {}
         self._bias_arg = bias if bias is not None else weight  # any pointer when HAS_BIAS is off; never read
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, out: torch.Tensor | None = None, *, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """act(x @ weight.T + bias [+ residual]); `residual` as in fused_linear. Calls with a residual take the
+        checked path (the direct one keeps the kernel without it)."""
         w = self.weight
         N, K = w.shape
         tf32 = torch.backends.cuda.matmul.allow_tf32 if self.allow_tf32 is None else self.allow_tf32
@@ -235,7 +247,8 @@ class FusedLinear:
         # reject (it runs, and names the problem, whenever this test fails), one lookup of the batch size's
         # launch record, the output, the launch. The Python around a launch is most of a small layer's
         # wall time (64x256x128 fp16: 9.3 us per call on this path, for ~3 us of GPU work; docs/performance.md).
-        if self.direct and plain_rows(x, w.dtype, w.device, K) and (x_ptr := x.data_ptr()) % 16 == 0:
+        direct = self.direct and residual is None
+        if direct and plain_rows(x, w.dtype, w.device, K) and (x_ptr := x.data_ptr()) % 16 == 0:
             M = x.shape[0]
             fast = None
             if M > 0 and M * K < 2**31:
@@ -254,7 +267,8 @@ class FusedLinear:
                         triton.set_allocator(persistent.scratch)  # per thread: TMA descriptors' scratch
                         launch(grid, x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K, K, N, self.negative_slope)
                     else:
-                        launch(grid, x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K, 1, K, 1, N, 1,
+                        # out again as the (unread) residual, as _launch passes it without one
+                        launch(grid, x_ptr, w_ptr, b_ptr, out_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K, 1, K, 1, N, 1,
                                self.negative_slope, bucket)  # fmt: skip
                     return out
         _check_x(x, w)
@@ -269,6 +283,7 @@ class FusedLinear:
             self.configs,
             self.workspace,
             self.direct,
+            residual,
         )
 
     def _record(self, M: int, tf32: bool) -> LaunchRecord | None:
@@ -303,26 +318,34 @@ def fused_linear(
     negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
     out: torch.Tensor | None = None,
     allow_tf32: bool | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """act(x @ weight.T + bias) in one kernel; returns y (M, N) in x's dtype.
+    """act(x @ weight.T + bias + residual) in one kernel; returns y (M, N) in x's dtype.
 
     allow_tf32: for float32 operands, multiply in TF32 (about 8x the fp32 rate on Hopper, ~1e-3
     relative error) or in full fp32. None follows `torch.backends.cuda.matmul.allow_tf32`, so the
     fused and the torch paths use the same setting.
+
+    residual: None, or an (M, N) tensor of x's dtype added before the activation (a skip connection:
+    relu(x @ W^T + b + identity)); read once in the epilogue. One that is not contiguous is copied first,
+    and one that shares memory with `out` is refused (tiles.residual_like).
     """
     _check_weights(weight, bias)
     _check_x(x, weight)
     check_activation(activation)
-    return _launch(x, weight, bias, activation, float(negative_slope), out, allow_tf32, None, None, None)
+    return _launch(x, weight, bias, activation, float(negative_slope), out, allow_tf32, None, None, None, residual)
 
 
-def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, configs, workspace, direct):
+def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, configs, workspace, direct, residual=None):
     M, K = x.shape
     N = weight.shape[0]
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     else:
         _check_out(out, x, N)
+    has_residual = residual is not None
+    if has_residual:
+        residual = residual_like(residual, out)  # out is contiguous: so is the residual the kernel reads
     if M == 0:
         return out
     if allow_tf32 is None:
@@ -332,7 +355,8 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
     bucket = m_bucket(M)
     workspace = workspace or SplitKWorkspace(x.device)
 
-    tma = persistent.tma_eligible(x, weight, out)
+    # The persistent kernel's epilogue has no residual: calls with one run the pointer and GEMV kernels only.
+    tma = not has_residual and persistent.tma_eligible(x, weight, out)
     programs = persistent.default_programs(x.device) if tma else 0
 
     def run(config: LaunchConfig):
@@ -343,12 +367,12 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
         ws, cnt = workspace.get(tiles, meta["BLOCK_M"] * meta["BLOCK_N"], meta["SPLIT_K"])
         return kernel[(tiles * meta["SPLIT_K"],)](
-            x, weight, bias if bias is not None else x, out, ws, cnt,
+            x, weight, bias if bias is not None else x, out, residual if has_residual else out, ws, cnt,
             M, N, K,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
             negative_slope,
             bucket,
-            **fixed, **meta, **launch_options(fixed),
+            HAS_RESIDUAL=has_residual, **fixed, **meta, **launch_options(fixed),
         )  # fmt: skip
 
     if interpreting():
@@ -358,22 +382,23 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
     sms, shared_memory = device_limits(x.device)
     # Calls that cannot use TMA (an unaligned x or out) are tuned and kept apart from those that can.
     tma = tma and persistent.offered(bucket, N, sms)
-    config = configs.get((bucket, precision, tma)) if configs is not None else None
+    config = configs.get((bucket, precision, tma, has_residual)) if configs is not None else None
     if config is None:
         key = f"N{N}|K{K}|{x.dtype}|{activation}|bias={bias is not None}|{precision}|m{bucket}"
         key += "|tma" if tma else ""
+        key += "|residual" if has_residual else ""  # one more read in the epilogue: timed apart
         kernels = (_linear_kernel, gemv._gemv_kernel, persistent._linear_persistent_kernel)
         scope = scope_for("linear", *kernels, grouped_tile, split_k_sum, apply_activation)
-        candidates = cuda_configs(bucket, N, K, sms, x.element_size(), shared_memory, tma)
+        candidates = cuda_configs(bucket, N, K, sms, x.element_size(), shared_memory, tma, has_residual)
         config = tune(scope, key, candidates, run)
         if configs is not None:
-            configs[(bucket, precision, tma)] = config
+            configs[(bucket, precision, tma, has_residual)] = config
     compiled = run(config)
-    if direct is not None and DIRECT_LAUNCH and aligned(x, out):
+    if direct is not None and not has_residual and DIRECT_LAUNCH and aligned(x, out):
         if persistent.is_persistent(config):
             kernel, constexprs = persistent._linear_persistent_kernel, persistent.constexprs(fixed, config, programs)
         else:
-            kernel, constexprs = _pointer_kernel(config), {**fixed, **gemv.kernel_meta(config)}
+            kernel, constexprs = _pointer_kernel(config), {**fixed, "HAS_RESIDUAL": False, **gemv.kernel_meta(config)}
         direct[(bucket, precision)] = (DirectLaunch(compiled, constexpr_tail(kernel, constexprs)), config)
     return out
 
@@ -404,11 +429,14 @@ def cuda_configs(
     element_size: int = 2,
     shared_memory: int = HOPPER_SHARED_MEMORY,
     tma: bool = False,
+    residual: bool = False,
 ) -> list[LaunchConfig]:
     """Candidates the tuner times for one (batch bucket, N, K) on a GPU with `sms` multiprocessors, for
     elements of `element_size` bytes; a candidate whose pipeline would not fit `shared_memory` is left out
     (the tuner would skip it anyway, after a failed compile). `tma`: the operands suit TMA, so the
     persistent kernel's configs (linear_persistent.py) join where it can win (`persistent.offered`).
+    `residual`: the epilogue reads one, which 128x256 tiles cannot hold beside their accumulator (compiled
+    for sm_90, fp16: 128 bytes of stack a thread), so they are left out.
 
     Batches of 1-16 rows are weight-streaming problems (M=1, 4096x4096 fp16: 32 MB read for 32 kFLOP):
     a 16-row MMA tile, narrow N tiles and split-K so that every SM streams weights, and deep pipelines
@@ -494,6 +522,8 @@ def cuda_configs(
     if bucket == 1:
         configs += gemv.cuda_configs(N, K, sms)  # CUDA cores, no 16-row padding: see linear_gemv.py
     configs = [c for c in configs if pipeline_shared_memory(c, element_size) <= shared_memory]
+    if residual:
+        configs = [c for c in configs if c["BLOCK_M"] * c["BLOCK_N"] < 128 * 256]
     if tma and persistent.offered(bucket, N, sms):
         configs += persistent.cuda_configs(element_size, shared_memory)
     return configs

@@ -1,4 +1,4 @@
-"""GEMV + bias + activation for one-row batches, on CUDA cores: y = act(x @ W^T + b) with M = 1.
+"""GEMV + bias [+ residual] + activation for one-row batches, on CUDA cores: y = act(x @ W^T + b [+ r]), M = 1.
 
 At M = 1 a layer is a weight stream (4096x4096 fp16: 32 MB read for 16 MFLOP), so what counts is bytes
 in flight, not FLOPs. linear.py's kernel pads the row to a 16-row MMA tile (tl.dot needs 16), so this
@@ -28,7 +28,7 @@ from .tuning import LaunchConfig
 
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+    x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ws_ptr, cnt_ptr,
     M, N, K,
     stride_xm, stride_xk,
     stride_wn, stride_wk,
@@ -36,6 +36,7 @@ def _gemv_kernel(
     negative_slope,
     M_BUCKET,
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,  # r_ptr: the residual, with y's strides, added before the activation
     ACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,  # unused: no MMA here
     UPCAST_DOT: tl.constexpr,  # unused: every product is formed in fp32
@@ -93,11 +94,14 @@ def _gemv_kernel(
 
     if HAS_BIAS:
         total += bias.to(tl.float32)[None, :]
+    y_offs = row * stride_ym + cols[None, :] * stride_yn
+    y_mask = (cols[None, :] < N) & last
+    if HAS_RESIDUAL:
+        total += tl.load(r_ptr + y_offs, mask=y_mask, other=0.0).to(tl.float32)
     total = apply_activation(total, ACTIVATION, negative_slope)
     if ROUND_BF16:
         total = round_to_bf16(total)
-    y_ptrs = y_ptr + row * stride_ym + cols[None, :] * stride_yn
-    tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=(cols[None, :] < N) & last)
+    tl.store(y_ptr + y_offs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 # ---- the launcher ----

@@ -21,11 +21,15 @@ def linear(
     activation: str = "none",
     *,
     negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """act(x @ weight.T + bias) as the 3 kernels of the published unfused baseline: mm, add, act."""
+    """act(x @ weight.T + bias) as the 3 kernels of the published unfused baseline: mm, add, act. A residual
+    (M, N) is one more add before the activation, as a skip connection runs eagerly."""
     y = torch.mm(x, weight.t())
     if bias is not None:
         y = y + bias
+    if residual is not None:
+        y = y + residual
     return torch_activation(y, activation, negative_slope)
 
 

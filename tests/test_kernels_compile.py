@@ -119,8 +119,8 @@ from tests.sm90_compile import bare_tile_loop, compile_gemm, compile_sm90, pdl_o
 dtype = getattr(torch, sys.argv[1])
 ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
 precision = "tf32" if dtype == torch.float32 else "ieee"
-fixed = dict(HAS_BIAS=True, ACTIVATION="relu", INPUT_PRECISION=precision, UPCAST_DOT=False, ROUND_BF16=False,
-             PDL=True)  # PDL: as launched on sm_90
+fixed = dict(HAS_BIAS=True, HAS_RESIDUAL=False, ACTIVATION="relu", INPUT_PRECISION=precision, UPCAST_DOT=False,
+             ROUND_BF16=False, PDL=True)  # PDL: as launched on sm_90
 for config in linear.cuda_configs(1024, 1024, 1024, 132, dtype.itemsize):
     if config["SPLIT_K"] > 1:
         continue
@@ -159,7 +159,8 @@ from tests.sm90_compile import compile_gemm
 
 dtype = getattr(torch, sys.argv[1])
 ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
-fixed = dict(HAS_BIAS=True, ACTIVATION="relu", INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False, PDL=True)
+fixed = dict(HAS_BIAS=True, HAS_RESIDUAL=False, ACTIVATION="relu", INPUT_PRECISION="ieee", UPCAST_DOT=False,
+             ROUND_BF16=False, PDL=True)
 seen = set()
 for N, K in ((4096, 4096), (1024, 4096)):  # the wide MLP's layers at batch 32: every split the list offers
     for config in linear.cuda_configs(32, N, K, 132, dtype.itemsize):
@@ -190,8 +191,8 @@ from tests.sm90_compile import compile_gemm, pdl_order
 
 dtype = getattr(torch, sys.argv[1])
 ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
-fixed = dict(HAS_BIAS=True, ACTIVATION="gelu_tanh", INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False,
-             PDL=True)  # PDL: as launched on sm_90
+fixed = dict(HAS_BIAS=True, HAS_RESIDUAL=False, ACTIVATION="gelu_tanh", INPUT_PRECISION="ieee", UPCAST_DOT=False,
+             ROUND_BF16=False, PDL=True)  # PDL: as launched on sm_90
 for config in gemv.cuda_configs(4096, 4096, 132):
     meta = {**fixed, **gemv.kernel_meta(config)}
     ptx, usage = compile_gemm(gemv._gemv_kernel, ptr, meta, config.num_warps, config.num_stages)
