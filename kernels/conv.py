@@ -1,8 +1,10 @@
-"""Fused 2-D convolution: y = act(conv2d(x, W) + b) in one Triton kernel, as an implicit GEMM.
+"""Fused 2-D convolution: y = act(conv2d(x, W) + b [+ residual]) in one Triton kernel, as an implicit GEMM.
 
 Eager torch runs this as cuDNN's conv (bias added inside, or as one more kernel) then the activation: the
 (N, OC, OH, OW) result is written, read back and written again. Here bias and activation are applied to the
-fp32 accumulator tile in registers, and y is written once, in its final dtype.
+fp32 accumulator tile in registers, and y is written once, in its final dtype. A ResNet block's skip connection,
+relu(bn(conv(x)) + identity) with the BatchNorm folded into W and b, adds one read of the residual in the same
+epilogue, where eager torch runs one more add kernel (a write and two reads of y's size).
 
 Implicit GEMM: the convolution is the matrix product Y[m, o] = sum_k A[m, k] * W[o, k] with
     m = (n, oh, ow)        M = N * OH * OW   (one row per output pixel)
@@ -43,7 +45,15 @@ from .pdl import gdc_launch_dependents, gdc_wait
 from .pool import _max_propagating_nan, _pool_channels_kernel, _pool_rows_kernel, fused_pool2d, pair
 from .pool import channels_last as _channels_last
 from .runtime import check_device, interpreting
-from .tiles import SplitKWorkspace, device_limits, gemm_flags, grouped_tile, launch_options, split_k_sum
+from .tiles import (
+    SplitKWorkspace,
+    device_limits,
+    gemm_flags,
+    grouped_tile,
+    launch_options,
+    residual_like,
+    split_k_sum,
+)
 from .tuning import LaunchConfig, scope_for, tune
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -59,10 +69,24 @@ def _split_range(steps: tl.constexpr, pid_k, SPLIT_K: tl.constexpr):
     return pid_k * per_split, tl.minimum(pid_k * per_split + per_split, steps)
 
 
+@triton.jit
+def _y_tile(base, n, rows, out_h, out_w, cols, stride_yn, stride_yc, stride_yh, stride_yw, OH: tl.constexpr,
+            OW: tl.constexpr, Y_PLANES: tl.constexpr):  # fmt: skip
+    """Pointers from `base` to the (BLOCK_M, BLOCK_N) tile of y at output pixels `rows` (image n, row out_h, column
+    out_w) and channels `cols`: into y, or into the residual, which has y's strides."""
+    if Y_PLANES:
+        # Contiguous NCHW y: a pixel's offset in its plane is rows % (OH * OW), which Triton sees as runs of
+        # contiguous rows (OH * OW a constexpr), so the store goes out in vectors along M.
+        y_rows = base + n * stride_yn + rows % (OH * OW)
+    else:
+        y_rows = base + n * stride_yn + out_h * stride_yh + out_w * stride_yw
+    return y_rows[:, None] + (cols * stride_yc)[None, :]  # unclamped cols: contiguous along O for NHWC y
+
+
 @triton.jit(do_not_specialize=["NB"])
 def _conv2d_kernel(
-    # pointers
-    x_ptr, w_ptr, b_ptr, y_ptr,
+    # pointers (r_ptr: the residual, with y's strides; unused without HAS_RESIDUAL)
+    x_ptr, w_ptr, b_ptr, y_ptr, r_ptr,
     ws_ptr, cnt_ptr,  # split-K partial tiles and per-tile arrival counters (tiles.split_k_sum); unused at SPLIT_K 1
     # sizes (the batch NB is the only run-time one; the GEMM's M = NB * OH * OW)
     NB, OC,
@@ -81,6 +105,7 @@ def _conv2d_kernel(
     POOL: tl.constexpr, PKH: tl.constexpr, PKW: tl.constexpr, PSH: tl.constexpr, PSW: tl.constexpr,
     # meta-parameters
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,  # added before the activation; only with POOL "none"
     ACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32"; only fp32 operands care
     UPCAST_DOT: tl.constexpr,  # bf16 operands multiplied as fp32 (interpreter workaround, tiles.gemm_flags)
@@ -93,6 +118,7 @@ def _conv2d_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,  # programs per output tile, each over 1/SPLIT_K of the K steps; only with POOL "none"
 ):  # fmt: skip
+    tl.static_assert(POOL == "none" or not HAS_RESIDUAL, "a residual is added to the conv's output, never pooled")
     if PDL:  # the next layer may start; this one waits for the previous layer (below) before reading x
         gdc_launch_dependents()
     M = NB * (OH * OW)
@@ -183,9 +209,16 @@ def _conv2d_kernel(
                 acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         if SPLIT_K > 1:  # the tile's last program to arrive gets the full sum and stores; the others store nothing
             acc, last = split_k_sum(acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, BLOCK_M, BLOCK_N)
-        # Epilogue on the fp32 accumulator: bias, activation, then the pooling fold.
+        # Epilogue on the fp32 accumulator: bias, residual, activation, then the pooling fold.
         if HAS_BIAS:
             acc = acc + bias.to(tl.float32)[None, :]
+        if HAS_RESIDUAL:  # no pool: one window, whose pixels are the stored ones; read by the storing program only
+            r_ok = m_ok[:, None] & (cols < OC)[None, :]
+            if SPLIT_K > 1:
+                r_ok = r_ok & last
+            r_tile = _y_tile(r_ptr, n, rows, out_h, out_w, cols, stride_yn, stride_yc, stride_yh, stride_yw, OH, OW,
+                             Y_PLANES)  # fmt: skip
+            acc = acc + tl.load(r_tile, mask=r_ok, other=0.0).to(tl.float32)
         acc = apply_activation(acc, ACTIVATION, negative_slope)
         if POOL == "max":
             result = _max_propagating_nan(result, acc)
@@ -199,13 +232,7 @@ def _conv2d_kernel(
     # One rounding to the output dtype.
     if ROUND_BF16:
         result = round_to_bf16(result)
-    if Y_PLANES:
-        # Contiguous NCHW y: a pixel's offset in its plane is rows % (OH * OW), which Triton sees as runs of
-        # contiguous rows (OH * OW a constexpr), so the store goes out in vectors along M.
-        y_rows = y_ptr + n * stride_yn + rows % (OH * OW)
-    else:
-        y_rows = y_ptr + n * stride_yn + out_h * stride_yh + out_w * stride_yw
-    y_ptrs = y_rows[:, None] + (cols * stride_yc)[None, :]  # unclamped cols: contiguous along O for NHWC y
+    y_ptrs = _y_tile(y_ptr, n, rows, out_h, out_w, cols, stride_yn, stride_yc, stride_yh, stride_yw, OH, OW, Y_PLANES)
     y_ok = m_ok[:, None] & (cols < OC)[None, :]
     if SPLIT_K > 1:
         y_ok = y_ok & last
@@ -285,10 +312,11 @@ def fused_conv2d(
     pool: tuple | None = None,
     memory_format: torch.memory_format | None = None,
     out: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """act(conv2d(x, weight, bias)); x (N, C, H, W) contiguous NCHW (or channels_last), weight (OC, C, KH, KW);
-    returns (N, OC, OH, OW) in x's dtype, channels_last if x or weight is (as torch does), else NCHW;
-    groups=1. Accumulates in fp32.
+    """act(conv2d(x, weight, bias) [+ residual]); x (N, C, H, W) contiguous NCHW (or channels_last), weight
+    (OC, C, KH, KW); returns (N, OC, OH, OW) in x's dtype, channels_last if x or weight is (as torch does), else
+    NCHW; groups=1. Accumulates in fp32.
 
     allow_tf32: for float32, multiply in TF32 or full fp32; None follows `torch.backends.cudnn.allow_tf32`
     (torch's default: True), what cuDNN's conv would do with the same tensors.
@@ -302,6 +330,11 @@ def fused_conv2d(
     None: torch's rule above. A CNN reads NCHW and writes channels_last, keeps channels_last between its convs
     and pools (2x faster at 256 images of 64 -> 64 channels at 32x32; docs/performance.md, "CNNs"), and writes
     NCHW again before its flatten.
+
+    residual: None, or a tensor of the output's shape (N, OC, OH, OW) and dtype, added before the activation (a
+    ResNet block's relu(conv(x) + identity), its BatchNorm folded into weight and bias) and read once in the
+    epilogue. Read at the output's offsets: one in another layout than the output's (NCHW for an NHWC output, or
+    the reverse) is copied into it first, one more kernel. Not with `pool` (ValueError), nor in `out`'s memory.
     """
     _check(x, weight, bias, activation)
     s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
@@ -326,6 +359,8 @@ def fused_conv2d(
         if OH < PKH or OW < PKW:
             raise ValueError(f"pooling {pool!r} leaves no output from the conv's {OH}x{OW}")
         OH, OW = (OH - PKH) // PSH + 1, (OW - PKW) // PSW + 1
+    if residual is not None and POOL != "none":
+        raise ValueError("a residual cannot be fused with a pool: add it in an unpooled fused_conv2d, then pool")
     # torch's rule for the output's memory format: channels_last when x or the weight is. (An (N, 1, H, W)
     # input is both; a channels_last weight then asks for NHWC outputs.)
     channels_last = _channels_last(x)
@@ -335,6 +370,9 @@ def fused_conv2d(
     elif out.shape != (N, OC, OH, OW) or out.dtype != x.dtype or out.device != x.device:
         want = f"({N}, {OC}, {OH}, {OW}) {x.dtype} tensor on {x.device}"
         raise ValueError(f"out must be a {want}; got {tuple(out.shape)} {out.dtype} on {out.device}")
+    has_residual = residual is not None
+    if has_residual:
+        residual = residual_like(residual, out)  # in out's strides, so that the kernels read it at y's offsets
     M = N * OH * OW
     y_planes = out.stride()[1:] == (OH * OW, OW, 1)
     if M == 0:
@@ -363,15 +401,16 @@ def fused_conv2d(
         tiles = triton.cdiv(N * oh * ow, meta["BLOCK_M"]) * triton.cdiv(OC, meta["BLOCK_N"])
         ws, cnt = workspace.get(tiles, meta["BLOCK_M"] * meta["BLOCK_N"], meta["SPLIT_K"])
         return _conv2d_kernel[(tiles * meta["SPLIT_K"],)](
-            x, weight, bias if bias is not None else weight, y, ws, cnt,
+            x, weight, bias if bias is not None else weight, y, residual if has_residual else y, ws, cnt,
             N, OC,
             *x.stride(), *weight.stride(), *y.stride(),
             float(negative_slope),
-            **geometry, OH=oh, OW=ow, **window, **fixed, CHANNELS_LAST=channels_last,
+            **geometry, OH=oh, OW=ow, **window, HAS_RESIDUAL=has_residual, **fixed, CHANNELS_LAST=channels_last,
             Y_PLANES=y.stride()[1:] == (oh * ow, ow, 1), **meta, **launch_options(fixed),
         )  # fmt: skip
 
-    # The TMA kernel (conv_tma.py) where it can run: stride 1, x and weight channels_last, 16-byte rows.
+    # The TMA kernel (conv_tma.py) where it can run: stride 1, x and weight channels_last, 16-byte rows; with a
+    # residual too (read with pointers at y's offsets, so any layout of y).
     tma_pool = None if POOL == "none" else (POOL, (PKH, PKW), (PSH, PSW))
     tma = conv_tma.eligible(x, weight, s, tma_pool, out)
     tma_geometry = dict(geometry, OH=CH, OW=CW)
@@ -380,7 +419,8 @@ def fused_conv2d(
     def run(config: LaunchConfig):
         if conv_tma.is_tma(config):
             window = (POOL, PKH, PKW)
-            return conv_tma.launch(x, weight, bias, out, float(negative_slope), tma_geometry, window, fixed, config)
+            return conv_tma.launch(x, weight, bias, out, float(negative_slope), tma_geometry, window, fixed, config,
+                                   residual)  # fmt: skip
         meta = config.meta()
         if not meta.pop("APART", 0):
             return launch(out, meta, POOL != "none")
@@ -398,7 +438,7 @@ def fused_conv2d(
     bucket = m_bucket(M)
     signature = (tuple(weight.shape), weight.stride(), x.shape[1:], x.stride()[1:], x.dtype, s, p, d, activation,
                  bias is not None, fixed["INPUT_PRECISION"], channels_last, y_planes, bucket, POOL, PKH, PKW, PSH, PSW,
-                 tma)  # fmt: skip
+                 tma, has_residual)  # fmt: skip
     config = _configs.get(signature)
     if config is None:
         key = (
@@ -408,19 +448,22 @@ def fused_conv2d(
         )
         if tma:  # x and the weight channels_last, aligned: TMA candidates too
             key += "|tma"
-
+        if has_residual:  # one more read in the epilogue: timed apart
+            key += "|residual"
         if POOL != "none":
             key += f"|pool={POOL}{PKH}x{PKW}s{PSH}x{PSW}"
         scope = scope_for(
             "conv2d",
             _conv2d_kernel,
             _split_range,
+            _y_tile,
             grouped_tile,
             apply_activation,
             split_k_sum,
             *POOL_KERNELS,
             conv_tma._conv2d_tma_kernel,
             conv_tma._pool_tile,
+            conv_tma._box_offsets,
         )
         fma = x.dtype == torch.float32 and fixed["INPUT_PRECISION"] == "ieee"
         sms = device_limits(x.device)[0]
