@@ -136,6 +136,23 @@ def test_tiles_agree():
     assert torch.equal(big, small)
 
 
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("shape", [(2, 3, 7, 7), (3, 5, 1, 1), (2, 4, 5, 9)], ids=lambda s: "x".join(map(str, s)))
+def test_global_average_pool_is_an_avg_pool_over_the_whole_plane(shape, channels_last):
+    """ONNX's GlobalAveragePool (a ResNet's head, torch's adaptive_avg_pool2d(x, 1)): kernel_size (H, W), the
+    stride the same, one window per plane: (N, C, 1, 1), the activation fused. A 1x1 plane comes back unchanged."""
+    N, C, H, W = shape
+    for dtype in DTYPES:
+        got = _check(shape, "avg", (H, W), None, 0, False, dtype, "relu6", DEVICE, channels_last=channels_last)
+        assert got.shape == (N, C, 1, 1)
+    x = torch.randn(*shape, device=DEVICE)
+    x = x.to(memory_format=torch.channels_last) if channels_last else x
+    got = fused_pool2d(x, "avg", (H, W))
+    assert_close_to(got, torch.nn.functional.adaptive_avg_pool2d(x.double(), 1), RTOL[torch.float32], "global mean")
+    if H == W == 1:
+        assert torch.equal(got, x)
+
+
 def test_output_size_matches_torch():
     for size in range(1, 10):
         for k in range(1, 5):
