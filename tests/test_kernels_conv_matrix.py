@@ -6,8 +6,8 @@ Why a matrix: on an H100 the compiled kernel without a bias gave wrong outputs f
 K loop only; every other corner was right (bench/results/h100/gpu_tests_h100.txt). The older tests covered those
 switches in pairs, never all three at once.
 
-How the K loop is forced: under the interpreter (CPU), `kernels.conv.interpreter_flat_k` and the small tile
-`interpreter_tile` (16x16x16, so every shape crosses block edges); compiled (the `gpu` tests), the tuner is
+How the K loop is forced: under the interpreter (CPU), `kernels.conv.INTERPRETER`'s `flat_k` and the small
+`tile` (16x16x16, so every shape crosses block edges); compiled (the `gpu` tests), the tuner is
 replaced by one config with the wanted FLAT_K, as tests/test_kernels_conv.py's every-candidate test does. On the
 GPU a layer without a bias runs with a zero bias (kernels/conv.py, _zeros_for), so there the no-bias cases check
 that the launcher keeps doing so.
@@ -47,13 +47,13 @@ def flat_k(request, monkeypatch):
     """Forces the K loop: the interpreter's switch on the CPU, a single forced config on a GPU."""
     flat = request.param
     if DEVICE == "cpu":
-        monkeypatch.setattr(conv_mod, "interpreter_flat_k", flat)
-        monkeypatch.setattr(conv_mod, "interpreter_tile", conv_mod.SMALL_INTERPRETER_TILE)
-    else:
-        # 64x32x16 on 4 warps: a tile every candidate list has a variant of; split-K off (the pool forbids it)
-        config = LaunchConfig.of(4, 3, BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, GROUP_M=8, FLAT_K=int(flat), SPLIT_K=1)
-        monkeypatch.setattr(conv_mod, "tune", lambda *a, **kw: config)
-        conv_mod._configs.clear()
+        with conv_mod.INTERPRETER.override(flat_k=flat, tile=conv_mod.SMALL_INTERPRETER_TILE):
+            yield flat
+        return
+    # 64x32x16 on 4 warps: a tile every candidate list has a variant of; split-K off (the pool forbids it)
+    config = LaunchConfig.of(4, 3, BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, GROUP_M=8, FLAT_K=int(flat), SPLIT_K=1)
+    monkeypatch.setattr(conv_mod, "tune", lambda *a, **kw: config)
+    conv_mod._configs.clear()
     yield flat
     conv_mod._configs.clear()  # no later test may reuse a forced pick
 
