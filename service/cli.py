@@ -45,7 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .supervisor import StartError, serve
 
     try:
-        return serve(settings)
+        return serve(settings, overrides)
     except (ModelFormatError, StartError, RuntimeError) as e:
         print(f"fusedserve: cannot serve: {e}", file=sys.stderr)
         return 2

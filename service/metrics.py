@@ -2,9 +2,11 @@
 
 Two owners: a front end counts requests (`RequestMetrics`), an engine times batches and kernels
 (`EngineMetrics`, labelled with its `engine` index and, in `fusedserve_model_info`, its device). Labels:
-`model`, `mode` (fused|unfused) everywhere, `kernel` (a plan step name such as `linear_0_relu`) on
-kernel time, `outcome` on the request counter. Histograms, not summaries, so processes and replicas
-aggregate.
+`model`, `mode` everywhere (the executor that ran the batch or answered the request: fused|unfused, in `ab` mode
+too, so one service's series compare the two; where no executor ran, the configured mode, fused|unfused|ab),
+`kernel` (a plan step name such as `linear_0_relu`) on kernel time, `outcome` on the request counter. The shadow
+comparison (`fusedserve_shadow_*`) is per engine. The supervisor counts configuration reloads. Histograms, not
+summaries, so processes and replicas aggregate.
 
 The service runs several processes (front ends and engines), so it uses prometheus-client's
 multiprocess mode: the supervisor sets PROMETHEUS_MULTIPROC_DIR before any child imports this module,
@@ -47,6 +49,17 @@ def multiprocess_mode() -> bool:
     return bool(os.environ.get(MULTIPROC_ENV))
 
 
+def use_multiprocess_dir(path: str) -> None:
+    """Write this process's metrics, and those of the children it starts from now on, to `path` (the supervisor,
+    before it starts any). prometheus-client picks in-process or file-backed values once, when it is imported, and
+    the supervisor has imported it by then (service/frontend/state.py): so the choice is made again here, for the
+    supervisor's own counters (engine restarts, configuration reloads), created after this."""
+    from prometheus_client import values
+
+    os.environ[MULTIPROC_ENV] = path
+    values.ValueClass = values.get_value_class()
+
+
 def _registry() -> CollectorRegistry:
     r = CollectorRegistry()
     if not multiprocess_mode():  # these describe one process; in multiprocess mode they would describe one of many
@@ -55,8 +68,16 @@ def _registry() -> CollectorRegistry:
     return r
 
 
+def served_modes(mode: str) -> tuple[str, ...]:
+    """The modes whose executors answer requests under the configured `mode` (fused, unfused or ab)."""
+    return ("fused", "unfused") if mode == "ab" else (mode,)
+
+
 class RequestMetrics:
-    """A front end's metrics: requests by outcome and their latency in the server."""
+    """A front end's metrics: requests by outcome and their latency in the server.
+
+    `mode` is the label of the executor that computed the answer (the engine's reply says which); a request that
+    no executor ran (invalid, refused, timed out in the queue) carries the configured mode (`ab` in ab mode)."""
 
     def __init__(self, model: str, mode: str):
         self.registry = r = _registry()
@@ -67,26 +88,85 @@ class RequestMetrics:
             lm, buckets=SECONDS_BUCKETS, registry=r,
         )  # fmt: skip
         self.requests = Counter("fusedserve_requests", "Requests by outcome", [*lm, "outcome"], registry=r)
-        # Every outcome of every protocol visible from the start, at 0, so rates are defined; children resolved
-        # once (labels() costs a dict lookup and a lock per call).
-        self._outcomes = {
-            (p, o): self.requests.labels(model=model, mode=mode, protocol=p, outcome=o)
-            for p in PROTOCOLS
-            for o in OUTCOMES
-        }
-        self._request = {p: self.request_seconds.labels(model=model, mode=mode, protocol=p) for p in PROTOCOLS}
+        self._model = model
+        # Children resolved once (labels() costs a dict lookup and a lock per call), keyed (protocol, outcome, mode)
+        # and (protocol, mode).
+        self._outcomes: dict[tuple[str, str, str], object] = {}
+        self._request: dict[tuple[str, str], object] = {}
+        self.mode = mode
+        self.set_mode(mode)
 
-    def observe_request(self, outcome: str, seconds: float | None = None, protocol: str = "predict") -> None:
-        self._outcomes[protocol, outcome].inc()
+    def set_mode(self, mode: str) -> None:
+        """The configured mode changed (a reload): its series visible from now on, at 0, so rates are defined."""
+        self.mode = mode
+        for m in served_modes(mode):
+            for p in PROTOCOLS:
+                self._request_child(p, m)
+                for o in OUTCOMES:
+                    self._outcome_child(p, o, m)
+        if mode not in served_modes(mode):  # ab: the label of requests no executor ran; never "ok"
+            for p in PROTOCOLS:
+                for o in OUTCOMES:
+                    if o != "ok":
+                        self._outcome_child(p, o, mode)
+
+    def _outcome_child(self, protocol: str, outcome: str, mode: str):
+        key = (protocol, outcome, mode)
+        child = self._outcomes.get(key)
+        if child is None:
+            child = self._outcomes[key] = self.requests.labels(
+                model=self._model, mode=mode, protocol=protocol, outcome=outcome
+            )
+        return child
+
+    def _request_child(self, protocol: str, mode: str):
+        child = self._request.get((protocol, mode))
+        if child is None:
+            child = self._request[protocol, mode] = self.request_seconds.labels(
+                model=self._model, mode=mode, protocol=protocol
+            )
+        return child
+
+    def observe_request(
+        self, outcome: str, seconds: float | None = None, protocol: str = "predict", mode: str | None = None
+    ) -> None:
+        """Count one request; `mode`: the executor that answered it (None: no executor ran it)."""
+        mode = mode or self.mode
+        child = self._outcomes.get((protocol, outcome, mode))
+        (child or self._outcome_child(protocol, outcome, mode)).inc()
         if seconds is not None:
-            self._request[protocol].observe(seconds)
+            child = self._request.get((protocol, mode))
+            (child or self._request_child(protocol, mode)).observe(seconds)
 
     def render(self) -> bytes:
         return render(self.registry)
 
 
+# Shadow comparison (service/engine/ab.py): max |fused - unfused| over a batch relative to its outputs' scale, in
+# half-decade buckets from 1e-8 (float32 agrees to ~1e-7, float16 to ~1e-3) to 1 (unrelated outputs).
+ERROR_BUCKETS = tuple(10.0 ** (e / 2) for e in range(-16, 1))
+RELOAD_OUTCOMES = ("applied", "unchanged", "invalid", "failed")
+
+
+class _ModeMetrics:
+    """An engine's children of one mode (the executor that ran the batch)."""
+
+    __slots__ = ("forward", "queue_wait", "rows", "faults", "kernels")
+
+    def __init__(self, m: EngineMetrics, labels: dict[str, str]):
+        self.forward = m.forward_seconds.labels(**labels)
+        self.queue_wait = m.queue_wait_seconds.labels(**labels)
+        self.rows = m.batch_rows.labels(**labels)
+        self.faults = {k: m.gpu_faults.labels(**labels, kind=k) for k in ("oom", "sticky")}
+        self.kernels: dict[str, object] = {}
+
+
 class EngineMetrics:
-    """An engine's metrics: its queue, batches, forwards and kernels."""
+    """An engine's metrics: its queue, batches, forwards and kernels, each labelled with the mode that ran it, and the
+    shadow comparison of the two modes.
+
+    `mode` is the configured mode (fused, unfused or ab): the label of the queue depth and of fusedserve_model_info,
+    which say what the engine serves as a whole; `set_mode` moves them on a reload."""
 
     def __init__(self, model: str, mode: str, device: str, dtype: str, engine: str = "0"):
         self.registry = r = _registry()
@@ -112,45 +192,102 @@ class EngineMetrics:
             "fusedserve_queue_depth", "Requests waiting for a batch", lm, registry=r, multiprocess_mode="livesum"
         )
         self.model_info = Gauge(
-            "fusedserve_model_info", "The model being served (value 1)", [*lm, "device", "dtype"], registry=r,
-            multiprocess_mode="livemax",
+            "fusedserve_model_info", "The model being served, in its configured mode (value 1)",
+            [*lm, "device", "dtype"], registry=r, multiprocess_mode="livemax",
         )  # fmt: skip
         self.gpu_faults = Counter(
             "fusedserve_gpu_faults", "Forwards that failed on a device fault, by kind (oom, sticky)",
             [*lm, "kind"], registry=r,
         )  # fmt: skip
-        self._labels = labels = {"model": model, "mode": mode, "engine": engine}
-        self._faults = {k: self.gpu_faults.labels(**labels, kind=k) for k in ("oom", "sticky")}
-        self.model_info.labels(**labels, device=device, dtype=dtype).set(1)
-        self._forward = self.forward_seconds.labels(**labels)
-        self._queue_wait = self.queue_wait_seconds.labels(**labels)
-        self._rows = self.batch_rows.labels(**labels)
-        self._depth = self.queue_depth_gauge.labels(**labels)
+        le = ["model", "engine"]
+        self.shadow_error = Histogram(
+            "fusedserve_shadow_error",
+            "Shadow comparison: max |fused - unfused| over a batch, relative to the batch's largest |output|",
+            le, buckets=ERROR_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.shadow_mismatches = Counter(
+            "fusedserve_shadow_argmax_mismatch", "Shadow comparison: rows whose predicted label differs between modes",
+            le, registry=r,
+        )  # fmt: skip
+        self.shadow_batches = Counter(
+            "fusedserve_shadow_batches", "Batches run in both modes and compared", le, registry=r
+        )
+        self._model, self._engine, self._device, self._dtype = model, engine, device, dtype
+        shadow_labels = {"model": model, "engine": engine}
+        self._shadow = (
+            self.shadow_error.labels(**shadow_labels),
+            self.shadow_mismatches.labels(**shadow_labels),
+            self.shadow_batches.labels(**shadow_labels),
+        )
+        self._modes: dict[str, _ModeMetrics] = {}
+        self.mode = mode
+        self._info = self.model_info.labels(model=model, mode=mode, engine=engine, device=device, dtype=dtype)
+        self._info.set(1)
+        self._depth = self.queue_depth_gauge.labels(model=model, mode=mode, engine=engine)
         self._depth.set(0)
-        self._kernels: dict[str, object] = {}
+        for m in served_modes(mode):
+            self._of(m)
 
-    def observe_kernel(self, kernel: str, seconds: float) -> None:
-        child = self._kernels.get(kernel)
+    def _mode_name(self, mode: str | None) -> str:
+        """`mode`, or for a caller that names none (a single-mode engine's), the configured mode."""
+        return mode or (self.mode if self.mode != "ab" else "fused")
+
+    def _of(self, mode: str | None) -> _ModeMetrics:
+        mode = self._mode_name(mode)
+        children = self._modes.get(mode)
+        if children is None:
+            children = self._modes[mode] = _ModeMetrics(self, {"model": self._model, "mode": mode,
+                                                               "engine": self._engine})  # fmt: skip
+        return children
+
+    def set_mode(self, mode: str) -> None:
+        """The configured mode changed (a reload): fusedserve_model_info and the queue depth move to its label."""
+        if mode == self.mode:
+            return
+        labels = {"model": self._model, "engine": self._engine}
+        self._info.set(0)
+        self._info = self.model_info.labels(**labels, mode=mode, device=self._device, dtype=self._dtype)
+        self._info.set(1)
+        self._depth.set(0)
+        self._depth = self.queue_depth_gauge.labels(**labels, mode=mode)
+        self._depth.set(0)
+        self.mode = mode
+        for m in served_modes(mode):
+            self._of(m)
+
+    def observe_kernel(self, kernel: str, seconds: float, mode: str | None = None) -> None:
+        kernels = self._of(mode).kernels
+        child = kernels.get(kernel)
         if child is None:
-            child = self._kernels[kernel] = self.kernel_seconds.labels(**self._labels, kernel=kernel)
+            child = kernels[kernel] = self.kernel_seconds.labels(
+                model=self._model, mode=self._mode_name(mode), engine=self._engine, kernel=kernel
+            )
         child.observe(seconds)
 
-    def observe_forward(self, seconds: float) -> None:
-        self._forward.observe(seconds)
+    def observe_forward(self, seconds: float, mode: str | None = None) -> None:
+        self._of(mode).forward.observe(seconds)
 
-    def gpu_fault(self, kind: str) -> None:
-        self._faults[kind].inc()
+    def gpu_fault(self, kind: str, mode: str | None = None) -> None:
+        self._of(mode).faults[kind].inc()
 
     def queue_depth(self, requests: int) -> None:
         self._depth.set(requests)
 
-    def queue_waits(self, seconds: list[float]) -> None:
+    def queue_waits(self, seconds: list[float], mode: str | None = None) -> None:
         """Every request's wait of one batch, in one update (per-request observes cost ~14% of a loaded engine's
         time in multiprocess mode, where each is two locked writes to a memory-mapped file)."""
-        observe_many(self._queue_wait, seconds)
+        observe_many(self._of(mode).queue_wait, seconds)
 
-    def batch(self, rows: int) -> None:
-        self._rows.observe(rows)
+    def batch(self, rows: int, mode: str | None = None) -> None:
+        self._of(mode).rows.observe(rows)
+
+    def shadow(self, error: float, mismatches: int) -> None:
+        """One batch compared in both modes: its relative error and how many of its rows' labels differ."""
+        hist, mismatch, batches = self._shadow
+        hist.observe(error)
+        if mismatches:
+            mismatch.inc(mismatches)
+        batches.inc()
 
     def render(self) -> bytes:
         return render(self.registry)
@@ -187,6 +324,22 @@ def render(registry: CollectorRegistry) -> bytes:
 
 
 _ENGINE_RESTARTS: Counter | None = None
+_CONFIG_RELOADS: Counter | None = None
+
+
+def config_reloaded(outcome: str | None = None) -> None:
+    """Count one SIGHUP reload by outcome: applied (a live setting changed), unchanged, invalid (the file was refused
+    whole), failed (an engine could not load the executor the new mode needs). Without an outcome: make every outcome
+    visible at 0 (the supervisor, at start)."""
+    global _CONFIG_RELOADS
+    if _CONFIG_RELOADS is None:
+        _CONFIG_RELOADS = Counter(
+            "fusedserve_config_reloads", "Configuration reloads (SIGHUP) by outcome", ["outcome"], registry=_registry()
+        )
+        for o in RELOAD_OUTCOMES:
+            _CONFIG_RELOADS.labels(outcome=o)
+    if outcome is not None:
+        _CONFIG_RELOADS.labels(outcome=outcome).inc()
 
 
 def engine_restarted(engine: int) -> None:
