@@ -327,19 +327,20 @@ _ENGINE_RESTARTS: Counter | None = None
 _CONFIG_RELOADS: Counter | None = None
 
 
-def config_reloaded(outcome: str | None = None) -> None:
+def config_reloaded(model: str, outcome: str | None = None) -> None:
     """Count one SIGHUP reload by outcome: applied (a live setting changed), unchanged, invalid (the file was refused
     whole), failed (an engine could not load the executor the new mode needs). Without an outcome: make every outcome
     visible at 0 (the supervisor, at start)."""
     global _CONFIG_RELOADS
     if _CONFIG_RELOADS is None:
         _CONFIG_RELOADS = Counter(
-            "fusedserve_config_reloads", "Configuration reloads (SIGHUP) by outcome", ["outcome"], registry=_registry()
-        )
+            "fusedserve_config_reloads", "Configuration reloads (SIGHUP) by outcome", ["model", "outcome"],
+            registry=_registry(),
+        )  # fmt: skip
         for o in RELOAD_OUTCOMES:
-            _CONFIG_RELOADS.labels(outcome=o)
+            _CONFIG_RELOADS.labels(model=model, outcome=o)
     if outcome is not None:
-        _CONFIG_RELOADS.labels(outcome=outcome).inc()
+        _CONFIG_RELOADS.labels(model=model, outcome=outcome).inc()
 
 
 def engine_restarted(engine: int) -> None:

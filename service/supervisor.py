@@ -130,6 +130,7 @@ class Supervisor:
         self._generation = 0
         self._shared_generation = None
         self._run_dir: Path | None = None
+        self._model_name = settings.model
         self._ctx = multiprocessing.get_context("spawn")
         self.engines: list[multiprocessing.process.BaseProcess] = []
         self.frontends: list[multiprocessing.process.BaseProcess] = []
@@ -157,7 +158,8 @@ class Supervisor:
         from .metrics import config_reloaded, use_multiprocess_dir
 
         use_multiprocess_dir(str(metrics_dir))
-        config_reloaded()  # every outcome visible at 0 from the start
+        self._model_name = model.name
+        config_reloaded(model.name)  # every outcome visible at 0 from the start
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._request_stop)
         try:
@@ -180,7 +182,7 @@ class Supervisor:
         from .metrics import config_reloaded
 
         outcome = self._reload()
-        config_reloaded(outcome)
+        config_reloaded(self._model_name, outcome)
         return outcome
 
     def _reload(self) -> str:

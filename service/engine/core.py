@@ -471,7 +471,7 @@ def engine_main(
             return runner
 
         engine.modes.make = load
-        engine.modes.on_failed = lambda: config_reloaded("failed")
+        engine.modes.on_failed = lambda: config_reloaded(model.name, "failed")
         engine.modes.on_loaded = gc.freeze
         if device.type == "cuda":
             engine.spin_s = settings.engine_spin_ms / 1e3
