@@ -1,4 +1,5 @@
-"""`fusedserve` command line: `serve` (the HTTP service) and `check-model` (validate a model dir).
+"""`fusedserve` command line: `serve` (the HTTP service), `check-model` (validate a model dir) and `ab-report`
+(fused against unfused from a service's metrics).
 The console script is fusedserve/cli.py, which adds `bench` through `extend`: the service imports
 no benchmark.
 
@@ -81,6 +82,16 @@ def main(argv: list[str] | None = None, extend=None) -> int:
     check = sub.add_parser("check-model", help="validate a model directory and print its fused plan")
     check.add_argument("path", help="a model directory (config.json + model.safetensors)")
     check.set_defaults(func=_check_model)
+    from . import ab_report
+
+    report = sub.add_parser(
+        "ab-report",
+        help="fused against unfused per kernel step, forward and request, from /metrics or Prometheus (markdown)",
+        description=ab_report.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ab_report.add_arguments(report)
+    report.set_defaults(func=ab_report.run)
     if extend is not None:  # more subcommands: extend(subparsers)
         extend(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
