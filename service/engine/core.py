@@ -28,7 +28,7 @@ from ..link import stream, wire
 from ..link.live import read_live
 from ..processes import child_setup, configure_logging, set_log_level
 from . import faults
-from .ab import LiveMode, Modes, Shadow, needed_modes
+from .ab import LiveMode, Modes, Shadow, captures_ignore_other_threads, needed_modes
 from .batching import BatchQueue, Pending
 
 log = logging.getLogger(__name__)
@@ -445,6 +445,9 @@ def engine_main(
 
         model = load_model(settings.model_path())
         dtype = settings.compute_dtype(device.type)
+        if device.type == "cuda" and not captures_ignore_other_threads():
+            log.warning("this torch cannot capture CUDA graphs thread-locally: a reload that loads an executor while "
+                        "the engine serves may break its serving")  # fmt: skip
         label = str(index)
         # The device as the host names it: each engine sees only its own GPU, as cuda:0.
         where = f"cuda:{visible_device}" if device.type == "cuda" and visible_device is not None else str(device)
