@@ -390,6 +390,29 @@ def test_an_engine_in_ab_mode_names_the_mode_of_every_answer_and_shadows_while_i
     assert [a for name, a in metrics.calls if name == "batch"] == [(1, UNFUSED), (1, FUSED)] * 3
 
 
+def test_an_engine_takes_a_published_configuration_between_batches(tmp_path, caplog):
+    from service.config import LIVE_SETTINGS
+    from service.link.live import write_live
+
+    listener = link.new_socket()
+    listener.bind(str(tmp_path / "engine.sock"))
+    metrics = Recorder()
+    engine = Engine({FUSED: StubRunner(), UNFUSED: StubRunner()}, listener, Settings(), SHAPE, metrics)
+    engine.config_generation, engine.run_dir = SimpleNamespace(value=0), tmp_path
+    live = {k: getattr(Settings(), k) for k in LIVE_SETTINGS}
+    write_live(tmp_path, 1, {**live, "mode": "ab", "ab_unfused_percent": 25.0, "max_delay_ms": 3.0})
+    engine.config_generation.value = 1
+    engine._reload()
+    assert engine.config_seen == 1 and engine.modes.mode == "ab" and engine.modes.split.share == 0.25
+    assert engine.queue.max_delay_s == 0.003
+    (tmp_path / "live.json").write_text("{not json")  # a broken publication: logged, the configuration stays
+    engine.config_generation.value = 2
+    with caplog.at_level(logging.ERROR, logger="service.engine.core"):
+        engine._reload()
+    assert engine.config_seen == 2 and engine.modes.mode == "ab" and "could not read" in caplog.text
+    listener.close()
+
+
 # ------------------------------------------------------------------------------------------- a real server
 
 

@@ -269,7 +269,12 @@ class Engine:
     def _reload(self) -> None:
         """The supervisor published new live settings (SIGHUP): take them between two batches. Executors the new mode
         needs and this engine lacks load in the background (engine/ab.py); the mode changes once they are warm."""
-        generation, live = read_live(self.run_dir)
+        try:
+            generation, live = read_live(self.run_dir)
+        except (OSError, ValueError, KeyError) as e:  # the supervisor's bug, not a reason to stop serving
+            self.config_seen = self.config_generation.value
+            log.error("could not read the new configuration (%s: %s); keeping this one", type(e).__name__, e)
+            return
         self.config_seen = generation
         q = self.queue
         q.max_delay_s = live["max_delay_ms"] / 1e3

@@ -67,7 +67,11 @@ class FrontendState:
         from ..link.live import read_live
         from ..processes import set_log_level
 
-        self.config_seen, live = read_live(self.run_dir)
+        try:
+            self.config_seen, live = read_live(self.run_dir)
+        except Exception:
+            self.config_seen = generation.value  # logged by the caller once, not again every poll
+            raise
         self.settings = self.settings.model_copy(update=live)
         self.metrics.set_mode(self.settings.mode)
         set_log_level(self.settings.log_level)
