@@ -37,19 +37,22 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# fusedserve's A/B systems: the options each is served with (beside host, port, workers, device, dtype, cache).
-SYSTEM_ARGS = {
+# fusedserve's systems: the options each is served with (beside host, port, workers, device, dtype, cache). bench
+# serve's Server.argv can take them from serve_args(), so that its --systems accept ab and ab_shadow too.
+SERVE_ARGS = {
     "fused": ["--mode", "fused"],
+    "unfused": ["--mode", "unfused"],
     "ab": ["--mode", "ab"],
     "ab_shadow": ["--mode", "ab", "--shadow-every", "16"],
 }
+SYSTEMS = ("fused", "ab", "ab_shadow")  # this benchmark's, in turns
 PROBE_S = 0.01
 TARGETS = {"ab/fused": 0.95, "ab_shadow/ab": 0.97, "switch_s": 2.0}
 
 
 def serve_args(name: str) -> list[str]:
-    """The `fusedserve serve` options of an A/B system (the hook for bench serve's own argv)."""
-    return list(SYSTEM_ARGS[name])
+    """The `fusedserve serve` options of a fusedserve system (the hook for bench serve's own argv)."""
+    return list(SERVE_ARGS[name])
 
 
 class Service:
@@ -232,7 +235,7 @@ def execute(args: argparse.Namespace, command: str) -> int:
     with ClientPool(clients) as pool:
         try:
             # One at a time: three cold starts at once would tune the same kernels three times over.
-            for name in SYSTEM_ARGS:
+            for name in SYSTEMS:
                 services.append(Service(name, args, log_dir, serve_args(name)))
                 services[-1].wait_ready(args.ready_timeout)
             for r in range(args.rounds):
@@ -271,7 +274,7 @@ def compare(results: list[dict], args) -> list[dict]:
     for rows in args.rows:
         for conns in args.connections:
             med = {}
-            for name in SYSTEM_ARGS:
+            for name in SYSTEMS:
                 got = [r["req_per_s"] for r in results if r["system"] == name and r["rows"] == rows
                        and r["connections"] == conns]  # fmt: skip
                 med[name] = statistics.median(got) if got else None

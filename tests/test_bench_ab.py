@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from bench.serve_ab import SYSTEM_ARGS, compare, report, serve_args, switch_delay
+from bench.serve_ab import SYSTEMS, compare, report, serve_args, switch_delay
 
 
 def test_the_systems_are_fused_ab_and_ab_with_a_shadow():
     assert serve_args("fused") == ["--mode", "fused"] and serve_args("ab") == ["--mode", "ab"]
     assert serve_args("ab_shadow") == ["--mode", "ab", "--shadow-every", "16"]
-    assert list(SYSTEM_ARGS) == ["fused", "ab", "ab_shadow"]
+    assert serve_args("unfused") == ["--mode", "unfused"] and SYSTEMS == ("fused", "ab", "ab_shadow")
 
 
 def test_a_switch_takes_effect_at_the_answer_after_which_all_are_in_the_new_mode():
