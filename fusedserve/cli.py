@@ -22,6 +22,7 @@ BENCHMARKS = {
     "serve": "bench.serve.cli",
     "pool": "bench.pool.cli",
     "soak": "bench.soak.cli",
+    "ab": "bench.serve.ab",
 }
 
 

@@ -1,6 +1,6 @@
 """`fusedserve` command line: `serve` (the HTTP service), `check-model` (validate a model, print its graph and
-fused plan), `import` (an ONNX file into a model directory) and `docs` (docs/configuration.md and docs/metrics.md
-from the code, service/docs_gen.py).
+fused plan), `import` (an ONNX file into a model directory), `ab-report` (fused against unfused from a service's
+metrics) and `docs` (docs/configuration.md and docs/metrics.md from the code, service/docs_gen.py).
 The console script is fusedserve/cli.py, which adds `bench` through `extend`: the service imports
 no benchmark.
 
@@ -48,7 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .supervisor import StartError, serve
 
     try:
-        return serve(settings)
+        return serve(settings, overrides)
     except (ModelFormatError, StartError, RuntimeError) as e:
         print(f"fusedserve: cannot serve: {e}", file=sys.stderr)
         return 2
@@ -160,6 +160,16 @@ def main(argv: list[str] | None = None, extend=None) -> int:
     imp.add_argument("--name", help="the model's name (default: the directory's name)")
     imp.add_argument("--labels", help="a file of output labels: a JSON list or one per line")
     imp.set_defaults(func=_import)
+    from . import ab_report
+
+    report = sub.add_parser(
+        "ab-report",
+        help="fused against unfused per kernel step, forward and request, from /metrics or Prometheus (markdown)",
+        description=ab_report.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ab_report.add_arguments(report)
+    report.set_defaults(func=ab_report.run)
     if extend is not None:  # more subcommands: extend(subparsers)
         extend(sub)
     argv = sys.argv[1:] if argv is None else list(argv)

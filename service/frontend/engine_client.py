@@ -33,12 +33,14 @@ ARENA_BYTES = 16 << 20
 
 
 class EngineError(Exception):
-    """The engine refused or failed the request; `status` is a wire status (OVERLOADED, TIMEOUT, ...)."""
+    """The engine refused or failed the request; `status` is a wire status (OVERLOADED, TIMEOUT, ...); `mode` the
+    executor whose forward failed (FAILED), or None where none ran."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, mode: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.mode = mode
 
 
 class EngineGone(EngineError):
@@ -155,7 +157,8 @@ class EngineClient:
     def submit(self, rows: np.ndarray, deadline: float, arrival: float) -> tuple[int, asyncio.Future]:
         """Send `rows` ((n, *input_shape) float32) to the least-loaded ready engine, cast to its wire dtype here, on
         this front end's core rather than the engine's one thread; `deadline` and `arrival` are time.monotonic()
-        values. The future resolves to the (n, output_features) float32 outputs, or raises EngineError."""
+        values. The future resolves to (the (n, output_features) float32 outputs, the mode that computed them:
+        fused or unfused), or raises EngineError."""
         loop = self._loop
         fut = loop.create_future()
         load = self._load
@@ -261,6 +264,7 @@ class EngineClient:
         dtype = None if code is None else wire.DTYPES[code]
         slots = self._slots
         arena = self._arenas[i]
+        modes = wire.MODES
         for message in messages:
             if dtype is None:  # the first message of a connection: the engine's HELLO
                 try:
@@ -271,7 +275,7 @@ class EngineClient:
                 dtype = wire.DTYPES[code]
                 continue
             records, view, at = wire.unpack(message, wire.REPLY)
-            for rid, status, n, size in records:
+            for rid, status, mode, n, size in records:
                 payload = view[at : at + size]
                 at += size
                 slot = slots.pop(rid, None)
@@ -286,9 +290,10 @@ class EngineClient:
                     continue
                 if status == wire.OK:
                     out = np.frombuffer(payload, dtype=dtype).reshape(n, out_features)
-                    fut.set_result(out if dtype == np.float32 else out.astype(np.float32))
+                    fut.set_result((out if dtype == np.float32 else out.astype(np.float32), modes[mode]))
                 else:
-                    fut.set_exception(EngineError(status, bytes(payload).decode(errors="replace")))
+                    name = modes[mode] if mode < len(modes) else None
+                    fut.set_exception(EngineError(status, bytes(payload).decode(errors="replace"), name))
         if closed:
             self._engine_gone(i, f"engine {i} closed its connection")
 

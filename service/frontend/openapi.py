@@ -223,6 +223,11 @@ def v2_infer_operation(input_shape: tuple[int, ...], max_rows: int) -> dict:
             "model_name": {"type": "string"},
             "model_version": {"type": "string"},
             "id": {"type": "string"},
+            "parameters": {
+                "type": "object",
+                "properties": {"mode": {"type": "string", "enum": ["fused", "unfused"]}},
+                "description": "mode: the executor that computed the outputs (as the X-Fusedserve-Mode header says)",
+            },
             "outputs": {"type": "array", "items": tensor},
         },
         "required": ["model_name", "outputs"],

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import orjson
 
-from .asgi import CLOSE, JSON, Answer
+from .asgi import CLOSE, JSON, MODE_HEADER, Answer
 from .inputs import InputError, parse_rows
 from .serving import Refused, read_request, run_rows
 from .state import FrontendState
@@ -27,7 +27,8 @@ def _error(status: int, message: str, *extra: tuple[bytes, bytes]) -> Answer:
 
 
 async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
-    """{"inputs": [[...], ...]} -> {"outputs", "predictions", "model", "mode"}, as (status, body, headers)."""
+    """{"inputs": [[...], ...]} -> {"outputs", "predictions", "model", "mode"}, as (status, body, headers); "mode"
+    (and the X-Fusedserve-Mode header) is the executor that computed the outputs, fused or unfused."""
     started = time.perf_counter()
     metrics = state.metrics
     # While draining (SIGTERM), requests are still answered, each answer closing its connection.
@@ -36,19 +37,19 @@ async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
         body = await read_request(state, scope, receive)
         rows = parse_rows(body, state.model.input_shape, state.settings.max_rows_per_request)
         arrival = time.monotonic()
-        outputs = await run_rows(state, rows, arrival, arrival + state.settings.request_timeout_ms / 1e3, receive)
+        outputs, mode = await run_rows(state, rows, arrival, arrival + state.settings.request_timeout_ms / 1e3, receive)
     except InputError as e:
         metrics.observe_request(e.outcome, time.perf_counter() - started)
         return _error(e.status, e.message)
     except Refused as e:
-        metrics.observe_request(e.outcome, time.perf_counter() - started)
+        metrics.observe_request(e.outcome, time.perf_counter() - started, mode=e.mode)
         return _error(e.status, e.message, *e.headers)
     doc = {
         "outputs": outputs,
         "predictions": state.predictions(np.argmax(outputs, axis=1)),
         "model": state.model.name,
-        "mode": state.settings.mode,
+        "mode": mode,
     }
-    answer = _answer(200, doc, *extra)
-    metrics.observe_request("ok", time.perf_counter() - started)
+    answer = _answer(200, doc, MODE_HEADER[mode], *extra)
+    metrics.observe_request("ok", time.perf_counter() - started, mode=mode)
     return answer

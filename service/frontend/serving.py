@@ -33,12 +33,13 @@ _STATUS_OF = {
 class Refused(Exception):
     """A request the engines did not answer: HTTP status, outcome label and a message naming why."""
 
-    def __init__(self, status: int, outcome: str, message: str, close: bool = False):
+    def __init__(self, status: int, outcome: str, message: str, close: bool = False, mode: str | None = None):
         super().__init__(message)
         self.status = status
         self.outcome = outcome
         self.message = message
         self.close = close  # refused before the whole body was read: close the connection, so it is never read
+        self.mode = mode  # the executor whose forward failed; None where none ran (the metrics' configured mode)
 
     @property
     def headers(self) -> tuple[tuple[bytes, bytes], ...]:
@@ -73,8 +74,11 @@ async def read_request(state: FrontendState, scope: dict, receive, identity_only
     return body
 
 
-async def run_rows(state: FrontendState, rows: np.ndarray, arrival: float, deadline: float, receive=None) -> np.ndarray:
-    """Submit `rows` to an engine and await their outputs ((n, output_features) float32), or raise Refused.
+async def run_rows(
+    state: FrontendState, rows: np.ndarray, arrival: float, deadline: float, receive=None
+) -> tuple[np.ndarray, str]:
+    """Submit `rows` to an engine and await (their outputs ((n, output_features) float32), the mode that computed
+    them: fused or unfused), or raise Refused.
 
     `receive` (ASGI) is watched for the client leaving once the request is older than WATCH_AFTER_S; a caller
     without one (gRPC) is cancelled by its server instead, and the engine is told to drop the request either way.
@@ -100,7 +104,7 @@ async def run_rows(state: FrontendState, rows: np.ndarray, arrival: float, deadl
         raise Refused(503, "overloaded", f"engine unavailable: {e.message}") from None
     except EngineError as e:
         status, outcome, prefix = _STATUS_OF[e.status]
-        raise Refused(status, outcome, prefix + e.message) from None
+        raise Refused(status, outcome, prefix + e.message, mode=e.mode) from None
     except Exception as e:  # a bug, not a bad request: count it and say so, never an uncounted 500
         log.exception("unexpected error serving a request")
         raise Refused(500, "error", f"internal error: {type(e).__name__}: {e}") from None

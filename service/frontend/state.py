@@ -54,6 +54,28 @@ class FrontendState:
     run_dir: Path
     draining: bool = False  # SIGTERM came: answers close their connections, /health/ready reads 503
     _plan: dict | None = None
+    # SIGHUP reloads (service/link/live.py): the supervisor's shared generation and the one this front end has.
+    config_generation: object | None = None
+    config_seen: int = 0
+
+    def take_live_settings(self) -> bool:
+        """If the supervisor published new live settings, take them: the request timeout, the configured mode (the
+        label of requests no executor ran, and what /health/ready and /model say), the log level. True if it did."""
+        generation = self.config_generation
+        if generation is None or generation.value == self.config_seen:
+            return False
+        from ..link.live import read_live
+        from ..processes import set_log_level
+
+        try:
+            self.config_seen, live = read_live(self.run_dir)
+        except Exception:
+            self.config_seen = generation.value  # logged by the caller once, not again every poll
+            raise
+        self.settings = self.settings.model_copy(update=live)
+        self.metrics.set_mode(self.settings.mode)
+        set_log_level(self.settings.log_level)
+        return True
 
     @property
     def ready(self) -> bool:

@@ -114,9 +114,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             if remaining is not None:
                 timeout_s = min(timeout_s, remaining)
             arrival = time.monotonic()
-            outputs = await run_rows(state, rows, arrival, arrival + timeout_s)
+            outputs, mode = await run_rows(state, rows, arrival, arrival + timeout_s)
         except (InputError, Refused) as e:
-            outcome = e.outcome
+            outcome, failed_mode = e.outcome, getattr(e, "mode", None)
             code, message = _CODE_OF.get(e.status, grpc.StatusCode.INTERNAL), e.message
         except asyncio.CancelledError:
             # The client left, or its deadline passed (grpcio cancels the handler either way).
@@ -127,11 +127,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         except Exception as e:  # a bug, not a bad request: count it and say so, never an uncounted failure
             log.exception("unexpected error serving ModelInfer")
             outcome, code, message = "error", grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+            failed_mode = None
         else:
-            response = _response(state, request, outputs, wanted)
-            metrics.observe_request("ok", time.perf_counter() - started, protocol=PROTOCOL)
+            response = _response(state, request, outputs, wanted, mode)
+            metrics.observe_request("ok", time.perf_counter() - started, protocol=PROTOCOL, mode=mode)
             return response
-        metrics.observe_request(outcome, time.perf_counter() - started, protocol=PROTOCOL)
+        metrics.observe_request(outcome, time.perf_counter() - started, protocol=PROTOCOL, mode=failed_mode)
         await context.abort(code, message)
 
 
@@ -168,7 +169,7 @@ def _parse(state: FrontendState, request) -> tuple[np.ndarray, list[str]]:
     return rows, wanted
 
 
-def _response(state: FrontendState, request, outputs: np.ndarray, wanted: list[str]):
+def _response(state: FrontendState, request, outputs: np.ndarray, wanted: list[str], mode: str):
     model = state.model
     n = len(outputs)
     tensor = pb.ModelInferResponse.InferOutputTensor
@@ -180,9 +181,11 @@ def _response(state: FrontendState, request, outputs: np.ndarray, wanted: list[s
         else:
             metas.append(tensor(name=name, datatype="BYTES", shape=[n]))
             raws.append(t.labels_tensor(model, outputs))
+    # parameters["mode"]: the executor that computed the outputs (fused or unfused).
     return pb.ModelInferResponse(
-        model_name=model.name, model_version=t.VERSION, id=request.id, outputs=metas, raw_output_contents=raws
-    )
+        model_name=model.name, model_version=t.VERSION, id=request.id, outputs=metas, raw_output_contents=raws,
+        parameters={"mode": pb.InferParameter(string_param=mode)},
+    )  # fmt: skip
 
 
 def address(host: str, port: int) -> str:

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import orjson
 
-from ..frontend.asgi import CLOSE, JSON, Answer, header
+from ..frontend.asgi import CLOSE, JSON, MODE_HEADER, Answer, header
 from ..frontend.inputs import InputError
 from ..frontend.serving import Refused, read_request, run_rows
 from ..frontend.state import FrontendState
@@ -116,15 +116,15 @@ async def handle_infer(state: FrontendState, scope: dict, receive) -> Answer:
         body = await read_request(state, scope, receive, identity_only=True)
         doc, rows, binary_out, wanted = _parse(state, scope, body)
         arrival = time.monotonic()
-        outputs = await run_rows(state, rows, arrival, arrival + state.settings.request_timeout_ms / 1e3, receive)
+        outputs, mode = await run_rows(state, rows, arrival, arrival + state.settings.request_timeout_ms / 1e3, receive)
     except InputError as e:
         metrics.observe_request(e.outcome, time.perf_counter() - started, protocol=PROTOCOL)
         return _error(e.status if e.status != 422 else 400, e.message)
     except Refused as e:
-        metrics.observe_request(e.outcome, time.perf_counter() - started, protocol=PROTOCOL)
+        metrics.observe_request(e.outcome, time.perf_counter() - started, protocol=PROTOCOL, mode=e.mode)
         return _error(e.status, e.message, *e.headers)
-    answer = _response(state, doc, outputs, binary_out, wanted, extra)
-    metrics.observe_request("ok", time.perf_counter() - started, protocol=PROTOCOL)
+    answer = _response(state, doc, outputs, binary_out, wanted, (MODE_HEADER[mode], *extra), mode)
+    metrics.observe_request("ok", time.perf_counter() - started, protocol=PROTOCOL, mode=mode)
     return answer
 
 
@@ -189,7 +189,13 @@ def _parse(state: FrontendState, scope: dict, body: bytes) -> tuple[dict, np.nda
 
 
 def _response(
-    state: FrontendState, doc: dict, outputs: np.ndarray, binary_out: dict[str, bool], wanted: list[str], extra
+    state: FrontendState,
+    doc: dict,
+    outputs: np.ndarray,
+    binary_out: dict[str, bool],
+    wanted: list[str],
+    extra,
+    mode: str,
 ) -> Answer:
     model = state.model
     n = len(outputs)
@@ -212,7 +218,8 @@ def _response(
             else:
                 meta["data"] = t.label_names(model, outputs)
         tensors.append(meta)
-    out = {"model_name": model.name, "model_version": t.VERSION, "outputs": tensors}
+    # parameters.mode: the executor that computed the outputs (fused or unfused), as X-Fusedserve-Mode says too.
+    out = {"model_name": model.name, "model_version": t.VERSION, "parameters": {"mode": mode}, "outputs": tensors}
     if isinstance(doc.get("id"), str):
         out["id"] = doc["id"]
     head = orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)
