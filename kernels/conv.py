@@ -545,8 +545,9 @@ def cuda_configs(
                 out.append(cfg(8 if (bm, bn, bk) == (64, 128, 64) else warps, stages, bm, bn, bk, flat))
     if C >= 128 and element_size == 2 and not pooled:
         # Wide fp16/bf16 layers: 128-channel K steps, a quarter as many as 32-channel ones (docs/performance.md,
-        # "CNNs"). fp32 spilled (96 bytes).
-        out.append(cfg(8, 3, 64, bn, 128, 0))
+        # "CNNs"). fp32 spilled (96 bytes); fp16 at 3 stages spilled too once the epilogue could read a residual
+        # (152 bytes, 64x128x128, Triton 3.6), so 2 stages.
+        out.append(cfg(8, 2, 64, bn, 128, 0))
     if triton.cdiv(bucket, 64) * triton.cdiv(OC, bn) < sms:
         split = split_for(64, bn, ks[0], flats[-1])
         if split > 1:

@@ -329,6 +329,7 @@ def test_the_l2_flush_reads_every_byte_and_writes_none():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_timing  # a cold-against-warm ratio: other workers' kernels on the same GPU land inside its windows
 def test_cold_timing_reads_from_memory_where_a_busy_wait_instead_of_the_flush_reads_from_l2():
     # The same 24 MB sum (half an H200's L2), timed after the flush and after a busy wait of about the same
     # length that touches no memory: the first reads HBM (at most 4.8 TB/s on an H200, 6e12 bounds it), the
