@@ -543,11 +543,9 @@ def cuda_configs(
                     continue
                 # 64x128x64 on 4 warps spilled (224 bytes, fp16, taps, NCHW x: 128 -> 128 at 8x8); on 8 it did not
                 out.append(cfg(8 if (bm, bn, bk) == (64, 128, 64) else warps, stages, bm, bn, bk, flat))
-    if C >= 128 and element_size == 2 and not pooled:
-        # Wide fp16/bf16 layers: 128-channel K steps, a quarter as many as 32-channel ones (docs/performance.md,
-        # "CNNs"). fp32 spilled (96 bytes); fp16 at 3 stages spilled too once the epilogue could read a residual
-        # (152 bytes, 64x128x128, Triton 3.6), so 2 stages.
-        out.append(cfg(8, 2, 64, bn, 128, 0))
+    # No 128-channel K steps for wide fp16 layers (a quarter as many as 32-channel ones, docs/performance.md, "CNNs"):
+    # 64x128x128 on 8 warps spills 152 bytes per thread at 2 or 3 stages since the epilogue can read a residual
+    # (Triton 3.6, sm_90; fp32 spilled before). Offer it again once the epilogue's registers are cut.
     if triton.cdiv(bucket, 64) * triton.cdiv(OC, bn) < sms:
         split = split_for(64, bn, ks[0], flats[-1])
         if split > 1:

@@ -92,7 +92,9 @@ export PYTHONUNBUFFERED=1 FUSEDSERVE_TUNING=false FUSEDSERVE_TUNING_CACHE=/tmp/f
 xdist=${XDIST:-16}
 limit=${PART_LIMIT:-510}
 kernel_files=(tests/test_kernels_*.py tests/test_launch.py tests/test_pdl.py tests/test_tuning.py)
-ci_only=(--ignore=tests/test_deploy_static.py --ignore=tests/test_prometheus_scrape.py)  # hadolint, promtool
+ci_only=(--ignore=tests/test_deploy_static.py --ignore=tests/test_prometheus_scrape.py  # hadolint, promtool
+         --ignore=tests/test_deploy_k8s.py --ignore=tests/test_load_balancer.py  # kubectl, kubernetes-validate, haproxy
+         --ignore=tests/test_ab_dashboard.py)  # Debian's prometheus
 common=(-v -rfE --tb=short -p no:cacheprovider --durations=30 --durations-min=5)
 # One test at a time per worker beyond the first two (tests/sweeps.py): a long sweep never queues behind another.
 spread=(-n "$xdist" --dist load --maxschedchunk 1)

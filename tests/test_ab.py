@@ -460,11 +460,12 @@ def test_every_answer_names_its_mode_and_the_modes_take_turns(ab_server):
         seen.append(r.json()["parameters"]["mode"])
     assert seen[:4] in ([UNFUSED, FUSED] * 2, [FUSED, UNFUSED] * 2) and seen[4] == seen[2]
 
-    # gRPC, with the service's own generated modules (tritonclient's copy of the protocol cannot share a process).
+    # gRPC, with tritonclient's generated modules: the service's own and tritonclient's define the same `inference`
+    # symbols, so only one of them may be imported in a process, and the other tests use tritonclient's.
     import grpc
 
-    from service.v2 import grpc_predict_v2_pb2 as pb
-    from service.v2 import grpc_predict_v2_pb2_grpc as pb_grpc
+    pb = pytest.importorskip("tritonclient.grpc.service_pb2", reason="tritonclient[grpc] is not installed")
+    pb_grpc = pytest.importorskip("tritonclient.grpc.service_pb2_grpc")
 
     request = pb.ModelInferRequest(
         model_name="digits-mlp",

@@ -139,7 +139,16 @@ def test_config_is_tritons_over_http_and_grpc(server, http, grpc_client):
         "label", "TYPE_STRING", [1], {"shape": []},
     )  # fmt: skip
     assert config["dynamic_batching"]["max_queue_delay_microseconds"] == DELAY_US
-    assert config["instance_group"] == [{"name": MODEL, "kind": "KIND_CPU", "count": 2, "gpus": []}]
+    # Two engines: on the CPU, or on a GPU host both on the first visible GPU (one GPU) or one on each (two or more).
+    import torch
+
+    gpus = torch.cuda.device_count()
+    expected = (
+        {"name": MODEL, "kind": "KIND_CPU", "count": 2, "gpus": []} if not gpus
+        else {"name": MODEL, "kind": "KIND_GPU", "count": 2, "gpus": [0]} if gpus == 1
+        else {"name": MODEL, "kind": "KIND_GPU", "count": 1, "gpus": [0, 1]}
+    )  # fmt: skip
+    assert config["instance_group"] == [expected]
     assert config["parameters"]["mode"] == {"string_value": "unfused"}
     assert config["parameters"]["engine_max_batch_size"] == {"string_value": str(MAX_BATCH)}
     assert http.get_model_config(MODEL, "1") == config
