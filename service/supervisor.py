@@ -117,6 +117,16 @@ class Supervisor:
 
     def run(self) -> int:
         s = self.settings
+        from .frontend.auth import ApiKeys, Restrictions, SecurityFileError, check_tls, describe_access
+
+        try:  # the keys file and TLS files are read now: one unreadable stops the start, naming it
+            keys = ApiKeys(s)
+            check_tls(s)
+        except SecurityFileError as e:
+            raise StartError(str(e)) from None
+        log.info("%s", describe_access(s, keys))
+        if not keys.on and keys.source:
+            log.warning("%s holds no API key: inference is open", keys.source)
         run_dir = Path(tempfile.mkdtemp(prefix="fusedserve-"))
         multiproc_before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         try:
@@ -134,12 +144,23 @@ class Supervisor:
             devices = engine_devices(s, device.type)
             workers = s.workers or default_workers(len(devices))
             port_hold = _reserve_port(s.host, s.port)
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, self._request_stop)
+            metrics_port = None
             try:
+                if s.metrics_port is not None:
+                    from .metrics_server import MetricsServer
+
+                    try:
+                        metrics_port = MetricsServer(s.host, s.metrics_port, Restrictions(s.restrictions()))
+                    except OSError as e:
+                        raise StartError(f"cannot listen on {s.host}:{s.metrics_port} (FUSEDSERVE_METRICS_PORT): "
+                                         f"{e.strerror or e}") from None  # fmt: skip
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    signal.signal(sig, self._request_stop)
                 return self._run(model, ModelInfo.of(model), devices, workers, run_dir)
             finally:
                 port_hold.close()
+                if metrics_port is not None:
+                    metrics_port.close()
         finally:
             shutil.rmtree(run_dir, ignore_errors=True)
             # A caller in the same process (a test, a library user) must not inherit a directory that is gone.
@@ -186,9 +207,11 @@ class Supervisor:
 
         for k in range(workers):
             self.frontends.append(start_frontend(k))
+        scheme = "https" if s.tls else "http"
         log.info(
-            "fusedserve: %s on %s, %d engine(s) %s, %d front end(s), http://%s:%d",
-            model.name, s.mode, len(devices), [d if d is not None else "cpu" for d in devices], workers, s.host, s.port,
+            "fusedserve: %s on %s, %d engine(s) %s, %d front end(s), %s://%s:%d",
+            model.name, s.mode, len(devices), [d if d is not None else "cpu" for d in devices], workers, scheme, s.host,
+            s.port,
         )  # fmt: skip
 
         announced = False
@@ -198,7 +221,7 @@ class Supervisor:
             multiprocessing.connection.wait(sentinels, timeout=0.1)
             if not announced and all(st.value == wire.READY for st in states):
                 announced = True
-                log.info("fusedserve ready on http://%s:%d", s.host, s.port)
+                log.info("fusedserve ready on %s://%s:%d", scheme, s.host, s.port)
             if self._stop_requested:  # an engine the stop signal reached too (a signal to the group) stays down
                 break
             dead = [(i, p) for i, p in enumerate(self.engines) if not p.is_alive()]

@@ -123,11 +123,14 @@ class ManagedProcess:
                 self.proc.wait(STOP_TIMEOUT_S)
         self._log.close()
 
-    def wait_http(self, url: str, timeout_s: float, ok=lambda r: r.status_code == 200) -> httpx.Response:
-        """Poll `url` until ok(response); raises (with the log) when the process exits or time runs out."""
+    def wait_http(
+        self, url: str, timeout_s: float, ok=lambda r: r.status_code == 200, client_args: dict | None = None
+    ) -> httpx.Response:
+        """Poll `url` until ok(response); raises (with the log) when the process exits or time runs out.
+        `client_args`: httpx.Client's TLS arguments (verify, cert) for an https URL."""
         deadline = time.monotonic() + timeout_s
         last = "no answer yet"
-        with httpx.Client(timeout=2.0) as client:
+        with httpx.Client(timeout=2.0, **(client_args or {})) as client:
             while True:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"{self.name} exited before {url} was ready\n{self.describe()}")
@@ -160,19 +163,22 @@ def _bind_failed(p: ManagedProcess) -> bool:
 
 
 class Server:
-    """One `python -m service.cli serve` process; `url` is its base URL once ready."""
+    """One `python -m service.cli serve` process; `url` is its base URL once ready. A server with `tls_cert` in its
+    env is https, polled with `client_args` (httpx's verify and cert)."""
 
-    def __init__(self, mode: str, log_dir: Path, env: dict[str, str | int | float]):
+    def __init__(self, mode: str, log_dir: Path, env: dict[str, str | int | float], client_args: dict | None = None):
         self.mode = mode
         self.env = env
         self.log_dir = log_dir
         self.port = 0
         self.url = ""
         self.process: ManagedProcess | None = None
+        self.client_args = client_args or {}
 
     def start(self) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.env.get("tls_cert") or self.env.get("FUSEDSERVE_TLS_CERT") else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
         argv += ["--mode", self.mode]
         # cwd: an empty directory, so a developer's .env in the checkout cannot change the server.
@@ -186,7 +192,7 @@ class Server:
         assert self.process is not None
         for attempt in range(3):
             try:
-                self.process.wait_http(self.url + "/health/ready", timeout_s)
+                self.process.wait_http(self.url + "/health/ready", timeout_s, client_args=self.client_args)
                 return
             except RuntimeError:
                 if attempt == 2 or not _bind_failed(self.process):
@@ -208,11 +214,14 @@ def _log_dir(log_dir: Path | None) -> Path:
 
 @contextlib.contextmanager
 def running_servers(
-    specs: dict[str, tuple[str, dict]], log_dir: Path | None = None, timeout_s: float = DEFAULT_READY_TIMEOUT_S
+    specs: dict[str, tuple], log_dir: Path | None = None, timeout_s: float = DEFAULT_READY_TIMEOUT_S
 ) -> Iterator[dict[str, Server]]:
-    """Start several servers at once ({key: (mode, env)}), wait until all are ready, stop all on exit."""
+    """Start several servers at once ({key: (mode, env)}, or (mode, env, client_args) for a TLS server), wait until
+    all are ready, stop all on exit."""
     log_dir = _log_dir(log_dir)
-    servers = {key: Server(mode, log_dir, env) for key, (mode, env) in specs.items()}
+    servers = {
+        key: Server(spec[0], log_dir, spec[1], spec[2] if len(spec) > 2 else None) for key, spec in specs.items()
+    }
     try:
         for s in servers.values():
             s.start()

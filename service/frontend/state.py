@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +12,7 @@ from ..config import Settings
 from ..link import wire
 from ..link.plan import read_plan
 from ..metrics import RequestMetrics
+from .auth import ApiKeys, Restrictions
 from .engine_client import EngineClient
 
 # Longest JSON number orjson writes for a float ("-1.2345678901234567e-308," is 25 bytes), rounded up.
@@ -54,6 +55,16 @@ class FrontendState:
     run_dir: Path
     draining: bool = False  # SIGTERM came: answers close their connections, /health/ready reads 503
     _plan: dict | None = None
+    # Who may call what (service/frontend/auth.py): inference's API keys (`api_keys.reload()` reads them again, for
+    # SIGHUP) and the restricted routes' header rules.
+    api_keys: ApiKeys = field(default=None)  # type: ignore[assignment]  (made from settings when not given)
+    restrictions: Restrictions = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.api_keys is None:
+            self.api_keys = ApiKeys(self.settings)
+        if self.restrictions is None:
+            self.restrictions = Restrictions(self.settings.restrictions())
 
     @property
     def ready(self) -> bool:
