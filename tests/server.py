@@ -242,10 +242,13 @@ def running_servers(
 
 
 @contextlib.contextmanager
-def running_server(mode: str, log_dir: Path | None = None, timeout_s: float = DEFAULT_READY_TIMEOUT_S, **env):
+def running_server(
+    mode: str, log_dir: Path | None = None, timeout_s: float = DEFAULT_READY_TIMEOUT_S, client_args=None, **env
+):
     """`python -m service.cli serve --mode MODE` on a free loopback port with FUSEDSERVE_* from `env`
-    (max_delay_ms=20 or FUSEDSERVE_MAX_DELAY_MS=20); yields the base URL once /health/ready is 200."""
-    with running_servers({"s": (mode, env)}, log_dir, timeout_s) as servers:
+    (max_delay_ms=20 or FUSEDSERVE_MAX_DELAY_MS=20); yields the base URL once /health/ready is 200. `client_args`:
+    httpx's TLS arguments to poll an https server with."""
+    with running_servers({"s": (mode, env, client_args)}, log_dir, timeout_s) as servers:
         yield servers["s"].url
 
 

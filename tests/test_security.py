@@ -164,7 +164,7 @@ def test_request_ids():
     made = {requestid.new() for _ in range(1000)}
     assert len(made) == 1000 and all(re.fullmatch(rb"[0-9a-f]{16}", m) for m in made)
     assert requestid.valid(b"abc-123 x") and requestid.valid("a" * 128) and requestid.valid(b"~")
-    for bad in (b"", b"a" * 129, b"tab\there", b"nl\n", "é", "\x7f", None):
+    for bad in (b"", b"a" * 129, b"tab\there", b"nl\n", "é", "\x7f", None, 7, ["id"], {"id": 1}):
         assert not requestid.valid(bad), bad
     scope = {"headers": [(b"x-request-id", b"mine")]}
     assert requestid.of_scope(scope) == b"mine" and requestid.given(scope) == b"mine"

@@ -27,12 +27,13 @@ _counter = itertools.count(1)
 _PRINTABLE = bytes(range(0x20, 0x7F))
 
 
-def valid(value: bytes | str | None) -> bool:
-    if value is None:
-        return False
+def valid(value: object) -> bool:
+    """Whether `value` (a header's bytes, a JSON `id` of any type) is an id to keep: printable ASCII, 1 to 128."""
+    if isinstance(value, bytes):
+        return 0 < len(value) <= MAX_LENGTH and not value.translate(None, _PRINTABLE)
     if isinstance(value, str):
         return 0 < len(value) <= MAX_LENGTH and value.isascii() and value.isprintable()
-    return 0 < len(value) <= MAX_LENGTH and not value.translate(None, _PRINTABLE)
+    return False
 
 
 def new() -> bytes:
