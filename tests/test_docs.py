@@ -38,6 +38,7 @@ DOCS = (
     "docs/scaling.md",
     "docs/configuration.md",
     "docs/metrics.md",
+    "docs/security.md",
 )
 FUSEDSERVE = ".venv/bin/fusedserve"
 RESULTS_MD = REPO / "bench" / "results" / "kernels_h200.md"

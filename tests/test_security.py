@@ -495,3 +495,14 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(servers, certs):
         http.close()
         grpc.close()
         anonymous.close()
+
+
+def test_docs_security_md_matches_the_code():
+    """docs/security.md's example rule parses, and its table of APIs is the code's."""
+    from service.config import RESTRICTABLE_APIS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "security.md").read_text()
+    example = re.search(r"`([\w,-]+:X-Admin-Key=[^`]+)`", text).group(1)
+    assert set(parse_restricted(example)) == {"metrics", "statistics", "model-config", "docs"}
+    table = re.findall(r"^\| `([\w-]+)` \|", text, re.M)
+    assert tuple(table) == RESTRICTABLE_APIS, table
