@@ -506,3 +506,22 @@ def test_docs_security_md_matches_the_code():
     assert set(parse_restricted(example)) == {"metrics", "statistics", "model-config", "docs"}
     table = re.findall(r"^\| `([\w-]+)` \|", text, re.M)
     assert tuple(table) == RESTRICTABLE_APIS, table
+
+
+def test_a_front_ends_reload_takes_new_keys_and_keeps_them_on_a_bad_file(tmp_path, monkeypatch, caplog):
+    """FrontendState.reload_access, the hook a SIGHUP reload calls in each front end."""
+    from service.frontend.state import FrontendState
+
+    path = keys_file(tmp_path / "keys")
+    settings = _settings(monkeypatch, api_keys_file=path)
+    state = FrontendState(settings, None, None, None, tmp_path)  # model, engines, metrics: unused here
+    assert state.api_keys.allows(f"Bearer {KEY}")
+    path.write_text(f"{ENV_KEY}\n")
+    assert state.reload_access() and state.api_keys.allows(f"Bearer {ENV_KEY}")
+    assert not state.api_keys.allows(f"Bearer {KEY}")
+    path.write_text("")
+    assert not state.reload_access() and state.api_keys.allows(f"Bearer {ENV_KEY}")
+    assert "API keys not reloaded" in caplog.text and ENV_KEY not in caplog.text
+    tighter = _settings(monkeypatch, api_keys_file=tmp_path / "keys", api_key=KEY, restricted_api="metrics:X-A=v")
+    path.write_text(f"{ENV_KEY}\n")
+    assert state.reload_access(tighter) and state.api_keys.allows(f"Bearer {KEY}") and state.restrictions

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,6 +15,8 @@ from ..link.plan import read_plan
 from ..metrics import RequestMetrics
 from .auth import ApiKeys, Restrictions
 from .engine_client import EngineClient
+
+log = logging.getLogger(__name__)
 
 # Longest JSON number orjson writes for a float ("-1.2345678901234567e-308," is 25 bytes), rounded up.
 BYTES_PER_VALUE = 32
@@ -65,6 +68,22 @@ class FrontendState:
             self.api_keys = ApiKeys(self.settings)
         if self.restrictions is None:
             self.restrictions = Restrictions(self.settings.restrictions())
+
+    def reload_access(self, settings: Settings | None = None) -> bool:
+        """For a reload (SIGHUP): read the API keys again (the keys file, or `settings`' key settings when given) and
+        take `settings`' restriction rules; True if it did. A keys file that cannot be read, or a reload that would
+        turn keys off, is logged and changes nothing: the keys in force stay (auth.ApiKeys.reload)."""
+        from .auth import SecurityFileError
+
+        try:
+            n = self.api_keys.reload(settings)
+        except SecurityFileError as e:
+            log.error("API keys not reloaded: %s", e)
+            return False
+        if settings is not None:
+            self.restrictions = Restrictions(settings.restrictions())
+        log.info("API keys reloaded: %s", self.api_keys.describe() if n else "none")
+        return True
 
     @property
     def ready(self) -> bool:
