@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up fusedserve in ./.venv:  ./setup.sh          (to serve)
-#                                ./setup.sh --test   (also test tools and Debian's prometheus, for the tests)
+#                                ./setup.sh --test   (also test tools, Debian's prometheus and haproxy, for the tests)
 #
 # torch comes first and deliberately: with a GPU, PyPI's default (CUDA) build; without one, a CPU
 # build and never the multi-GB CUDA one. The CPU build is `torch==2.13.0+cpu` where pip can find it
@@ -38,12 +38,16 @@ fi
 
 if [ "$with_tests" = 1 ]; then
   "${pip[@]}" install -e ".[test]"
-  if ! command -v prometheus >/dev/null 2>&1; then
+  # Debian's prometheus (with promtool) and haproxy: the tests start real ones on loopback.
+  missing=()
+  command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+  command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || missing+=(haproxy)
+  if [ "${#missing[@]}" -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-      echo "setup: installing Debian's prometheus (the tests start a real one on loopback)"
-      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+      echo "setup: installing Debian's ${missing[*]} (the tests start real ones on loopback)"
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     else
-      echo "setup: prometheus not found and cannot apt-get it; the tests that need it will skip" >&2
+      echo "setup: ${missing[*]} not found and cannot apt-get it; the tests that need it will skip" >&2
     fi
   fi
 else

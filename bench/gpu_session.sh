@@ -10,7 +10,7 @@
 # STEPS=probe runs `python -m bench.probes.P` for each P in $PROBE (space-separated; dashes or underscores;
 # default digits-floor): bench/probes/README.md lists them.
 # STEPS=soak runs `fusedserve bench soak` for SOAK_MINUTES (default 5; ~6.5 min in all, a call of its own) and
-# writes soak_<gpu>.md and .json to $OUT, for bench/results/.
+# writes soak_<gpu>.md and .json to $OUT, for bench/results/<gpu>/.
 # Usage on the device machine (after the wheel prologue of ../shared/gpu/README.md):
 #   OUT=$OUT bash bench/gpu_session.sh [pytest args...]
 set -uo pipefail

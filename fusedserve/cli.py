@@ -15,13 +15,14 @@ import sys
 
 from service import cli as service_cli
 
-# `fusedserve bench NAME` -> module. Each module imports no torch at module level, so building the
-# parser stays cheap for every command.
+# `fusedserve bench NAME` -> its argument module, bench/NAME/cli.py. Each imports no torch at module level, so
+# building the parser stays cheap for every command.
 BENCHMARKS = {
-    "kernels": "bench.kernels",
-    "serve": "bench.serve",
-    "pool": "bench.pool",
-    "soak": "bench.soak",
+    "kernels": "bench.kernels.cli",
+    "serve": "bench.serve.cli",
+    "pool": "bench.pool.cli",
+    "soak": "bench.soak.cli",
+    "ab": "bench.serve.ab",
 }
 
 
@@ -35,7 +36,11 @@ def _run_bench(module, args: argparse.Namespace) -> int:
 
 
 def add_bench(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks (not tests)", description="Benchmarks (results: bench/results).")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks (not tests)",
+        description="Benchmarks (results: bench/results/<gpu>/; index: bench/README.md).",
+    )
     try:
         modules = {name: importlib.import_module(path) for name, path in BENCHMARKS.items()}
     except ImportError as e:  # an install without `bench` (the Docker image): every other command still works

@@ -13,8 +13,9 @@ import triton
 import triton.language as tl
 
 # Names accepted everywhere (kernels, reference, model config). "gelu" is the erf form, "gelu_tanh"
-# the tanh approximation (torch's approximate="tanh").
-ACTIVATIONS = ("none", "relu", "leaky_relu", "gelu", "gelu_tanh", "sigmoid", "silu", "tanh")
+# the tanh approximation (torch's approximate="tanh"); "relu6" is min(max(x, 0), 6) (ONNX's Clip(0, 6)),
+# "hardswish" x * relu6(x + 3) / 6 (MobileNetV3's, torch's F.hardswish).
+ACTIVATIONS = ("none", "relu", "leaky_relu", "gelu", "gelu_tanh", "sigmoid", "silu", "tanh", "relu6", "hardswish")
 DEFAULT_NEGATIVE_SLOPE = 0.01  # torch.nn.LeakyReLU's default
 
 
@@ -45,6 +46,13 @@ def _erfc_nonnegative(z):
     p = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806 + t * (
         0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277))))))))  # fmt: skip
     return t * tl.exp(-z * z + p)
+
+
+@triton.jit
+def _relu6(x):
+    # NaN stays NaN through both bounds, as in torch's relu6 (a plain max and min would answer 0 or 6)
+    x = tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(x, 6.0, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -84,6 +92,10 @@ def apply_activation(x, ACTIVATION: tl.constexpr, negative_slope):
         x = x * tl.sigmoid(x)
     elif ACTIVATION == "tanh":
         x = _tanh(x)
+    elif ACTIVATION == "relu6":
+        x = _relu6(x)
+    elif ACTIVATION == "hardswish":
+        x = x * _relu6(x + 3.0) * (1.0 / 6.0)  # -inf gives NaN (-inf * 0), as torch's does
     return x
 
 
@@ -104,4 +116,8 @@ def torch_activation(x: torch.Tensor, name: str, negative_slope: float = DEFAULT
         return torch.sigmoid(x)
     if name == "silu":
         return F.silu(x)
+    if name == "relu6":
+        return F.relu6(x)
+    if name == "hardswish":
+        return F.hardswish(x)
     return torch.tanh(x)

@@ -2,10 +2,10 @@
 
 The loop is `triton.testing.do_bench`'s (estimate from 5 calls, warm up, then per rep: clear L2, event,
 call, event; the median), with one change: L2 is cleared by *reading* a 256 MB buffer, not by zeroing it.
-Zeroing leaves L2 (50 MB on an H200) full of dirty lines, so a timed call that reads from memory first
-writes them back, a cost no serving loop has (between two forwards L2 holds the last one's weights and a
-few KB of activations). On an H200 a cold read of 48 MB takes 24.6 us after zeroing and 19.2 after
-reading (bench/results/probe_l2_flush_h200.txt; docs/performance.md, "Cold, but clean").
+Zeroing leaves L2 full of dirty lines, so a timed call that reads from memory first writes them back, a
+cost no serving loop has (between two forwards L2 holds the last one's weights and a few KB of
+activations): a cold read of 48 MB takes 24.6 us after zeroing against 19.2 after reading
+(docs/performance.md, "Cold, but clean").
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-FLUSH_BYTES = 256 << 20  # 5x the L2 of an H100/H200: no line of the timed call's inputs survives it
+FLUSH_BYTES = 256 << 20  # over 4x a Hopper GPU's L2 (50-60 MB): no line of the timed call's inputs survives it
 
 
 class L2Flush:

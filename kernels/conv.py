@@ -1,8 +1,10 @@
-"""Fused 2-D convolution: y = act(conv2d(x, W) + b) in one Triton kernel, as an implicit GEMM.
+"""Fused 2-D convolution: y = act(conv2d(x, W) + b [+ residual]) in one Triton kernel, as an implicit GEMM.
 
 Eager torch runs this as cuDNN's conv (bias added inside, or as one more kernel) then the activation: the
 (N, OC, OH, OW) result is written, read back and written again. Here bias and activation are applied to the
-fp32 accumulator tile in registers, and y is written once, in its final dtype.
+fp32 accumulator tile in registers, and y is written once, in its final dtype. A ResNet block's skip connection,
+relu(bn(conv(x)) + identity) with the BatchNorm folded into W and b, adds one read of the residual in the same
+epilogue, where eager torch runs one more add kernel (a write and two reads of y's size).
 
 Implicit GEMM: the convolution is the matrix product Y[m, o] = sum_k A[m, k] * W[o, k] with
     m = (n, oh, ow)        M = N * OH * OW   (one row per output pixel)
@@ -30,17 +32,28 @@ run-time size, not specialised, so every batch size shares one compiled kernel p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from . import conv_tma
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
+from .interpreter import InterpreterSwitches
 from .pdl import gdc_launch_dependents, gdc_wait
 from .pool import _max_propagating_nan, _pool_channels_kernel, _pool_rows_kernel, fused_pool2d, pair
 from .pool import channels_last as _channels_last
 from .runtime import check_device, interpreting
-from .tiles import SplitKWorkspace, device_limits, gemm_flags, grouped_tile, launch_options, split_k_sum
+from .tiles import (
+    SplitKWorkspace,
+    device_limits,
+    gemm_flags,
+    grouped_tile,
+    launch_options,
+    residual_like,
+    split_k_sum,
+)
 from .tuning import LaunchConfig, scope_for, tune
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -56,10 +69,24 @@ def _split_range(steps: tl.constexpr, pid_k, SPLIT_K: tl.constexpr):
     return pid_k * per_split, tl.minimum(pid_k * per_split + per_split, steps)
 
 
+@triton.jit
+def _y_tile(base, n, rows, out_h, out_w, cols, stride_yn, stride_yc, stride_yh, stride_yw, OH: tl.constexpr,
+            OW: tl.constexpr, Y_PLANES: tl.constexpr):  # fmt: skip
+    """Pointers from `base` to the (BLOCK_M, BLOCK_N) tile of y at output pixels `rows` (image n, row out_h, column
+    out_w) and channels `cols`: into y, or into the residual, which has y's strides."""
+    if Y_PLANES:
+        # Contiguous NCHW y: a pixel's offset in its plane is rows % (OH * OW), which Triton sees as runs of
+        # contiguous rows (OH * OW a constexpr), so the store goes out in vectors along M.
+        y_rows = base + n * stride_yn + rows % (OH * OW)
+    else:
+        y_rows = base + n * stride_yn + out_h * stride_yh + out_w * stride_yw
+    return y_rows[:, None] + (cols * stride_yc)[None, :]  # unclamped cols: contiguous along O for NHWC y
+
+
 @triton.jit(do_not_specialize=["NB"])
 def _conv2d_kernel(
-    # pointers
-    x_ptr, w_ptr, b_ptr, y_ptr,
+    # pointers (r_ptr: the residual, with y's strides; unused without HAS_RESIDUAL)
+    x_ptr, w_ptr, b_ptr, y_ptr, r_ptr,
     ws_ptr, cnt_ptr,  # split-K partial tiles and per-tile arrival counters (tiles.split_k_sum); unused at SPLIT_K 1
     # sizes (the batch NB is the only run-time one; the GEMM's M = NB * OH * OW)
     NB, OC,
@@ -78,6 +105,7 @@ def _conv2d_kernel(
     POOL: tl.constexpr, PKH: tl.constexpr, PKW: tl.constexpr, PSH: tl.constexpr, PSW: tl.constexpr,
     # meta-parameters
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,  # added before the activation; only with POOL "none"
     ACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32"; only fp32 operands care
     UPCAST_DOT: tl.constexpr,  # bf16 operands multiplied as fp32 (interpreter workaround, tiles.gemm_flags)
@@ -90,6 +118,7 @@ def _conv2d_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,  # programs per output tile, each over 1/SPLIT_K of the K steps; only with POOL "none"
 ):  # fmt: skip
+    tl.static_assert(POOL == "none" or not HAS_RESIDUAL, "a residual is added to the conv's output, never pooled")
     if PDL:  # the next layer may start; this one waits for the previous layer (below) before reading x
         gdc_launch_dependents()
     M = NB * (OH * OW)
@@ -180,9 +209,16 @@ def _conv2d_kernel(
                 acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         if SPLIT_K > 1:  # the tile's last program to arrive gets the full sum and stores; the others store nothing
             acc, last = split_k_sum(acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, BLOCK_M, BLOCK_N)
-        # Epilogue on the fp32 accumulator: bias, activation, then the pooling fold.
+        # Epilogue on the fp32 accumulator: bias, residual, activation, then the pooling fold.
         if HAS_BIAS:
             acc = acc + bias.to(tl.float32)[None, :]
+        if HAS_RESIDUAL:  # no pool: one window, whose pixels are the stored ones; read by the storing program only
+            r_ok = m_ok[:, None] & (cols < OC)[None, :]
+            if SPLIT_K > 1:
+                r_ok = r_ok & last
+            r_tile = _y_tile(r_ptr, n, rows, out_h, out_w, cols, stride_yn, stride_yc, stride_yh, stride_yw, OH, OW,
+                             Y_PLANES)  # fmt: skip
+            acc = acc + tl.load(r_tile, mask=r_ok, other=0.0).to(tl.float32)
         acc = apply_activation(acc, ACTIVATION, negative_slope)
         if POOL == "max":
             result = _max_propagating_nan(result, acc)
@@ -196,21 +232,23 @@ def _conv2d_kernel(
     # One rounding to the output dtype.
     if ROUND_BF16:
         result = round_to_bf16(result)
-    if Y_PLANES:
-        # Contiguous NCHW y: a pixel's offset in its plane is rows % (OH * OW), which Triton sees as runs of
-        # contiguous rows (OH * OW a constexpr), so the store goes out in vectors along M.
-        y_rows = y_ptr + n * stride_yn + rows % (OH * OW)
-    else:
-        y_rows = y_ptr + n * stride_yn + out_h * stride_yh + out_w * stride_yw
-    y_ptrs = y_rows[:, None] + (cols * stride_yc)[None, :]  # unclamped cols: contiguous along O for NHWC y
+    y_ptrs = _y_tile(y_ptr, n, rows, out_h, out_w, cols, stride_yn, stride_yc, stride_yh, stride_yw, OH, OW, Y_PLANES)
     y_ok = m_ok[:, None] & (cols < OC)[None, :]
     if SPLIT_K > 1:
         y_ok = y_ok & last
     tl.store(y_ptrs, result.to(y_ptr.dtype.element_ty), mask=y_ok)
 
 
+# ---- the launcher ----
+
+
 def conv_output_size(size: int, k: int, s: int, p: int, d: int) -> int:
     return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def m_bucket(m: int) -> int:
+    """Batches share tuned configs by power-of-two bucket of M = N * OH * OW (1 .. 2**20)."""
+    return min(1 << max(m - 1, 0).bit_length(), 1 << 20)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> None:
@@ -242,40 +280,215 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
             raise TypeError(f"bias has dtype {bias.dtype} on {bias.device}; want {x.dtype} on {x.device}")
 
 
-# Interpreter (CPU): no timing, cost per program and per K step, so the largest tile the problem fills; tests
-# force the small one (`interpreter_tile`) so awkward shapes cross every block edge, and pick the K loop
-# (`interpreter_flat_k`, None: FLAT_K when K is small) so both are checked.
-SMALL_INTERPRETER_TILE = (16, 16, 16)
-interpreter_tile: tuple[int, int, int] | None = None
-interpreter_flat_k: bool | None = None
-interpreter_split_k = 1  # > 1: unpooled calls split K so the reduction is checked (pooled ones never split)
-interpreter_pool_apart = False  # True: pooled calls run the conv, then fused_pool2d (the tuner's APART candidates)
-interpreter_tma = False  # True: calls conv_tma can run (conv_tma.eligible) run it, with the box of `interpreter_tile`
+_configs: dict[tuple, LaunchConfig] = {}  # per (layer signature, M bucket): the tuned config
+_zero_bias: dict[tuple, torch.Tensor] = {}  # per (OC, dtype, device): the bias of a layer without one
+# Split-K partials and counters, one workspace per device for every conv layer: launches on one stream never
+# overlap in it (under PDL a layer touches it only after gdc_wait, once the layer before has finished).
+_workspaces: dict[torch.device, SplitKWorkspace] = {}
+
+
+def _zeros_for(weight: torch.Tensor) -> torch.Tensor:
+    """A zero bias for a CUDA layer without one: compiled, the kernel's HAS_BIAS=False variant gives wrong outputs
+    with NHWC input and FLAT_K=0 (triton 3.6; tests/test_kernels_conv.py, test_gpu_shapes_layouts_and_no_bias;
+    docs/performance.md). Loading OC zeros costs a program one small read."""
+    key = (weight.shape[0], weight.dtype, weight.device)
+    zeros = _zero_bias.get(key)
+    if zeros is None:
+        zeros = _zero_bias[key] = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
+    return zeros
+
+
+def fused_conv2d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    stride=(1, 1),
+    padding=(0, 0),
+    dilation=(1, 1),
+    activation: str = "none",
+    negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
+    allow_tf32: bool | None = None,
+    pool: tuple | None = None,
+    memory_format: torch.memory_format | None = None,
+    out: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """act(conv2d(x, weight, bias) [+ residual]); x (N, C, H, W) contiguous NCHW (or channels_last), weight
+    (OC, C, KH, KW); returns (N, OC, OH, OW) in x's dtype, channels_last if x or weight is (as torch does), else
+    NCHW; groups=1. Accumulates in fp32.
+
+    allow_tf32: for float32, multiply in TF32 or full fp32; None follows `torch.backends.cudnn.allow_tf32`
+    (torch's default: True), what cuDNN's conv would do with the same tensors.
+
+    pool: ("max" | "avg", kernel_size) or ("max" | "avg", kernel_size, stride) (ints or pairs; stride None or
+    left out: kernel_size) pools the activated conv output in the same kernel, as max_pool2d / avg_pool2d with
+    padding 0 and ceil_mode False would: returns (N, OC, POH, POW), the conv output never written. (Padded or
+    ceil_mode pooling: call fused_pool2d after an unpooled fused_conv2d.)
+
+    memory_format: of the returned tensor (when `out` is None), torch.contiguous_format or torch.channels_last;
+    None: torch's rule above. A CNN reads NCHW and writes channels_last, keeps channels_last between its convs
+    and pools (2x faster at 256 images of 64 -> 64 channels at 32x32; docs/performance.md, "CNNs"), and writes
+    NCHW again before its flatten.
+
+    residual: None, or a tensor of the output's shape (N, OC, OH, OW) and dtype, added before the activation (a
+    ResNet block's relu(conv(x) + identity), its BatchNorm folded into weight and bias) and read once in the
+    epilogue. Read at the output's offsets: one in another layout than the output's (NCHW for an NHWC output, or
+    the reverse) is copied into it first, one more kernel. Not with `pool` (ValueError), nor in `out`'s memory.
+    """
+    _check(x, weight, bias, activation)
+    s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
+    if min(s) < 1 or min(d) < 1 or min(p) < 0:
+        raise ValueError(f"stride and dilation must be >= 1 and padding >= 0; got {s}, {d}, {p}")
+    N, C, H, W = x.shape
+    OC, _, KH, KW = weight.shape
+    OH, OW = conv_output_size(H, KH, s[0], p[0], d[0]), conv_output_size(W, KW, s[1], p[1], d[1])
+    if OH < 1 or OW < 1:
+        raise ValueError(
+            f"conv output is empty: input {H}x{W}, kernel {KH}x{KW}, stride {s}, padding {p}, dilation {d}"
+        )
+    POOL, PKH, PKW, PSH, PSW = "none", 1, 1, 1, 1
+    if pool is not None:
+        if not isinstance(pool, (tuple, list)) or len(pool) not in (2, 3) or pool[0] not in ("max", "avg"):
+            raise ValueError(f"pool must be ('max' | 'avg', kernel_size[, stride]); got {pool!r}")
+        (PKH, PKW) = pair(pool[1], "pool kernel_size")
+        (PSH, PSW) = (PKH, PKW) if len(pool) == 2 or pool[2] is None else pair(pool[2], "pool stride")
+        if min(PKH, PKW, PSH, PSW) < 1:
+            raise ValueError(f"pool kernel_size and stride must be >= 1; got {pool!r}")
+        POOL = pool[0]
+        if OH < PKH or OW < PKW:
+            raise ValueError(f"pooling {pool!r} leaves no output from the conv's {OH}x{OW}")
+        OH, OW = (OH - PKH) // PSH + 1, (OW - PKW) // PSW + 1
+    if residual is not None and POOL != "none":
+        raise ValueError("a residual cannot be fused with a pool: add it in an unpooled fused_conv2d, then pool")
+    # torch's rule for the output's memory format: channels_last when x or the weight is. (An (N, 1, H, W)
+    # input is both; a channels_last weight then asks for NHWC outputs.)
+    channels_last = _channels_last(x)
+    fmt = torch.channels_last if channels_last or _channels_last(weight) else torch.contiguous_format
+    if out is None:
+        out = torch.empty((N, OC, OH, OW), device=x.device, dtype=x.dtype, memory_format=memory_format or fmt)
+    elif out.shape != (N, OC, OH, OW) or out.dtype != x.dtype or out.device != x.device:
+        want = f"({N}, {OC}, {OH}, {OW}) {x.dtype} tensor on {x.device}"
+        raise ValueError(f"out must be a {want}; got {tuple(out.shape)} {out.dtype} on {out.device}")
+    has_residual = residual is not None
+    if has_residual:
+        residual = residual_like(residual, out)  # in out's strides, so that the kernels read it at y's offsets
+    M = N * OH * OW
+    y_planes = out.stride()[1:] == (OH * OW, OW, 1)
+    if M == 0:
+        return out
+    CH, CW = conv_output_size(H, KH, s[0], p[0], d[0]), conv_output_size(W, KW, s[1], p[1], d[1])  # unpooled
+    if allow_tf32 is None:
+        allow_tf32 = torch.backends.cudnn.allow_tf32
+    if bias is None and not interpreting():
+        bias = _zeros_for(weight)  # see _zeros_for: never the HAS_BIAS=False variant on a GPU
+    fixed = gemm_flags(bias is not None, activation, x.dtype, allow_tf32, x.device)
+    geometry = dict(C=C, H=H, W=W, KH=KH, KW=KW, SH=s[0], SW=s[1], PH=p[0], PW=p[1], DH=d[0], DW=d[1])
+    K = C * KH * KW
+    workspace = _workspaces.get(x.device)
+    if workspace is None:
+        workspace = _workspaces[x.device] = SplitKWorkspace(x.device)
+
+    def launch(y: torch.Tensor, meta: dict, pooled: bool):
+        oh, ow = (OH, OW) if pooled else (CH, CW)
+        window = (
+            dict(POOL=POOL, PKH=PKH, PKW=PKW, PSH=PSH, PSW=PSW)
+            if pooled
+            else dict(POOL="none", PKH=1, PKW=1, PSH=1, PSW=1)
+        )
+        if pooled and POOL != "none" and meta["SPLIT_K"] > 1:
+            raise ValueError(f"a pooled conv cannot split K (config {meta})")  # partials would be pre-pool
+        tiles = triton.cdiv(N * oh * ow, meta["BLOCK_M"]) * triton.cdiv(OC, meta["BLOCK_N"])
+        ws, cnt = workspace.get(tiles, meta["BLOCK_M"] * meta["BLOCK_N"], meta["SPLIT_K"])
+        return _conv2d_kernel[(tiles * meta["SPLIT_K"],)](
+            x, weight, bias if bias is not None else weight, y, residual if has_residual else y, ws, cnt,
+            N, OC,
+            *x.stride(), *weight.stride(), *y.stride(),
+            float(negative_slope),
+            **geometry, OH=oh, OW=ow, **window, HAS_RESIDUAL=has_residual, **fixed, CHANNELS_LAST=channels_last,
+            Y_PLANES=y.stride()[1:] == (oh * ow, ow, 1), **meta, **launch_options(fixed),
+        )  # fmt: skip
+
+    # The TMA kernel (conv_tma.py) where it can run: stride 1, x and weight channels_last, 16-byte rows; with a
+    # residual too (read with pointers at y's offsets, so any layout of y).
+    tma_pool = None if POOL == "none" else (POOL, (PKH, PKW), (PSH, PSW))
+    tma = conv_tma.eligible(x, weight, s, tma_pool, out)
+    tma_geometry = dict(geometry, OH=CH, OW=CW)
+    del tma_geometry["SH"], tma_geometry["SW"]
+
+    def run(config: LaunchConfig):
+        if conv_tma.is_tma(config):
+            window = (POOL, PKH, PKW)
+            return conv_tma.launch(x, weight, bias, out, float(negative_slope), tma_geometry, window, fixed, config,
+                                   residual)  # fmt: skip
+        meta = config.meta()
+        if not meta.pop("APART", 0):
+            return launch(out, meta, POOL != "none")
+        # The pool apart: the conv (+ bias + act) to its full-size output, then one fused_pool2d kernel.
+        conv_out = torch.empty((N, OC, CH, CW), device=x.device, dtype=x.dtype, memory_format=fmt)
+        launch(conv_out, meta, False)
+        return fused_pool2d(conv_out, POOL, (PKH, PKW), (PSH, PSW), out=out)
+
+    if interpreting():
+        if INTERPRETER.choice.tma and tma:
+            run(_interpreter_tma_config(OC, C, CH, CW, (PKH, PKW)))
+        else:
+            run(_interpreter_config(M, OC, C, K, POOL != "none"))
+        return out
+    bucket = m_bucket(M)
+    signature = (tuple(weight.shape), weight.stride(), x.shape[1:], x.stride()[1:], x.dtype, s, p, d, activation,
+                 bias is not None, fixed["INPUT_PRECISION"], channels_last, y_planes, bucket, POOL, PKH, PKW, PSH, PSW,
+                 tma, has_residual)  # fmt: skip
+    config = _configs.get(signature)
+    if config is None:
+        key = (
+            f"OC{OC}|C{C}|H{H}|W{W}|k{KH}x{KW}|s{s}|p{p}|d{d}|{x.dtype}|{activation}|bias={bias is not None}"
+            f"|{fixed['INPUT_PRECISION']}|{'nhwc' if channels_last else 'nchw'}|y={'nchw' if y_planes else 'nhwc'}"
+            f"|m{bucket}"
+        )
+        if tma:  # x and the weight channels_last, aligned: TMA candidates too
+            key += "|tma"
+        if has_residual:  # one more read in the epilogue: timed apart
+            key += "|residual"
+        if POOL != "none":
+            key += f"|pool={POOL}{PKH}x{PKW}s{PSH}x{PSW}"
+        scope = scope_for(
+            "conv2d",
+            _conv2d_kernel,
+            _split_range,
+            _y_tile,
+            grouped_tile,
+            apply_activation,
+            split_k_sum,
+            *POOL_KERNELS,
+            conv_tma._conv2d_tma_kernel,
+            conv_tma._pool_tile,
+            conv_tma._box_offsets,
+        )
+        fma = x.dtype == torch.float32 and fixed["INPUT_PRECISION"] == "ieee"
+        sms = device_limits(x.device)[0]
+        candidates = cuda_configs(bucket, OC, C, K, fma, POOL != "none", sms, x.element_size())
+        if POOL != "none" and triton.cdiv(bucket, 64) * triton.cdiv(OC, _fit(OC, 16, 128)) < sms:
+            # Pooled, the kernel runs PKH * PKW K loops per tile over a quarter of the tiles (2x2): where that
+            # leaves SMs idle, the conv apart at full size (split-K allowed) and then the pool may win.
+            unpooled = cuda_configs(m_bucket(N * CH * CW), OC, C, K, fma, False, sms, x.element_size())
+            candidates += [LaunchConfig(c.kwargs + (("APART", 1),), c.num_warps, c.num_stages) for c in unpooled]
+            # The pool's own tuning runs here, once, not inside the tuner's CUDA-graph capture of a candidate.
+            fused_pool2d(torch.empty((N, OC, CH, CW), device=x.device, dtype=x.dtype, memory_format=fmt),
+                         POOL, (PKH, PKW), (PSH, PSW))  # fmt: skip
+        if tma:  # (PKH, PKW) is (1, 1) without a pool
+            candidates += conv_tma.cuda_configs(m_bucket(N * CH * CW), OC, C, CH, CW, (PKH, PKW), x.element_size())
+        config = tune(scope, key, candidates, run)
+        _configs[signature] = config
+    run(config)
+    return out
+
+
+# ---- candidate configs (the tuner times them on CUDA) ----
 
 
 def _fit(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(n)))  # tl.dot needs every block dim >= 16
-
-
-def _interpreter_config(M: int, OC: int, C: int, K: int, pooled: bool) -> LaunchConfig:
-    bm, bn, bk = interpreter_tile or (_fit(M, 16, 64), _fit(OC, 16, 128), _fit(K, 16, 64))
-    flat = interpreter_flat_k if interpreter_flat_k is not None else (C < 16)
-    apart = {"APART": 1} if pooled and interpreter_pool_apart else {}
-    split = 1 if pooled and not apart else interpreter_split_k
-    return LaunchConfig.of(
-        4, 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, FLAT_K=int(flat), SPLIT_K=split, **apart
-    )
-
-
-def _interpreter_tma_config(OC: int, C: int, OH: int, OW: int, pool: tuple[int, int]) -> LaunchConfig:
-    bm, bn, bk = interpreter_tile or (64, _fit(OC, 16, 128), _fit(C, 16, 64))
-    img, bh, bw = conv_tma.box_shape(bm, OH, OW, pool)
-    return LaunchConfig.of(4, 1, IMG=img, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, TMA=1)
-
-
-def m_bucket(m: int) -> int:
-    """Batches share tuned configs by power-of-two bucket of M = N * OH * OW (1 .. 2**20)."""
-    return min(1 << max(m - 1, 0).bit_length(), 1 << 20)
 
 
 def cuda_configs(
@@ -331,8 +544,8 @@ def cuda_configs(
                 # 64x128x64 on 4 warps spilled (224 bytes, fp16, taps, NCHW x: 128 -> 128 at 8x8); on 8 it did not
                 out.append(cfg(8 if (bm, bn, bk) == (64, 128, 64) else warps, stages, bm, bn, bk, flat))
     if C >= 128 and element_size == 2 and not pooled:
-        # Wide fp16/bf16 layers: a quarter of the K steps (128 -> 128 channels at 8x8, 32 images, took 18 us hot
-        # on an H100 in 36 steps of 32 channels, cuDNN 8; bench/results/kernels_h100.md). fp32 spilled (96 bytes).
+        # Wide fp16/bf16 layers: 128-channel K steps, a quarter as many as 32-channel ones (docs/performance.md,
+        # "CNNs"). fp32 spilled (96 bytes).
         out.append(cfg(8, 3, 64, bn, 128, 0))
     if triton.cdiv(bucket, 64) * triton.cdiv(OC, bn) < sms:
         split = split_for(64, bn, ks[0], flats[-1])
@@ -350,189 +563,39 @@ def cuda_configs(
     return out
 
 
-_configs: dict[tuple, LaunchConfig] = {}  # per (layer signature, M bucket): the tuned config
-_zero_bias: dict[tuple, torch.Tensor] = {}  # per (OC, dtype, device): the bias of a layer without one
-# Split-K partials and counters, one workspace per device for every conv layer: launches on one stream never
-# overlap in it (under PDL a layer touches it only after gdc_wait, once the layer before has finished).
-_workspaces: dict[torch.device, SplitKWorkspace] = {}
+# ---- under the interpreter: one config, from choices that tests change (interpreter.py) ----
 
 
-def _zeros_for(weight: torch.Tensor) -> torch.Tensor:
-    """A zero bias for a CUDA layer without one: the kernel's HAS_BIAS=False variant gives wrong outputs with NHWC
-    input and FLAT_K=0 on an H100 (triton 3.6; tests/test_kernels_conv.py, test_gpu_shapes_layouts_and_no_bias,
-    bench/results/gpu_tests_h100.txt). Loading OC zeros costs a program one small read."""
-    key = (weight.shape[0], weight.dtype, weight.device)
-    zeros = _zero_bias.get(key)
-    if zeros is None:
-        zeros = _zero_bias[key] = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
-    return zeros
+SMALL_INTERPRETER_TILE = (16, 16, 16)  # tests' tile: awkward shapes cross every block edge
 
 
-def fused_conv2d(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    stride=(1, 1),
-    padding=(0, 0),
-    dilation=(1, 1),
-    activation: str = "none",
-    negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
-    allow_tf32: bool | None = None,
-    pool: tuple | None = None,
-    memory_format: torch.memory_format | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """act(conv2d(x, weight, bias)); x (N, C, H, W) contiguous NCHW (or channels_last), weight (OC, C, KH, KW);
-    returns (N, OC, OH, OW) in x's dtype, channels_last if x or weight is (as torch does), else NCHW;
-    groups=1. Accumulates in fp32.
+@dataclass(frozen=True)
+class InterpreterChoice:
+    """What fused_conv2d runs under the interpreter. Its cost is per program and per K step, so by default the
+    largest tile the problem fills."""
 
-    allow_tf32: for float32, multiply in TF32 or full fp32; None follows `torch.backends.cudnn.allow_tf32`
-    (torch's default: True), what cuDNN's conv would do with the same tensors.
+    tile: tuple[int, int, int] | None = None  # (BLOCK_M, BLOCK_N, BLOCK_K); with `tma`, BLOCK_M is the box's pixels
+    flat_k: bool | None = None  # the K loop: FLAT_K or one tap at a time; None: FLAT_K below 16 channels
+    split_k: int = 1  # > 1: unpooled calls split K so that the reduction runs (pooled ones never split)
+    pool_apart: bool = False  # pooled calls run the conv, then fused_pool2d (the tuner's APART candidates)
+    tma: bool = False  # calls conv_tma can run (conv_tma.eligible) run it
 
-    pool: ("max" | "avg", kernel_size) or ("max" | "avg", kernel_size, stride) (ints or pairs; stride None or
-    left out: kernel_size) pools the activated conv output in the same kernel, as max_pool2d / avg_pool2d with
-    padding 0 and ceil_mode False would: returns (N, OC, POH, POW), the conv output never written. (Padded or
-    ceil_mode pooling: call fused_pool2d after an unpooled fused_conv2d.)
 
-    memory_format: of the returned tensor (when `out` is None), torch.contiguous_format or torch.channels_last;
-    None: torch's rule above. A CNN reads NCHW and writes channels_last, keeps channels_last between its convs
-    and pools (2x faster at 256 images of 64 -> 64 channels at 32x32 on an H100: bench/results/probe_conv_h100.txt),
-    and writes NCHW again before its flatten.
-    """
-    _check(x, weight, bias, activation)
-    s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
-    if min(s) < 1 or min(d) < 1 or min(p) < 0:
-        raise ValueError(f"stride and dilation must be >= 1 and padding >= 0; got {s}, {d}, {p}")
-    N, C, H, W = x.shape
-    OC, _, KH, KW = weight.shape
-    OH, OW = conv_output_size(H, KH, s[0], p[0], d[0]), conv_output_size(W, KW, s[1], p[1], d[1])
-    if OH < 1 or OW < 1:
-        raise ValueError(
-            f"conv output is empty: input {H}x{W}, kernel {KH}x{KW}, stride {s}, padding {p}, dilation {d}"
-        )
-    POOL, PKH, PKW, PSH, PSW = "none", 1, 1, 1, 1
-    if pool is not None:
-        if not isinstance(pool, (tuple, list)) or len(pool) not in (2, 3) or pool[0] not in ("max", "avg"):
-            raise ValueError(f"pool must be ('max' | 'avg', kernel_size[, stride]); got {pool!r}")
-        (PKH, PKW) = pair(pool[1], "pool kernel_size")
-        (PSH, PSW) = (PKH, PKW) if len(pool) == 2 or pool[2] is None else pair(pool[2], "pool stride")
-        if min(PKH, PKW, PSH, PSW) < 1:
-            raise ValueError(f"pool kernel_size and stride must be >= 1; got {pool!r}")
-        POOL = pool[0]
-        if OH < PKH or OW < PKW:
-            raise ValueError(f"pooling {pool!r} leaves no output from the conv's {OH}x{OW}")
-        OH, OW = (OH - PKH) // PSH + 1, (OW - PKW) // PSW + 1
-    # torch's rule for the output's memory format: channels_last when x or the weight is. (An (N, 1, H, W)
-    # input is both; a channels_last weight then asks for NHWC outputs.)
-    channels_last = _channels_last(x)
-    fmt = torch.channels_last if channels_last or _channels_last(weight) else torch.contiguous_format
-    if out is None:
-        out = torch.empty((N, OC, OH, OW), device=x.device, dtype=x.dtype, memory_format=memory_format or fmt)
-    elif out.shape != (N, OC, OH, OW) or out.dtype != x.dtype or out.device != x.device:
-        want = f"({N}, {OC}, {OH}, {OW}) {x.dtype} tensor on {x.device}"
-        raise ValueError(f"out must be a {want}; got {tuple(out.shape)} {out.dtype} on {out.device}")
-    M = N * OH * OW
-    y_planes = out.stride()[1:] == (OH * OW, OW, 1)
-    if M == 0:
-        return out
-    CH, CW = conv_output_size(H, KH, s[0], p[0], d[0]), conv_output_size(W, KW, s[1], p[1], d[1])  # unpooled
-    if allow_tf32 is None:
-        allow_tf32 = torch.backends.cudnn.allow_tf32
-    if bias is None and not interpreting():
-        bias = _zeros_for(weight)  # see _zeros_for: never the HAS_BIAS=False variant on a GPU
-    fixed = gemm_flags(bias is not None, activation, x.dtype, allow_tf32, x.device)
-    geometry = dict(C=C, H=H, W=W, KH=KH, KW=KW, SH=s[0], SW=s[1], PH=p[0], PW=p[1], DH=d[0], DW=d[1])
-    K = C * KH * KW
-    workspace = _workspaces.get(x.device)
-    if workspace is None:
-        workspace = _workspaces[x.device] = SplitKWorkspace(x.device)
+INTERPRETER = InterpreterSwitches(InterpreterChoice())
 
-    def launch(y: torch.Tensor, meta: dict, pooled: bool):
-        oh, ow = (OH, OW) if pooled else (CH, CW)
-        window = (
-            dict(POOL=POOL, PKH=PKH, PKW=PKW, PSH=PSH, PSW=PSW)
-            if pooled
-            else dict(POOL="none", PKH=1, PKW=1, PSH=1, PSW=1)
-        )
-        if pooled and POOL != "none" and meta["SPLIT_K"] > 1:
-            raise ValueError(f"a pooled conv cannot split K (config {meta})")  # partials would be pre-pool
-        tiles = triton.cdiv(N * oh * ow, meta["BLOCK_M"]) * triton.cdiv(OC, meta["BLOCK_N"])
-        ws, cnt = workspace.get(tiles, meta["BLOCK_M"] * meta["BLOCK_N"], meta["SPLIT_K"])
-        return _conv2d_kernel[(tiles * meta["SPLIT_K"],)](
-            x, weight, bias if bias is not None else weight, y, ws, cnt,
-            N, OC,
-            *x.stride(), *weight.stride(), *y.stride(),
-            float(negative_slope),
-            **geometry, OH=oh, OW=ow, **window, **fixed, CHANNELS_LAST=channels_last,
-            Y_PLANES=y.stride()[1:] == (oh * ow, ow, 1), **meta, **launch_options(fixed),
-        )  # fmt: skip
 
-    # The TMA kernel (conv_tma.py) where it can run: stride 1, x and weight channels_last, 16-byte rows.
-    tma_pool = None if POOL == "none" else (POOL, (PKH, PKW), (PSH, PSW))
-    tma = conv_tma.eligible(x, weight, s, tma_pool, out)
-    tma_geometry = dict(geometry, OH=CH, OW=CW)
-    del tma_geometry["SH"], tma_geometry["SW"]
+def _interpreter_config(M: int, OC: int, C: int, K: int, pooled: bool) -> LaunchConfig:
+    choice = INTERPRETER.choice
+    bm, bn, bk = choice.tile or (_fit(M, 16, 64), _fit(OC, 16, 128), _fit(K, 16, 64))
+    flat = choice.flat_k if choice.flat_k is not None else (C < 16)
+    apart = {"APART": 1} if pooled and choice.pool_apart else {}
+    split = 1 if pooled and not apart else choice.split_k
+    return LaunchConfig.of(
+        4, 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, FLAT_K=int(flat), SPLIT_K=split, **apart
+    )
 
-    def run(config: LaunchConfig):
-        if conv_tma.is_tma(config):
-            window = (POOL, PKH, PKW)
-            return conv_tma.launch(x, weight, bias, out, float(negative_slope), tma_geometry, window, fixed, config)
-        meta = config.meta()
-        if not meta.pop("APART", 0):
-            return launch(out, meta, POOL != "none")
-        # The pool apart: the conv (+ bias + act) to its full-size output, then one fused_pool2d kernel.
-        conv_out = torch.empty((N, OC, CH, CW), device=x.device, dtype=x.dtype, memory_format=fmt)
-        launch(conv_out, meta, False)
-        return fused_pool2d(conv_out, POOL, (PKH, PKW), (PSH, PSW), out=out)
 
-    if interpreting():
-        if interpreter_tma and tma:
-            run(_interpreter_tma_config(OC, C, CH, CW, (PKH, PKW)))
-        else:
-            run(_interpreter_config(M, OC, C, K, POOL != "none"))
-        return out
-    bucket = m_bucket(M)
-    signature = (tuple(weight.shape), weight.stride(), x.shape[1:], x.stride()[1:], x.dtype, s, p, d, activation,
-                 bias is not None, fixed["INPUT_PRECISION"], channels_last, y_planes, bucket, POOL, PKH, PKW, PSH, PSW,
-                 tma)  # fmt: skip
-    config = _configs.get(signature)
-    if config is None:
-        key = (
-            f"OC{OC}|C{C}|H{H}|W{W}|k{KH}x{KW}|s{s}|p{p}|d{d}|{x.dtype}|{activation}|bias={bias is not None}"
-            f"|{fixed['INPUT_PRECISION']}|{'nhwc' if channels_last else 'nchw'}|y={'nchw' if y_planes else 'nhwc'}"
-            f"|m{bucket}"
-        )
-        if tma:  # x and the weight channels_last, aligned: TMA candidates too
-            key += "|tma"
-
-        if POOL != "none":
-            key += f"|pool={POOL}{PKH}x{PKW}s{PSH}x{PSW}"
-        scope = scope_for(
-            "conv2d",
-            _conv2d_kernel,
-            _split_range,
-            grouped_tile,
-            apply_activation,
-            split_k_sum,
-            *POOL_KERNELS,
-            conv_tma._conv2d_tma_kernel,
-            conv_tma._pool_tile,
-        )
-        fma = x.dtype == torch.float32 and fixed["INPUT_PRECISION"] == "ieee"
-        sms = device_limits(x.device)[0]
-        candidates = cuda_configs(bucket, OC, C, K, fma, POOL != "none", sms, x.element_size())
-        if POOL != "none" and triton.cdiv(bucket, 64) * triton.cdiv(OC, _fit(OC, 16, 128)) < sms:
-            # Pooled, the kernel runs PKH * PKW K loops per tile over a quarter of the tiles (2x2): where that
-            # leaves SMs idle, the conv apart at full size (split-K allowed) and then the pool may win.
-            unpooled = cuda_configs(m_bucket(N * CH * CW), OC, C, K, fma, False, sms, x.element_size())
-            candidates += [LaunchConfig(c.kwargs + (("APART", 1),), c.num_warps, c.num_stages) for c in unpooled]
-            # The pool's own tuning runs here, once, not inside the tuner's CUDA-graph capture of a candidate.
-            fused_pool2d(torch.empty((N, OC, CH, CW), device=x.device, dtype=x.dtype, memory_format=fmt),
-                         POOL, (PKH, PKW), (PSH, PSW))  # fmt: skip
-        if tma:  # (PKH, PKW) is (1, 1) without a pool
-            candidates += conv_tma.cuda_configs(m_bucket(N * CH * CW), OC, C, CH, CW, (PKH, PKW), x.element_size())
-        config = tune(scope, key, candidates, run)
-        _configs[signature] = config
-    run(config)
-    return out
+def _interpreter_tma_config(OC: int, C: int, OH: int, OW: int, pool: tuple[int, int]) -> LaunchConfig:
+    bm, bn, bk = INTERPRETER.choice.tile or (64, _fit(OC, 16, 128), _fit(C, 16, 64))
+    img, bh, bw = conv_tma.box_shape(bm, OH, OW, pool)
+    return LaunchConfig.of(4, 1, IMG=img, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, TMA=1)

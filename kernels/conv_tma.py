@@ -1,4 +1,5 @@
-"""Conv2d + bias + activation [+ pool] as an implicit GEMM fed by TMA (Hopper's tensor memory accelerator).
+"""Conv2d + bias [+ residual] + activation [+ pool] as an implicit GEMM fed by TMA (Hopper's tensor memory
+accelerator).
 
 conv.py's kernel gathers each (BLOCK_M, BLOCK_K) tile of the implicit im2col matrix with per-element pointers
 and masks: address math and predicates for every element, in registers, every K step. Here an output tile is a
@@ -9,15 +10,15 @@ edge rows and columns) the copy fills with zeros, so there is no mask at all. Th
 (IMG * BH * BW, BLOCK_K) A tile of the GEMM, and the weights, (OC, KH, KW, C) (a channels_last weight), as
 the (OC, KH * KW * C) B matrix, another TMA copy per step.
 
-The epilogue adds the bias and applies the activation to the fp32 accumulator; with POOL it also pools
-non-overlapping PKH x PKW windows of the tile in registers (the tile's rows and columns are multiples of the
-window), so the conv output never goes to memory. y is stored by TMA as an NHWC box, or with pointers into NCHW
-(a model's last conv before its flatten).
+The epilogue adds the bias (and a residual, read with pointers at y's offsets: never with a pool) and applies the
+activation to the fp32 accumulator; with POOL it also pools non-overlapping PKH x PKW windows of the tile in
+registers (the tile's rows and columns are multiples of the window), so the conv output never goes to memory. y is
+stored by TMA as an NHWC box, or with pointers into NCHW (a model's last conv before its flatten).
 
 The descriptors are made on the host, per call, and passed as kernel parameters: made by each program instead
 (tl.make_tensor_descriptor, 3 x 128 bytes written and fenced before the first copy) the 64 -> 64 conv at 32x32
-over 256 images took 76.5 us against 62.5 (cold, H100; bench/results/probe_conv_tma_h100.txt). Inside a CUDA graph
-(the service) the host's part is paid once, at capture.
+over 256 images took 76.5 us against 62.5 (docs/performance.md, "CNNs"). Inside a CUDA graph (the service) the
+host's part is paid once, at capture.
 
 Stride 1 only: a strided conv's inputs for a box of outputs are not a box of x. C and OC must make 16-byte rows
 (C * element size a multiple of 16) for the descriptors; C need not be a multiple of BLOCK_K: past C the x box is
@@ -52,20 +53,34 @@ def _pool_tile(acc, POOL: tl.constexpr, ROWS: tl.constexpr, BW: tl.constexpr, PK
     return tl.reshape(t, (ROWS // PKH * (BW // PKW), BLOCK_N))
 
 
+@triton.jit
+def _box_offsets(n0, h0, w0, NB, HB: tl.constexpr, WB: tl.constexpr, IMG: tl.constexpr, BH: tl.constexpr,
+                 BW: tl.constexpr, stride_n, stride_h, stride_w):  # fmt: skip
+    """Offsets of the IMG x BH x BW pixels of a box at (n0, h0, w0) in a tensor of NB images of HB x WB pixels with
+    these strides, pixel m = (image * BH + row) * BW + column, and which of them lie inside it."""
+    pixel = tl.arange(0, IMG * BH * BW)
+    n = n0 + pixel // (BH * BW)
+    h = h0 + (pixel // BW) % BH
+    w = w0 + pixel % BW
+    return n * stride_n + h * stride_h + w * stride_w, (n < NB) & (h < HB) & (w < WB)
+
+
 @triton.jit(do_not_specialize=["NB"])
 def _conv2d_tma_kernel(
     x_desc,  # x as (NB, H, W, C), boxes [IMG, BH, BW, BLOCK_K]
     w_desc,  # the weight as (OC, KH * KW * C), boxes [BLOCK_N, BLOCK_K]
     b_ptr,
     y,  # Y_NHWC: a descriptor of y as (NB, POH, POW, OC), boxes [IMG, BH // PKH, BW // PKW, BLOCK_N]; else y's pointer
+    r_ptr,  # the residual, with y's strides (HAS_RESIDUAL only)
     NB,  # the batch: the only run-time size
-    stride_yn, stride_yc, stride_yh, stride_yw,  # y's strides (the pointer store into NCHW y)
+    stride_yn, stride_yc, stride_yh, stride_yw,  # y's strides (the pointer store into NCHW y, the residual's reads)
     negative_slope,
     # the layer's shape; OH, OW: the conv's output (before the pool)
     C: tl.constexpr, H: tl.constexpr, W: tl.constexpr, OC: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
     KH: tl.constexpr, KW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     POOL: tl.constexpr, PKH: tl.constexpr, PKW: tl.constexpr,  # "none" | "max" | "avg"; window = stride, floor mode
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,  # added before the activation; only with POOL "none"
     ACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -76,6 +91,7 @@ def _conv2d_tma_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     BLOCK_M: tl.constexpr = IMG * BH * BW
+    tl.static_assert(POOL == "none" or not HAS_RESIDUAL, "a residual is added to the conv's output, never pooled")
     if PDL:  # wait for the previous layer before the first copy of x
         gdc_wait()
     # The tile: output channel block fastest, so the programs sharing an input box run side by side (L2).
@@ -106,13 +122,17 @@ def _conv2d_tma_kernel(
     if PDL:
         # The next layer may start once every program is here. Not first thing, as the other kernels do: the next
         # layer's programs would take SM slots and shared memory while later waves of this grid still wait for
-        # them (64 -> 64 channels at 32x32, 32 images: 19.9 us a replay back to back with PDL, 12.8 without,
-        # H100; bench/results/probe_conv_tma_h100.txt).
+        # them (64 -> 64 channels at 32x32, 32 images: 19.9 us a replay back to back against 13.4 alone;
+        # docs/performance.md, "CNNs").
         gdc_launch_dependents()
 
     cols = o0 + tl.arange(0, BLOCK_N)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < OC, other=0.0).to(tl.float32)[None, :]
+    if HAS_RESIDUAL:  # no pool: the tile's pixels are the stored ones
+        r_rows, r_in = _box_offsets(n0, oh0, ow0, NB, OH, OW, IMG, BH, BW, stride_yn, stride_yh, stride_yw)
+        r_tile = r_ptr + r_rows[:, None] + (cols * stride_yc)[None, :]
+        acc += tl.load(r_tile, mask=r_in[:, None] & (cols < OC)[None, :], other=0.0).to(tl.float32)
     acc = apply_activation(acc, ACTIVATION, negative_slope)
     # The stored box: the pooled one with POOL (the tile's conv rows beyond OH, or past the last whole window,
     # land only in pooled rows past the output, which the store drops).
@@ -128,13 +148,12 @@ def _conv2d_tma_kernel(
     if Y_NHWC:
         y.store([n0, oh0 // PKH, ow0 // PKW, o0], out.reshape(IMG, SH, SW, BLOCK_N))
     else:
-        pixel = tl.arange(0, IMG * SH * SW)
-        n = n0 + pixel // (SH * SW)
-        h = oh0 // PKH + (pixel // SW) % SH
-        w = ow0 // PKW + pixel % SW
-        rows = n * stride_yn + h * stride_yh + w * stride_yw
-        ok = ((n < NB) & (h < POH) & (w < POW))[:, None] & (cols < OC)[None, :]
-        tl.store(y + rows[:, None] + (cols * stride_yc)[None, :], out, mask=ok)
+        rows, inside = _box_offsets(n0, oh0 // PKH, ow0 // PKW, NB, POH, POW, IMG, SH, SW, stride_yn, stride_yh,
+                                    stride_yw)  # fmt: skip
+        tl.store(y + rows[:, None] + (cols * stride_yc)[None, :], out, mask=inside[:, None] & (cols < OC)[None, :])
+
+
+# ---- the launcher ----
 
 
 def eligible(x: torch.Tensor, weight: torch.Tensor, stride, pool: tuple | None, out: torch.Tensor) -> bool:
@@ -164,6 +183,47 @@ def y_nhwc(out: torch.Tensor) -> bool:
     return out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
 
 
+def weight_for(weight: torch.Tensor, stride) -> torch.Tensor:
+    """The weight as a model should keep it for fused_conv2d: channels_last (OC, KH, KW, C) where this kernel
+    can run the layer (stride 1, 16-byte rows of channels), so that the tuner may pick it; else unchanged."""
+    if tuple(stride) == (1, 1) and (weight.shape[1] * weight.element_size()) % 16 == 0:
+        return weight.contiguous(memory_format=torch.channels_last)
+    return weight
+
+
+def launch(x, weight, bias, out, negative_slope: float, geometry: dict, pool: tuple, fixed: dict,
+           config: LaunchConfig, residual: torch.Tensor | None = None):  # fmt: skip
+    """One launch: x (N, C, H, W) and weight (OC, C, KH, KW) channels_last (`eligible`), out the (pooled) output;
+    geometry: C, H, W, KH, KW, PH, PW, DH, DW, OH, OW (the conv's output); pool: (POOL, PKH, PKW); residual: None,
+    or out's shape and strides (tiles.residual_like), with POOL "none"."""
+    meta = {k: v for k, v in config.meta().items() if k != "TMA"}
+    img, bh, bw, bn, bk = meta["IMG"], meta["BH"], meta["BW"], meta["BLOCK_N"], meta["BLOCK_K"]
+    N, OC = x.shape[0], weight.shape[0]
+    C, KH, KW = geometry["C"], geometry["KH"], geometry["KW"]
+    POOL, PKH, PKW = pool
+    # Strides from the sizes, not the tensors': both are contiguous NHWC, and torch may give a size-1 dim any stride.
+    H, W = geometry["H"], geometry["W"]
+    x_desc = TensorDescriptor(x, [N, H, W, C], [H * W * C, W * C, C, 1], [img, bh, bw, bk])
+    w_desc = TensorDescriptor(weight, [OC, KH * KW * C], [KH * KW * C, 1], [bn, bk])
+    y, store_nhwc = out, y_nhwc(out)
+    if store_nhwc:
+        _, _, poh, pow_ = out.shape
+        y_box = [img, bh // PKH, bw // PKW, bn]
+        y = TensorDescriptor(out, [N, poh, pow_, OC], [poh * pow_ * OC, pow_ * OC, OC, 1], y_box)
+    boxes = triton.cdiv(N, img) * triton.cdiv(geometry["OH"], bh) * triton.cdiv(geometry["OW"], bw)
+    return _conv2d_tma_kernel[(boxes * triton.cdiv(OC, bn),)](
+        x_desc, w_desc, bias if bias is not None else weight, y, residual if residual is not None else out,
+        N, *out.stride(),
+        negative_slope,
+        **geometry, OC=OC, POOL=POOL, PKH=PKH, PKW=PKW, HAS_RESIDUAL=residual is not None, **fixed,
+        Y_NHWC=store_nhwc, **meta,
+        **launch_options(fixed),
+    )  # fmt: skip
+
+
+# ---- candidate configs (the tuner times them on CUDA) ----
+
+
 def box_shape(block_m: int, OH: int, OW: int, pool: tuple[int, int] = (1, 1)) -> tuple[int, int, int]:
     """(IMG, BH, BW) of a BLOCK_M-pixel output box: whole rows where they fit (BW = OW rounded up to a power of
     two, at most BLOCK_M), then as many rows as fit, then whole images. Each at least the pool window."""
@@ -181,8 +241,8 @@ def cuda_configs(bucket: int, OC: int, C: int, OH: int, OW: int, pool=(1, 1), el
 
     128-byte K steps (fp16 BLOCK_K 64, fp32 32) get 2 stages only in tiles of 128 pixels or 128 channels
     (`racy_stages`): with 3 or 4, under triton 3.6, such tiles give wrong outputs in some runs (up to all 100 of 100)
-    once the grid runs more than one wave, on the H100 and the H200 alike; every config offered here was right in
-    100 of 100 on the same layers (bench/results/probe_conv_tma_race_h200.txt, docs/performance.md)."""
+    once the grid runs more than one wave, on every Hopper GPU tried; every config offered here was right in 100 of
+    100 on the same layers (docs/performance.md, "CNNs"; probe conv_tma_race)."""
     full = max(16, min(128, triton.next_power_of_2(OC)))
     bns = sorted({full, 64} if full >= 128 else {full})
     widest = 64 if element_size <= 2 else 32
@@ -216,39 +276,3 @@ def shared_memory_bytes(config: LaunchConfig, element_size: int) -> int:
     bm = config["IMG"] * config["BH"] * config["BW"]
     bn, bk = config["BLOCK_N"], config["BLOCK_K"]
     return config.num_stages * (bm + bn) * bk * element_size + bm * bn * element_size
-
-
-def launch(x, weight, bias, out, negative_slope: float, geometry: dict, pool: tuple, fixed: dict,
-           config: LaunchConfig):  # fmt: skip
-    """One launch: x (N, C, H, W) and weight (OC, C, KH, KW) channels_last (`eligible`), out the (pooled) output;
-    geometry: C, H, W, KH, KW, PH, PW, DH, DW, OH, OW (the conv's output); pool: (POOL, PKH, PKW)."""
-    meta = {k: v for k, v in config.meta().items() if k != "TMA"}
-    img, bh, bw, bn, bk = meta["IMG"], meta["BH"], meta["BW"], meta["BLOCK_N"], meta["BLOCK_K"]
-    N, OC = x.shape[0], weight.shape[0]
-    C, KH, KW = geometry["C"], geometry["KH"], geometry["KW"]
-    POOL, PKH, PKW = pool
-    # Strides from the sizes, not the tensors': both are contiguous NHWC, and torch may give a size-1 dim any stride.
-    H, W = geometry["H"], geometry["W"]
-    x_desc = TensorDescriptor(x, [N, H, W, C], [H * W * C, W * C, C, 1], [img, bh, bw, bk])
-    w_desc = TensorDescriptor(weight, [OC, KH * KW * C], [KH * KW * C, 1], [bn, bk])
-    y, store_nhwc = out, y_nhwc(out)
-    if store_nhwc:
-        _, _, poh, pow_ = out.shape
-        y_box = [img, bh // PKH, bw // PKW, bn]
-        y = TensorDescriptor(out, [N, poh, pow_, OC], [poh * pow_ * OC, pow_ * OC, OC, 1], y_box)
-    boxes = triton.cdiv(N, img) * triton.cdiv(geometry["OH"], bh) * triton.cdiv(geometry["OW"], bw)
-    return _conv2d_tma_kernel[(boxes * triton.cdiv(OC, bn),)](
-        x_desc, w_desc, bias if bias is not None else weight, y,
-        N, *out.stride(),
-        negative_slope,
-        **geometry, OC=OC, POOL=POOL, PKH=PKH, PKW=PKW, **fixed, Y_NHWC=store_nhwc, **meta,
-        **launch_options(fixed),
-    )  # fmt: skip
-
-
-def weight_for(weight: torch.Tensor, stride) -> torch.Tensor:
-    """The weight as a model should keep it for fused_conv2d: channels_last (OC, KH, KW, C) where this kernel
-    can run the layer (stride 1, 16-byte rows of channels), so that the tuner may pick it; else unchanged."""
-    if tuple(stride) == (1, 1) and (weight.shape[1] * weight.element_size()) % 16 == 0:
-        return weight.contiguous(memory_format=torch.channels_last)
-    return weight

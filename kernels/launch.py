@@ -2,11 +2,11 @@
 
 `kernel[grid](...)` goes through JITFunction.run on every call: bind the arguments, compute the
 specialization key (alignment, divisibility and value of every argument), look the kernel up, build
-launch metadata. That Python is 30-60 us per launch on an H200's host, more than the kernels
-themselves at serving sizes and 3-5x what eager torch spends per op. A prepared layer knows its
-compiled kernel after the first launch, so later launches call the compiled kernel's launcher
-directly: a stream lookup and one C call, 4.3 us on that host (64x256x128 fp16; bench/probes/host_launch.py
-times each part below):
+launch metadata. That Python is 30-60 us per launch, more than the kernels themselves at serving sizes
+and 3-5x what eager torch spends per op. A prepared layer knows its compiled kernel after the first
+launch, so later launches call the compiled kernel's launcher directly: a stream lookup and one C call,
+4.3 us on the same host (64x256x128 fp16; bench/probes/host_launch.py times each part below,
+docs/performance.md, "Launches from Python"):
 - pointer arguments are passed as ints (tensor.data_ptr()): for a tensor, Triton's launcher calls data_ptr()
   and then cuPointerGetAttribute, a driver call that checks the address is device memory, per pointer; an
   int it takes as the address. The callers have checked device and alignment already. (0.9 us, 6 pointers)

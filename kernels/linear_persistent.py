@@ -1,13 +1,12 @@
 """GEMM + bias + activation as a persistent kernel fed by TMA (Hopper's tensor memory accelerator).
 
-For the big GEMMs, where the pointer-based kernel of linear.py trails cuBLAS on an H200. It has what
-cuBLAS has and that kernel lacks: TMA copies (one instruction per tile, no address math in the main loop,
-no registers held for in-flight loads) and a persistent grid (one program per SM walking the tiles, so
-the next tile's loads overlap this tile's epilogue). Cold graph replay, fp16, H200
-(bench/results/probe_linear_tma_h200.txt): 4096^3 200.6 us against 267.9 for linear.py's kernel and
-204.0 for cuBLASLt. With fewer tiles than SMs it is slower than linear.py's kernel (1024^3: 15.4 against
-12.4 us), so FusedLinear offers its configs to the tuner only for GEMMs of at least one 128x128 tile per
-SM (`offered`).
+For the big GEMMs, where the pointer-based kernel of linear.py trails cuBLAS. It has what cuBLAS has and
+that kernel lacks: TMA copies (one instruction per tile, no address math in the main loop, no registers
+held for in-flight loads) and a persistent grid (one program per SM walking the tiles, so the next tile's
+loads overlap this tile's epilogue): 4096^3 fp16 in 200.6 us cold against 267.9 for linear.py's kernel
+(docs/performance.md). With fewer tiles than SMs it is slower than linear.py's kernel (1024^3), so
+FusedLinear offers its configs to the tuner only for GEMMs of at least one 128x128 tile per SM
+(`offered`).
 
 TMA needs 16-byte aligned row strides: K * element size and N * element size multiples of 16
 (`tma_eligible`). Edges need no masks: TMA loads fill rows and columns past the tensor with zeros and
@@ -81,6 +80,9 @@ def _linear_persistent_kernel(
         y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_ptr.dtype.element_ty))
 
 
+# ---- the launcher ----
+
+
 def tma_eligible(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> bool:
     """Whether TMA can address these tensors: rows contiguous, every base and row stride 16-byte aligned."""
     tensors = [x, weight] + ([out] if out is not None else [])
@@ -91,39 +93,6 @@ def tma_eligible(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
         )
         and (weight.shape[0] * x.element_size()) % 16 == 0
     )  # the output's row stride, when it is allocated here
-
-
-def cuda_configs(element_size: int = 2, shared_memory: int = HOPPER_SHARED_MEMORY) -> list[LaunchConfig]:
-    """Tutorial 09's space for Hopper: 128-row tiles, 128 or 256 wide, 64-deep K steps (32 for fp32, whose
-    64-deep stages do not fit), 3-4 stages, 4 or 8 warps (8 for 256-wide), each kept where its stages and
-    the epilogue's output tile fit in shared memory. PERSISTENT=1 marks them as this kernel's among the
-    tuner's candidates (and in its cache file)."""
-    configs = []
-    bk = 64 if element_size <= 2 else 32
-    for bn in (128, 256):
-        for stages in (3, 4):
-            # 128x256 over 4 warps spilled (sm_90 compile: 255 registers and 1,848 B of stack per thread)
-            for warps in (4, 8) if bn == 128 else (8,):
-                c = LaunchConfig.of(warps, stages, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PERSISTENT=1)
-                if shared_memory_bytes(c, element_size) <= shared_memory:
-                    configs.append(c)
-    return configs
-
-
-def is_persistent(config: LaunchConfig) -> bool:
-    return ("PERSISTENT", 1) in config.kwargs
-
-
-def offered(bucket: int, N: int, sms: int) -> bool:
-    """Whether the tuner should time this kernel for a GEMM: at least one 128x128 output tile per SM. Below
-    that a persistent grid has nothing to overlap, and it is slower (see the module's doc)."""
-    return triton.cdiv(bucket, 128) * triton.cdiv(N, 128) >= sms
-
-
-def shared_memory_bytes(config: LaunchConfig, element_size: int) -> int:
-    """The A and B stages plus the output tile staged for the TMA store."""
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    return config.num_stages * (bm + bn) * bk * element_size + bm * bn * element_size
 
 
 def scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -190,3 +159,39 @@ def linear_persistent(
     fixed = gemm_flags(bias is not None, activation, x.dtype, allow_tf32, x.device)
     launch(x, weight, bias, out, negative_slope, fixed, config, programs)
     return out
+
+
+# ---- candidate configs (the tuner times them on CUDA) ----
+
+
+def offered(bucket: int, N: int, sms: int) -> bool:
+    """Whether the tuner should time this kernel for a GEMM: at least one 128x128 output tile per SM. Below
+    that a persistent grid has nothing to overlap, and it is slower (see the module's doc)."""
+    return triton.cdiv(bucket, 128) * triton.cdiv(N, 128) >= sms
+
+
+def cuda_configs(element_size: int = 2, shared_memory: int = HOPPER_SHARED_MEMORY) -> list[LaunchConfig]:
+    """Tutorial 09's space for Hopper: 128-row tiles, 128 or 256 wide, 64-deep K steps (32 for fp32, whose
+    64-deep stages do not fit), 3-4 stages, 4 or 8 warps (8 for 256-wide), each kept where its stages and
+    the epilogue's output tile fit in shared memory. PERSISTENT=1 marks them as this kernel's among the
+    tuner's candidates (and in its cache file)."""
+    configs = []
+    bk = 64 if element_size <= 2 else 32
+    for bn in (128, 256):
+        for stages in (3, 4):
+            # 128x256 over 4 warps spilled (sm_90 compile: 255 registers and 1,848 B of stack per thread)
+            for warps in (4, 8) if bn == 128 else (8,):
+                c = LaunchConfig.of(warps, stages, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PERSISTENT=1)
+                if shared_memory_bytes(c, element_size) <= shared_memory:
+                    configs.append(c)
+    return configs
+
+
+def is_persistent(config: LaunchConfig) -> bool:
+    return ("PERSISTENT", 1) in config.kwargs
+
+
+def shared_memory_bytes(config: LaunchConfig, element_size: int) -> int:
+    """The A and B stages plus the output tile staged for the TMA store."""
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    return config.num_stages * (bm + bn) * bk * element_size + bm * bn * element_size

@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
+from .interpreter import InterpreterSwitches
 from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail, plain_rows
 from .linear import MAX_FAST_BATCH_SIZES, SUPPORTED_DTYPES, m_bucket
 from .prefetch import prefetch_l2, prefetch_lines
@@ -200,8 +201,8 @@ def _mlp_kernel(
         # A narrow first layer (digits MLP: 64 -> 256, 32 KB in fp16) whole in every program, then the split
         # of the pair after it: each program takes 1/SPLIT of layer 1's outputs and that slice's share of
         # layer 2's pre-activation, so what is left after the programs meet is a P3-wide sum (16 for the
-        # digits MLP, against 256 without LEAD) and no more weights (bench/results/probe_mlp_split_h200.txt:
-        # the tuner's pick at every batch bucket up to 256 on an H200).
+        # digits MLP, against 256 without LEAD) and no more weights (the tuner's pick at every batch bucket up
+        # to 256: docs/performance.md, "Narrow MLPs: one kernel").
         MODE_S: tl.constexpr = M1  # the split step: layer 1's; if a pair, layer 2's bias and act follow the sum
         P_OUT0: tl.constexpr = P3 if M1 == 1 else P2
         B_AT: tl.constexpr = P1 + P2
@@ -212,7 +213,7 @@ def _mlp_kernel(
                       PRECISION, UPCAST, ROUND_BF16, SPLIT, tl.program_id(0) % SPLIT)  # fmt: skip
     else:
         # Small batches: one program alone streams every weight through one SM (digits MLP: 172 KB, ~5 us
-        # even from L2, H200). Here SPLIT programs per row block share the first step (a pair's hidden
+        # even from L2). Here SPLIT programs per row block share the first step (a pair's hidden
         # chunks are a split of layer B's K), each streaming 1/SPLIT of its weights; each stores its fp32
         # share, and the last to arrive sums the shares in a fixed order (deterministic) and runs the rest
         # of the network alone, as linear.py's split-K: barrier, then an acq_rel arrival on a counter that
@@ -289,6 +290,9 @@ def _mlp_kernel(
         )
 
 
+# ---- the launcher ----
+
+
 def padded_width(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
@@ -315,62 +319,6 @@ class MLPLayer:
 def mlp_fits(widths: Sequence[int]) -> bool:
     """Whether an MLP with these feature widths (input, hidden..., output) runs as one kernel."""
     return 2 <= len(widths) <= MAX_LAYERS + 1 and all(padded_width(w) <= MAX_WIDTH for w in widths)
-
-
-def cuda_configs(
-    bucket: int, hidden: int = MAX_WIDTH, element_size: int = 2, lead_hidden: int = 0
-) -> list[LaunchConfig]:
-    """BLOCK_M from 16 (batch 1-16 fills one MMA tile) to 64. BLOCK_N sets the hidden chunk: each chunk
-    is a dependent step (wait for its weights, two MMAs, an epilogue), so wide chunks mean fewer steps
-    (digits MLP at BLOCK_N 32: 8 + 1 steps, ~10 us on an H200). 8 warps split the
-    second MMA's 256 output columns further. Configs over the shared-memory limit fail and are skipped.
-
-    `hidden`: the padded output width of the first layer. Up to 64 row blocks (bucket <= 1024 at BLOCK_M
-    16) also get SPLIT = 2, 4, 8 programs per row block sharing the first step's hidden chunks, where the
-    split divides them; the first step holds most of the weights (digits MLP: 80 of 84 k). fp32 programs
-    keep 2+ chunks each: with one, ptxas for sm_90 spills (255 registers and 40-64 B of stack per thread
-    at 32 and 64 wide; 16-bit ones use 112-180 registers and no stack).
-
-    `lead_hidden` (0: none): the padded output width of the second layer, given when the first layer may
-    run whole in every program (LEAD, see _mlp_kernel); LEAD configs split the pair after it, 1-2 hidden
-    chunks per program (fewer, more weight per program: 2 programs are 1.4 us slower than 8, H200), up to
-    16 programs of one 16-wide chunk."""
-    configs = []
-    for bm in (16, 32, 64):
-        if bm > max(16, 2 * bucket):  # a tile more than half padding is never the fastest
-            continue
-        for bn in (32, 64, 128):
-            for warps in (4, 8):
-                stages = 3 if bn == 32 else 2
-                configs.append(
-                    LaunchConfig.of(
-                        num_warps=warps, num_stages=1, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, SPLIT=1, LEAD=0
-                    )
-                )
-    if bucket <= 1024:
-        for bn in (32, 64):
-            chunks = hidden // min(bn, hidden)
-            for split in (2, 4, 8):
-                if chunks % split == 0 and (element_size < 4 or chunks // split >= 2):
-                    configs.append(
-                        LaunchConfig.of(
-                            num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=bn, STAGES=2, SPLIT=split, LEAD=0
-                        )
-                    )
-        for bm in (16, 32, 64) if lead_hidden else ():
-            if bm > max(16, 2 * bucket):
-                continue
-            # 16 programs of one 16-wide chunk each, at 16-row tiles only: they beat 8 programs by 0.1-0.35 us at
-            # batches 1-32 and lose at 256; 8 warps lose everywhere (H200, bench/results/probe_mlp_split_h200.txt)
-            for bn, split in ((32, 8), (32, 4), (64, 4), (16, 16)):
-                chunks = lead_hidden // min(bn, lead_hidden)
-                if chunks % split == 0 and (split < 16 or bm == 16):
-                    configs.append(
-                        LaunchConfig.of(
-                            num_warps=4, num_stages=1, BLOCK_M=bm, BLOCK_N=bn, STAGES=2, SPLIT=split, LEAD=1
-                        )
-                    )
-    return configs
 
 
 class FusedMLP:
@@ -541,10 +489,10 @@ class FusedMLP:
 
     def _config(self, x, out, precision) -> LaunchConfig:
         if interpreting():
-            # One tile size: the interpreter's cost is per program and per chunk, and no timing is possible.
-            lead = interpreter_lead if self._lead_hidden else 0
-            return LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=interpreter_block_n, STAGES=1,
-                                   SPLIT=interpreter_split, LEAD=lead)  # fmt: skip
+            choice = INTERPRETER.choice
+            lead = choice.lead if self._lead_hidden else 0
+            return LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=choice.block_n, STAGES=1,
+                                   SPLIT=choice.split, LEAD=lead)  # fmt: skip
         bucket = m_bucket(x.shape[0])
         hit = self._configs.get((bucket, precision))
         if hit is None:
@@ -556,6 +504,75 @@ class FusedMLP:
         return hit
 
 
-interpreter_block_n = 32  # tests set 16 so that every width > 16 takes several chunks
-interpreter_split = 1  # tests set 2 or 4 (dividing the first step's chunks) to check the shared first step
-interpreter_lead = 0  # tests set 1 (with a split) to check LEAD, where the MLP allows it
+# ---- candidate configs (the tuner times them on CUDA) ----
+
+
+def cuda_configs(
+    bucket: int, hidden: int = MAX_WIDTH, element_size: int = 2, lead_hidden: int = 0
+) -> list[LaunchConfig]:
+    """BLOCK_M from 16 (batch 1-16 fills one MMA tile) to 64. BLOCK_N sets the hidden chunk: each chunk
+    is a dependent step (wait for its weights, two MMAs, an epilogue), so wide chunks mean fewer steps
+    (digits MLP at BLOCK_N 32: 8 + 1 steps). 8 warps split the
+    second MMA's 256 output columns further. Configs over the shared-memory limit fail and are skipped.
+
+    `hidden`: the padded output width of the first layer. Up to 64 row blocks (bucket <= 1024 at BLOCK_M
+    16) also get SPLIT = 2, 4, 8 programs per row block sharing the first step's hidden chunks, where the
+    split divides them; the first step holds most of the weights (digits MLP: 80 of 84 k). fp32 programs
+    keep 2+ chunks each: with one, ptxas for sm_90 spills (255 registers and 40-64 B of stack per thread
+    at 32 and 64 wide; 16-bit ones use 112-180 registers and no stack).
+
+    `lead_hidden` (0: none): the padded output width of the second layer, given when the first layer may
+    run whole in every program (LEAD, see _mlp_kernel); LEAD configs split the pair after it, 1-2 hidden
+    chunks per program (fewer, more weight per program: 2 programs are 1.4 us slower than 8), up to
+    16 programs of one 16-wide chunk."""
+    configs = []
+    for bm in (16, 32, 64):
+        if bm > max(16, 2 * bucket):  # a tile more than half padding is never the fastest
+            continue
+        for bn in (32, 64, 128):
+            for warps in (4, 8):
+                stages = 3 if bn == 32 else 2
+                configs.append(
+                    LaunchConfig.of(
+                        num_warps=warps, num_stages=1, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, SPLIT=1, LEAD=0
+                    )
+                )
+    if bucket <= 1024:
+        for bn in (32, 64):
+            chunks = hidden // min(bn, hidden)
+            for split in (2, 4, 8):
+                if chunks % split == 0 and (element_size < 4 or chunks // split >= 2):
+                    configs.append(
+                        LaunchConfig.of(
+                            num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=bn, STAGES=2, SPLIT=split, LEAD=0
+                        )
+                    )
+        for bm in (16, 32, 64) if lead_hidden else ():
+            if bm > max(16, 2 * bucket):
+                continue
+            # 16 programs of one 16-wide chunk each, at 16-row tiles only: they beat 8 programs by 0.1-0.35 us at
+            # batches 1-32 and lose at 256; 8 warps lose everywhere (docs/performance.md, "Narrow MLPs")
+            for bn, split in ((32, 8), (32, 4), (64, 4), (16, 16)):
+                chunks = lead_hidden // min(bn, lead_hidden)
+                if chunks % split == 0 and (split < 16 or bm == 16):
+                    configs.append(
+                        LaunchConfig.of(
+                            num_warps=4, num_stages=1, BLOCK_M=bm, BLOCK_N=bn, STAGES=2, SPLIT=split, LEAD=1
+                        )
+                    )
+    return configs
+
+
+# ---- under the interpreter: one config, from choices that tests change (interpreter.py) ----
+
+
+@dataclass(frozen=True)
+class InterpreterChoice:
+    """What FusedMLP runs under the interpreter: one 16-row tile. Its cost is per program and per chunk."""
+
+    block_n: int = 32  # the hidden chunk; tests take 16, so that every width over 16 takes several chunks
+    split: int = 1  # 2 or 4 (dividing the first step's chunks): the shared first step runs
+    lead: int = 0  # 1 (with a split): LEAD runs, where the MLP allows it
+
+
+INTERPRETER = InterpreterSwitches(InterpreterChoice())

@@ -9,9 +9,9 @@ previous layer (the GEMV kernel loads its first weight tile; the GEMV and MMA ke
 and calls `gdc_wait()`, which returns once
 the previous kernel has completed and its writes are visible, before it reads x or writes anything.
 
-The wide MLP at batch 1 (three GEMV launches in one CUDA graph, cold, H200) takes 26.6 us with PDL
-against 30.8 without (bench/results/wide_pdl_ab_h200.md). Also captured into CUDA graphs: stream
-capture turns the launch attribute into a programmatic edge.
+The wide MLP at batch 1 (three GEMV launches in one CUDA graph, cold) takes 26.6 us with PDL against
+30.8 without (docs/performance.md, "Layers start early"). Also captured into CUDA graphs: stream capture
+turns the launch attribute into a programmatic edge.
 
 Every kernel launched this way must call gdc_wait() before touching anything another kernel writes; a
 kernel launched without PDL, or a predecessor that never calls gdc_launch_dependents, just waits as usual.

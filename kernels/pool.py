@@ -23,11 +23,14 @@ Two kernels, one per layout, both taking any strides (so each is tested on both 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
+from .interpreter import InterpreterSwitches
 from .pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from .runtime import bf16_on_interpreter, check_device, interpreting
 from .tuning import LaunchConfig, scope_for, tune
@@ -195,6 +198,9 @@ def _pool_channels_kernel(
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=pos_ok[:, None] & ch_ok[None, :])
 
 
+# ---- the launcher ----
+
+
 def pair(v, name: str) -> tuple[int, int]:
     """An int or a pair of ints, as torch's size arguments take them."""
     if isinstance(v, int):
@@ -244,47 +250,6 @@ def _memory_format(x: torch.Tensor) -> torch.memory_format:
     return torch.channels_last if channels_last(x) else torch.contiguous_format
 
 
-# Interpreter (CPU): nothing to time, and the cost is per program, so one big tile; tests set the small one
-# (`interpreter_tile`) so that awkward shapes cross tile edges in both dimensions.
-SMALL_INTERPRETER_TILE = (2, 4)  # (BLOCK_R or BLOCK_P, BLOCK_OW or BLOCK_C)
-interpreter_tile: tuple[int, int] | None = None
-# The kernel to run, for tests: "rows" or "channels" (None: by x's memory format).
-interpreter_layout: str | None = None
-
-
-def _rows_config(rows: int, OW: int, SW: int, span: bool, elems: int, warps: int) -> LaunchConfig:
-    """A tile of about `elems` input elements per window row: as wide as the output rows (up to 1024
-    input columns), then as many rows as fill it."""
-    per_col = SW if span else 1
-    bw = min(triton.next_power_of_2(OW), max(1, 1024 // per_col))
-    br = max(1, min(triton.next_power_of_2(rows), elems // (bw * per_col)))
-    return LaunchConfig.of(warps, 1, BLOCK_R=br, BLOCK_OW=bw)
-
-
-def _channels_config(positions: int, C: int, elems: int, warps: int) -> LaunchConfig:
-    bc = min(triton.next_power_of_2(C), 256)
-    bp = max(1, min(triton.next_power_of_2(positions), elems // bc))
-    return LaunchConfig.of(warps, 1, BLOCK_P=bp, BLOCK_C=bc)
-
-
-def cuda_configs(layout: str, rows_or_positions: int, inner: int, SW: int, span: bool) -> list[LaunchConfig]:
-    """Candidates the tuner times: 1-8K input elements per window row per program, 4 or 8 warps. Pooling is
-    a stream: bigger tiles put more bytes in flight per SM; smaller ones more programs for small inputs. Without
-    the contiguous span (overlapping windows), at most 32 outputs per thread."""
-    out = []
-    for elems in (1024, 2048, 4096, 8192):
-        for warps in (4, 8):
-            if not span and elems > 32 * 32 * warps:  # a load per window element: 64 per thread spilled (sm_90)
-                continue
-            if layout == "rows":
-                c = _rows_config(rows_or_positions, inner, SW, span, elems, warps)
-            else:
-                c = _channels_config(rows_or_positions, inner, elems, warps)
-            if c not in out:
-                out.append(c)
-    return out
-
-
 _configs: dict[tuple, LaunchConfig] = {}  # per call signature: the tuned config, without re-keying the tuner
 
 
@@ -324,8 +289,8 @@ def fused_pool2d(
         return out
 
     layout = "channels" if fmt == torch.channels_last else "rows"
-    if interpreting() and interpreter_layout is not None:
-        layout = interpreter_layout
+    if interpreting() and INTERPRETER.choice.layout is not None:
+        layout = INTERPRETER.choice.layout
     # Non-overlapping windows along W with a power-of-two stride: one contiguous load per input row segment.
     span = k[1] <= s[1] and s[1] & (s[1] - 1) == 0 and s[1] <= 64
     fixed = dict(
@@ -356,8 +321,8 @@ def fused_pool2d(
         )  # fmt: skip
 
     if interpreting():
-        if interpreter_tile is not None:
-            config = LaunchConfig.of(4, 1, **dict(zip(names, interpreter_tile, strict=True)))
+        if INTERPRETER.choice.tile is not None:
+            config = LaunchConfig.of(4, 1, **dict(zip(names, INTERPRETER.choice.tile, strict=True)))
         elif layout == "rows":
             config = _rows_config(count, OW, s[1], span, 4096, 4)
         else:
@@ -380,3 +345,56 @@ def fused_pool2d(
         _configs[signature] = config
     run(config)
     return out
+
+
+# ---- candidate configs (the tuner times them on CUDA) ----
+
+
+def _rows_config(rows: int, OW: int, SW: int, span: bool, elems: int, warps: int) -> LaunchConfig:
+    """A tile of about `elems` input elements per window row: as wide as the output rows (up to 1024
+    input columns), then as many rows as fill it."""
+    per_col = SW if span else 1
+    bw = min(triton.next_power_of_2(OW), max(1, 1024 // per_col))
+    br = max(1, min(triton.next_power_of_2(rows), elems // (bw * per_col)))
+    return LaunchConfig.of(warps, 1, BLOCK_R=br, BLOCK_OW=bw)
+
+
+def _channels_config(positions: int, C: int, elems: int, warps: int) -> LaunchConfig:
+    bc = min(triton.next_power_of_2(C), 256)
+    bp = max(1, min(triton.next_power_of_2(positions), elems // bc))
+    return LaunchConfig.of(warps, 1, BLOCK_P=bp, BLOCK_C=bc)
+
+
+def cuda_configs(layout: str, rows_or_positions: int, inner: int, SW: int, span: bool) -> list[LaunchConfig]:
+    """Candidates the tuner times: 1-8K input elements per window row per program, 4 or 8 warps. Pooling is
+    a stream: bigger tiles put more bytes in flight per SM; smaller ones more programs for small inputs. Without
+    the contiguous span (overlapping windows), at most 32 outputs per thread."""
+    out = []
+    for elems in (1024, 2048, 4096, 8192):
+        for warps in (4, 8):
+            if not span and elems > 32 * 32 * warps:  # a load per window element: 64 per thread spilled (sm_90)
+                continue
+            if layout == "rows":
+                c = _rows_config(rows_or_positions, inner, SW, span, elems, warps)
+            else:
+                c = _channels_config(rows_or_positions, inner, elems, warps)
+            if c not in out:
+                out.append(c)
+    return out
+
+
+# ---- under the interpreter: one config, from choices that tests change (interpreter.py) ----
+
+
+SMALL_INTERPRETER_TILE = (2, 4)  # tests' tile: awkward shapes cross tile edges in both dimensions
+
+
+@dataclass(frozen=True)
+class InterpreterChoice:
+    """What fused_pool2d runs under the interpreter. Its cost is per program, so by default one big tile."""
+
+    tile: tuple[int, int] | None = None  # (BLOCK_R or BLOCK_P, BLOCK_OW or BLOCK_C); None: about 4096 elements
+    layout: str | None = None  # the kernel: "rows" or "channels"; None: by x's memory format
+
+
+INTERPRETER = InterpreterSwitches(InterpreterChoice())

@@ -2,14 +2,13 @@
 
 A whole-MLP forward at serving sizes is a chain of dependent steps in one or a few programs: each
 layer's weights are first touched only when that layer starts, and from HBM each first touch costs
-~600-800 ns on an H100/H200 (vs ~250 ns from L2). Issuing `prefetch.global.L2` for every 128-byte line
-of the packed weights at entry overlaps all those misses with the first layer's; the prefetches write
+~600-800 ns (vs ~250 ns from L2). Issuing `prefetch.global.L2` for every 128-byte line of the packed
+weights at entry overlaps all those misses with the first layer's; the prefetches write
 nothing and hold no registers, and a line already in L2 (the steady state of a busy server) costs one
 L2 lookup. The first PARTS programs (a split kernel's first row block) issue 1/PARTS of the lines each, so
-the number of requests does not grow with the grid and no one program spends its start issuing all of them:
-with program 0 issuing all 2048 lines of the digits MLP, the forward back to back took 5.56-5.74 us at
-batch 1 (H200, fp16, two runs), 5.33 spread over its 16 split programs, 5.12 with no prefetch, which costs
-cold 8.86 against 8.19-8.61 (bench/results/prefetch_ab_h200.md).
+the number of requests does not grow with the grid and no one program spends its start issuing all of them
+(5-7% faster back to back than program 0 issuing every line; docs/performance.md, "Who issues the
+prefetch").
 
 Compiled GPUs only: the interpreter has no inline PTX (callers pass LINES=0 there).
 """

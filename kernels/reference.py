@@ -21,11 +21,15 @@ def linear(
     activation: str = "none",
     *,
     negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """act(x @ weight.T + bias) as the 3 kernels of the published unfused baseline: mm, add, act."""
+    """act(x @ weight.T + bias) as the 3 kernels of the published unfused baseline: mm, add, act. A residual
+    (M, N) is one more add before the activation, as a skip connection runs eagerly."""
     y = torch.mm(x, weight.t())
     if bias is not None:
         y = y + bias
+    if residual is not None:
+        y = y + residual
     return torch_activation(y, activation, negative_slope)
 
 
@@ -48,10 +52,14 @@ def conv2d(
     padding=(0, 0),
     dilation=(1, 1),
     negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """act(conv2d(x, weight) + bias) as eager torch runs it: F.conv2d with the bias (cuDNN adds it in the
-    conv kernel, or as its own add), then the activation as its own kernel. groups=1."""
+    """act(conv2d(x, weight) + bias [+ residual]) as eager torch runs it: F.conv2d with the bias (cuDNN adds it
+    in the conv kernel, or as its own add), the residual (the conv's output shape) as its own add, as a ResNet
+    block's relu(bn(conv(x)) + identity) runs, then the activation as its own kernel. groups=1."""
     y = F.conv2d(x, weight, bias, stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation))
+    if residual is not None:
+        y = y + residual
     return torch_activation(y, activation, negative_slope)
 
 

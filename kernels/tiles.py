@@ -1,6 +1,7 @@
 """What the GEMM kernels share: the order in which output tiles are computed (linear.py, linear_persistent.py),
 the split-K reduction and its workspace (linear.py, linear_gemv.py, mlp.py, conv.py), their common constexpr
-flags, Hopper's shared-memory limit for their pipelines, and the device limits they are sized by."""
+flags, the residual their epilogues read (linear.py, conv.py, conv_tma.py), Hopper's shared-memory limit for
+their pipelines, and the device limits they are sized by."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import triton.language as tl
 from .pdl import use_pdl
 from .runtime import bf16_on_interpreter
 
-HOPPER_SHARED_MEMORY = 232_448  # bytes per block (opt-in) on H100/H200, as Triton reports it
+HOPPER_SHARED_MEMORY = 232_448  # bytes per block (opt-in) on sm_90, as Triton reports it
 
 
 _limits: dict[torch.device, tuple[int, int]] = {}
@@ -42,6 +43,27 @@ def gemm_flags(has_bias: bool, activation: str, dtype: torch.dtype, allow_tf32: 
         ROUND_BF16=upcast,
         PDL=use_pdl(device),
     )
+
+
+def residual_like(residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`residual` as an epilogue reads it: at y's offsets, so with out's shape, dtype, device and strides. One in
+    another layout (NCHW for an NHWC output, a transposed view, ...) is copied into out's layout first: one more
+    kernel, which a model avoids by keeping its skip connections in its outputs' layout. One in out's own memory
+    is refused: the first call of a shape runs the kernel once per tuned candidate, and each run would add the
+    last one's output again."""
+    if tuple(residual.shape) != tuple(out.shape):
+        raise ValueError(f"residual must have the output's shape {tuple(out.shape)}; got {tuple(residual.shape)}")
+    if residual.dtype != out.dtype:
+        raise TypeError(f"residual has dtype {residual.dtype} but the output is {out.dtype}; cast it to one dtype")
+    if residual.device != out.device:
+        raise ValueError(f"residual is on {residual.device} but the output is on {out.device}")
+    if residual.numel() and residual.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+        raise ValueError("residual shares memory with out: tuning runs the kernel more than once; pass another tensor")
+    same = all(a == b for n, a, b in zip(out.shape, residual.stride(), out.stride(), strict=True) if n > 1)
+    if not same:
+        copy = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
+        residual = copy.copy_(residual)
+    return residual
 
 
 def launch_options(flags: dict) -> dict:

@@ -202,10 +202,10 @@ def pick(timings: Mapping[LaunchConfig, tuple[float, float]], policy: str = "bot
     COLD_SLACK of the best cold time and HOT_SLACK of the best hot time, the fastest hot (a loaded server runs
     hot); when none is within both, the least max(cold / best cold, hot / best hot), the candidate closest to
     the best on its worse count, the lower sum of the two ratios breaking a tie. Either way neither a loaded
-    server (hot) nor the first batch after an idle spell (cold) pays much for the other. On an H200 the wide
-    MLP's middle layer at batch 16 has candidates at 1.00x cold and 1.07x hot and at 1.06x cold and 1.00x hot
-    (bench/results/probe_tuner_picks_h200.txt): `both` takes the first, `hot` the second. Equal scores go to
-    the earlier candidate.
+    server (hot) nor the first batch after an idle spell (cold) pays much for the other. Of two candidates at
+    1.00x cold and 1.07x hot and at 1.06x cold and 1.00x hot (the wide MLP's middle layer at batch 16;
+    docs/performance.md, "What the tuner times"), `both` takes the first, `hot` the second. Equal scores go
+    to the earlier candidate.
     """
     if policy not in POLICIES:
         raise ValueError(f"timing policy must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -299,7 +299,7 @@ def _graph_times(fn: Callable[[], None]) -> Times:
 
     Cold: L2 cleared before each replay (cold_timing.cold_us, which reads a 256 MB buffer first; median),
     as the weights of a layer that streams MBs of them are when a request arrives after a pause (a
-    4096x4096 M=1 fp16 pick runs 12.3 us hot but 18.9 us cold on an H200). Hot: replays back to back
+    4096x4096 M=1 fp16 pick runs 12.3 us hot but 18.9 us cold). Hot: replays back to back
     (hot_timing.hot_us, median us per replay over windows of >= 1 ms), as a loaded server runs one batch
     after the last, weights warm in L2, and the next call's programs meeting the last one's (the whole-MLP
     kernel's arrival counter, PDL's early starts). Not launches from Python: that times the launcher (a 10

@@ -13,11 +13,12 @@ def prepare_backend(settings: Settings):
 
     Triton fixes interpreted-vs-compiled when a kernel is defined, so this must run before `kernels` is first
     imported; if it already was, compiled for CUDA, the kernels' own device check names the problem at the
-    first forward.
+    first forward. On the CPU the interpreter is chosen in every mode: an unfused engine imports `kernels` too (for
+    its reference ops), and a reload may switch it to fused or ab later.
     """
     from .model.runner import resolve_device
 
     device = resolve_device(settings.device)
-    if device.type == "cpu" and settings.mode == "fused":
+    if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     return device

@@ -1,6 +1,6 @@
-"""`fusedserve` command line: `serve` (the HTTP service), `check-model` and `docs`.
-`check-model` validates a model directory; `docs` writes docs/configuration.md and docs/metrics.md from the
-code (service/docs_gen.py).
+"""`fusedserve` command line: `serve` (the HTTP service), `check-model` (validate a model, print its graph and
+fused plan), `import` (an ONNX file into a model directory), `ab-report` (fused against unfused from a service's
+metrics) and `docs` (docs/configuration.md and docs/metrics.md from the code, service/docs_gen.py).
 The console script is fusedserve/cli.py, which adds `bench` through `extend`: the service imports
 no benchmark.
 
@@ -48,7 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .supervisor import StartError, serve
 
     try:
-        return serve(settings)
+        return serve(settings, overrides)
     except (ModelFormatError, StartError, RuntimeError) as e:
         print(f"fusedserve: cannot serve: {e}", file=sys.stderr)
         return 2
@@ -56,7 +56,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check_model(args: argparse.Namespace) -> int:
     from .model.loader import load_model
-    from .model.planner import fused_steps, kernel_names
     from .model.spec import ModelFormatError
 
     try:
@@ -64,9 +63,71 @@ def _check_model(args: argparse.Namespace) -> int:
     except ModelFormatError as e:
         print(f"invalid model: {e}", file=sys.stderr)
         return 1
-    kernels = kernel_names(fused_steps(model.ops, model.tensors))  # what the executors run
-    print(f"{model.name}: input {model.input_shape} -> {model.output_features} outputs; {len(model.ops)} ops")
-    print(f"fused plan ({len(kernels)} kernel{'s' if len(kernels) != 1 else ''}): {', '.join(kernels)}")
+    print(describe_model(model))
+    return 0
+
+
+def describe_model(model) -> str:
+    """check-model's report: a summary line, the fused plan's kernels on one line, then the graph (format 2) and
+    each step: the ops it runs, what it reads, and what the fused mode runs as torch ops instead of a kernel."""
+    from .model.executors import kernel_support, torch_parts
+    from .model.planner import FlattenStep, fused_steps, kernel_names, step_ops
+
+    steps = fused_steps(model.ops, model.tensors)  # what the executors run
+    kernels = kernel_names(steps)
+    lines = [
+        f"{model.name}: input {model.input_shape} -> {model.output_features} outputs; {len(model.ops)} ops",
+        f"fused plan ({len(kernels)} kernel{'s' if len(kernels) != 1 else ''}): {', '.join(kernels)}",
+    ]
+    if model.spec.format != "fusedserve-model/1":
+        if model.spec.source:
+            lines.append(f"source: {model.spec.source}")
+        lines.append(f"graph ({model.spec.format}): input {model.input_name!r} {model.input_shape}")
+        for op in model.ops:
+            params = [k for k in ("weight", "bias", "mean", "var") if getattr(op, k, None)]
+            extra = f" [{', '.join(params)}]" if params else ""
+            reads = ", ".join(op.inputs)
+            lines.append(f"  {op.op:10s} {op.name}: {reads} -> {op.output} {model.shapes[op.output]}{extra}")
+    lines.append("steps (both modes run these, under these names; the `kernel` label of the metrics):")
+    support = kernel_support()
+    for s in steps:
+        ops = " + ".join(step_ops(s))
+        reads = ", ".join(s.inputs) + (f"; residual {s.residual}" if getattr(s, "residual", None) else "")
+        if isinstance(s, FlattenStep):
+            how = "a view, no kernel"
+        else:
+            slow = torch_parts(s, support)
+            how = f"fused mode: {', '.join(slow)} as torch ops" if slow else "fused mode: one kernel"
+        lines.append(f"  {s.name}: {ops} ({how}) <- {reads}")
+    if model.spec.format != "fusedserve-model/1":
+        lacking = [k for k, ok in (("conv", support.conv_residual), ("linear", support.linear_residual)) if not ok]
+        missing = sorted({"relu6", "hardswish"} - support.activations)
+        if lacking or missing:
+            lines.append(
+                "these kernels lack: " + "; ".join(
+                    ([f"residual= in the {' and '.join(lacking)} kernel(s)"] if lacking else [])
+                    + ([f"activations {', '.join(missing)}"] if missing else [])
+                )
+            )  # fmt: skip
+    return "\n".join(lines)
+
+
+def _import(args: argparse.Namespace) -> int:
+    from .model.onnx_import import read_labels
+    from .model.spec import ModelFormatError
+    from .model.writer import import_to_dir
+
+    try:
+        labels = read_labels(args.labels) if args.labels else None
+        out = import_to_dir(Path(args.model), Path(args.out_dir), name=args.name, labels=labels)
+        from .model.loader import load_model
+
+        model = load_model(out)
+    except (ModelFormatError, OSError) as e:
+        print(f"cannot import: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}/config.json and model.safetensors")
+    print(describe_model(model))
     return 0
 
 
@@ -81,12 +142,34 @@ def main(argv: list[str] | None = None, extend=None) -> int:
     )
     _add_setting_options(serve)
     serve.set_defaults(func=_serve)
-    check = sub.add_parser("check-model", help="validate a model directory and print its fused plan")
-    check.add_argument("path", help="a model directory (config.json + model.safetensors)")
+    check = sub.add_parser("check-model", help="validate a model and print its graph and fused plan")
+    check.add_argument("path", help="a model directory (config.json + model.safetensors), or an .onnx file")
     check.set_defaults(func=_check_model)
     docs = sub.add_parser("docs", help="write docs/configuration.md and docs/metrics.md from the code")
     docs_gen.add_arguments(docs)
     docs.set_defaults(func=docs_gen.run)
+    imp = sub.add_parser(
+        "import",
+        help="import an ONNX file into a model directory",
+        description="Import an ONNX file (opset 13+) into a model directory (config.json + model.safetensors, "
+        "format fusedserve-model/2); what cannot be served is refused by node name and op type. "
+        "`serve --model x.onnx` imports on the fly instead.",
+    )
+    imp.add_argument("model", help="the .onnx file")
+    imp.add_argument("out_dir", help="the model directory to write")
+    imp.add_argument("--name", help="the model's name (default: the directory's name)")
+    imp.add_argument("--labels", help="a file of output labels: a JSON list or one per line")
+    imp.set_defaults(func=_import)
+    from . import ab_report
+
+    report = sub.add_parser(
+        "ab-report",
+        help="fused against unfused per kernel step, forward and request, from /metrics or Prometheus (markdown)",
+        description=ab_report.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ab_report.add_arguments(report)
+    report.set_defaults(func=ab_report.run)
     if extend is not None:  # more subcommands: extend(subparsers)
         extend(sub)
     argv = sys.argv[1:] if argv is None else list(argv)

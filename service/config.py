@@ -32,15 +32,37 @@ _VALUE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")  # printable ASC
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_file=ENV_FILE, extra="ignore")
 
-    mode: Literal["fused", "unfused"] = Field(
+    mode: Literal["fused", "unfused", "ab"] = Field(
         "fused",
-        description="fused: Triton kernels (GEMM+bias+act in one); unfused: plain torch, one op at a time (the A/B "
-        "baseline)",
+        description="fused: Triton kernels (GEMM+bias+act in one); unfused: plain torch, one op at a time; ab: both "
+        "loaded in every engine, each batch run by one of them (AB_UNFUSED_PERCENT), every answer naming which "
+        "(docs/ab.md). Changes live on SIGHUP",
+    )
+    ab_unfused_percent: float = Field(
+        50.0,
+        ge=0,
+        le=100,
+        description="in ab mode, the share of batches run unfused, in percent; chosen per batch-size bucket, so both "
+        "modes see the same mix of batch sizes. Changes live on SIGHUP",
+    )
+    shadow_every: int = Field(
+        0,
+        ge=0,
+        description="run every Nth batch in the other mode too, after its answers are sent and only while no request "
+        "waits, and record the difference (fusedserve_shadow_*); 0: off. In fused or unfused mode a value above 0 "
+        "loads the other executor as well. Changes live on SIGHUP",
+    )
+    config_file: Path | None = Field(
+        None,
+        description="the file of FUSEDSERVE_ settings read at start and again on SIGHUP (default: .env in the working "
+        "directory); a setting in the environment or on the command line beats the file",
     )
     device: Literal["auto", "cuda", "cpu"] = Field(
         "auto", description="auto picks cuda when present; fused on cpu runs Triton's interpreter (slow)"
     )
-    model: str = Field("digits-mlp", description="a model name under model_dir, or a path to a model directory")
+    model: str = Field(
+        "digits-mlp", description="a model name under model_dir, or a path to a model directory or an .onnx file"
+    )
     model_dir: Path = Field(
         DEFAULT_MODEL_DIR,
         description="where model names are looked up (left at its default where the working directory has none: "
@@ -60,21 +82,23 @@ class Settings(BaseSettings):
         ge=0,
         le=10_000,
         description="longest an idle engine holds a partial batch for more requests (0: an idle engine runs what "
-        "it has at once; while it is busy, arrivals gather into the next batch anyway)",
+        "it has at once; while it is busy, arrivals gather into the next batch anyway). Changes live on SIGHUP",
     )
     engine_spin_ms: float = Field(
         2.0,
         ge=0,
         le=1_000,
         description="how long a CUDA engine polls for the next request after a batch before it sleeps (its core "
-        "is busy meanwhile: 0 on a host whose cores are shared)",
+        "is busy meanwhile: 0 on a host whose cores are shared). Changes live on SIGHUP",
     )
     max_rows_per_request: int | None = Field(
         None, ge=1, description="most rows in one request (default: max_batch_size; never more than it)"
     )
-    max_queue_requests: int = Field(1024, ge=1, description="requests waiting beyond this are refused at once with 503")
+    max_queue_requests: int = Field(
+        1024, ge=1, description="requests waiting beyond this are refused at once with 503. Changes live on SIGHUP"
+    )
     request_timeout_ms: float = Field(
-        30_000, gt=0, description="a request still queued after this long is dropped with 504"
+        30_000, gt=0, description="a request still queued after this long is dropped with 504. Changes live on SIGHUP"
     )
     kernel_timing_every: int = Field(
         16,
@@ -166,7 +190,9 @@ class Settings(BaseSettings):
         description="port for the Open Inference Protocol over gRPC, shared by every front end (unset: no gRPC; the "
         "REST /v2 routes are always served on port)",
     )
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="log level. Changes live on SIGHUP"
+    )
     # ---- who may call what (docs/security.md)
     api_key: SecretStr | None = Field(
         None,
@@ -259,7 +285,7 @@ class Settings(BaseSettings):
         model_dir that was set is taken as given, so a typo in it is reported, not papered over.
         """
         given = Path(self.model)
-        if given.is_dir():
+        if given.is_dir() or given.is_file():  # a file: an .onnx model, imported at load
             return given
         base = self.model_dir
         if base == DEFAULT_MODEL_DIR and not base.exists() and PACKAGE_MODEL_DIR.is_dir():
@@ -304,8 +330,32 @@ class SettingsError(ValueError):
     """A configuration value is wrong; the message names the variable."""
 
 
+# Settings a running service takes on SIGHUP (service/supervisor.py re-reads the configuration file and hands these
+# to its engines and front ends). The others are fixed for the life of the process tree: ports, processes, the model,
+# its dtype and batch buckets (each bucket's CUDA graph is captured at warm-up), the kernel switches.
+LIVE_SETTINGS = (
+    "mode",
+    "ab_unfused_percent",
+    "shadow_every",
+    "max_delay_ms",
+    "max_queue_requests",
+    "request_timeout_ms",
+    "engine_spin_ms",
+    "log_level",
+)
+
+
+def config_file_of(overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None) -> Path:
+    """The configuration file: `config_file` from the overrides (the command line) or FUSEDSERVE_CONFIG_FILE, else
+    `.env` in the working directory."""
+    given = (overrides or {}).get("config_file")
+    if given is None:
+        given = (os.environ if environ is None else environ).get(ENV_PREFIX + "CONFIG_FILE") or None
+    return Path(given) if given is not None else Path(ENV_FILE)
+
+
 def unknown_variables(environ: Mapping[str, str] | None = None, env_file: str | Path | None = ENV_FILE) -> list[str]:
-    """FUSEDSERVE_* names, in the environment or the .env file, that match no setting: a typo
+    """FUSEDSERVE_* names, in the environment or the configuration file, that match no setting: a typo
     would otherwise be silently ignored."""
     names = set(os.environ if environ is None else environ)
     if env_file is not None and Path(env_file).is_file():
@@ -315,13 +365,19 @@ def unknown_variables(environ: Mapping[str, str] | None = None, env_file: str | 
 
 
 def load_settings(**overrides) -> Settings:
-    """Settings from the environment, `.env` and explicit overrides, or a SettingsError naming each bad value."""
-    typos = unknown_variables()
+    """Settings from the environment, the configuration file (`.env`, or FUSEDSERVE_CONFIG_FILE) and explicit
+    overrides, or a SettingsError naming each bad value. Precedence: overrides, then the environment, then the file."""
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    env_file = config_file_of(overrides)
+    explicit = "config_file" in overrides or os.environ.get(ENV_PREFIX + "CONFIG_FILE")
+    if explicit and not env_file.is_file():
+        raise SettingsError(f"{ENV_PREFIX}CONFIG_FILE: {env_file} is not a readable file")
+    typos = unknown_variables(env_file=env_file)
     if typos:
         known = ", ".join(ENV_PREFIX + n.upper() for n in Settings.model_fields)
         raise SettingsError(f"unknown setting(s) {', '.join(typos)}; known: {known}")
     try:
-        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+        return Settings(_env_file=env_file, **overrides)
     except ValidationError as e:
         lines = []
         for err in e.errors():
@@ -331,3 +387,34 @@ def load_settings(**overrides) -> Settings:
             got = f" (got {err['input']!r})" if shown else ""
             lines.append(f"{name}: {err['msg']}{got}")
         raise SettingsError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def changed_settings(old: Settings, new: Settings) -> tuple[dict[str, object], list[str]]:
+    """What a reload would change: ({live field: new value}, [fixed fields that differ, which need a restart])."""
+    live, fixed = {}, []
+    for name in Settings.model_fields:
+        if getattr(old, name) == getattr(new, name):
+            continue
+        if name in LIVE_SETTINGS:
+            live[name] = getattr(new, name)
+        else:
+            fixed.append(name)
+    return live, fixed
+
+
+def overridden_in_file(
+    env_file: Path, overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
+) -> list[str]:
+    """FUSEDSERVE_ variables the file sets that the environment or the command line overrides: a reload cannot
+    change them through the file."""
+    environ = os.environ if environ is None else environ
+    if not env_file.is_file():
+        return []
+    out = []
+    for key in dotenv_values(env_file):
+        if not key or not key.upper().startswith(ENV_PREFIX):
+            continue
+        field = key[len(ENV_PREFIX) :].lower()
+        if key.upper() in {k.upper() for k in environ} or (overrides or {}).get(field) is not None:
+            out.append(key.upper())
+    return sorted(out)

@@ -132,6 +132,10 @@ LABELS = {
     "(504: queued past `FUSEDSERVE_REQUEST_TIMEOUT_MS` or its gRPC deadline); `cancelled` (the client left first); "
     "`error` (500: its batch's forward failed); `unauthorized` (401: API keys are on and the request had no valid "
     "one; its body was not read)",
+    "phase": "where an answered request's time in its engine went, as Triton's statistics extension splits it: "
+    "`queue` (front end's arrival to the batch leaving the queue), `compute_input` (to the forward starting), "
+    "`compute_infer` (to the outputs in host memory), `compute_output` (to the answers packed); "
+    "service/v2/extensions.py serves them as `GET /v2/models/{name}/stats`",
     "kind": "`oom`: the forward ran out of GPU memory; the batch is retried in halves, down to single requests, "
     "and the service keeps serving. `sticky`: a CUDA error that breaks the context (an illegal memory access, a "
     "launch failure, a device-side assert); the engine answers 503 to what it holds and exits, and so does the "

@@ -1,23 +1,29 @@
 """Every Prometheus metric of the service, one prefix `fusedserve_`, histograms in seconds.
 
 Three owners: a front end counts requests (`RequestMetrics`), an engine times batches and kernels
-(`EngineMetrics`, labelled with its `engine` index and, in `fusedserve_model_info`, its device), and the
-supervisor counts engine restarts (`SupervisorMetrics`). Labels:
-`model`, `mode` (fused|unfused) everywhere, `kernel` (a plan step name such as `linear_0_relu`) on
-kernel time, `outcome` on the request counter. Histograms, not summaries, so processes and replicas
-aggregate.
+(`EngineMetrics`, labelled with its `engine` index and, in `fusedserve_model_info`, its device), and the supervisor
+counts engine restarts and configuration reloads (`SupervisorMetrics`). Labels:
+`model`, `mode` everywhere (the executor that ran the batch or answered the request: fused|unfused, in `ab` mode
+too, so one service's series compare the two; where no executor ran, the configured mode, fused|unfused|ab),
+`kernel` (a plan step name such as `linear_0_relu`) on kernel time, `outcome` on the request counter. The shadow
+comparison (`fusedserve_shadow_*`) is per engine. Histograms, not summaries, so processes and replicas aggregate.
 
 The service runs several processes (front ends and engines), so it uses prometheus-client's
 multiprocess mode: the supervisor sets PROMETHEUS_MULTIPROC_DIR before any child imports this module,
 every process writes its values there, and `/metrics` on any front end renders the whole deployment
 once (counters and histograms summed over processes, the queue gauge summed over live engines).
 Without that variable (tests, a library user) each object has its own registry, as a single process would.
+
+The same values answer Triton's statistics extension (service/v2/extensions.py): `inference_totals` reads them, merged
+over processes as `/metrics` renders them.
 """
 
 from __future__ import annotations
 
 import bisect
 import os
+import time
+from dataclasses import dataclass, field
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -41,12 +47,34 @@ OUTCOMES = ("ok", "invalid", "too_large", "overloaded", "timeout", "cancelled", 
 # How the request came: POST /predict, the Open Inference Protocol over REST (/v2/...), or over gRPC.
 PROTOCOLS = ("predict", "v2_rest", "v2_grpc")
 
+# The parts of an answered request's time in its engine, back to back (Engine._answered in service/engine/core.py
+# says which interval each is): the `phase` label of fusedserve_inference_phase_seconds, and Triton's names for them.
+PHASES = ("queue", "compute_input", "compute_infer", "compute_output")
+# An engine keeps its answered-request counts in memory and writes them out at most this often, and whenever it goes
+# idle: writing them per batch (6 locked writes to memory-mapped files in multiprocess mode, ~2 us each on a CI core)
+# would add ~5-10% to a loaded engine's host time per batch. So under load they lag by up to this much.
+ANSWERED_WRITE_EVERY_S = 0.02
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def multiprocess_mode() -> bool:
     return bool(os.environ.get(MULTIPROC_ENV))
+
+
+def use_multiprocess_dir(path: str | None) -> None:
+    """Write this process's metrics, and those of the children it starts from now on, to `path` (the supervisor,
+    before it starts any); None: back to in-process values. prometheus-client picks in-process or file-backed values
+    once, when it is imported, which may be before this: so the choice is made again here, for the supervisor's own
+    counters (engine restarts, configuration reloads), created after this."""
+    from prometheus_client import values
+
+    if path is None:
+        os.environ.pop(MULTIPROC_ENV, None)
+    else:
+        os.environ[MULTIPROC_ENV] = path
+    values.ValueClass = values.get_value_class()
 
 
 def _registry() -> CollectorRegistry:
@@ -57,8 +85,16 @@ def _registry() -> CollectorRegistry:
     return r
 
 
+def served_modes(mode: str) -> tuple[str, ...]:
+    """The modes whose executors answer requests under the configured `mode` (fused, unfused or ab)."""
+    return ("fused", "unfused") if mode == "ab" else (mode,)
+
+
 class RequestMetrics:
-    """A front end's metrics: requests by outcome and their latency in the server."""
+    """A front end's metrics: requests by outcome and their latency in the server.
+
+    `mode` is the label of the executor that computed the answer (the engine's reply says which); a request that
+    no executor ran (invalid, refused, timed out in the queue) carries the configured mode (`ab` in ab mode)."""
 
     def __init__(self, model: str, mode: str):
         self.registry = r = _registry()
@@ -69,26 +105,104 @@ class RequestMetrics:
             lm, buckets=SECONDS_BUCKETS, registry=r,
         )  # fmt: skip
         self.requests = Counter("fusedserve_requests", "Requests by outcome", [*lm, "outcome"], registry=r)
-        # Every outcome of every protocol visible from the start, at 0, so rates are defined; children resolved
-        # once (labels() costs a dict lookup and a lock per call).
-        self._outcomes = {
-            (p, o): self.requests.labels(model=model, mode=mode, protocol=p, outcome=o)
-            for p in PROTOCOLS
-            for o in OUTCOMES
-        }
-        self._request = {p: self.request_seconds.labels(model=model, mode=mode, protocol=p) for p in PROTOCOLS}
+        self.failed_seconds = Counter(
+            "fusedserve_failed_request_seconds",
+            "Time from the request reaching the handler to its error answer, summed over requests answered with an "
+            "error (any outcome but ok)",
+            lm, registry=r,
+        )  # fmt: skip
+        self._model = model
+        # Children resolved once (labels() costs a dict lookup and a lock per call), keyed (protocol, outcome, mode)
+        # and (protocol, mode).
+        self._outcomes: dict[tuple[str, str, str], object] = {}
+        self._request: dict[tuple[str, str], object] = {}
+        self._failed: dict[tuple[str, str], object] = {}
+        self.mode = mode
+        self.set_mode(mode)
 
-    def observe_request(self, outcome: str, seconds: float | None = None, protocol: str = "predict") -> None:
-        self._outcomes[protocol, outcome].inc()
+    def set_mode(self, mode: str) -> None:
+        """The configured mode changed (a reload): its series visible from now on, at 0, so rates are defined."""
+        self.mode = mode
+        for m in served_modes(mode):
+            for p in PROTOCOLS:
+                self._request_child(p, m)
+                for o in OUTCOMES:
+                    self._outcome_child(p, o, m)
+        if mode not in served_modes(mode):  # ab: the label of requests no executor ran; never "ok"
+            for p in PROTOCOLS:
+                for o in OUTCOMES:
+                    if o != "ok":
+                        self._outcome_child(p, o, mode)
+
+    def _outcome_child(self, protocol: str, outcome: str, mode: str):
+        key = (protocol, outcome, mode)
+        child = self._outcomes.get(key)
+        if child is None:
+            child = self._outcomes[key] = self.requests.labels(
+                model=self._model, mode=mode, protocol=protocol, outcome=outcome
+            )
+        return child
+
+    def _request_child(self, protocol: str, mode: str):
+        child = self._request.get((protocol, mode))
+        if child is None:
+            child = self._request[protocol, mode] = self.request_seconds.labels(
+                model=self._model, mode=mode, protocol=protocol
+            )
+        return child
+
+    def _failed_child(self, protocol: str, mode: str):
+        child = self._failed.get((protocol, mode))
+        if child is None:
+            child = self._failed[protocol, mode] = self.failed_seconds.labels(
+                model=self._model, mode=mode, protocol=protocol
+            )
+        return child
+
+    def observe_request(
+        self, outcome: str, seconds: float | None = None, protocol: str = "predict", mode: str | None = None
+    ) -> None:
+        """Count one request; `mode`: the executor that answered it (None: no executor ran it). `seconds` (handler
+        to answer) goes to fusedserve_request_seconds when it is ok, to fusedserve_failed_request_seconds when not."""
+        mode = mode or self.mode
+        child = self._outcomes.get((protocol, outcome, mode))
+        (child or self._outcome_child(protocol, outcome, mode)).inc()
         if seconds is not None:
-            self._request[protocol].observe(seconds)
+            if outcome == "ok":
+                child = self._request.get((protocol, mode))
+                (child or self._request_child(protocol, mode)).observe(seconds)
+            else:
+                self._failed_child(protocol, mode).inc(seconds)
 
     def render(self) -> bytes:
         return render(self.registry)
 
 
+# Shadow comparison (service/engine/ab.py): max |fused - unfused| over a batch relative to its outputs' scale, in
+# half-decade buckets from 1e-8 (float32 agrees to ~1e-7, float16 to ~1e-3) to 1 (unrelated outputs).
+ERROR_BUCKETS = tuple(10.0 ** (e / 2) for e in range(-16, 1))
+RELOAD_OUTCOMES = ("applied", "unchanged", "invalid", "failed")
+
+
+class _ModeMetrics:
+    """An engine's children of one mode (the executor that ran the batch)."""
+
+    __slots__ = ("forward", "queue_wait", "rows", "faults", "kernels")
+
+    def __init__(self, m: EngineMetrics, labels: dict[str, str]):
+        self.forward = m.forward_seconds.labels(**labels)
+        self.queue_wait = m.queue_wait_seconds.labels(**labels)
+        self.rows = m.batch_rows.labels(**labels)
+        self.faults = {k: m.gpu_faults.labels(**labels, kind=k) for k in ("oom", "sticky")}
+        self.kernels: dict[str, object] = {}
+
+
 class EngineMetrics:
-    """An engine's metrics: its queue, batches, forwards and kernels."""
+    """An engine's metrics: its queue, batches, forwards and kernels, each labelled with the mode that ran it, and the
+    shadow comparison of the two modes.
+
+    `mode` is the configured mode (fused, unfused or ab): the label of the queue depth and of fusedserve_model_info,
+    which say what the engine serves as a whole; `set_mode` moves them on a reload."""
 
     def __init__(self, model: str, mode: str, device: str, dtype: str, engine: str = "0"):
         self.registry = r = _registry()
@@ -114,61 +228,191 @@ class EngineMetrics:
             "fusedserve_queue_depth", "Requests waiting for a batch", lm, registry=r, multiprocess_mode="livesum"
         )
         self.model_info = Gauge(
-            "fusedserve_model_info", "The model being served (value 1)", [*lm, "device", "dtype"], registry=r,
-            multiprocess_mode="livemax",
+            "fusedserve_model_info", "The model being served, in its configured mode (value 1)",
+            [*lm, "device", "dtype"], registry=r, multiprocess_mode="livemax",
         )  # fmt: skip
         self.gpu_faults = Counter(
             "fusedserve_gpu_faults", "Forwards that failed on a device fault, by kind (oom, sticky)",
             [*lm, "kind"], registry=r,
         )  # fmt: skip
-        self._labels = labels = {"model": model, "mode": mode, "engine": engine}
-        self._faults = {k: self.gpu_faults.labels(**labels, kind=k) for k in ("oom", "sticky")}
-        self.model_info.labels(**labels, device=device, dtype=dtype).set(1)
-        self._forward = self.forward_seconds.labels(**labels)
-        self._queue_wait = self.queue_wait_seconds.labels(**labels)
-        self._rows = self.batch_rows.labels(**labels)
-        self._depth = self.queue_depth_gauge.labels(**labels)
+        # Requests answered with outputs, for Triton's statistics (service/v2/extensions.py), labelled with the
+        # configured mode: the statistics sum over modes.
+        self.inference_requests = Counter(
+            "fusedserve_inference_requests", "Requests answered with outputs", lm, registry=r
+        )
+        self.inference_phase_seconds = Counter(
+            "fusedserve_inference_phase_seconds",
+            "Time of each answered request in each phase in its engine, summed over requests (a batch's time counts "
+            "once per request in it): queue, compute_input, compute_infer, compute_output",
+            [*lm, "phase"], registry=r,
+        )  # fmt: skip
+        self.last_inference = Gauge(
+            "fusedserve_last_inference_timestamp_seconds", "Unix time at which the last batch was answered",
+            lm, registry=r, multiprocess_mode="max",
+        )  # fmt: skip
+        le = ["model", "engine"]
+        self.shadow_error = Histogram(
+            "fusedserve_shadow_error",
+            "Shadow comparison: max |fused - unfused| over a batch, relative to the batch's largest |output|",
+            le, buckets=ERROR_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.shadow_mismatches = Counter(
+            "fusedserve_shadow_argmax_mismatch", "Shadow comparison: rows whose predicted label differs between modes",
+            le, registry=r,
+        )  # fmt: skip
+        self.shadow_batches = Counter(
+            "fusedserve_shadow_batches", "Batches run in both modes and compared", le, registry=r
+        )
+        self._model, self._engine, self._device, self._dtype = model, engine, device, dtype
+        shadow_labels = {"model": model, "engine": engine}
+        self._shadow = (
+            self.shadow_error.labels(**shadow_labels),
+            self.shadow_mismatches.labels(**shadow_labels),
+            self.shadow_batches.labels(**shadow_labels),
+        )
+        self._modes: dict[str, _ModeMetrics] = {}
+        self.mode = mode
+        self._info = self.model_info.labels(model=model, mode=mode, engine=engine, device=device, dtype=dtype)
+        self._info.set(1)
+        self._depth = self.queue_depth_gauge.labels(model=model, mode=mode, engine=engine)
         self._depth.set(0)
-        self._kernels: dict[str, object] = {}
+        for m in served_modes(mode):
+            self._of(m)
+        labels = {"model": model, "mode": mode, "engine": engine}
+        self._answered_children = (
+            self.inference_requests.labels(**labels),
+            *(self.inference_phase_seconds.labels(**labels, phase=p) for p in PHASES),
+        )
+        self._last = self.last_inference.labels(**labels)
+        self._answered = [0] + [0.0] * len(PHASES)  # what answered() took in and has not written yet
+        self._answered_at = 0.0  # time.monotonic() of the last batch answered
+        self._written_at = time.monotonic()
 
-    def observe_kernel(self, kernel: str, seconds: float) -> None:
-        child = self._kernels.get(kernel)
+    def answered(self, requests: int, phase_seconds: tuple[float, ...], now: float) -> None:
+        """One batch answered with outputs at `now` (time.monotonic()): its `requests`, and each phase's seconds
+        (PHASES' order) summed over them. Kept here, and written out once ANSWERED_WRITE_EVERY_S has passed since the
+        last write, or by write_answered."""
+        pending = self._answered
+        pending[0] += requests
+        for i, seconds in enumerate(phase_seconds, 1):
+            pending[i] += seconds
+        self._answered_at = now
+        if now - self._written_at >= ANSWERED_WRITE_EVERY_S:
+            self.write_answered()
+
+    def write_answered(self) -> None:
+        """Write what answered() kept (the engine calls this when it goes idle, so that an idle service's counts are
+        exact): every count from the same batches, so the requests counter is each phase's count."""
+        pending = self._answered
+        now = time.monotonic()
+        self._written_at = now
+        if not pending[0]:
+            return
+        for child, value in zip(self._answered_children, pending, strict=True):
+            child.inc(value)
+        self._last.set(time.time() - (now - self._answered_at))  # the last batch's time, as Unix time
+        self._answered = [0] + [0.0] * len(PHASES)
+
+    def _mode_name(self, mode: str | None) -> str:
+        """`mode`, or for a caller that names none (a single-mode engine's), the configured mode."""
+        return mode or (self.mode if self.mode != "ab" else "fused")
+
+    def _of(self, mode: str | None) -> _ModeMetrics:
+        mode = self._mode_name(mode)
+        children = self._modes.get(mode)
+        if children is None:
+            children = self._modes[mode] = _ModeMetrics(self, {"model": self._model, "mode": mode,
+                                                               "engine": self._engine})  # fmt: skip
+        return children
+
+    def set_mode(self, mode: str) -> None:
+        """The configured mode changed (a reload): fusedserve_model_info and the queue depth move to its label."""
+        if mode == self.mode:
+            return
+        labels = {"model": self._model, "engine": self._engine}
+        self._info.set(0)
+        self._info = self.model_info.labels(**labels, mode=mode, device=self._device, dtype=self._dtype)
+        self._info.set(1)
+        self._depth.set(0)
+        self._depth = self.queue_depth_gauge.labels(**labels, mode=mode)
+        self._depth.set(0)
+        self.mode = mode
+        for m in served_modes(mode):
+            self._of(m)
+
+    def observe_kernel(self, kernel: str, seconds: float, mode: str | None = None) -> None:
+        kernels = self._of(mode).kernels
+        child = kernels.get(kernel)
         if child is None:
-            child = self._kernels[kernel] = self.kernel_seconds.labels(**self._labels, kernel=kernel)
+            child = kernels[kernel] = self.kernel_seconds.labels(
+                model=self._model, mode=self._mode_name(mode), engine=self._engine, kernel=kernel
+            )
         child.observe(seconds)
 
-    def observe_forward(self, seconds: float) -> None:
-        self._forward.observe(seconds)
+    def observe_forward(self, seconds: float, mode: str | None = None) -> None:
+        self._of(mode).forward.observe(seconds)
 
-    def gpu_fault(self, kind: str) -> None:
-        self._faults[kind].inc()
+    def gpu_fault(self, kind: str, mode: str | None = None) -> None:
+        self._of(mode).faults[kind].inc()
 
     def queue_depth(self, requests: int) -> None:
         self._depth.set(requests)
 
-    def queue_waits(self, seconds: list[float]) -> None:
+    def queue_waits(self, seconds: list[float], mode: str | None = None) -> None:
         """Every request's wait of one batch, in one update (per-request observes cost ~14% of a loaded engine's
         time in multiprocess mode, where each is two locked writes to a memory-mapped file)."""
-        observe_many(self._queue_wait, seconds)
+        observe_many(self._of(mode).queue_wait, seconds)
 
-    def batch(self, rows: int) -> None:
-        self._rows.observe(rows)
+    def batch(self, rows: int, mode: str | None = None) -> None:
+        self._of(mode).rows.observe(rows)
+
+    def shadow(self, error: float, mismatches: int) -> None:
+        """One batch compared in both modes: its relative error and how many of its rows' labels differ."""
+        hist, mismatch, batches = self._shadow
+        hist.observe(error)
+        if mismatches:
+            mismatch.inc(mismatches)
+        batches.inc()
 
     def render(self) -> bytes:
         return render(self.registry)
 
 
 class SupervisorMetrics:
-    """The supervisor's metrics: engines it started again after they died."""
+    """The supervisor's metrics: engines it started again after they died, and configuration reloads (SIGHUP)."""
 
-    def __init__(self):
+    def __init__(self, model: str = "MODEL"):
         self.registry = r = _registry()
         self.engine_restarts = Counter(
             "fusedserve_engine_restarts", "Engines started again in place after they died", ["engine"], registry=r
         )
+        self.config_reloads = Counter(
+            "fusedserve_config_reloads", "Configuration reloads (SIGHUP) by outcome", ["model", "outcome"], registry=r
+        )
+        self._reloads = {o: self.config_reloads.labels(model=model, outcome=o) for o in RELOAD_OUTCOMES}
 
     def engine_restarted(self, engine: int) -> None:
         self.engine_restarts.labels(engine=str(engine)).inc()
+
+    def config_reloaded(self, outcome: str) -> None:
+        """One SIGHUP reload: applied (a live setting changed), unchanged, invalid (the file was refused whole),
+        failed (an engine could not load the executor the new mode needs)."""
+        self._reloads[outcome].inc()
+
+
+_ENGINE_RELOADS: Counter | None = None
+
+
+def config_reloaded(model: str, outcome: str) -> None:
+    """An engine's share of fusedserve_config_reloads_total (SupervisorMetrics documents it): `failed` when it could
+    not load the executor a reload's mode needs. Same family, so /metrics sums it with the supervisor's counts."""
+    global _ENGINE_RELOADS
+    if _ENGINE_RELOADS is None:
+        _ENGINE_RELOADS = Counter(
+            "fusedserve_config_reloads", "Configuration reloads (SIGHUP) by outcome", ["model", "outcome"],
+            registry=_registry(),
+        )  # fmt: skip
+    _ENGINE_RELOADS.labels(model=model, outcome=outcome).inc()
 
 
 def observe_many(child, values: list[float]) -> None:
@@ -192,13 +436,70 @@ def observe_many(child, values: list[float]) -> None:
         buckets[i].inc(n)
 
 
+def _deployment(registry: CollectorRegistry) -> CollectorRegistry:
+    """Every process's values merged (counters and histograms summed, gauges by their multiprocess_mode) in
+    multiprocess mode, else `registry` itself."""
+    if not multiprocess_mode():
+        return registry
+    merged = CollectorRegistry()
+    multiprocess.MultiProcessCollector(merged)
+    return merged
+
+
 def render(registry: CollectorRegistry) -> bytes:
     """The exposition text: of every process of the deployment in multiprocess mode, else of `registry`."""
-    if multiprocess_mode():
-        merged = CollectorRegistry()
-        multiprocess.MultiProcessCollector(merged)
-        return generate_latest(merged)
-    return generate_latest(registry)
+    return generate_latest(_deployment(registry))
+
+
+@dataclass
+class InferenceTotals:
+    """One model's totals over the deployment, for Triton's statistics extension (service/v2/extensions.py)."""
+
+    ok: int = 0  # requests answered with outputs, by the front ends (fusedserve_request_seconds_count)
+    ok_s: float = 0.0  # their time in the front ends, handler to answer
+    failed: int = 0  # requests answered with an error (fusedserve_requests_total, every outcome but ok)
+    failed_s: float = 0.0
+    requests: int = 0  # requests answered with outputs, by the engines (fusedserve_inference_requests_total)
+    rows: int = 0  # rows of the batches run (fusedserve_batch_rows_sum)
+    batches: int = 0  # batches run (fusedserve_batch_rows_count)
+    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    last_inference_s: float = 0.0  # Unix time; 0 before the first batch
+    devices: dict[str, str] = field(default_factory=dict)  # engine index -> its device, from fusedserve_model_info
+
+
+def inference_totals(registry: CollectorRegistry, model: str) -> InferenceTotals:
+    """The totals of `model` over every process (in multiprocess mode; else over `registry` alone): what /metrics
+    would show at this moment, summed over protocols, outcomes and engines."""
+    t = InferenceTotals()
+    counts: dict[str, float] = {}
+    for family in _deployment(registry).collect():
+        for s in family.samples:
+            if s.labels.get("model") != model:
+                continue
+            name = s.name
+            if name == "fusedserve_requests_total" and s.labels.get("outcome") != "ok":
+                counts["failed"] = counts.get("failed", 0.0) + s.value
+            elif name == "fusedserve_inference_phase_seconds_total":
+                t.phase_s[s.labels["phase"]] = t.phase_s.get(s.labels["phase"], 0.0) + s.value
+            elif name == "fusedserve_last_inference_timestamp_seconds":
+                t.last_inference_s = max(t.last_inference_s, s.value)
+            elif name == "fusedserve_model_info" and s.value:
+                t.devices[s.labels.get("engine", "0")] = s.labels.get("device", "")
+            elif name in _TOTALS:
+                counts[_TOTALS[name]] = counts.get(_TOTALS[name], 0.0) + s.value
+    for key, value in counts.items():
+        setattr(t, key, value if key.endswith("_s") else round(value))
+    return t
+
+
+_TOTALS = {  # sample name -> InferenceTotals field, summed over every label but the model
+    "fusedserve_request_seconds_count": "ok",
+    "fusedserve_request_seconds_sum": "ok_s",
+    "fusedserve_failed_request_seconds_total": "failed_s",
+    "fusedserve_inference_requests_total": "requests",
+    "fusedserve_batch_rows_sum": "rows",
+    "fusedserve_batch_rows_count": "batches",
+}
 
 
 def process_exited(pid: int) -> None:

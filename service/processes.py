@@ -19,6 +19,9 @@ def child_setup(name: str) -> None:
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A SIGHUP meant for the supervisor (a reload) that reaches a child must not end it: children take new settings
+    # from the supervisor (service/link/live.py), never from a signal.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         try:
             import ctypes
@@ -35,3 +38,9 @@ def child_setup(name: str) -> None:
 
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+
+
+def set_log_level(level: str) -> None:
+    """A new log level for this process (a reload): the root logger's, and uvicorn's, which it sets on its own."""
+    for name in ("", "uvicorn", "uvicorn.error"):
+        logging.getLogger(name).setLevel(level.upper())

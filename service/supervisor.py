@@ -21,6 +21,12 @@ marks itself broken (/health/live turns 503 too) and exits 4; only a new process
 device.
 SIGTERM or SIGINT: the front ends stop accepting and answer every accepted request, then the engines
 answer what they hold and stop; exit 0 within FUSEDSERVE_SHUTDOWN_GRACE_S.
+
+SIGHUP: read the configuration again (the environment, the configuration file, the command line, in the same order of
+precedence as at start) and, if it is valid as a whole, hand its live settings (service.config.LIVE_SETTINGS) to every
+engine and front end (service/link/live.py); a file with an invalid value is refused whole and the running
+configuration stays. Settings that only a restart can change are named in the log, not applied. Counted in
+fusedserve_config_reloads_total{outcome}.
 """
 
 from __future__ import annotations
@@ -37,8 +43,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from .config import Settings
+from .config import (
+    ENV_PREFIX,
+    LIVE_SETTINGS,
+    Settings,
+    SettingsError,
+    changed_settings,
+    config_file_of,
+    load_settings,
+    overridden_in_file,
+)
 from .link import wire
+from .link.live import write_live
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +95,8 @@ def engine_devices(settings: Settings, device_type: str) -> list[str | None]:
     count = torch.cuda.device_count()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [v.strip() for v in visible.split(",") if v.strip()][:count] if visible else [str(i) for i in range(count)]
+    if not ids:  # else no engine at all, or a modulo by zero below
+        raise StartError(f"no CUDA device visible (torch sees {count}; CUDA_VISIBLE_DEVICES={visible!r})")
     n = settings.engines or len(ids)
     return [ids[i % len(ids)] for i in range(n)]
 
@@ -105,41 +123,55 @@ def _reserve_port(host: str, port: int) -> socket.socket:
 class Supervisor:
     """The parent process: starts the engines and front ends, watches them, and stops them in order."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, overrides: dict | None = None):
         self.settings = settings
+        # The command line's settings: they beat the environment and the file at every reload too.
+        self.overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
         self._stop_requested = False
+        self._reload_requested = False
+        self._generation = 0
+        self._shared_generation = None
+        self._run_dir: Path | None = None
+        self._model_name = settings.model
         self._ctx = multiprocessing.get_context("spawn")
         self.engines: list[multiprocessing.process.BaseProcess] = []
         self.frontends: list[multiprocessing.process.BaseProcess] = []
         self._restarts: list[float] = []
         self._engine_deaths: list[float] = []
-        self._metrics = None  # SupervisorMetrics, once an engine is restarted
+        self._metrics = None  # SupervisorMetrics, once the metrics directory is set
+        self._keys = None  # the API keys (service/frontend/auth.py), read at start and again on SIGHUP
 
     def run(self) -> int:
         s = self.settings
         from .frontend.auth import ApiKeys, Restrictions, SecurityFileError, check_tls, describe_access
 
         try:  # the keys file and TLS files are read now: one unreadable stops the start, naming it
-            keys = ApiKeys(s)
+            keys = self._keys = ApiKeys(s)
             check_tls(s)
         except SecurityFileError as e:
             raise StartError(str(e)) from None
         log.info("%s", describe_access(s, keys))
         if not keys.on and keys.source:
             log.warning("%s holds no API key: inference is open", keys.source)
+        # From the start: a SIGHUP's default action is to end the process. One that comes before the children
+        # run is taken once they do.
+        signal.signal(signal.SIGHUP, self._request_reload)
         run_dir = Path(tempfile.mkdtemp(prefix="fusedserve-"))
         multiproc_before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         try:
             metrics_dir = run_dir / "metrics"
             metrics_dir.mkdir()
-            # Before this process or any child imports prometheus_client, which picks its multiprocess values at
-            # import: each process writes its values there (service/metrics.py).
-            os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+            # Each process writes its values there (service/metrics.py); the supervisor's own counters too.
+            from .metrics import SupervisorMetrics, use_multiprocess_dir
+
+            use_multiprocess_dir(str(metrics_dir))
             from .backend import prepare_backend
             from .frontend.state import ModelInfo
             from .model.loader import load_model
 
             model = load_model(s.model_path())  # ModelFormatError names what is wrong, before any process starts
+            self._model_name = model.name
+            self._metrics = SupervisorMetrics(model.name)  # every reload outcome visible at 0 from the start
             device = prepare_backend(s)
             devices = engine_devices(s, device.type)
             workers = s.workers or default_workers(len(devices))
@@ -164,15 +196,81 @@ class Supervisor:
         finally:
             shutil.rmtree(run_dir, ignore_errors=True)
             # A caller in the same process (a test, a library user) must not inherit a directory that is gone.
-            if multiproc_before is None:
-                os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-            else:
-                os.environ["PROMETHEUS_MULTIPROC_DIR"] = multiproc_before
+            from .metrics import use_multiprocess_dir
+
+            use_multiprocess_dir(multiproc_before)
 
     def _request_stop(self, signum, frame) -> None:
         if not self._stop_requested:
             log.info("%s: stopping (grace %g s)", signal.Signals(signum).name, self.settings.shutdown_grace_s)
         self._stop_requested = True
+
+    def _request_reload(self, signum, frame) -> None:
+        self._reload_requested = True
+
+    def reload(self) -> str:
+        """Read the configuration again and hand its live settings to the children; returns the outcome (applied,
+        unchanged, invalid), which is counted and logged."""
+        outcome = self._reload()
+        if self._metrics is not None:
+            self._metrics.config_reloaded(outcome)
+        return outcome
+
+    def _reload(self) -> str:
+        s = self.settings
+        env_file = config_file_of(self.overrides)
+        try:
+            new = load_settings(**self.overrides)
+        except SettingsError as e:
+            why = str(e).replace("\n  ", " ").replace("invalid configuration: ", "")
+            log.error("SIGHUP: %s refused whole, the running configuration stays: %s", env_file, why)
+            return "invalid"
+        live, fixed = changed_settings(s, new)
+        shadowed = overridden_in_file(env_file, self.overrides)
+        if shadowed:
+            log.warning("SIGHUP: %s in %s %s overridden by the environment or the command line", ", ".join(shadowed),
+                        env_file, "is" if len(shadowed) == 1 else "are")  # fmt: skip
+        if fixed:
+            log.warning(
+                "SIGHUP: %s changed in %s; only a restart applies %s, so the service keeps %s",
+                ", ".join(ENV_PREFIX + f.upper() for f in fixed), env_file,
+                "it" if len(fixed) == 1 else "them", ", ".join(f"{f}={getattr(s, f)}" for f in fixed),
+            )  # fmt: skip
+        keys_changed = self._reload_keys()
+        if not live and not keys_changed:
+            log.info("SIGHUP: %s read; no live setting changed", env_file)
+            return "unchanged"
+        self.settings = s.model_copy(update=live)
+        self._generation += 1
+        if self._run_dir is not None:
+            values = {k: getattr(self.settings, k) for k in LIVE_SETTINGS}
+            write_live(self._run_dir, self._generation, values)
+            self._shared_generation.value = self._generation
+        from .processes import set_log_level
+
+        set_log_level(self.settings.log_level)
+        log.info("SIGHUP: configuration %d from %s: %s", self._generation, env_file,
+                 ", ".join(f"{ENV_PREFIX}{k.upper()}={v}" for k, v in live.items()))  # fmt: skip
+        return "applied"
+
+    def _reload_keys(self) -> bool:
+        """SIGHUP: read the API keys file again; True if the keys changed, so that the front ends are told to read it
+        too (FrontendState.reload_access, on the new generation). A file that cannot be read, or that would turn keys
+        off, is logged and changes nothing (auth.ApiKeys.reload)."""
+        from .frontend.auth import SecurityFileError
+
+        if self._keys is None:
+            return False
+        before = self._keys.digests
+        try:
+            self._keys.reload()
+        except SecurityFileError as e:
+            log.error("SIGHUP: API keys not reloaded, those in force stay: %s", e)
+            return False
+        if self._keys.digests == before:
+            return False
+        log.info("SIGHUP: %s", self._keys.describe())
+        return True
 
     def _run(self, model, info, devices: list[str | None], workers: int, run_dir: Path) -> int:
         from .engine.core import engine_main
@@ -182,14 +280,18 @@ class Supervisor:
         endpoints = [str(run_dir / f"engine-{i}.sock") for i in range(len(devices))]
         states = [self._ctx.Value("i", wire.LOADING, lock=False) for _ in devices]
         threads = max(1, (host_cores() - workers) // len(devices))  # torch threads of a CPU engine
+        self._run_dir = run_dir
+        generation = self._shared_generation = self._ctx.Value("i", self._generation, lock=False)
 
+        # A child started again after a reload gets the settings as they are now, and the generation they are.
         def start_engine(i: int) -> multiprocessing.process.BaseProcess:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(endpoints[i])  # a dead engine's socket file: the new one binds the same path
             states[i].value = wire.LOADING
+            config = (generation, self._generation)
             p = self._ctx.Process(
                 target=engine_main,
-                args=(s, i, endpoints[i], states[i], devices[i], str(run_dir), threads),
+                args=(self.settings, i, endpoints[i], states[i], devices[i], str(run_dir), threads, config),
                 name=f"engine-{i}",
             )
             p.start()
@@ -199,8 +301,11 @@ class Supervisor:
             self.engines.append(start_engine(i))
 
         def start_frontend(k: int) -> multiprocessing.process.BaseProcess:
+            config = (generation, self._generation)
             p = self._ctx.Process(
-                target=frontend_main, args=(s, info, endpoints, states, str(run_dir), k), name=f"frontend-{k}"
+                target=frontend_main,
+                args=(self.settings, info, endpoints, states, str(run_dir), k, config),
+                name=f"frontend-{k}",
             )
             p.start()
             return p
@@ -219,6 +324,9 @@ class Supervisor:
         while not self._stop_requested:
             sentinels = [p.sentinel for p in self.engines + self.frontends]
             multiprocessing.connection.wait(sentinels, timeout=0.1)
+            if self._reload_requested:
+                self._reload_requested = False
+                self.reload()
             if not announced and all(st.value == wire.READY for st in states):
                 announced = True
                 log.info("fusedserve ready on %s://%s:%d", scheme, s.host, s.port)
@@ -272,11 +380,8 @@ class Supervisor:
             )  # fmt: skip
             return False
         log.error("engine %d exited with code %s; starting it again", i, exitcode)
-        if self._metrics is None:  # made here, long after PROMETHEUS_MULTIPROC_DIR is set (service/metrics.py)
-            from .metrics import SupervisorMetrics
-
-            self._metrics = SupervisorMetrics()
-        self._metrics.engine_restarted(i)
+        if self._metrics is not None:
+            self._metrics.engine_restarted(i)
         return True
 
     def _shutdown(self, code: int) -> int:
@@ -317,5 +422,7 @@ def _forget_process(pid: int | None) -> None:
         process_exited(pid)
 
 
-def serve(settings: Settings) -> int:
-    return Supervisor(settings).run()
+def serve(settings: Settings, overrides: dict | None = None) -> int:
+    """Run the service; `overrides`: the command line's settings, which beat the environment and the configuration
+    file at every SIGHUP reload as at start."""
+    return Supervisor(settings, overrides).run()

@@ -1,5 +1,7 @@
-"""Shared pytest set-up: the `gpu` marker skips cleanly where CUDA is absent; what real servers logged during a
-test is printed after it (pytest shows it when the test failed)."""
+"""Shared pytest set-up: the `gpu` marker skips cleanly where CUDA is absent; the kernels' every-candidate sweeps are
+marked `sweep` and run longest first (tests/sweeps.py); every test gets a seed derived from its
+id, printed when it fails (tests/seeding.py: replay one with FUSEDSERVE_TEST_SEED=N); what real servers logged
+during a test is printed after it (pytest shows it when the test failed)."""
 
 from __future__ import annotations
 
@@ -7,24 +9,27 @@ import pytest
 import torch
 
 import kernels  # noqa: F401  (chooses interpreter vs compiled before any test module defines kernels)
+from tests.seeding import (  # noqa: F401  (hooks and an autouse fixture, registered by being in this module)
+    _test_seed,
+    pytest_fixture_setup,
+    pytest_report_header,
+    pytest_runtest_makereport,
+)
 from tests.server import dump_new_logs
+from tests.sweeps import mark_and_order
 
 HAS_CUDA = torch.cuda.is_available()
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: `-m sweep` must see the marker
 def pytest_collection_modifyitems(config, items):
+    mark_and_order(items)  # the every-candidate sweeps: marked `sweep`, longest first (tests/sweeps.py)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs CUDA: run on the lent GPU (see ../shared/gpu/README.md)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_seed(request):
-    # Fresh random inputs in every test, but reproducible from the test's own name.
-    torch.manual_seed(abs(hash(request.node.nodeid)) % (2**31))
 
 
 @pytest.fixture(autouse=True)

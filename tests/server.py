@@ -163,10 +163,13 @@ def _bind_failed(p: ManagedProcess) -> bool:
 
 
 class Server:
-    """One `python -m service.cli serve` process; `url` is its base URL once ready. A server with `tls_cert` in its
-    env is https, polled with `client_args` (httpx's verify and cert)."""
+    """One `python -m service.cli serve` process; `url` is its base URL once ready. `mode` None: no --mode, so the
+    environment or the configuration file chooses it (a SIGHUP reload can change it then). A server with `tls_cert`
+    in its env is https, polled with `client_args` (httpx's verify and cert)."""
 
-    def __init__(self, mode: str, log_dir: Path, env: dict[str, str | int | float], client_args: dict | None = None):
+    def __init__(
+        self, mode: str | None, log_dir: Path, env: dict[str, str | int | float], client_args: dict | None = None
+    ):
         self.mode = mode
         self.env = env
         self.log_dir = log_dir
@@ -180,11 +183,12 @@ class Server:
         scheme = "https" if self.env.get("tls_cert") or self.env.get("FUSEDSERVE_TLS_CERT") else "http"
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
-        argv += ["--mode", self.mode]
+        if self.mode is not None:
+            argv += ["--mode", self.mode]
         # cwd: an empty directory, so a developer's .env in the checkout cannot change the server.
         self.process = ManagedProcess(
-            f"fusedserve-{self.mode}:{self.port}", argv, service_env(**self.env), self.log_dir,
-            self.log_dir / f"fusedserve-{self.mode}-{self.port}.log",
+            f"fusedserve-{self.mode or 'config'}:{self.port}", argv, service_env(**self.env), self.log_dir,
+            self.log_dir / f"fusedserve-{self.mode or 'config'}-{self.port}.log",
         )  # fmt: skip
 
     def wait_ready(self, timeout_s: float) -> None:

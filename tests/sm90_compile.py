@@ -42,12 +42,13 @@ def compile_sm90(
 def compile_gemm(kernel, ptr: str, meta: dict, num_warps: int, num_stages: int):
     """compile_sm90 for linear.py's MMA kernel or the GEMV (they share one signature) with `ptr` operands
     ("*fp16", ...), as a launch with contiguous operands and sizes that are multiples of 16 specializes them:
-    unit strides constant, sizes and row strides multiples of 16, the 6 pointers aligned."""
-    runtime = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, y_ptr=ptr, ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32",
-                   K="i32", stride_xm="i32", stride_wn="i32", stride_ym="i32", negative_slope="fp32",
+    unit strides constant, sizes and row strides multiples of 16, the 7 pointers aligned (the residual's too,
+    which is y itself where there is none)."""
+    runtime = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, y_ptr=ptr, r_ptr=ptr, ws_ptr="*fp32", cnt_ptr="*i32", M="i32",
+                   N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_ym="i32", negative_slope="fp32",
                    M_BUCKET="i32")  # fmt: skip
     unit_strides = dict(stride_xk=1, stride_wk=1, stride_yn=1)
-    return compile_sm90(kernel, runtime, {**unit_strides, **meta}, 6, num_warps, num_stages,
+    return compile_sm90(kernel, runtime, {**unit_strides, **meta}, 7, num_warps, num_stages,
                         divisible=("N", "K", "stride_xm", "stride_wn", "stride_ym"))  # fmt: skip
 
 

@@ -14,13 +14,15 @@ import json
 import math
 import types
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
 
-from bench.kernel_budget import Budget
-from bench.kernel_report import markdown, ours_failed, slug_of, summary
-from bench.kernels import SHAPES, resolve
+from bench.gpu import results_dir, slug_of
+from bench.kernels.budget import Budget
+from bench.kernels.cli import SHAPES, resolve
+from bench.kernels.report import markdown, ours_failed, summary
 from fusedserve.cli import main
 
 HAS_CUDA = torch.cuda.is_available()
@@ -31,7 +33,7 @@ pytestmark = pytest.mark.timeout(120)
 def _args(*argv: str):
     import argparse
 
-    from bench.kernels import add_arguments
+    from bench.kernels.cli import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -210,11 +212,15 @@ def test_budget_drops_compile_max_before_compile():
 
 
 def test_gpu_slug():
-    # The results are named by GPU model alone: kernels_h100.md, as serve_h100.md and pool_h100.md.
+    # The results are named by GPU model alone: kernels_h100.md, as serve_h100.md and pool_h100.md, in a folder of
+    # that name: bench/results/h100/.
     assert slug_of("NVIDIA H200") == "h200"
     assert slug_of("NVIDIA H100 80GB HBM3") == "h100"
     assert slug_of("NVIDIA H100 PCIe") == "h100"
+    assert slug_of("NVIDIA H200 (x2)") == "h200"  # bench serve's name for a host of two
     assert slug_of("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"
+    assert slug_of(None) == slug_of("") == "cpu"
+    assert results_dir("h100") == Path("bench/results/h100")
 
 
 @pytest.mark.gpu
@@ -267,7 +273,7 @@ def _cell(device_us: float, wall_us: float, hot_us: float | None = None) -> dict
 
 
 def test_targets_say_met_or_how_far():
-    from bench.kernel_targets import checks
+    from bench.kernels.targets import checks
 
     results = _fake_results(1e-3)
     results["layers"][0]["providers"] = {
@@ -318,7 +324,7 @@ def test_targets_say_met_or_how_far():
 
 
 def test_report_rerenders_from_its_json(tmp_path):
-    from bench.kernel_report import main as rerender
+    from bench.kernels.report import main as rerender
 
     results = _fake_results(1e-3)
     results["meta"]["slug"] = "h200"
@@ -328,7 +334,7 @@ def test_report_rerenders_from_its_json(tmp_path):
     assert (tmp_path / "kernels_h200.md").read_text() == markdown(results)
 
 
-# Wall time, interleaved (bench/kernel_timing.py's docstring). The fake providers below run on a fake clock;
+# Wall time, interleaved (bench/kernels/timing.py's docstring). The fake providers below run on a fake clock;
 # with wall_target_s=0 every cell gets n=3 calls per run, so a provider's calls come in known blocks:
 PREP_CALLS = 5  # before its runs: 1 call checked against ref, then calls_per_run's 3 warm-up calls and 1 timed
 CALLS_PER_RUN = 4  # timed_run's untimed call, then n=3 timed
@@ -371,10 +377,10 @@ def _blocks(log: list[str]) -> list[tuple[str, int]]:
 
 
 def _run_fake_case(monkeypatch, names, make) -> tuple[dict, list[str]]:
-    """bench.kernel_run._run_case on the CPU with fake providers (make(name, log, clock) -> Prepared)."""
-    from bench import kernel_timing
-    from bench.kernel_run import _Ctx, _run_case
-    from bench.kernel_timing import Timing
+    """bench.kernels.run._run_case on the CPU with fake providers (make(name, log, clock) -> Prepared)."""
+    from bench.kernels import timing as kernel_timing
+    from bench.kernels.run import _Ctx, _run_case
+    from bench.kernels.timing import Timing
 
     log: list[str] = []
     clock = _Clock()
@@ -388,7 +394,7 @@ def _run_fake_case(monkeypatch, names, make) -> tuple[dict, list[str]]:
 
 
 def test_wall_runs_alternate_between_providers_and_keep_each_ones_best(monkeypatch):
-    from bench.kernel_timing import Prepared
+    from bench.kernels.timing import Prepared
 
     costs = {"eager": [5e-6, 3e-6, 4e-6, 2e-6, 6e-6], "compile": [9e-6, 7e-6, 8e-6, 8e-6, 9e-6]}
     costs["ours"] = [2e-6, 1.5e-6, 3e-6, 1e-6, 2.5e-6]
@@ -422,7 +428,7 @@ def test_wall_runs_alternate_between_providers_and_keep_each_ones_best(monkeypat
 
 
 def test_a_failing_wall_run_leaves_the_others_measured(monkeypatch):
-    from bench.kernel_timing import Prepared
+    from bench.kernels.timing import Prepared
 
     costs = {"eager": [5e-6, 3e-6, 4e-6, 2e-6, 6e-6], "flaky": [1e-6] * 5, "ours": [2e-6, 1.5e-6, 3e-6, 1e-6, 2.5e-6]}
 
@@ -441,7 +447,7 @@ def test_a_failing_wall_run_leaves_the_others_measured(monkeypatch):
 
 
 def test_timed_run_turns_gc_off_and_restores_it():
-    from bench.kernel_timing import timed_run
+    from bench.kernels.timing import timed_run
 
     cpu = torch.device("cpu")
     seen: list[bool] = []
@@ -486,7 +492,7 @@ def test_method_line_says_how_l2_was_cleared():
 )
 def test_percent_of_floor_reads_as_a_percent(floor_us, ours_us, want):
     # 9.96% once printed as "1e+01%" (H200 run, digits MLP batch 4096).
-    from bench.kernel_report import _pct_floor
+    from bench.kernels.report import _pct_floor
 
     assert _pct_floor({"floor_us": floor_us}, {"graph": {"device_us": ours_us}}) == want
 
@@ -494,7 +500,7 @@ def test_percent_of_floor_reads_as_a_percent(floor_us, ours_us, want):
 def test_budget_estimates_each_section_from_its_own_costs():
     # Layer cases cost ~3 s, model cases ~12 (ours tunes a whole MLP per bucket). Carried over, the layers'
     # costs let compile-max take the time the last model cases needed (a 2026-11-23 H200 run skipped two).
-    from bench.kernel_budget import MODEL_START_ESTIMATE_S
+    from bench.kernels.budget import MODEL_START_ESTIMATE_S
 
     b = Budget(limit_s=200)
     b.start_section(0.5)
@@ -632,7 +638,7 @@ def test_report_shows_hot_beside_cold():
 def test_hot_and_cnn_targets():
     """Issue 19 (hot: digits MLP >= 1.3x the best anchor, wide MLP >= 1x and 1.5x at batch 1) and issue 20
     (digits CNN >= 2x eager and >= the best anchor, cold and hot; the wider CNN's convs <= 1.10x cuDNN)."""
-    from bench.kernel_targets import checks
+    from bench.kernels.targets import checks
 
     results = _hot_results()
     results["layers"] = []
@@ -683,7 +689,7 @@ def test_hot_and_cnn_targets():
 
 
 def test_cold_times_are_compared_with_an_earlier_run():
-    from bench.kernel_targets import compare_cold
+    from bench.kernels.targets import compare_cold
 
     old = _fake_results(1e-3)
     old["layers"][0]["providers"] = {"ours": _cell(10.0, 20.0)}
@@ -705,7 +711,7 @@ def test_cold_times_are_compared_with_an_earlier_run():
 def test_cold_times_relative_to_a_steady_anchor_of_each_run():
     """relative=True: ours / cuBLASLt (layers) or / linear (models) of the same run against the earlier run's ratio,
     so a machine 5% slower everywhere is not a regression, and ours slower against an unchanged cuBLASLt is."""
-    from bench.kernel_targets import compare_cold
+    from bench.kernels.targets import compare_cold
 
     old = _fake_results(1e-3)
     old["layers"][0]["providers"] = {"ours": _cell(10.0, 20.0), "cublaslt": _cell(12.0, 20.0)}
@@ -730,7 +736,7 @@ def test_cold_times_relative_to_a_steady_anchor_of_each_run():
 def test_cnn_models_are_built_measured_and_run_like_the_service(tmp_path):
     """The digits CNN (shipped) and the wider CNN (built here, fixed seed): dims, floor terms, and every CPU
     provider's forward against the float64 reference; ours-eager is the fused Executor (interpreted)."""
-    from bench.kernel_models import (
+    from bench.kernels.models import (
         ModelProviders,
         bound_steps,
         bytes_and_flops,
@@ -739,7 +745,7 @@ def test_cnn_models_are_built_measured_and_run_like_the_service(tmp_path):
         model_dims,
         reference_forward,
     )
-    from bench.kernel_timing import normwise_error
+    from bench.kernels.timing import normwise_error
     from kernels.runtime import interpreting
 
     cpu = torch.device("cpu")
@@ -772,7 +778,7 @@ def test_cnn_models_are_built_measured_and_run_like_the_service(tmp_path):
 
 
 def test_sections_share_the_time_by_what_their_cases_cost():
-    from bench.kernel_budget import SECTION_CASE_S, section_shares
+    from bench.kernels.budget import SECTION_CASE_S, section_shares
 
     shares = section_shares({"layers": 36, "convs": 12, "models": 25})  # the run's order
     cost = {"layers": 36 * SECTION_CASE_S["layers"], "convs": 12 * SECTION_CASE_S["convs"]}
@@ -796,8 +802,8 @@ def test_a_single_replay_is_timed_alone():
 
 
 def test_runs_that_split_the_sections_merge_into_one_report(tmp_path):
-    from bench.kernel_report import main as rerender
-    from bench.kernel_report import merge
+    from bench.kernels.report import main as rerender
+    from bench.kernels.report import merge
 
     layers = _hot_results()
     layers["meta"].update(slug="h100", command="bench --sections layers", elapsed_s=300.0, started_utc="t0")
@@ -831,8 +837,8 @@ def test_runs_that_split_the_sections_merge_into_one_report(tmp_path):
 def test_every_graph_cell_and_only_those_get_a_hot_time(monkeypatch):
     """measure() on "cuda" with the device parts faked: plain cells get cold and wall, graph cells (captured
     here, or the provider's own graph) also hot, timed on the replay; plain-only providers no graph at all."""
-    from bench import kernel_timing
-    from bench.kernel_timing import Prepared, Timing, measure
+    from bench.kernels import timing as kernel_timing
+    from bench.kernels.timing import Prepared, Timing, measure
 
     hot_calls: list = []
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from bench import pool as bench_pool
+from bench.pool import cli as bench_pool
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -26,7 +26,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_argument_module_imports_no_torch():
-    code = "import sys, bench.pool; print('torch' in sys.modules)"
+    code = "import sys, bench.pool.cli; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 
 
@@ -43,7 +43,7 @@ def test_plan_defaults_and_quick():
 
 
 def test_cases_leave_out_the_huge_ones():
-    from bench.pool_run import MAX_ELEMENTS, _cases
+    from bench.pool.run import MAX_ELEMENTS, _cases
 
     plan = bench_pool.plan_of(_args())
     cases = list(_cases(plan))

@@ -14,11 +14,11 @@ import sys
 import numpy as np
 import pytest
 
-from bench import serve as serve_cli
-from bench import serve_report
-from bench.loadgen import ClientPool, PhaseSpec, make_bodies, merge, percentiles
-from bench.serve_accounting import account, delta, parse_metrics, server_split
-from bench.serve_report import targets
+from bench.serve import cli as serve_cli
+from bench.serve import report as serve_report
+from bench.serve.accounting import account, delta, parse_metrics, server_split
+from bench.serve.loadgen import ClientPool, PhaseSpec, make_bodies, merge, percentiles
+from bench.serve.report import targets
 
 from .server import REPO, ManagedProcess, dump_new_logs, free_port, service_env
 
@@ -206,7 +206,7 @@ def test_merge_and_percentiles():
 @pytest.fixture
 def empty_app(tmp_path):
     port = free_port()
-    argv = [sys.executable, "-m", "uvicorn", "bench.serve_apps.empty:app", "--host", "127.0.0.1", "--port", str(port)]
+    argv = [sys.executable, "-m", "uvicorn", "bench.serve.apps.empty:app", "--host", "127.0.0.1", "--port", str(port)]
     proc = ManagedProcess(f"empty:{port}", [*argv, "--no-access-log"], service_env(), REPO, tmp_path / "empty.log")
     try:
         proc.wait_http(f"http://127.0.0.1:{port}/health/ready", 30)
@@ -292,7 +292,7 @@ def test_quick_end_to_end_run_on_the_cpu(tmp_path):
 
 
 def test_phase_plan_and_open_loop_rates():
-    from bench.serve_run import _open_rates, phase_list, pick_sigterm_system
+    from bench.serve.run import _open_rates, phase_list, pick_sigterm_system
 
     args = argparse.ArgumentParser()
     serve_cli.add_arguments(args)
@@ -349,10 +349,10 @@ def test_empty_grpc_server_answers_as_fusedserve_and_exits_0_on_sigterm(tmp_path
     parent stops every worker, exit 0. (tritonclient, in this process: the server's stubs stay in its own.)"""
     tgrpc = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is not installed (the test extra)")
     port = free_port()
-    argv = [sys.executable, "-m", "bench.serve_apps.empty_grpc", "--port", str(port), "--workers", str(workers)]
+    argv = [sys.executable, "-m", "bench.serve.apps.empty_grpc", "--port", str(port), "--workers", str(workers)]
     proc = ManagedProcess(f"empty_grpc:{port}", argv, service_env(), REPO, tmp_path / "empty_grpc.log")
     try:
-        probe = [sys.executable, "-m", "bench.serve_apps.empty_grpc", "--port", str(port), "--wait-ready", "20"]
+        probe = [sys.executable, "-m", "bench.serve.apps.empty_grpc", "--port", str(port), "--wait-ready", "20"]
         ready = subprocess.run(probe, cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=40)
         assert ready.returncode == 0, ready.stdout + ready.stderr + proc.describe()
         client = tgrpc.InferenceServerClient(f"127.0.0.1:{port}")
@@ -378,7 +378,7 @@ def test_empty_grpc_server_answers_as_fusedserve_and_exits_0_on_sigterm(tmp_path
 
 
 def test_fused_and_unfused_at_one_worker_count_run_together_and_take_turns():
-    from bench.serve_run import interleave, pair_up, phase_list, pick_sigterm_system
+    from bench.serve.run import interleave, pair_up, phase_list, pick_sigterm_system
 
     args = argparse.ArgumentParser()
     serve_cli.add_arguments(args)

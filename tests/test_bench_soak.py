@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def test_argument_module_imports_no_torch_or_numpy():
-    code = "import sys, bench.soak; print('torch' in sys.modules or 'numpy' in sys.modules)"
+    code = "import sys, bench.soak.cli; print('torch' in sys.modules or 'numpy' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 
 

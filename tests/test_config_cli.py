@@ -73,8 +73,10 @@ def test_defaults():
     assert s.workers is None and s.engines is None  # resolved at start from the host's cores and GPUs
     assert s.shutdown_grace_s == 30.0
     assert s.max_connections == 2048 and s.header_timeout_s == 10.0 and s.body_timeout_s == 30.0
+    assert s.ab_unfused_percent == 50.0 and s.shadow_every == 0 and s.config_file is None
     assert set(FIELDS) == {
-        "mode", "device", "model", "model_dir", "dtype", "allow_tf32", "max_batch_size", "max_delay_ms",
+        "mode", "ab_unfused_percent", "shadow_every", "config_file", "device", "model", "model_dir", "dtype",
+        "allow_tf32", "max_batch_size", "max_delay_ms",
         "engine_spin_ms", "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "kernel_timing_every",
         "cuda_graphs", "tuning", "tuning_timing", "tuning_cache", "pdl", "warmup", "workers", "engines",
         "shutdown_grace_s", "max_connections", "header_timeout_s", "body_timeout_s",
@@ -88,6 +90,9 @@ def test_defaults():
 
 ENV_VALUES = [
     ("MODE", "unfused", "mode", "unfused"),
+    ("MODE", "ab", "mode", "ab"),
+    ("AB_UNFUSED_PERCENT", "12.5", "ab_unfused_percent", 12.5),
+    ("SHADOW_EVERY", "16", "shadow_every", 16),
     ("DEVICE", "cpu", "device", "cpu"),
     ("DTYPE", "bfloat16", "dtype", "bfloat16"),
     ("ALLOW_TF32", "true", "allow_tf32", True),
@@ -107,7 +112,7 @@ ENV_VALUES = [
 ]
 
 
-@pytest.mark.parametrize("var,raw,field,value", ENV_VALUES, ids=[v[0] for v in ENV_VALUES])
+@pytest.mark.parametrize("var,raw,field,value", ENV_VALUES, ids=[f"{v[0]}={v[1]}" for v in ENV_VALUES])
 def test_environment_is_read(monkeypatch, var, raw, field, value):
     monkeypatch.setenv(ENV_PREFIX + var, raw)
     assert getattr(load_settings(), field) == value
@@ -129,7 +134,9 @@ def test_explicit_override_wins(monkeypatch):
 
 
 INVALID = [
-    ("FUSEDSERVE_MODE", "fast", r"FUSEDSERVE_MODE: Input should be 'fused' or 'unfused' \(got 'fast'\)"),
+    ("FUSEDSERVE_MODE", "fast", r"FUSEDSERVE_MODE: Input should be 'fused', 'unfused' or 'ab' \(got 'fast'\)"),
+    ("FUSEDSERVE_AB_UNFUSED_PERCENT", "101", r"FUSEDSERVE_AB_UNFUSED_PERCENT: Input should be less than or equal"),
+    ("FUSEDSERVE_SHADOW_EVERY", "-1", r"FUSEDSERVE_SHADOW_EVERY: Input should be greater than or equal to 0"),
     ("FUSEDSERVE_MAX_BATCH_SIZE", "0", r"FUSEDSERVE_MAX_BATCH_SIZE: Input should be greater than or equal to 1"),
     ("FUSEDSERVE_MAX_BATCH_SIZE", "65537", r"FUSEDSERVE_MAX_BATCH_SIZE: Input should be less than or equal to 65536"),
     ("FUSEDSERVE_PORT", "abc", r"FUSEDSERVE_PORT: Input should be a valid integer.*\(got 'abc'\)"),
@@ -147,6 +154,27 @@ INVALID = [
 def test_invalid_value_names_the_variable(monkeypatch, var, raw, message):
     monkeypatch.setenv(var, raw)
     with pytest.raises(SettingsError, match=message):
+        load_settings()
+
+
+def test_config_file_is_read_in_place_of_dotenv_and_the_environment_wins(monkeypatch, tmp_path):
+    (tmp_path / ".env").write_text("FUSEDSERVE_MODE=unfused\n")
+    conf = tmp_path / "ab.env"
+    conf.write_text("FUSEDSERVE_MODE=ab\nFUSEDSERVE_SHADOW_EVERY=8\nFUSEDSERVE_PORT=9001\n")
+    monkeypatch.setenv("FUSEDSERVE_CONFIG_FILE", str(conf))
+    monkeypatch.setenv("FUSEDSERVE_PORT", "9002")
+    s = load_settings()
+    assert (s.mode, s.shadow_every, s.port, s.config_file) == ("ab", 8, 9002, conf)
+    assert load_settings(config_file=str(tmp_path / ".env")).mode == "unfused"  # the command line's file wins
+
+
+def test_a_config_file_that_is_missing_or_has_a_typo_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("FUSEDSERVE_CONFIG_FILE", str(tmp_path / "nope.env"))
+    with pytest.raises(SettingsError, match=r"FUSEDSERVE_CONFIG_FILE: .*nope.env is not a readable file"):
+        load_settings()
+    (tmp_path / "typo.env").write_text("FUSEDSERVE_MDOE=ab\n")
+    monkeypatch.setenv("FUSEDSERVE_CONFIG_FILE", str(tmp_path / "typo.env"))
+    with pytest.raises(SettingsError, match=r"unknown setting\(s\) FUSEDSERVE_MDOE"):
         load_settings()
 
 
@@ -225,7 +253,7 @@ def _help_lists_everything(text: str) -> None:
         assert re.search(rf"--{name.replace('_', '-')}\b", text), f"--{name.replace('_', '-')} missing from --help"
         assert ENV_PREFIX + name.upper() in text, f"{ENV_PREFIX + name.upper()} missing from --help"
     assert "--warmup" in text and "--no-warmup" in text
-    assert "{fused,unfused}" in text and "{auto,float32,float16,bfloat16}" in text
+    assert "{fused,unfused,ab}" in text and "{auto,float32,float16,bfloat16}" in text
 
 
 def test_serve_help_lists_every_setting(capsys):
@@ -286,8 +314,10 @@ def test_serve_options_beat_environment(monkeypatch, no_server, capsys):
     """The parsed Settings as the supervisor receives them (serve replaced: it fails after recording)."""
     seen = []
 
-    def fake_serve(settings):
+    def fake_serve(settings, overrides):
         seen.append(settings)
+        # The command line's settings travel too: they beat the environment and the file at every reload.
+        assert overrides["mode"] == "fused" and overrides["port"] is None
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(service.supervisor, "serve", fake_serve)

@@ -40,8 +40,14 @@ HISTOGRAMS = {
     "fusedserve_request_seconds",
     "fusedserve_queue_wait_seconds",
     "fusedserve_batch_rows",
+    "fusedserve_shadow_error",
 }
-COUNTERS = {"fusedserve_requests_total"}
+COUNTERS = {
+    "fusedserve_requests_total",
+    "fusedserve_shadow_batches_total",
+    "fusedserve_shadow_argmax_mismatch_total",
+    "fusedserve_config_reloads_total",
+}
 GAUGES = {"fusedserve_queue_depth", "fusedserve_model_info"}
 # Series names PromQL may select: histogram series, the counter, the gauges.
 SERIES = {h + s for h in HISTOGRAMS for s in ("_bucket", "_sum", "_count")} | COUNTERS | GAUGES
@@ -53,7 +59,10 @@ GRAFANA_VARS = {
     "$model": "digits-mlp",
     "$mode": "fused|unfused",
     "$kernel": ".*",
+    "$instance": "fusedserve-ab:8000",
 }
+AB_ROW = "A/B: "  # the title prefix of the A/B row's panels (tests/test_ab_dashboard.py runs their queries)
+AB_FILE = REPO / "deploy" / "ab" / "fusedserve.env"
 
 INTERP_RE = re.compile(r"^\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::?-(?P<default>[^}]*))?\}$")
 
@@ -217,20 +226,38 @@ def test_compose_fusedserve_service_publishes_port_and_requests_gpu():
     assert all(d.get("count") == "all" or int(d.get("count", 0)) >= 1 or d.get("device_ids") for d in gpus)
 
 
-def test_compose_unfused_ab_service():
-    svc = compose()["services"]["fusedserve-unfused"]
-    assert svc.get("profiles") == ["ab"], "the unfused A/B service is opt-in through the ab profile"
+def test_compose_ab_profile_is_one_service_in_ab_mode_from_a_reloadable_file():
+    services = compose()["services"]
+    ab = {name: svc for name, svc in services.items() if "ab" in (svc.get("profiles") or [])}
+    assert list(ab) == ["fusedserve-ab"], "the ab profile adds one service, both modes in it"
+    svc = ab["fusedserve-ab"]
     assert ("8001", SERVICE_PORT) in published_ports(svc)
     env = env_of(svc)
-    assert resolve(env["FUSEDSERVE_MODE"]) == "unfused"
     assert env.get("FUSEDSERVE_HOST") == "0.0.0.0"
-    assert svc["deploy"]["resources"]["reservations"]["devices"], "the unfused service needs the GPU too"
-    fused_env = env_of(compose()["services"]["fusedserve"])
+    assert svc["deploy"]["resources"]["reservations"]["devices"], "the A/B service needs the GPU"
+    # The mode comes from the mounted configuration file, which SIGHUP re-reads: the environment would beat it.
+    conf = env["FUSEDSERVE_CONFIG_FILE"]
+    mounts = {target: source for source, target in volume_specs(svc)}
+    folder = str(Path(conf).parent)
+    assert folder in mounts, f"{conf}'s folder is not mounted (a mounted file would not see an editor's new file)"
+    assert REPO / mounts[folder] / Path(conf).name == AB_FILE and AB_FILE.is_file()
+    from dotenv import dotenv_values
+
+    from service.config import LIVE_SETTINGS, Settings
+
+    in_file = {k: v for k, v in dotenv_values(AB_FILE).items()}
+    assert in_file.get("FUSEDSERVE_MODE") == "ab" and int(in_file.get("FUSEDSERVE_SHADOW_EVERY", 0)) > 0
+    assert not set(in_file) & set(env), "a setting in both the environment and the file: the environment wins"
+    assert all(k[len(ENV_PREFIX) :].lower() in LIVE_SETTINGS for k in in_file), "keep only live settings there"
+    Settings(
+        _env_file=AB_FILE,
+        **{k[len(ENV_PREFIX) :].lower(): resolve(v) for k, v in env.items() if k != "FUSEDSERVE_CONFIG_FILE"},
+    )
+    # Everything else matches the fused service, or the two would serve different things.
+    fused_env = env_of(services["fusedserve"])
     assert resolve(fused_env["FUSEDSERVE_MODE"]) == "fused"
-    # Everything but the mode must match, or the A/B comparison compares different things.
-    assert {k: v for k, v in env.items() if k != "FUSEDSERVE_MODE"} == {
-        k: v for k, v in fused_env.items() if k != "FUSEDSERVE_MODE"
-    }
+    same = set(fused_env) - {"FUSEDSERVE_MODE"}
+    assert {k: env[k] for k in same} == {k: fused_env[k] for k in same}
 
 
 def test_compose_and_dockerfile_env_vars_are_settings_fields():
@@ -338,7 +365,7 @@ def test_prometheus_scrapes_the_service():
             for t in static["targets"]:
                 targets[t] = (sc["job_name"], sc.get("metrics_path", "/metrics"))
     assert targets.get(f"fusedserve:{SERVICE_PORT}") == ("fusedserve", "/metrics"), targets
-    assert targets.get(f"fusedserve-unfused:{SERVICE_PORT}") == ("fusedserve", "/metrics"), targets
+    assert targets.get(f"fusedserve-ab:{SERVICE_PORT}") == ("fusedserve", "/metrics"), targets
 
     # Each project target is a compose service of this project, on the port it listens on.
     project_targets = [t for t, (job, _) in targets.items() if job == "fusedserve"]
@@ -529,6 +556,38 @@ def test_grafana_dashboard_has_the_required_views():
     assert panels_with("fusedserve_queue_depth")
     heatmaps = [p for p in all_panels(dash) if p.get("type") == "heatmap"]
     assert any("fusedserve_batch_rows_bucket" in t["expr"] for p in heatmaps for t in p["targets"])
+
+
+def test_grafana_dashboard_has_the_ab_row():
+    """The A/B row: one service's fused against its unfused steps (p50, p99), the speedup per step and for the whole
+    forward, request latency by mode, the split, the shadow comparison, the active mode and the reloads."""
+    dash = dashboard()
+    ab = {
+        p["title"]: [t["expr"] for t in p.get("targets", [])] for p in all_panels(dash) if p["title"].startswith(AB_ROW)
+    }
+    rows = [t for t, exprs in ab.items() if not exprs]
+    assert len(rows) == 1, rows
+    panels = {t: e for t, e in ab.items() if e}
+    assert len(panels) >= 8
+    for title, exprs in panels.items():
+        assert all('instance=~"$instance"' in e for e in exprs), f"{title}: not limited to the A/B service"
+
+    def having(*needles: str) -> list[str]:
+        return [t for t, exprs in panels.items() if any(all(n in e for n in needles) for e in exprs)]
+
+    for q in ("0.5", "0.99"):
+        assert having(f"histogram_quantile({q}", "fusedserve_kernel_seconds_bucket", "kernel, mode", "fused|unfused")
+        assert having(f"histogram_quantile({q}", "fusedserve_request_seconds_bucket", "le, mode")
+    speedup = having('mode="unfused"', 'mode="fused"', "fusedserve_kernel_seconds_bucket")
+    assert speedup and having('mode="unfused"', 'mode="fused"', "fusedserve_forward_seconds_bucket") == speedup
+    assert having("fusedserve_shadow_error_bucket") and having("fusedserve_shadow_argmax_mismatch_total")
+    assert having("fusedserve_shadow_batches_total") and having("fusedserve_config_reloads_total")
+    assert having("fusedserve_batch_rows_count", "mode") and having("fusedserve_model_info", "== 1")
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert 'mode="ab"' in variables["instance"]["query"]["query"], "the A/B service: an instance in ab mode"
+    # The mode variable lists the executors' modes, and All matches every label (ab included, for refusals).
+    assert "fusedserve_forward_seconds_count" in variables["mode"]["query"]["query"]
+    assert variables["mode"]["allValue"] == ".*"
 
 
 def test_grafana_dashboard_queries_parse_as_promql(tmp_path):

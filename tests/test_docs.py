@@ -41,7 +41,7 @@ DOCS = (
     "docs/security.md",
 )
 FUSEDSERVE = ".venv/bin/fusedserve"
-RESULTS_MD = REPO / "bench" / "results" / "kernels_h200.md"
+RESULTS = REPO / "bench" / "results"  # one folder per GPU: results/h100/kernels_h100.md
 
 
 def _opening_commands() -> list[str]:
@@ -94,12 +94,13 @@ KINDS = {
     "help": rf"^{FUSEDSERVE} [\w -]*--help$",
     "serve": rf"^{_ENV}{FUSEDSERVE} serve(?: .*)?$",
     "check-model": rf"^{FUSEDSERVE} check-model \S+$",
+    "import": rf"^{FUSEDSERVE} import \S+\.onnx \S+(?: --name \S+)?$",
     "docs": rf"^{FUSEDSERVE} docs(?: --check)?$",
     "bench-smoke": rf"^{FUSEDSERVE} bench kernels --device cpu --quick --out \S+$",
     "gpu": rf"^(?:{_ENV}bash bench/gpu_session\.sh.*|{FUSEDSERVE} bench (?:kernels|serve|pool|soak)"
     r"(?! --device cpu).*)$",
     "probe": r"^\.venv/bin/python -m bench\.probes\.\w+(?: --out \S+)?$",
-    "report": r"^\.venv/bin/python -m bench\.kernel_report \S+$",
+    "report": r"^\.venv/bin/python -m bench\.kernels\.report \S+$",
     "docker": r"^docker compose (?:--profile \w+ )?up --build$",
     "git": r"^git show [0-9a-f]{7,40}:\S+$",
 }
@@ -319,12 +320,15 @@ def test_help_commands(tmp_path):
 
 
 def test_export_snippet_and_check_model_commands(tmp_path):
-    """The README's export snippet runs as written (in an empty directory), and each check-model
-    command there then validates its model and prints the fused plan."""
+    """The README's export snippet runs as written (in an empty directory), its import commands write model
+    directories, and each check-model command there then validates its model and prints the fused plan."""
     (snippet,) = [b for b in _blocks(README, "python") if "export_sequential" in b]
     (tmp_path / "model_weights").symlink_to(REPO / "model_weights")
     res = _run([sys.executable, "-c", snippet], tmp_path)
     assert res.returncode == 0, res.stderr
+    for cmd in _commands("import"):  # before check-model, which reads what they write
+        res = _run(_fusedserve_argv(cmd), tmp_path)
+        assert res.returncode == 0, f"{cmd}:\n{res.stdout}{res.stderr}"
     for cmd in _commands("check-model"):
         res = _run(_fusedserve_argv(cmd), tmp_path)
         assert res.returncode == 0 and "fused plan" in res.stdout, f"{cmd}:\n{res.stdout}{res.stderr}"
@@ -374,8 +378,8 @@ def test_probe_commands_name_importable_probes():
 
 
 def test_report_command_rerenders_the_committed_results(tmp_path):
-    """`python -m bench.kernel_report JSON` on the committed run writes exactly the committed markdown."""
-    from bench.kernel_report import main as rerender
+    """`python -m bench.kernels.report JSON` on the committed run writes exactly the committed markdown."""
+    from bench.kernels.report import main as rerender
 
     for cmd in _commands("report"):
         src = REPO / shlex.split(cmd)[3]
@@ -450,7 +454,7 @@ def test_open_inference_protocol_example_against_a_real_server():
 def _md_row(first_cells: list[str], gpu: str = "h200", models: bool = False) -> str:
     """The row of the committed kernels_<gpu>.md whose leading cells are first_cells; for a model, in the fp16
     table (the bf16 one has the same leading cells)."""
-    md = RESULTS_MD.with_name(f"kernels_{gpu}.md")
+    md = RESULTS / gpu / f"kernels_{gpu}.md"
     lines, section = [], ""
     for line in md.read_text().splitlines():
         section = line if line.startswith("## ") else section
@@ -488,7 +492,7 @@ def test_quoted_benchmark_tables_match_the_committed_results(doc):
 
 def _serve_closed_loop() -> dict[tuple[str, int, int, int], dict[str, str]]:
     """The committed bench serve run's closed-loop rows: (system, workers, rows, conns) -> {column: cell}."""
-    text = (REPO / "bench" / "results" / "serve_h100.md").read_text()
+    text = (RESULTS / "h100" / "serve_h100.md").read_text()
     section = text.split("## Closed loop", 1)[1].split("\n## ", 1)[0]
     header, *rows = [
         [c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line[:2] == "| "
@@ -531,7 +535,20 @@ def test_result_files_the_docs_and_code_cite_exist():
     cited = set()
     for path in [*(REPO / d for d in DOCS), *REPO.glob("kernels/*.py"), *REPO.glob("bench/**/*.py")]:
         # (not `git show REV:bench/results/...`: that file is in git, no longer in the tree)
-        cited |= {(path, c) for c in re.findall(r"(?<!:)bench/results/([\w.-]+\.\w+)", path.read_text())}
-        cited |= {(path, c) for c in re.findall(r"\]\((?:\.\./)*(?:bench/)?results/([\w.-]+\.\w+)\)", path.read_text())}
-    missing = sorted(f"{p.relative_to(REPO)}: {c}" for p, c in cited if not (REPO / "bench" / "results" / c).is_file())
+        text = path.read_text()
+        cited |= {(path, c) for c in re.findall(r"(?<!:)bench/results/([\w./-]+\.\w+)", text)}
+        cited |= {(path, c) for c in re.findall(r"\]\((?:\.\./)*(?:bench/)?results/([\w./-]+\.\w+)\)", text)}
+    missing = sorted(f"{p.relative_to(REPO)}: {c}" for p, c in cited if not (RESULTS / c).is_file())
     assert len(cited) >= 10 and not missing, missing
+
+
+def test_every_committed_result_is_in_a_gpu_folder_and_in_the_index():
+    """bench/results/<gpu>/ holds each GPU's results, and bench/README.md's index links every one of them (a result no
+    document needs any more is deleted: git keeps it)."""
+    index = (REPO / "bench" / "README.md").read_text()
+    linked = set(re.findall(r"\]\(results/([\w./-]+)\)", index))
+    files = {p.relative_to(RESULTS).as_posix() for p in RESULTS.rglob("*") if p.is_file()}
+    assert files, "no committed results"
+    misplaced = sorted(f for f in files if f.count("/") != 1 or f"_{f.split('/')[0]}" not in f)
+    assert not misplaced, f"not in the folder of their GPU: {misplaced}"
+    assert not files - linked, f"not in bench/README.md's index: {sorted(files - linked)}"

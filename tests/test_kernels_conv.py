@@ -49,27 +49,41 @@ def _inputs(case, dtype, device, bias=True, channels_last=False):
     return x, w, b
 
 
-def _check(case, dtype, activation, device, bias=True, slope=0.01, channels_last=False, allow_tf32=False, rtol=None):
+def _out_shape(case) -> tuple[int, ...]:
+    N, C, H, W, OC, *geometry = case
+    k, s, p, d = (v if isinstance(v, (tuple, list)) else (v, v) for v in geometry)
+    return (N, OC, *(conv_mod.conv_output_size(n, k[i], s[i], p[i], d[i]) for i, n in enumerate((H, W))))
+
+
+def _check(
+    case, dtype, activation, device, bias=True, slope=0.01, channels_last=False, allow_tf32=False, rtol=None,
+    residual=None,
+):  # fmt: skip
+    """residual: None, or the memory format of a fresh random residual added before the activation."""
     x, w, b = _inputs(case, dtype, device, bias, channels_last)
     s, p, d = case[6:]
+    r = None if residual is None else torch.randn(_out_shape(case), device=device).to(dtype)
+    r = r if r is None else r.contiguous(memory_format=residual)
     want = reference.conv2d(
         x.double(), w.double(), b.double() if b is not None else None, activation,
-        stride=s, padding=p, dilation=d, negative_slope=slope,
+        stride=s, padding=p, dilation=d, negative_slope=slope, residual=r if r is None else r.double(),
     )  # fmt: skip
     fmt = torch.channels_last if channels_last and case[1] > 1 else torch.contiguous_format
     out = torch.full(want.shape, float("nan"), device=device, dtype=dtype).contiguous(memory_format=fmt)
     got = fused_conv2d(
         x, w, b, stride=s, padding=p, dilation=d, activation=activation, negative_slope=slope,
-        allow_tf32=allow_tf32, out=out,
+        allow_tf32=allow_tf32, out=out, residual=r,
     )  # fmt: skip
     assert got is out  # NaN left behind = an element not written (assert_close_to checks finiteness)
-    assert_close_to(got, want, rtol or RTOL[dtype], f"{case} {dtype} {activation} bias={bias} nhwc={channels_last}")
+    what = f"{case} {dtype} {activation} bias={bias} nhwc={channels_last} residual={residual}"
+    assert_close_to(got, want, rtol or RTOL[dtype], what)
     return got, want
 
 
 @pytest.fixture
-def small_tile(monkeypatch):
-    monkeypatch.setattr(conv_mod, "interpreter_tile", conv_mod.SMALL_INTERPRETER_TILE)
+def small_tile():
+    with conv_mod.INTERPRETER.override(tile=conv_mod.SMALL_INTERPRETER_TILE):
+        yield
 
 
 @pytest.fixture
@@ -86,9 +100,9 @@ def untuned():
 
 
 @pytest.fixture(params=[True, False], ids=["flat_k", "taps"])
-def k_loop(request, monkeypatch):
-    monkeypatch.setattr(conv_mod, "interpreter_flat_k", request.param)
-    return request.param
+def k_loop(request):
+    with conv_mod.INTERPRETER.override(flat_k=request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
@@ -152,12 +166,52 @@ def test_ints_or_pairs_are_taken():
 
 @pytest.mark.parametrize("split", [2, 3], ids=["split2", "split3"])
 @pytest.mark.parametrize("case", [AWKWARD[0], AWKWARD[2], AWKWARD[6], SERVING[2]], ids=_ids)
-def test_split_k_both_k_loops(small_tile, k_loop, monkeypatch, case, split):
+def test_split_k_both_k_loops(small_tile, k_loop, case, split):
     """Split-K: each program sums part of the K steps and the tile's last one adds the partials. 3 splits of a
     1-step K loop (the digits' first layer, flat) leave programs with no step: they add zeros."""
-    monkeypatch.setattr(conv_mod, "interpreter_split_k", split)
-    _check(case, torch.float32, "gelu", DEVICE)
-    _check(case, torch.float16, "relu", DEVICE, channels_last=True, bias=False)
+    with conv_mod.INTERPRETER.override(split_k=split):
+        _check(case, torch.float32, "gelu", DEVICE)
+        _check(case, torch.float16, "relu", DEVICE, channels_last=True, bias=False)
+
+
+# ---- residual: act(conv2d(x, W) + b + residual), a ResNet block's skip connection ----
+
+NCHW, NHWC = torch.contiguous_format, torch.channels_last
+
+
+@pytest.mark.parametrize("r_format", [NCHW, NHWC], ids=["r_nchw", "r_nhwc"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("case", [AWKWARD[1], AWKWARD[2], AWKWARD[6]], ids=_ids)
+def test_residual_awkward_shapes_both_k_loops_and_layouts(small_tile, k_loop, case, channels_last, r_format):
+    """The residual in the output's layout and in the other one (copied into the output's first)."""
+    _check(case, torch.float32, "leaky_relu", DEVICE, slope=0.3, channels_last=channels_last, residual=r_format)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_residual_every_dtype_and_activation(dtype, activation):
+    _check(AWKWARD[1], dtype, activation, DEVICE, residual=NCHW)
+
+
+@pytest.mark.parametrize("case", [AWKWARD[0], AWKWARD[2]], ids=_ids)
+def test_residual_with_split_k(small_tile, k_loop, case):
+    """Split 3 ways (programs with no K step too): only the program that stores reads the residual."""
+    with conv_mod.INTERPRETER.override(split_k=3):
+        _check(case, torch.float32, "relu", DEVICE, channels_last=True, residual=NHWC)
+        _check(case, torch.float16, "hardswish", DEVICE, bias=False, residual=NCHW)
+
+
+def test_bad_residuals_are_named():
+    x, w, b = _inputs((2, 3, 6, 6, 4, 3, 1, 1, 1), torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="a residual cannot be fused with a pool"):
+        fused_conv2d(x, w, b, padding=1, pool=("max", 2), residual=torch.randn(2, 4, 3, 3, device=DEVICE))
+    with pytest.raises(ValueError, match=r"residual must have the output's shape \(2, 4, 6, 6\); got \(2, 4, 4, 4\)"):
+        fused_conv2d(x, w, b, padding=1, residual=torch.randn(2, 4, 4, 4, device=DEVICE))
+    with pytest.raises(TypeError, match="residual has dtype torch.float16"):
+        fused_conv2d(x, w, b, padding=1, residual=torch.randn(2, 4, 6, 6, device=DEVICE).half())
+    out = torch.empty(2, 4, 6, 6, device=DEVICE)
+    with pytest.raises(ValueError, match="residual shares memory with out"):
+        fused_conv2d(x, w, b, padding=1, out=out, residual=out)
 
 
 def test_k_loops_and_tiles_agree():
@@ -166,11 +220,8 @@ def test_k_loops_and_tiles_agree():
     results = []
     for flat in (True, False):
         for tile in (None, conv_mod.SMALL_INTERPRETER_TILE):
-            conv_mod.interpreter_flat_k, conv_mod.interpreter_tile = flat, tile
-            try:
+            with conv_mod.INTERPRETER.override(flat_k=flat, tile=tile):
                 results.append(fused_conv2d(x, w, b, padding=1, activation="silu", allow_tf32=False))
-            finally:
-                conv_mod.interpreter_flat_k = conv_mod.interpreter_tile = None
     for r in results[1:]:
         assert_close_to(r, results[0].double(), RTOL[torch.float32], "K loop / tile")
 
@@ -251,6 +302,23 @@ def test_gpu_shapes_layouts_and_no_bias(untuned, case, channels_last):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=_ids)
+def test_gpu_residual_shapes_and_layouts(untuned, case, channels_last):
+    fmt = NHWC if channels_last else NCHW
+    _check(case, torch.float16, "relu", "cuda", channels_last=channels_last, residual=fmt)
+    _check(case, torch.bfloat16, "relu6", "cuda", bias=False, channels_last=channels_last, residual=NHWC)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_residual_every_dtype_and_activation(untuned, dtype, activation):
+    for case in (GPU_CASES[1], GPU_CASES[9]):  # awkward (flat K), wider (per tap)
+        _check(case, dtype, activation, "cuda", residual=NCHW)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 2, 3, 17, 64, 255, 1024, 4096])
 def test_gpu_every_batch_bucket(batch):
     """The tuned config is keyed on a power-of-two bucket of N * OH * OW: every batch in a bucket is right."""
@@ -281,6 +349,8 @@ def test_gpu_every_candidate(monkeypatch, dtype):
             conv_mod._configs.clear()
             for channels_last in (False, True):
                 _check(case, dtype, "silu", "cuda", channels_last=channels_last)
+                r_format = NHWC if channels_last else NCHW
+                _check(case, dtype, "relu", "cuda", channels_last=channels_last, residual=r_format)
         pooled = conv_mod.cuda_configs(conv_mod.m_bucket(N * H * W // 4), OC, C, C * 9, fma, pooled=True)
         unpooled = conv_mod.cuda_configs(conv_mod.m_bucket(N * H * W), OC, C, C * 9, fma, element_size=size)
         apart = [LaunchConfig(c.kwargs + (("APART", 1),), c.num_warps, c.num_stages) for c in unpooled]
@@ -318,13 +388,14 @@ strides = ["stride_xn", "stride_xc", "stride_xh", "stride_xw", "stride_wo", "str
            "stride_yn", "stride_yc", "stride_yh", "stride_yw"]
 # (C, H, W, O, channels_last, pool, images): the digits CNN's layers and the wider CNN's, NHWC with a channels_last
 # weight, at 4096 images; the digits' layers also with a 2x2 max pool fused; the wider CNN's last conv at one
-# image, where the candidates split K
+# image, where the candidates split K (with a residual: test_kernels_compile.py)
 layers = [(1, 8, 8, 16, False, "none", 4096), (16, 4, 4, 32, True, "none", 4096), (64, 32, 32, 128, True, "none", 4096),
           (1, 8, 8, 16, False, "max", 4096), (16, 4, 4, 32, True, "max", 4096), (128, 8, 8, 128, False, "none", 1)]
 for C, H, W, O, nhwc, pool, images in layers:
     pk = 2 if pool != "none" else 1
     units = ["stride_xc", "stride_yc", "stride_wc"] if nhwc else ["stride_xw", "stride_yw", "stride_ww"]
-    runtime = {"x_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "y_ptr": ptr, "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    runtime = {"x_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "y_ptr": ptr, "r_ptr": ptr, "ws_ptr": "*fp32"}
+    runtime["cnt_ptr"] = "*i32"
     runtime.update({"NB": "i32", "OC": "i32"})
     runtime["negative_slope"] = "fp32"
     runtime.update({s: "i32" for s in strides if s not in units})
@@ -332,12 +403,12 @@ for C, H, W, O, nhwc, pool, images in layers:
     size = 4 if ptr == "*fp32" else 2
     for cfg in conv.cuda_configs(conv.m_bucket(images * H * W), O, C, C * 9, fma, pool != "none", element_size=size):
         meta = dict(C=C, H=H, W=W, OH=H // pk, OW=W // pk, KH=3, KW=3, SH=1, SW=1, PH=1, PW=1, DH=1, DW=1,
-                    POOL=pool, PKH=pk, PKW=pk, PSH=pk, PSW=pk, HAS_BIAS=True,
+                    POOL=pool, PKH=pk, PKW=pk, PSH=pk, PSW=pk, HAS_BIAS=True, HAS_RESIDUAL=False,
                     ACTIVATION="relu", INPUT_PRECISION=precision, UPCAST_DOT=False, ROUND_BF16=False, PDL=True,
                     CHANNELS_LAST=nhwc, Y_PLANES=not nhwc, **{u: 1 for u in units}, **dict(cfg.kwargs))
         odd = ("stride_wo", "stride_wh")  # 9 * C and 3 * C (NHWC weight), 9 * C and 3 (NCHW): not multiples of 16
         divisible = ("OC",) + tuple(s for s in runtime if s.startswith("stride") and s not in odd)
-        ptx, usage = compile_sm90(conv._conv2d_kernel, runtime, meta, 4, cfg.num_warps, cfg.num_stages, divisible)
+        ptx, usage = compile_sm90(conv._conv2d_kernel, runtime, meta, 5, cfg.num_warps, cfg.num_stages, divisible)
         print(json.dumps({"layer": [C, H, W, O, nhwc, pool, images], "config": cfg.meta(), "STACK": usage["STACK"],
                           "wgmma": "wgmma.mma_async" in ptx, "mma": "mma.sync.aligned" in ptx,
                           "cp16": "cp.async.cg.shared.global" in ptx,
@@ -406,12 +477,11 @@ def test_conv_act_pool_dtypes(dtype, activation):
 @pytest.mark.parametrize(
     "case,pool", POOLED[:2] + POOLED[3:4], ids=[_ids(c) + f"-{p}" for c, p in POOLED[:2] + POOLED[3:4]]
 )
-def test_conv_then_pool_apart(small_tile, monkeypatch, case, pool, channels_last):
+def test_conv_then_pool_apart(small_tile, case, pool, channels_last):
     """The tuner's APART candidates: the conv to its full output (split-K allowed), then fused_pool2d."""
-    monkeypatch.setattr(conv_mod, "interpreter_pool_apart", True)
-    monkeypatch.setattr(conv_mod, "interpreter_split_k", 2)
-    _check_pooled(case, pool, torch.float32, "silu", DEVICE, channels_last=channels_last)
-    _check_pooled(case, pool, torch.bfloat16, "relu", DEVICE, channels_last=channels_last, bias=False)
+    with conv_mod.INTERPRETER.override(pool_apart=True, split_k=2):
+        _check_pooled(case, pool, torch.float32, "silu", DEVICE, channels_last=channels_last)
+        _check_pooled(case, pool, torch.bfloat16, "relu", DEVICE, channels_last=channels_last, bias=False)
 
 
 @pytest.mark.parametrize("pool", [None, ("max", 2)], ids=["conv", "conv-pool"])

@@ -3,7 +3,7 @@
 5x3 windows), every dtype and activation, fused 2x2 / 1x2 / 4x4 pools, NHWC and NCHW outputs. Outputs start as NaN:
 an element not written fails.
 
-On the CPU through Triton's interpreter (kernels.conv.interpreter_tma routes eligible calls to this kernel); on the
+On the CPU through Triton's interpreter (kernels.conv.INTERPRETER's `tma` routes eligible calls to this kernel); on the
 GPU every candidate the tuner may pick, forced; compiled for sm_90 here (TMA copies, warpgroup MMAs, no spills).
 """
 
@@ -53,12 +53,11 @@ def tma_on(monkeypatch):
         candidates = list(candidates)
         return next((c for c in candidates if conv_tma.is_tma(c)), candidates[0])
 
-    monkeypatch.setattr(conv_mod, "interpreter_tma", True)
-    monkeypatch.setattr(conv_mod, "interpreter_tile", (32, 16, 16))
     monkeypatch.setattr(conv_mod, "tune", first_tma)
     monkeypatch.setattr(conv_mod, "_configs", {})  # picks made without the fixture are not reused, nor kept after
     monkeypatch.setattr(conv_tma, "launch", counted)
-    return calls
+    with conv_mod.INTERPRETER.override(tma=True, tile=(32, 16, 16)):
+        yield calls
 
 
 def _inputs(case, dtype, device, bias=True):
@@ -71,20 +70,26 @@ def _inputs(case, dtype, device, bias=True):
 
 
 def _check(
-    case, dtype, activation, device, pool=None, y_format=NHWC, bias=True, allow_tf32=False, rtol=None, inputs=None
-):
-    """Returns the output and the inputs (x, w, b), which a second call may take again."""
+    case, dtype, activation, device, pool=None, y_format=NHWC, bias=True, allow_tf32=False, rtol=None, inputs=None,
+    residual=None,
+):  # fmt: skip
+    """Returns the output and the inputs (x, w, b), which a second call may take again. residual: None, or the
+    memory format of a fresh random residual added before the activation (no pool)."""
     x, w, b = inputs or _inputs(case, dtype, device, bias)
     p, d = case[6], case[7]
+    r = None
+    if residual is not None:
+        shape = reference.conv2d(x[:1].double(), w.double(), padding=p, dilation=d).shape
+        r = torch.randn(x.shape[0], *shape[1:], device=device).to(dtype).contiguous(memory_format=residual)
     want = reference.conv2d(x.double(), w.double(), b.double() if b is not None else None, activation,
-                            padding=p, dilation=d)  # fmt: skip
+                            padding=p, dilation=d, residual=r if r is None else r.double())  # fmt: skip
     if pool is not None:
         want = reference.pool2d(want, pool[0], pool[1])
     out = torch.full(want.shape, float("nan"), device=device, dtype=dtype).contiguous(memory_format=y_format)
     got = fused_conv2d(x, w, b, padding=p, dilation=d, activation=activation, pool=pool, allow_tf32=allow_tf32,
-                       out=out)  # fmt: skip
+                       out=out, residual=r)  # fmt: skip
     assert got is out
-    what = f"{case} {dtype} {activation} pool={pool} y={y_format} bias={bias}"
+    what = f"{case} {dtype} {activation} pool={pool} y={y_format} bias={bias} residual={residual}"
     assert_close_to(got, want, rtol or RTOL[dtype], what)
     return got, (x, w, b)
 
@@ -107,6 +112,24 @@ def test_every_dtype_and_activation(tma_on, dtype, activation):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_without_bias(tma_on, dtype):
     _check(AWKWARD[1], dtype, "gelu", DEVICE, bias=False, y_format=torch.contiguous_format)
+    assert len(tma_on) == 1
+
+
+@pytest.mark.parametrize("r_format", [NHWC, torch.contiguous_format], ids=["r_nhwc", "r_nchw"])
+@pytest.mark.parametrize("y_format", [NHWC, torch.contiguous_format], ids=["y_nhwc", "y_nchw"])
+@pytest.mark.parametrize("case", [AWKWARD[1], AWKWARD[4]], ids=_ids)
+def test_residual(tma_on, case, y_format, r_format):
+    """Read with pointers at y's offsets, NHWC y (stored by TMA) or NCHW; a residual in the other layout is copied
+    into y's first."""
+    _check(case, torch.float32, "leaky_relu", DEVICE, y_format=y_format, residual=r_format)
+    nhwc_rows_ok = (case[4] * 4) % 16 == 0  # an NHWC y needs 16-byte rows of OC: else the pointer kernel runs
+    assert len(tma_on) == (1 if y_format is not NHWC or nhwc_rows_ok else 0)
+
+
+@pytest.mark.parametrize("activation", ["relu", "hardswish"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_residual_every_dtype(tma_on, dtype, activation):
+    _check(AWKWARD[4], dtype, activation, DEVICE, bias=False, residual=NHWC)
     assert len(tma_on) == 1
 
 
@@ -229,6 +252,27 @@ def test_gpu_every_candidate(monkeypatch, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_every_candidate_with_residual(monkeypatch, dtype):
+    """Each TMA config, forced, with a residual in y's layout, on the unpooled layers above (NHWC y) and one into
+    NCHW y, at several waves: right, and bitwise the same twice."""
+    layers = [(case, y_format) for case, pool, y_format in GPU_LAYERS if pool is None]
+    layers.append(((1025, 128, 8, 8, 128, 3, 1, 1), torch.contiguous_format))
+    for case, y_format in layers:
+        N, C, H, W, OC = case[:5]
+        for config in conv_tma.cuda_configs(conv_mod.m_bucket(N * H * W), OC, C, H, W, (1, 1), dtype.itemsize):
+            monkeypatch.setattr(conv_mod, "tune", lambda *a, config=config, **kw: config)
+            conv_mod._configs.clear()
+            first = _check(case, dtype, "relu", "cuda", y_format=y_format, residual=y_format)
+            x, w, b = first[1]
+            r = torch.randn_like(first[0])  # y's layout
+            again = [fused_conv2d(x, w, b, padding=case[6], dilation=case[7], activation="relu", residual=r,
+                                  memory_format=y_format, allow_tf32=False) for _ in range(2)]  # fmt: skip
+            assert torch.equal(again[0], again[1]), f"{case} {config}: two runs differ"
+    conv_mod._configs.clear()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_gpu_every_activation_tuned(activation):
     """The tuner's pick (TMA among the candidates) for every activation, bf16."""
@@ -269,22 +313,22 @@ from tests.sm90_compile import compile_sm90, pdl_order
 dtype = getattr(torch, sys.argv[1])
 ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
 name = ptr[1:]
-runtime = dict(b_ptr=ptr, NB="i32", stride_yn="i32", stride_yc="i32", stride_yh="i32", stride_yw="i32",
+runtime = dict(b_ptr=ptr, r_ptr=ptr, NB="i32", stride_yn="i32", stride_yc="i32", stride_yh="i32", stride_yw="i32",
                negative_slope="fp32")
 fixed = dict(HAS_BIAS=True, ACTIVATION="relu", INPUT_PRECISION="tf32" if dtype == torch.float32 else "ieee",
              UPCAST_DOT=False, ROUND_BF16=False, PDL=True)  # as launched on sm_90
 # the wider CNN's convs as the model runs them (pooled but the first; the last before the flatten: y NCHW) and the
-# digits CNN's second, at 256 images
+# digits CNN's second, at 256 images (with a residual: test_kernels_compile.py)
 for C, H, OC, pool, y_nhwc in [(64, 32, 64, "none", True), (64, 32, 64, "max", True), (64, 16, 128, "max", True),
                                (128, 8, 128, "max", False), (16, 8, 16, "max", False)]:
     pk = 2 if pool != "none" else 1
     for cfg in ct.cuda_configs(256 * H * H, OC, C, H, H, (pk, pk), dtype.itemsize):
         meta = dict(C=C, H=H, W=H, KH=3, KW=3, PH=1, PW=1, DH=1, DW=1, OH=H, OW=H, OC=OC, POOL=pool, PKH=pk, PKW=pk,
-                    **fixed, Y_NHWC=y_nhwc, **{k: v for k, v in cfg.meta().items() if k != "TMA"})
+                    **fixed, HAS_RESIDUAL=False, Y_NHWC=y_nhwc, **{k: v for k, v in cfg.meta().items() if k != "TMA"})
         img, bh, bw, bn, bk = (cfg[k] for k in ("IMG", "BH", "BW", "BLOCK_N", "BLOCK_K"))
         descs = dict(x_desc=f"tensordesc<{name}[{img}, {bh}, {bw}, {bk}]>", w_desc=f"tensordesc<{name}[{bn}, {bk}]>",
                      y=f"tensordesc<{name}[{img}, {bh // pk}, {bw // pk}, {bn}]>" if y_nhwc else ptr)
-        aligned = ("b_ptr",) if y_nhwc else ("b_ptr", "y")  # as the allocator's pointers are
+        aligned = ("b_ptr", "r_ptr") if y_nhwc else ("b_ptr", "r_ptr", "y")  # as the allocator's pointers are
         ptx, usage = compile_sm90(ct._conv2d_tma_kernel, {**runtime, **descs}, meta, 0, cfg.num_warps, cfg.num_stages,
                                   divisible=aligned)  # fmt: skip
         print(json.dumps({"layer": [C, H, OC, pool, y_nhwc], "config": cfg.meta(),

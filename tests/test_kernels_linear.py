@@ -31,23 +31,30 @@ def _inputs(M, N, K, dtype, device, bias=True):
     return x, w, b
 
 
-def _check(M, N, K, dtype, activation, device, bias=True, slope=0.01, allow_tf32=False, rtol=None):
+def _check(M, N, K, dtype, activation, device, bias=True, slope=0.01, allow_tf32=False, rtol=None, residual=False):
+    """residual: add a fresh random (M, N) one before the activation."""
     x, w, b = _inputs(M, N, K, dtype, device, bias)
+    r = torch.randn(M, N, device=device).to(dtype) if residual else None
     out = torch.full((M, N), float("nan"), device=device, dtype=dtype)  # NaN left behind = not written
-    got = fused_linear(x, w, b, activation, negative_slope=slope, out=out, allow_tf32=allow_tf32)
+    got = fused_linear(x, w, b, activation, negative_slope=slope, out=out, allow_tf32=allow_tf32, residual=r)
     assert got is out
     want = reference.linear(
-        x.double(), w.double(), b.double() if b is not None else None, activation, negative_slope=slope
-    )
-    what = f"{M}x{N}x{K} {dtype} {activation} bias={bias}"
+        x.double(), w.double(), b.double() if b is not None else None, activation, negative_slope=slope,
+        residual=r.double() if residual else None,
+    )  # fmt: skip
+    what = f"{M}x{N}x{K} {dtype} {activation} bias={bias} residual={residual}"
     # The anchor is the pre-activation's: every activation's slope is at most 1.13 (gelu's), so it carries over.
-    assert_close_to(got, want, rtol or RTOL[dtype], what, anchor=gemm_anchor(x, w, b))
+    anchor = gemm_anchor(x, w, b)
+    if residual:  # one more term of the sum
+        anchor = (anchor.pow(2) + r.double().cpu().pow(2)).sqrt()
+    assert_close_to(got, want, rtol or RTOL[dtype], what, anchor=anchor)
     return got, want
 
 
 @pytest.fixture
-def small_tile(monkeypatch):
-    monkeypatch.setattr(linear_mod, "interpreter_tile", linear_mod.SMALL_INTERPRETER_TILE)
+def small_tile():
+    with linear_mod.INTERPRETER.override(tile=linear_mod.SMALL_INTERPRETER_TILE):
+        yield
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
@@ -97,12 +104,12 @@ def test_empty_batch_returns_empty():
     assert y.shape == (0, 4)
 
 
-def test_outputs_do_not_depend_on_tile(monkeypatch):
+def test_outputs_do_not_depend_on_tile():
     """The small and the serving tile agree to rounding: tiling changes nothing but the order of sums."""
     x, w, b = _inputs(45, 70, 150, torch.float32, DEVICE)
     big = fused_linear(x, w, b, "silu")
-    monkeypatch.setattr(linear_mod, "interpreter_tile", linear_mod.SMALL_INTERPRETER_TILE)
-    small = fused_linear(x, w, b, "silu")
+    with linear_mod.INTERPRETER.override(tile=linear_mod.SMALL_INTERPRETER_TILE):
+        small = fused_linear(x, w, b, "silu")
     assert_close_to(small, big.double(), RTOL[torch.float32], "small vs serving tile")
 
 
@@ -199,6 +206,20 @@ def test_prepared_layer_checks_x_per_call():
         FusedLinear(w, b, "gelu_fast")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ["relu6", "hardswish"])
+def test_relu6_and_hardswish_over_their_whole_range(dtype, activation):
+    """Both bends of each (0 and 6; -3 and 3), which the GEMM tests' O(1) outputs seldom reach, and NaN and the
+    infinities as torch answers them (NaN stays NaN; hardswish(-inf) is NaN, -inf * 0, in torch too)."""
+    x = torch.cat([torch.linspace(-10, 10, 2001), torch.tensor([float("nan"), float("inf"), -float("inf")])])
+    x = x.to(device=DEVICE, dtype=dtype)
+    got = fused_activation(x, activation).cpu()
+    want = reference.activation(x.cpu().double(), activation)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    finite = want.isfinite()
+    assert_close_to(got[finite], want[finite], RTOL[dtype], f"{activation} {dtype}")
+
+
 def test_gelu_is_accurate_in_the_negative_tail():
     """The erf form's 1 + erf(x / sqrt 2) cancels for x < 0 (torch's fp32 gelu: 8.8e-4 relative error
     at x = -3, zero below -4); ours goes through erfc. Checked elementwise, relative, against math.erfc."""
@@ -214,17 +235,17 @@ def test_gelu_is_accurate_in_the_negative_tail():
 
 @pytest.mark.parametrize("split", [2, 3])
 @pytest.mark.parametrize("shape", [(1, 40, 200), (5, 33, 97), (17, 70, 129)], ids=lambda s: "x".join(map(str, s)))
-def test_split_k_sums_every_partial_and_resets_its_counters(small_tile, monkeypatch, shape, split):
+def test_split_k_sums_every_partial_and_resets_its_counters(small_tile, shape, split):
     """Split-K: the last program of each tile adds all partials (some splits get no K tile at all when
     the K tiles do not divide evenly) and leaves its counter at 0, so the next call needs no memset."""
-    monkeypatch.setattr(linear_mod, "interpreter_split_k", split)
     x, w, b = _inputs(*shape, torch.float32, DEVICE)
     layer = FusedLinear(w, b, "gelu_tanh")
     want = reference.linear(x.double(), w.double(), b.double(), "gelu_tanh")
-    for _ in range(2):  # the second call reuses the workspace and its counters
-        out = torch.full((shape[0], shape[1]), float("nan"), device=DEVICE)
-        assert_close_to(layer(x, out=out), want, RTOL[torch.float32], f"split-K {split} {shape}")
-        assert int(layer.workspace.counters.abs().sum()) == 0, "split-K counters not reset"
+    with linear_mod.INTERPRETER.override(split_k=split):
+        for _ in range(2):  # the second call reuses the workspace and its counters
+            out = torch.full((shape[0], shape[1]), float("nan"), device=DEVICE)
+            assert_close_to(layer(x, out=out), want, RTOL[torch.float32], f"split-K {split} {shape}")
+            assert int(layer.workspace.counters.abs().sum()) == 0, "split-K counters not reset"
 
 
 def test_workspace_is_sized_for_split_k_only():
@@ -350,8 +371,9 @@ def test_gpu_every_larger_batch_config(monkeypatch, config, dtype):
 
 
 def _pointer_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-    """x, W, bias, y in the layer's dtype; the split-K partials (fp32) and tile counters (int32)."""
-    return (dtype,) * 4 + (torch.float32, torch.int32)
+    """x, W, bias, y and the residual (y again, without one) in the layer's dtype; the split-K partials (fp32) and
+    tile counters (int32)."""
+    return (dtype,) * 5 + (torch.float32, torch.int32)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA the real direct launch runs in every GPU test")
@@ -363,7 +385,13 @@ def test_direct_and_fast_paths_pass_the_right_arguments(dtype, bias):
     config = linear_mod.LaunchConfig.of(4, 1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, SPLIT_K=2)
     upcast = bf16_on_interpreter(dtype)
     fixed = dict(
-        HAS_BIAS=bias, ACTIVATION="leaky_relu", INPUT_PRECISION="ieee", UPCAST_DOT=upcast, ROUND_BF16=upcast, PDL=False
+        HAS_BIAS=bias,
+        HAS_RESIDUAL=False,
+        ACTIVATION="leaky_relu",
+        INPUT_PRECISION="ieee",
+        UPCAST_DOT=upcast,
+        ROUND_BF16=upcast,
+        PDL=False,
     )
     launch = InterpretedLaunch(linear_mod._linear_kernel, {**fixed, **config.meta()}, _pointer_dtypes(dtype))
     for bucket in (4, 8, 32):
@@ -410,21 +438,21 @@ def test_persistent_configs_are_offered_for_a_full_wave_of_tma_eligible_tiles():
 @pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's override; on CUDA the tuner picks")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_prepared_layer_runs_the_persistent_kernel_where_tma_can_and_the_pointer_kernel_where_not(monkeypatch, dtype):
-    monkeypatch.setattr(linear_mod, "interpreter_override", PERSISTENT_SMALL)
-    calls = []
-    real = linear_mod.persistent.launch
-    monkeypatch.setattr(linear_mod.persistent, "launch", lambda *a: calls.append(a[0].shape) or real(*a))
-    x, w, b = _inputs(37, 56, 72, dtype, DEVICE)
-    layer = FusedLinear(w, b, "gelu_tanh")
-    want = reference.linear(x.double(), w.double(), b.double(), "gelu_tanh")
-    out = torch.full((37, 56), float("nan"), device=DEVICE).to(dtype)
-    assert_close_to(layer(x, out=out), want, RTOL[dtype], f"persistent via FusedLinear {dtype}")
-    assert calls == [(37, 72)]
-    # x one element past an aligned base: TMA cannot address it, so the pointer kernel runs, just as right
-    shifted = torch.empty(37 * 72 + 1, device=DEVICE, dtype=dtype)[1:].view(37, 72)
-    shifted.copy_(x)
-    assert_close_to(layer(shifted), want, RTOL[dtype], f"unaligned x via FusedLinear {dtype}")
-    assert calls == [(37, 72)]
+    with linear_mod.INTERPRETER.override(config=PERSISTENT_SMALL):
+        calls = []
+        real = linear_mod.persistent.launch
+        monkeypatch.setattr(linear_mod.persistent, "launch", lambda *a: calls.append(a[0].shape) or real(*a))
+        x, w, b = _inputs(37, 56, 72, dtype, DEVICE)
+        layer = FusedLinear(w, b, "gelu_tanh")
+        want = reference.linear(x.double(), w.double(), b.double(), "gelu_tanh")
+        out = torch.full((37, 56), float("nan"), device=DEVICE).to(dtype)
+        assert_close_to(layer(x, out=out), want, RTOL[dtype], f"persistent via FusedLinear {dtype}")
+        assert calls == [(37, 72)]
+        # x one element past an aligned base: TMA cannot address it, so the pointer kernel runs, just as right
+        shifted = torch.empty(37 * 72 + 1, device=DEVICE, dtype=dtype)[1:].view(37, 72)
+        shifted.copy_(x)
+        assert_close_to(layer(shifted), want, RTOL[dtype], f"unaligned x via FusedLinear {dtype}")
+        assert calls == [(37, 72)]
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA the real direct launch runs in the gpu test below")
@@ -490,25 +518,25 @@ def _gemv_small(split: int) -> linear_mod.LaunchConfig:
 @pytest.mark.parametrize("split", [1, 2, 3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 1, 1), (1, 37, 71), (1, 53, 130), (3, 17, 33)], ids=str)
-def test_gemv_kernel_on_awkward_shapes(monkeypatch, shape, dtype, split):
+def test_gemv_kernel_on_awkward_shapes(shape, dtype, split):
     """One row (and, though only offered for one, several), N and K past the 16x32 tile's edges, splits
     that get no K step at all (K=1 split 3): every element written and right, split-K counters back at 0."""
-    monkeypatch.setattr(linear_mod, "interpreter_override", _gemv_small(split))
-    x, w, b = _inputs(*shape, dtype, DEVICE)
-    layer = FusedLinear(w, b, "gelu_tanh")
-    want = reference.linear(x.double(), w.double(), b.double(), "gelu_tanh")
-    for _ in range(2):
-        out = torch.full(shape[:2], float("nan"), device=DEVICE).to(dtype)
-        assert_close_to(layer(x, out=out), want, RTOL[dtype], f"gemv {shape} {dtype} split {split}")
-        assert int(layer.workspace.counters.abs().sum()) == 0, "split-K counters not reset"
+    with linear_mod.INTERPRETER.override(config=_gemv_small(split)):
+        x, w, b = _inputs(*shape, dtype, DEVICE)
+        layer = FusedLinear(w, b, "gelu_tanh")
+        want = reference.linear(x.double(), w.double(), b.double(), "gelu_tanh")
+        for _ in range(2):
+            out = torch.full(shape[:2], float("nan"), device=DEVICE).to(dtype)
+            assert_close_to(layer(x, out=out), want, RTOL[dtype], f"gemv {shape} {dtype} split {split}")
+            assert int(layer.workspace.counters.abs().sum()) == 0, "split-K counters not reset"
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's override; on CUDA the gpu test below")
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_gemv_kernel_every_activation_and_no_bias(monkeypatch, activation):
-    monkeypatch.setattr(linear_mod, "interpreter_override", _gemv_small(2))
-    for bias in (True, False):
-        _check(1, 40, 100, torch.float32, activation, DEVICE, bias=bias, slope=0.3)
+def test_gemv_kernel_every_activation_and_no_bias(activation):
+    with linear_mod.INTERPRETER.override(config=_gemv_small(2)):
+        for bias in (True, False):
+            _check(1, 40, 100, torch.float32, activation, DEVICE, bias=bias, slope=0.3)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA the real direct launch runs in the gpu test below")
@@ -517,7 +545,13 @@ def test_gemv_fast_path_passes_the_right_arguments():
     layer = FusedLinear(w, b, "silu", allow_tf32=False)
     config = _gemv_small(2)
     fixed = dict(
-        HAS_BIAS=True, ACTIVATION="silu", INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False, PDL=False
+        HAS_BIAS=True,
+        HAS_RESIDUAL=False,
+        ACTIVATION="silu",
+        INPUT_PRECISION="ieee",
+        UPCAST_DOT=False,
+        ROUND_BF16=False,
+        PDL=False,
     )
     meta = {**fixed, **linear_mod.gemv.kernel_meta(config)}
     launch = InterpretedLaunch(linear_mod.gemv._gemv_kernel, meta, _pointer_dtypes(torch.float16))
@@ -545,3 +579,101 @@ def test_gpu_every_gemv_config(monkeypatch, config, dtype):
         out = torch.full((1, 1000), float("nan"), device="cuda", dtype=dtype)
         assert_close_to(layer(x, out=out), want, RTOL[dtype], f"gemv {dtype} {config.meta()}")
         assert int(layer.workspace.counters.abs().sum()) == 0
+
+
+# ---- residual: act(x @ W^T + b + residual), the skip connection added in the epilogue ----
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_residual_every_activation(small_tile, activation):
+    _check(37, 53, 71, torch.float32, activation, DEVICE, residual=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", AWKWARD[:-1], ids=lambda s: "x".join(map(str, s)))  # the last: 5x the others' time
+def test_residual_every_dtype_on_awkward_shapes(small_tile, shape, dtype):
+    _check(*shape, dtype, "relu", DEVICE, residual=True)
+    _check(*shape, dtype, "hardswish", DEVICE, bias=False, residual=True)
+
+
+@pytest.mark.parametrize(
+    "config,shape", [("split3", (1, 40, 200)), ("split3", (5, 33, 97)), ("gemv", (1, 40, 100))], ids=str
+)
+def test_residual_is_read_by_the_program_that_stores(small_tile, config, shape):
+    """Split-K (3 programs a tile, some with no K step) and the one-row GEMV kernel: the residual enters once."""
+    override = dict(split_k=3) if config == "split3" else dict(config=_gemv_small(2))
+    with linear_mod.INTERPRETER.override(**override):
+        _check(*shape, torch.float32, "silu", DEVICE, residual=True)
+        _check(*shape, torch.float16, "relu", DEVICE, residual=True)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's override; on CUDA the tuner picks")
+def test_prepared_layer_with_and_without_residual(monkeypatch):
+    """FusedLinear takes a residual per call; with one, the persistent kernel (whose epilogue has none) is not
+    run even where it is asked for, and calls without one are unchanged."""
+    calls = []
+    real = linear_mod.persistent.launch
+    monkeypatch.setattr(linear_mod.persistent, "launch", lambda *a: calls.append(a[0].shape) or real(*a))
+    x, w, b = _inputs(37, 56, 72, torch.float16, DEVICE)
+    r = torch.randn(37, 56, device=DEVICE).half()
+    layer = FusedLinear(w, b, "relu6")
+    with linear_mod.INTERPRETER.override(config=PERSISTENT_SMALL):
+        got = layer(x, residual=r)
+        assert not calls, "the persistent kernel ran with a residual"
+        want = reference.linear(x.double(), w.double(), b.double(), "relu6", residual=r.double())
+        assert_close_to(got, want, RTOL[torch.float16], "FusedLinear with a residual")
+        want = reference.linear(x.double(), w.double(), b.double(), "relu6")
+        assert_close_to(layer(x), want, RTOL[torch.float16], "FusedLinear without")
+        assert calls == [(37, 72)]
+
+
+def test_residual_in_another_layout_is_read_right():
+    """A transposed view (not contiguous) is copied into the output's layout first; the result is the same."""
+    x, w, b = _inputs(19, 23, 40, torch.float32, DEVICE)
+    r = torch.randn(23, 19, device=DEVICE).t()
+    got = fused_linear(x, w, b, "tanh", residual=r)
+    want = reference.linear(x.double(), w.double(), b.double(), "tanh", residual=r.double())
+    assert_close_to(got, want, RTOL[torch.float32], "transposed residual")
+
+
+def test_bad_residuals_are_named():
+    x, w, b = _inputs(4, 5, 7, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match=r"residual must have the output's shape \(4, 5\); got \(5, 4\)"):
+        fused_linear(x, w, b, residual=torch.randn(5, 4, device=DEVICE))
+    with pytest.raises(TypeError, match="residual has dtype torch.float16"):
+        fused_linear(x, w, b, residual=torch.randn(4, 5, device=DEVICE).half())
+    out = torch.empty(4, 5, device=DEVICE)
+    with pytest.raises(ValueError, match="residual shares memory with out"):
+        fused_linear(x, w, b, out=out, residual=out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 1), (37, 53, 71), (16, 4096, 4096), (1000, 1000, 1000), (1, 4096, 4096)], ids=str
+)
+def test_gpu_residual_every_dtype_and_activation(shape, dtype, activation):
+    _check(*shape, dtype, activation, "cuda", residual=True)
+
+
+@pytest.mark.gpu
+def test_gpu_residual_is_tuned_apart_and_leaves_out_the_widest_tiles(monkeypatch):
+    """A residual changes the compiled kernel: its picks have their own tuning key, and no candidate that spills
+    with it (128x256 tiles) is timed; calls without one keep the direct path."""
+    offered = {}
+    real = linear_mod.tune
+
+    def recording(scope, key, candidates, run, *args, **kwargs):
+        offered[key] = list(candidates)
+        return real(scope, key, candidates, run, *args, **kwargs)
+
+    monkeypatch.setattr(linear_mod, "tune", recording)
+    x, w, b = _inputs(1024, 1024, 1024, torch.float16, "cuda")
+    layer = FusedLinear(w, b, "relu")
+    layer(x)
+    layer(x, residual=torch.randn(1024, 1024, device="cuda").half())
+    (plain, plain_configs), (res, res_configs) = offered.items()
+    assert res == plain + "|residual"
+    assert any(c["BLOCK_N"] == 256 for c in plain_configs) and not any(c["BLOCK_N"] == 256 for c in res_configs)
+    assert set(layer.direct) == {(1024, "ieee")}

@@ -69,9 +69,10 @@ def _check(widths, activations, dtype, M, device=DEVICE, bias=True, allow_tf32=F
 
 
 @pytest.fixture(autouse=True)
-def narrow_chunks(monkeypatch):
+def narrow_chunks():
     # Under the interpreter: 16-wide hidden chunks, so every width above 16 takes several loop steps.
-    monkeypatch.setattr(mlp_mod, "interpreter_block_n", 16)
+    with mlp_mod.INTERPRETER.override(block_n=16):
+        yield
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
@@ -115,10 +116,10 @@ def test_layers_without_bias(bias):
 @pytest.mark.parametrize("split", [2, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("M", [1, 16, 17, 45])
-def test_split_first_step_every_dtype_and_batch(monkeypatch, dtype, M, split):
+def test_split_first_step_every_dtype_and_batch(dtype, M, split):
     # 16-wide chunks: the digits MLP's first pair has 16 hidden chunks, 8 or 4 per program
-    monkeypatch.setattr(mlp_mod, "interpreter_split", split)
-    _check([64, 256, 256, 10], ["relu", "relu", "none"], dtype, M)
+    with mlp_mod.INTERPRETER.override(split=split):
+        _check([64, 256, 256, 10], ["relu", "relu", "none"], dtype, M)
 
 
 @pytest.mark.parametrize(
@@ -132,9 +133,9 @@ def test_split_first_step_every_dtype_and_batch(monkeypatch, dtype, M, split):
     ids=str,
 )
 @pytest.mark.parametrize("activation", ["gelu_tanh", "sigmoid", "leaky_relu"])
-def test_split_first_step_depths_and_activations(monkeypatch, widths, split, activation):
-    monkeypatch.setattr(mlp_mod, "interpreter_split", split)
-    _check(widths, [activation] * (len(widths) - 1), torch.float32, 19, bias=len(widths) - 2)
+def test_split_first_step_depths_and_activations(widths, split, activation):
+    with mlp_mod.INTERPRETER.override(split=split):
+        _check(widths, [activation] * (len(widths) - 1), torch.float32, 19, bias=len(widths) - 2)
 
 
 # ---- LEAD: the first layer whole in every program, the pair after it shared by SPLIT programs ----
@@ -143,12 +144,11 @@ def test_split_first_step_depths_and_activations(monkeypatch, widths, split, act
 @pytest.mark.parametrize("split", [2, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("M", [1, 17, 45])
-def test_lead_split_every_dtype_and_batch(monkeypatch, dtype, M, split):
-    monkeypatch.setattr(mlp_mod, "interpreter_split", split)
-    monkeypatch.setattr(mlp_mod, "interpreter_lead", 1)
-    layers = _layers([64, 256, 256, 10], ["relu", "relu", "none"], dtype, DEVICE)
-    assert FusedMLP(layers)._lead_hidden == (256 if dtype.itemsize == 2 else 0)  # fp32's 64 KB is too big
-    _check([64, 256, 256, 10], ["relu", "relu", "none"], dtype, M)
+def test_lead_split_every_dtype_and_batch(dtype, M, split):
+    with mlp_mod.INTERPRETER.override(split=split, lead=1):
+        layers = _layers([64, 256, 256, 10], ["relu", "relu", "none"], dtype, DEVICE)
+        assert FusedMLP(layers)._lead_hidden == (256 if dtype.itemsize == 2 else 0)  # fp32's 64 KB is too big
+        _check([64, 256, 256, 10], ["relu", "relu", "none"], dtype, M)
 
 
 @pytest.mark.parametrize(
@@ -162,12 +162,11 @@ def test_lead_split_every_dtype_and_batch(monkeypatch, dtype, M, split):
     ids=str,
 )
 @pytest.mark.parametrize("activation", ["gelu_tanh", "sigmoid", "leaky_relu"])
-def test_lead_split_depths_and_activations(monkeypatch, widths, split, activation):
-    monkeypatch.setattr(mlp_mod, "interpreter_split", split)
-    monkeypatch.setattr(mlp_mod, "interpreter_lead", 1)
-    layers = _layers(widths, [activation] * (len(widths) - 1), torch.float16, DEVICE)
-    assert FusedMLP(layers)._lead_hidden > 0
-    _check(widths, [activation] * (len(widths) - 1), torch.float16, 19, bias=len(widths) - 2)
+def test_lead_split_depths_and_activations(widths, split, activation):
+    with mlp_mod.INTERPRETER.override(split=split, lead=1):
+        layers = _layers(widths, [activation] * (len(widths) - 1), torch.float16, DEVICE)
+        assert FusedMLP(layers)._lead_hidden > 0
+        _check(widths, [activation] * (len(widths) - 1), torch.float16, 19, bias=len(widths) - 2)
 
 
 def test_lead_configs_only_where_offered():
@@ -186,24 +185,24 @@ def test_lead_configs_only_where_offered():
     assert FusedMLP(_layers([150, 256, 10], ["relu", "none"], torch.float16, DEVICE))._lead_hidden == 0
 
 
-def test_split_leaves_its_counters_at_zero_and_repeats_exactly(monkeypatch):
+def test_split_leaves_its_counters_at_zero_and_repeats_exactly():
     # The last program of each row block resets its counter: a second call (or graph replay) must find 0s
     # and give bit-identical results, the shares being summed in a fixed order.
     # On CUDA, a split config is set for the bucket (the tuner, off in the GPU suite, would take the first
     # candidate, which does not split); there the repeats also look for a race between the programs.
-    monkeypatch.setattr(mlp_mod, "interpreter_split", 4)
-    mlp = FusedMLP(_layers([64, 256, 256, 10], ["relu", "relu", "none"], torch.float16, DEVICE), allow_tf32=False)
-    x = torch.randn(40, 64, device=DEVICE).half()  # 3 row blocks of 16
-    if DEVICE == "cuda":
-        bucket = mlp_mod.m_bucket(40)
-        split4 = [c for c in mlp_mod.cuda_configs(bucket, 256, 2) if c["SPLIT"] == 4 and c["BLOCK_N"] == 64]
-        assert not split4[0]["LEAD"]
-        mlp._configs[(bucket, "ieee")] = split4[0]
-    first = mlp(x)
-    counters = mlp.workspace.counters
-    assert counters.numel() >= 3 and int(counters.abs().sum()) == 0
-    for _ in range(20 if DEVICE == "cuda" else 1):
-        assert torch.equal(mlp(x), first) and int(counters.abs().sum()) == 0
+    with mlp_mod.INTERPRETER.override(split=4):
+        mlp = FusedMLP(_layers([64, 256, 256, 10], ["relu", "relu", "none"], torch.float16, DEVICE), allow_tf32=False)
+        x = torch.randn(40, 64, device=DEVICE).half()  # 3 row blocks of 16
+        if DEVICE == "cuda":
+            bucket = mlp_mod.m_bucket(40)
+            split4 = [c for c in mlp_mod.cuda_configs(bucket, 256, 2) if c["SPLIT"] == 4 and c["BLOCK_N"] == 64]
+            assert not split4[0]["LEAD"]
+            mlp._configs[(bucket, "ieee")] = split4[0]
+        first = mlp(x)
+        counters = mlp.workspace.counters
+        assert counters.numel() >= 3 and int(counters.abs().sum()) == 0
+        for _ in range(20 if DEVICE == "cuda" else 1):
+            assert torch.equal(mlp(x), first) and int(counters.abs().sum()) == 0
 
 
 def test_split_configs_divide_the_hidden_chunks():

@@ -59,8 +59,9 @@ def _check(shape, kind, k, s, p, ceil, dtype, activation, device, cip=True, slop
 
 
 @pytest.fixture
-def small_tile(monkeypatch):
-    monkeypatch.setattr(pool_mod, "interpreter_tile", pool_mod.SMALL_INTERPRETER_TILE)
+def small_tile():
+    with pool_mod.INTERPRETER.override(tile=pool_mod.SMALL_INTERPRETER_TILE):
+        yield
 
 
 @pytest.fixture
@@ -76,10 +77,10 @@ def untuned():
 
 
 @pytest.fixture(params=["rows", "channels"])
-def kernel_layout(request, monkeypatch):
+def kernel_layout(request):
     """Both kernels on the same inputs (each takes any strides; on CUDA the memory format picks)."""
-    monkeypatch.setattr(pool_mod, "interpreter_layout", request.param)
-    return request.param
+    with pool_mod.INTERPRETER.override(layout=request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("kind,cip", [("avg", True), ("avg", False), ("max", True)], ids=["avg", "avg-nocip", "max"])
@@ -130,12 +131,26 @@ def test_tiles_agree():
     """The small and the serving tile agree exactly: tiling changes no sum's order in pooling."""
     x = torch.randn(2, 3, 19, 21, device=DEVICE)
     big = fused_pool2d(x, "avg", 3, 2, 1, ceil_mode=True)
-    pool_mod.interpreter_tile = pool_mod.SMALL_INTERPRETER_TILE
-    try:
+    with pool_mod.INTERPRETER.override(tile=pool_mod.SMALL_INTERPRETER_TILE):
         small = fused_pool2d(x, "avg", 3, 2, 1, ceil_mode=True)
-    finally:
-        pool_mod.interpreter_tile = None
     assert torch.equal(big, small)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("shape", [(2, 3, 7, 7), (3, 5, 1, 1), (2, 4, 5, 9)], ids=lambda s: "x".join(map(str, s)))
+def test_global_average_pool_is_an_avg_pool_over_the_whole_plane(shape, channels_last):
+    """ONNX's GlobalAveragePool (a ResNet's head, torch's adaptive_avg_pool2d(x, 1)): kernel_size (H, W), the
+    stride the same, one window per plane: (N, C, 1, 1), the activation fused. A 1x1 plane comes back unchanged."""
+    N, C, H, W = shape
+    for dtype in DTYPES:
+        got = _check(shape, "avg", (H, W), None, 0, False, dtype, "relu6", DEVICE, channels_last=channels_last)
+        assert got.shape == (N, C, 1, 1)
+    x = torch.randn(*shape, device=DEVICE)
+    x = x.to(memory_format=torch.channels_last) if channels_last else x
+    got = fused_pool2d(x, "avg", (H, W))
+    assert_close_to(got, torch.nn.functional.adaptive_avg_pool2d(x.double(), 1), RTOL[torch.float32], "global mean")
+    if H == W == 1:
+        assert torch.equal(got, x)
 
 
 def test_output_size_matches_torch():

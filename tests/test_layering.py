@@ -108,8 +108,8 @@ def test_no_import_cycle_among_a_packages_modules(package):
 
 def test_the_checks_see_imports():
     """The rules above would pass vacuously if the parser found nothing."""
-    imports = _imports(REPO / "bench" / "kernel_report.py")
-    assert {"bench.kernel_results", "bench.kernel_targets", "json"} <= imports
+    imports = _imports(REPO / "bench" / "kernels" / "report.py")
+    assert {"bench.kernels.results", "bench.kernels.targets", "json"} <= imports
     assert "service.cli" in _imports(REPO / "fusedserve" / "cli.py")
     assert "service.link.wire" in _imports(REPO / "service" / "engine" / "core.py")
     assert "service.frontend.serving" in _imports(REPO / "service" / "v2" / "rest.py")

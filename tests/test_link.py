@@ -2,7 +2,8 @@
 
 - link.Reader gives back exactly the messages sent, in order, however the stream is cut into chunks;
 - an engine says its wire dtype first (HELLO); a front end that has heard it sends rows in that dtype, one that
-  has not sends float32, the engine takes both, and the outputs come back widened to float32;
+  has not sends float32, the engine takes both, and the outputs come back widened to float32, with the mode that
+  computed them;
 - a front end that hears something other than a HELLO treats the engine as gone;
 - a front end sends what one loop turn takes in as one message, and every FLUSH_EVERY requests before the turn ends;
 - rows travel in the front end's shared arena: its ring never hands out overlapping slots, a slot comes back when
@@ -162,8 +163,9 @@ def test_rows_travel_in_the_engines_wire_dtype_and_come_back_float32(tmp_path, w
         return outs
 
     with EngineThread(path, runner):
-        early, late = asyncio.run(scenario())
+        (early, early_mode), (late, late_mode) = asyncio.run(scenario())
     assert early.dtype == np.float32 and late.dtype == np.float32
+    assert early_mode == late_mode == "fused"  # each answer names the executor that computed it
     # The early rows reached the engine as float32; the later ones in the wire dtype, cast by the front end.
     assert runner.seen[0] == "float32" and runner.seen[-1] == wire_dtype
     want = (x.reshape(5, -1)[:, :OUT].astype(wire_dtype) * 2).astype(np.float32)
@@ -276,7 +278,7 @@ def test_a_cancelled_request_gives_its_rows_back_and_never_runs(tmp_path):
         await wait_until(lambda: not client._slots)
         assert client._arenas[0].slots_live == 0 and not fut.done()
         rid2, fut2 = client.submit(x * 2, time.monotonic() + 5, time.monotonic())
-        out = await asyncio.wait_for(fut2, 5)
+        out, _ = await asyncio.wait_for(fut2, 5)
         client.close()
         return out
 
@@ -305,5 +307,5 @@ def test_requests_that_find_the_arena_full_travel_inside_their_message(tmp_path,
 
     with EngineThread(path, runner):
         outs = asyncio.run(scenario())
-    for r, out in zip(x, outs, strict=True):
+    for r, (out, _) in zip(x, outs, strict=True):
         np.testing.assert_array_equal(out, (r.reshape(60, -1)[:, :OUT].astype(np.float16) * 2).astype(np.float32))

@@ -159,8 +159,8 @@ def _set_op(index: int, op: dict):
 BAD_CONFIGS = [
     (
         "wrong format",
-        lambda c: c.update(format="fusedserve-model/2"),
-        r"format 'fusedserve-model/2' is not supported; ",
+        lambda c: c.update(format="fusedserve-model/3"),
+        r"format 'fusedserve-model/3' is not supported; expected 'fusedserve-model/1' or 'fusedserve-model/2'",
     ),
     ("unknown top-level field", lambda c: c.update(layers=3), r"layers: Extra inputs are not permitted"),
     ("empty ops", lambda c: c.update(ops=[]), r"ops: List should have at least 1 item"),

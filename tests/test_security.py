@@ -525,3 +525,60 @@ def test_a_front_ends_reload_takes_new_keys_and_keeps_them_on_a_bad_file(tmp_pat
     tighter = _settings(monkeypatch, api_keys_file=tmp_path / "keys", api_key=KEY, restricted_api="metrics:X-A=v")
     path.write_text(f"{ENV_KEY}\n")
     assert state.reload_access(tighter) and state.api_keys.allows(f"Bearer {KEY}") and state.restrictions
+
+
+def test_a_sighup_with_a_changed_keys_file_is_published_for_the_front_ends(tmp_path, monkeypatch):
+    """The supervisor's reload (in process, no children): a keys file that changed is a change to publish even when
+    no live setting did; one that cannot be read changes nothing."""
+    from types import SimpleNamespace
+
+    from service.supervisor import Supervisor
+
+    path = keys_file(tmp_path / "keys")
+    monkeypatch.chdir(tmp_path)
+    sup = Supervisor(_settings(monkeypatch, api_keys_file=path))
+    sup._run_dir = tmp_path
+    sup._shared_generation = SimpleNamespace(value=0)
+    sup._keys = ApiKeys(sup.settings)
+    assert sup.reload() == "unchanged"
+    path.write_text(f"{ENV_KEY}\n")
+    assert sup.reload() == "applied" and sup._shared_generation.value == 1
+    path.unlink()
+    assert sup.reload() == "unchanged" and sup._keys.allows(f"Bearer {ENV_KEY}")
+
+
+@pytest.mark.slow
+def test_sighup_takes_a_new_keys_file_on_a_real_service(servers, tmp_path):
+    import signal
+    import time
+
+    server = servers["keys"]["server"]
+    path = Path(server.env["api_keys_file"])
+    before = path.read_text()
+    url = servers["keys"]["url"] + "/predict"
+
+    def status(key: str) -> int:
+        return httpx.post(url, json={"inputs": [ROW]}, headers=bearer(key), timeout=TIMEOUT).status_code
+
+    def after_hup(want: dict[str, int]) -> None:
+        os.kill(server.process.proc.pid, signal.SIGHUP)
+        end = time.monotonic() + 10
+        while {k: status(k) for k in want} != want:
+            assert time.monotonic() < end, {k: status(k) for k in want}
+            time.sleep(0.1)
+
+    try:
+        path.write_text("rotated-key-5b\n")
+        after_hup({"rotated-key-5b": 200, KEY: 401, ENV_KEY: 200})  # FUSEDSERVE_API_KEY stays
+        path.unlink()  # unreadable: logged, and the keys in force stay
+        os.kill(server.process.proc.pid, signal.SIGHUP)
+        end = time.monotonic() + 10
+        while "API keys not reloaded, those in force stay" not in server.log():
+            assert time.monotonic() < end, server.log()[-2000:]
+            time.sleep(0.1)
+        assert status("rotated-key-5b") == 200 and status("nope") == 401
+        path.write_text("# emptied\n")  # the file's keys go; FUSEDSERVE_API_KEY's stays, so keys stay on
+        after_hup({"rotated-key-5b": 401, ENV_KEY: 200, "nope": 401})
+    finally:
+        path.write_text(before)
+        after_hup({KEY: 200})

@@ -2,8 +2,10 @@
 under real uvicorn on loopback (REST /v2 in JSON and binary, gRPC on FUSEDSERVE_GRPC_PORT), every input datatype,
 flat and nested data, bad requests of each kind, and a batch that mixes /predict, REST v2 and gRPC requests.
 
-The servers run unfused (torch on the CPU): the protocol layer is what is under test here, and tests/test_service_e2e
-covers the fused kernels behind the same engine link. Each module's servers start once.
+The servers run unfused (torch on the CPU): the protocol layer is what is under test here. The tests that run inference
+(`served`) run against fused servers of the same models too, the kernels compiled on a GPU and interpreted by Triton on
+the CPU (slow there, so only those few); they also check that fused answers match unfused ones. Each module's servers
+start once, the fused ones only when a test asks for them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import httpx
 import numpy as np
 import orjson
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 from sklearn.datasets import load_digits
 
@@ -43,19 +46,49 @@ TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 RTOL_BATCHED = 1e-5  # one row alone vs the same row inside a larger batch (torch's CPU matmul may block differently)
 DTYPES = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64}
 CLIENTS = ("http-json", "http-binary", "grpc")
+MODES = ("unfused", "fused")
+# Fused vs unfused, float32, relative to |x| + rms(row): on the CPU both multiply in fp32, in different orders; on a
+# GPU the CNN's convs run in TF32 on both sides (cuDNN's default, which fused_conv2d follows), in other algorithms.
+RTOL_VS_UNFUSED = {"cpu": 1e-4, "cuda": 5e-3}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _servers(tmp_path_factory, mode: str):
+    """{"mlp": {...}, "cnn": {...}} in `mode`, each {"url", "grpc"} (the gRPC address)."""
+    ports = {"mlp": free_port(), "cnn": free_port()}
+    common = {"dtype": "float32", "max_batch_size": MAX_BATCH, "max_delay_ms": DELAY_MS}
+    # A fused CNN on the CPU warms up with a batch of max_batch_size images, interpreted: 16, not 64.
+    cnn_batch = 16 if mode == "fused" and DEVICE == "cpu" else MAX_BATCH
+    cnn = {**common, "max_batch_size": cnn_batch, "model": str(REPO / "model_weights" / CNN)}
+    specs = {"mlp": (mode, {**common, "grpc_port": ports["mlp"]}), "cnn": (mode, {**cnn, "grpc_port": ports["cnn"]})}
+    with running_servers(specs, tmp_path_factory.mktemp(f"v2-{mode}-logs")) as s:
+        yield {k: {"url": srv.url, "grpc": f"127.0.0.1:{ports[k]}"} for k, srv in s.items()}
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory) -> dict[str, dict]:
-    """{"mlp": {...}, "cnn": {...}}, each {"url", "grpc"} (the gRPC address)."""
-    ports = {"mlp": free_port(), "cnn": free_port()}
-    common = {"dtype": "float32", "max_batch_size": MAX_BATCH, "max_delay_ms": DELAY_MS}
-    specs = {
-        "mlp": ("unfused", {**common, "grpc_port": ports["mlp"]}),
-        "cnn": ("unfused", {**common, "grpc_port": ports["cnn"], "model": str(REPO / "model_weights" / CNN)}),
-    }
-    with running_servers(specs, tmp_path_factory.mktemp("v2-logs")) as s:
-        yield {k: {"url": srv.url, "grpc": f"127.0.0.1:{ports[k]}"} for k, srv in s.items()}
+    yield from _servers(tmp_path_factory, "unfused")
+
+
+@pytest.fixture(scope="module")
+def fused_servers(tmp_path_factory) -> dict[str, dict]:
+    yield from _servers(tmp_path_factory, "fused")
+
+
+@pytest.fixture(params=MODES)
+def served(request) -> dict[str, dict]:
+    """The servers of one mode, for the tests that run inference both ways (the fused ones start on first use)."""
+    return request.getfixturevalue("servers" if request.param == "unfused" else "fused_servers")
+
+
+@pytest.fixture
+def clients(served):
+    """(HTTP client, gRPC client) of `served`'s MLP server."""
+    http = thttp.InferenceServerClient(served["mlp"]["url"].removeprefix("http://"), network_timeout=30)
+    grpc_client = tgrpc.InferenceServerClient(served["mlp"]["grpc"])
+    yield http, grpc_client
+    http.close()
+    grpc_client.close()
 
 
 @pytest.fixture(scope="module")
@@ -173,10 +206,10 @@ def test_health_and_metadata_with_triton_clients(servers, http, grpc_client):
 
 @pytest.mark.parametrize("datatype", DTYPES)
 @pytest.mark.parametrize("kind", CLIENTS)
-def test_infer_matches_predict(servers, http, grpc_client, digits, kind, datatype):
+def test_infer_matches_predict(served, clients, digits, kind, datatype):
     rows = digits[:5]
-    want = predict(servers["mlp"]["url"], rows)
-    logits, labels = infer(kind, http, grpc_client, rows, datatype, request_id=f"{kind}-{datatype}")
+    want = predict(served["mlp"]["url"], rows)
+    logits, labels = infer(kind, *clients, rows, datatype, request_id=f"{kind}-{datatype}")
     assert logits.dtype == np.float32
     assert_rows_close(logits, np.asarray(want["outputs"]), RTOL_BATCHED, f"{kind} {datatype}")
     assert labels == want["predictions"]
@@ -203,9 +236,10 @@ def test_json_data_flat_or_nested_id_parameters_and_output_selection(servers, di
     assert out["outputs"] == [{"name": "label", "datatype": "BYTES", "shape": [3], "data": want["predictions"]}]
 
 
-def test_binary_request_and_mixed_outputs(servers, http, digits):
+def test_binary_request_and_mixed_outputs(served, clients, digits):
+    http = clients[0]
     rows = digits[:4]
-    want = predict(servers["mlp"]["url"], rows)
+    want = predict(served["mlp"]["url"], rows)
     inp = thttp.InferInput("input", [4, 64], "FP32")
     inp.set_data_from_numpy(rows, binary_data=True)
     outputs = [
@@ -225,8 +259,8 @@ def test_binary_request_and_mixed_outputs(servers, http, digits):
 
 
 @pytest.mark.parametrize("layout", [(1, 8, 8), (8, 8), (64,)])
-def test_cnn_takes_every_row_layout(servers, digits, layout):
-    cnn = servers["cnn"]
+def test_cnn_takes_every_row_layout(served, digits, layout):
+    cnn = served["cnn"]
     rows = digits[:3]
     want = predict(cnn["url"], rows.reshape(3, 1, 8, 8))
     http = thttp.InferenceServerClient(cnn["url"].removeprefix("http://"))
@@ -239,6 +273,26 @@ def test_cnn_takes_every_row_layout(servers, digits, layout):
             inp.set_data_from_numpy(rows.reshape(3, *layout))
             result = client.infer(CNN, [inp])
             assert_rows_close(result.as_numpy("logits"), np.asarray(want["outputs"]), RTOL_BATCHED, str(layout))
+    finally:
+        http.close()
+        grpc_client.close()
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_fused_answers_match_unfused(servers, fused_servers, digits, model):
+    """The same rows through v2 (binary REST and gRPC) on the fused server, against /predict on the unfused one."""
+    name, rows = (MODEL, digits[:6]) if model == "mlp" else (CNN, digits[:6].reshape(6, 1, 8, 8))
+    want = predict(servers[model]["url"], rows)
+    http = thttp.InferenceServerClient(fused_servers[model]["url"].removeprefix("http://"), network_timeout=60)
+    grpc_client = tgrpc.InferenceServerClient(fused_servers[model]["grpc"])
+    try:
+        for client, mod in ((http, thttp), (grpc_client, tgrpc)):
+            inp = mod.InferInput("input", list(rows.shape), "FP32")
+            inp.set_data_from_numpy(rows)
+            result = client.infer(name, [inp], client_timeout=60) if mod is tgrpc else client.infer(name, [inp])
+            what = f"{model} fused ({mod.__name__}) vs unfused"
+            assert_rows_close(result.as_numpy("logits"), np.asarray(want["outputs"]), RTOL_VS_UNFUSED[DEVICE], what)
+            assert [x.decode() for x in result.as_numpy("label")] == want["predictions"], what
     finally:
         http.close()
         grpc_client.close()
@@ -486,8 +540,9 @@ def test_a_full_queue_is_503_and_unavailable(slow, digits):
 # ------------------------------------------------------------------------------------ one batch, three protocols
 
 
-def test_a_batch_mixing_predict_rest_and_grpc_answers_each_as_alone(servers, http, grpc_client, digits):
-    url = servers["mlp"]["url"]
+def test_a_batch_mixing_predict_rest_and_grpc_answers_each_as_alone(served, clients, digits):
+    grpc_client = clients[1]
+    url = served["mlp"]["url"]
     parts = {"predict": digits[0:3], "http-binary": digits[3:8], "grpc": digits[8:15]}
     alone = {k: predict(url, rows) for k, rows in parts.items()}  # each request in a batch of its own
 

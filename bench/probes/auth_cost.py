@@ -26,8 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.loadgen import ClientPool, PhaseSpec, make_bodies, percentiles
 from bench.local_server import free_port, get
+from bench.serve.loadgen import ClientPool, PhaseSpec, make_bodies, percentiles
 
 REPO = Path(__file__).resolve().parents[2]
 

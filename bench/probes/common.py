@@ -22,7 +22,7 @@ from kernels.mlp import MLPLayer
 from service.model.loader import load_model
 from service.model.planner import group_mlps, plan
 
-from ..kernel_timing import Timing, back_to_back_us, capture, device_us
+from ..kernels.timing import Timing, back_to_back_us, capture, device_us
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,7 +51,7 @@ def graph_us(fn) -> float:
 
 def replay_cold_hot(fn, ref: torch.Tensor, warmups: int) -> dict:
     """fn captured as a CUDA graph (after `warmups` calls): its replay's cold time (L2 cleared by reads), hot time
-    (kernel_timing.back_to_back_us, 200 replays) and the captured output's normwise error against `ref`, as the
+    (bench.kernels.timing.back_to_back_us, 200 replays) and the captured output's normwise error against `ref`, as the
     conv probes report them."""
     from kernels.cold_timing import cold_us
     from kernels.graph_capture import capture as capture_graph
@@ -110,12 +110,15 @@ def one_store_floor() -> dict:
     return floor
 
 
-def write_named_by_gpu(out: Path, name: str, text: str, rows: list) -> None:
-    """A probe's table and rows as out/<name>_<gpu>.txt and .json (probe_conv_h100.txt: the names results/ keeps)."""
-    from bench.kernel_report import slug_of
+def write_named_by_gpu(out: Path | None, name: str, text: str, rows: list) -> None:
+    """A probe's table and rows as out/<name>_<gpu>.txt and .json (probe_conv_h100.txt: the names results/ keeps);
+    without --out, into bench/results/<gpu>/."""
+    from bench.gpu import results_dir, slug_of
 
+    slug = slug_of(torch.cuda.get_device_name())
+    out = results_dir(slug) if out is None else out
     out.mkdir(parents=True, exist_ok=True)
-    base = out / f"{name}_{slug_of(torch.cuda.get_device_name())}"
+    base = out / f"{name}_{slug}"
     base.with_suffix(".txt").write_text(text)
     base.with_suffix(".json").write_text(json.dumps(rows, indent=1))
 

@@ -42,7 +42,7 @@ WIDER_BATCHES = (1, 32, 256)
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.probes.conv", description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--out", type=Path, help="output directory [bench/results/<gpu>]")
     p.add_argument("--no-compile", action="store_true", help="leave out torch.compile (a compile per shape)")
     p.add_argument("--quick", action="store_true", help="one batch per model")
     p.add_argument("--models", default="digits,wider", help="digits,wider [both]")

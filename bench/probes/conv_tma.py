@@ -34,7 +34,7 @@ BATCHES = (1, 32, 256)
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.probes.conv_tma", description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--out", type=Path, help="output directory [bench/results/<gpu>]")
     args = p.parse_args(argv)
 
     import torch

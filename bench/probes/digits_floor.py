@@ -17,7 +17,7 @@ batch 1 (the tuned kernel), each a graph replay timed cold (kernels/cold_timing.
 
     python -m bench.probes.digits_floor --out DIR
 
-What it finds (H200; bench/results/probe_digits_floor_h200.txt): at least 6.67 us cold (16 programs,
+What it finds (H200; bench/results/h200/probe_digits_floor_h200.txt): at least 6.67 us cold (16 programs,
 8 warps; 9.1 in one program), against 8.93 for the FusedMLP and 2.75 for the one-store kernel.
 """
 

@@ -13,7 +13,7 @@ at batch 1.
 
     python -m bench.probes.host_launch --out DIR
 
-What it finds (H200 host; bench/results/probe_host_launch_h200.txt), best of 9 rounds at 64x256x128 fp16:
+What it finds (H200 host; bench/results/h200/probe_host_launch_h200.txt), best of 9 rounds at 64x256x128 fp16:
 the launcher called with tensors, 6.27 us; int pointers save 0.9 (six driver calls), the fixed-device
 stream 0.45, the C launch function 0.9; DirectLaunch takes 4.30. The layer's whole call is 9.26 us
 (x.new_empty 2.3 of it), against 14.94 for the cuBLASLt epilogue and 27.74 for eager's three ops. At
@@ -32,7 +32,7 @@ from kernels import FusedLinear
 from kernels.launch import c_launch_of
 from kernels.mlp import FusedMLP
 
-from ..kernel_timing import timed_run
+from ..kernels.timing import timed_run
 from .common import digits_layers, main
 
 CALLS = 1000

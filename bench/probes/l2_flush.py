@@ -16,7 +16,7 @@ launch gaps, not the kernel.
 
     python -m bench.probes.l2_flush --out DIR
 
-What it finds (H200; bench/results/probe_l2_flush_h200.txt), zeroing against reading: one-store 3.94
+What it finds (H200; bench/results/h200/probe_l2_flush_h200.txt), zeroing against reading: one-store 3.94
 against 3.01 us; reading 48 MB 24.6 against 19.2; 1024^3 fp16 ours 10.78 against 10.30, cuBLASLt 10.21
 against 9.84; the wide MLP at batch 1 ours 26.1 against 21.3, torch.compile 37.9 against 33.2.
 """
@@ -31,8 +31,8 @@ import torch
 from kernels import FusedLinear
 from kernels.cold_timing import FLUSH_BYTES, cold_us
 
-from ..kernel_models import ModelProviders, build_wide, load_named
-from ..kernel_timing import capture
+from ..kernels.models import ModelProviders, build_wide, load_named
+from ..kernels.timing import capture
 from .common import main, one_store, stream_sum
 
 FLUSHES = ("write", "read")

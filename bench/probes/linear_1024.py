@@ -11,7 +11,7 @@ processes (Triton's disk cache is shared), so the sweep is mostly timing.
 
     python -m bench.probes.linear_1024 --out DIR
 
-What it finds (H200, Triton 3.6; bench/results/probe_linear_1024_h200.txt): the tuned kernel takes
+What it finds (H200, Triton 3.6; bench/results/h200/probe_linear_1024_h200.txt): the tuned kernel takes
 what the bare tile loop takes at its tile (fp16 64x128x64: 10.75 against 10.82 us; tuned FusedLinear
 10.66, cuBLASLt 9.76); no tile, depth or K step beats 10.6 us. Deeper pipelines help 64x128 (5-6 stages
 at BLOCK_K 64, 4 at 128); GROUP_M 1-16 moves <= 0.2 us; PDL off changes 0-0.2 us.

@@ -14,7 +14,7 @@ costs.
 
     python -m bench.probes.linear_share --out DIR
 
-What it finds (H200, triton 3.6; bench/results/probe_linear_share_h200.txt): the emulation does not
+What it finds (H200, triton 3.6; bench/results/h200/probe_linear_share_h200.txt): the emulation does not
 answer the question. Sharing makes every tile slower (64x128: 11.65 us with all loads, 13.2 and 13.0 with
 A or B shared): the reused operand then sits in registers or is stored to shared memory once, and the
 MMAs lose their pipelined operand path. And 64x64 tiles (a third more L2 -> SM traffic than 64x128) run

@@ -7,7 +7,7 @@ when the committed log was taken; now by FUSEDSERVE_TUNING_TIMING, kernels/tunin
 
     python -m bench.probes.mlp_split --out DIR
 
-What it finds (H200; bench/results/probe_mlp_split_h200.txt): LEAD with 16 programs of one 16-wide
+What it finds (H200; bench/results/h200/probe_mlp_split_h200.txt): LEAD with 16 programs of one 16-wide
 chunk each is fastest at batches 1-32 (8.32 us cold at batch 1 against 8.42 for 8 programs, 9.47 for one
 program); at 256, 8 programs of 32-wide chunks (9.06 us); 8 warps lose everywhere.
 """

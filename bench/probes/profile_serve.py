@@ -1,5 +1,5 @@
 """Probe: where does a loaded server spend its time? Starts the empty FastAPI route and fusedserve (N workers each,
-one after the other), drives each with bench.loadgen (default: 256 connections of single-row JSON /predict), and
+one after the other), drives each with bench.serve.loadgen (default: 256 connections of single-row JSON /predict), and
 samples one worker process (and fusedserve's engine) with py-spy meanwhile; prints the client's throughput and
 latency, the engine's forward and batch size from /metrics, and each profile's top frames by own time and by
 file group. `--systems fused,unfused` profiles both modes of fusedserve (one server each); `--protocol v2_binary`
@@ -23,13 +23,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.loadgen import ClientPool, PhaseSpec, make_bodies
-from bench.serve_accounting import delta, scrape, server_split
+from bench.serve.accounting import delta, scrape, server_split
+from bench.serve.loadgen import ClientPool, PhaseSpec, make_bodies
 
 SAMPLE_HZ, SAMPLE_S = 400, 4  # py-spy's rate and duration: a process busy all the time gives 1,600 samples
 GROUPS = (
     ("service/", "fusedserve"),
-    ("bench/serve_apps", "app"),
+    ("bench/serve/apps", "app"),
     ("fastapi", "fastapi+starlette"),
     ("starlette", "fastapi+starlette"),
     ("uvicorn", "uvicorn"),
@@ -144,10 +144,10 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     if a.protocol == "v2_binary":
-        from bench import serve_v2
+        from bench.serve import v2
 
-        bodies, headers = serve_v2.binary_bodies(a.rows)
-        spec_args = {"path": serve_v2.REST_PATH, "bodies": tuple(bodies), "protocol": "v2_binary", "headers": headers}
+        bodies, headers = v2.binary_bodies(a.rows)
+        spec_args = {"path": v2.REST_PATH, "bodies": tuple(bodies), "protocol": "v2_binary", "headers": headers}
     else:
         spec_args = {"path": "/predict", "bodies": tuple(make_bodies(a.rows))}
 
@@ -163,7 +163,7 @@ def main() -> int:
             if a.protocol != "predict":
                 print("== empty: skipped (it serves JSON /predict only)", flush=True)
                 continue
-            argv = [py, "-m", "uvicorn", "bench.serve_apps.empty:app", "--port", str(port), "--workers", str(a.workers)]
+            argv = [py, "-m", "uvicorn", "bench.serve.apps.empty:app", "--port", str(port), "--workers", str(a.workers)]
             profile(name, [*argv, "--log-level", "warning", "--no-access-log"], port, a_worker, a.out, a, spec_args)
             continue
         argv = [py, "-m", "service.cli", "serve", "--port", str(port), "--workers", str(a.workers), "--mode", name]

@@ -7,7 +7,7 @@ with L2 flushed by zeroing (do_bench's way) and by reading.
 
     python -m bench.probes.stream --out DIR
 
-What it finds (H200; bench/results/probe_stream_h200.txt): the best shape, 8192x2 unrolled over 4 warps,
+What it finds (H200; bench/results/h200/probe_stream_h200.txt): the best shape, 8192x2 unrolled over 4 warps,
 reads 48 MB in 16.0 us cold (3.14 TB/s); the loop with one load in flight 18.3; persistent grids are no
 faster (16.4 at 8 programs per SM, 19.5 at 2). So the wide MLP's 50 MB floor of 11.9 us is 74% of what
 the fastest pure read takes. evict_first helps only when L2 was cleared by zeroing (18.6 against 21.0):

@@ -58,7 +58,7 @@ HOT_FLAG = 1.5  # a candidate whose hot time exceeds this many times its cold is
 SPREAD_LIMIT = 1.10  # issue 19: every process's pick within 10% of the best candidate's hot time
 MIN_WORKER_S = 20.0  # a shorter share would go mostly on starting the process (torch, CUDA, the model)
 # A case's next bucket starts only with this much time left: on a cold Triton cache it compiles up to 33 configs
-# (a first fused start, which tunes the digits MLP's 11 buckets, took about 100 s on an H200: bench/serve_run.py).
+# (a first fused start, which tunes the digits MLP's 11 buckets, took about 100 s on an H200: bench/serve/run.py).
 UNIT_MIN_S = 30.0
 MARKER = "TUNER_PICKS_JSON "  # the worker's result line on stdout
 DEVICE = torch.device("cuda")  # the worker's; tests run it on the CPU with a fake MLP
@@ -234,7 +234,7 @@ def sweep_digits(dtype: torch.dtype, deadline: Deadline, skipped: list) -> dict[
 def sweep_wide(deadline: Deadline, skipped: list, batches: tuple[int, ...] = WIDE_BATCHES) -> dict[str, dict]:
     """{case name: {config: Times}} per layer of the wide MLP in float16 at `batches`, as the service's
     fused executor runs it (one FusedLinear per layer)."""
-    from bench.kernel_models import build_wide
+    from bench.kernels.models import build_wide
     from service.model.executors import Executor
 
     out = {}

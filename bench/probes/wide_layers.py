@@ -14,7 +14,7 @@ hot as the tuner times them, then the whole forward with the grid's picks agains
 
 Grid candidates are compiled first by WORKERS processes (Triton's disk cache is shared).
 
-What it found on an H200 (bench/results/probe_wide_layers_h200.txt): the last layer's best is 64x64x128 tiles
+What it found on an H200 (bench/results/h200/probe_wide_layers_h200.txt): the last layer's best is 64x64x128 tiles
 split 2 ways, 10.4 us hot against 11.8 for the tuner's 64x128 split 4, and the forward 37.4 us against 39.4;
 linear.py now offers it. The first two layers' tuner picks were within 2% of the grid's best.
 
@@ -144,7 +144,7 @@ def forward_times(model, x, picks: dict[str, dict[str, LaunchConfig]]) -> dict[s
 
 
 def sweep(args: argparse.Namespace) -> dict:
-    from bench.kernel_models import build_wide
+    from bench.kernels.models import build_wide
     from service.model.executors import Executor
 
     _, smem = device_limits(torch.device("cuda"))

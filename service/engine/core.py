@@ -25,8 +25,10 @@ import numpy as np
 
 from ..config import Settings
 from ..link import stream, wire
-from ..processes import child_setup, configure_logging
+from ..link.live import read_live
+from ..processes import child_setup, configure_logging, set_log_level
 from . import faults
+from .ab import LiveMode, Modes, Shadow, captures_ignore_other_threads, needed_modes
 from .batching import BatchQueue, Pending
 
 log = logging.getLogger(__name__)
@@ -38,8 +40,21 @@ EXIT_DEVICE_BROKEN = 4  # the engine's exit code after a sticky device error (3:
 class Engine:
     """The loop of one engine process: read requests from every front end, batch them, run the model, reply."""
 
-    def __init__(self, runner, listener: socket.socket, settings: Settings, input_shape: tuple[int, ...], metrics):
-        self.runner = runner
+    def __init__(
+        self,
+        runner,
+        listener: socket.socket,
+        settings: Settings,
+        input_shape: tuple[int, ...],
+        metrics,
+        dtype: str = "float32",
+    ):
+        # `runner`: the runner of settings.mode, or {mode: runner} with every mode the settings need (engine/ab.py).
+        runners = runner if isinstance(runner, dict) else {settings.mode: runner}
+        self.runner = next(iter(runners.values()))  # any of them: they share the wire dtype
+        shadow = Shadow(settings.shadow_every, metrics, dtype, settings.allow_tf32)
+        config = LiveMode(settings.mode, settings.ab_unfused_percent, settings.shadow_every)
+        self.modes = Modes(runners, config, metrics, shadow, make=None)
         self.listener = listener
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, None)
@@ -61,17 +76,35 @@ class Engine:
         self.device_type = "cpu"  # set by engine_main; decides how a failed forward is diagnosed (engine/faults.py)
         self.on_broken = None  # called once the device is found broken, before any request is answered 503
         self._replies: dict[int, tuple[list[bytes], list]] = {}
+        # SIGHUP reloads (service/link/live.py): the supervisor's shared generation, the one applied here, and where
+        # the live settings are. None: no reloads (tests).
+        self.config_generation = None
+        self.config_seen = 0
+        self.run_dir: Path | None = None
 
     # ------------------------------------------------------------------ loop
 
     def serve(self) -> None:
         """Until `stopping` is set and every queued request is answered."""
+        modes = self.modes
+        shadow = modes.shadow
         while True:
+            generation = self.config_generation
+            if generation is not None and generation.value != self.config_seen:
+                self._reload()
+            if modes.loading:
+                modes.poll()
             if not len(self.queue):
                 if self.stopping:
                     self._receive(0)
                     if not len(self.queue):
                         break
+                elif shadow.pending:
+                    # Answers are out (each batch flushes its own); a request that came meanwhile goes first.
+                    self._receive(0)
+                    if not len(self.queue):
+                        shadow.run_one(modes.runners)
+                    continue
                 else:
                     self._idle()
                     continue
@@ -84,6 +117,7 @@ class Engine:
             self._run_batch()
         self._flush()
         self._finish_writes()
+        self.metrics.write_answered()
 
     def _finish_writes(self, timeout_s: float = 5.0) -> None:
         """At stop: push out answers the sockets did not take yet (a front end that reads nothing is left)."""
@@ -92,7 +126,9 @@ class Engine:
             self._receive(0.05)
 
     def _idle(self) -> None:
-        """Wait for work: spin for `spin_s` (selector polls with no timeout), then block."""
+        """Wait for work: spin for `spin_s` (selector polls with no timeout), then block. The answered-request counts
+        kept since the last write go out first, so that an idle engine's are exact."""
+        self.metrics.write_answered()
         if self.spin_s:
             end = time.perf_counter() + self.spin_s
             while time.perf_counter() < end:
@@ -200,38 +236,100 @@ class Engine:
             for req in batch:
                 waits.append(now - req.enqueued_at)
                 rows += req.rows.shape[0]
-            self.metrics.queue_waits(waits)
-            self.metrics.batch(rows)
+            mode = self.modes.pick(rows)
+            self.metrics.queue_waits(waits, mode)
+            self.metrics.batch(rows, mode)
             self.metrics.queue_depth(len(self.queue))
-            self._forward(batch, rows)
+            self._forward(batch, rows, mode, now)
         self._flush()
 
-    def _forward(self, batch: list[Pending], rows: int) -> None:
+    def _forward(self, batch: list[Pending], rows: int, mode: str, taken: float) -> None:
+        """Run `batch` (taken from the queue at `taken`, time.monotonic()) with `mode`'s runner and answer each of its
+        requests."""
+        runner = self.modes.runners[mode]
+        parts = [r.rows for r in batch]
+        shadow = self.modes.shadow
+        keep = shadow.due()
+        launching = time.monotonic()
         try:
-            inflight = self.runner.launch([r.rows for r in batch])
+            inflight = runner.launch(parts)
         except Exception as err:
-            self._forward_failed(batch, rows, err)
+            self._forward_failed(batch, rows, err, mode, taken)
             return
+        launched = time.monotonic()
         # While the GPU runs the batch (a graphed forward returns once queued), take in what the front ends sent:
         # those requests are the next batch, and their bytes leave the sockets' buffers sooner.
         self._receive(0)
         try:
-            out = self.runner.collect(inflight)
+            out = runner.collect(inflight)
         except Exception as err:
-            self._forward_failed(batch, rows, err)
+            self._forward_failed(batch, rows, err, mode, taken)
             return
+        collected = time.monotonic()
+        if keep:  # before the answers go: then the front ends may reuse the rows' memory
+            shadow.keep(mode, parts, out)
+        code = wire.MODES.index(mode)
         start = 0
         for req in batch:
             n = req.rows.shape[0]
-            self._reply(req.owner, req.id, wire.OK, n, out[start : start + n])
+            self._reply(req.owner, req.id, wire.OK, n, out[start : start + n], code)
             start += n
+        replied = time.monotonic()
+        self._flush()
+        # A forward that is not a graph replay (CPU, or beyond the graphs' buckets) ran whole inside launch().
+        ran_in_launch = getattr(inflight, "done", None) is not None
+        self._answered(batch, taken, launching if ran_in_launch else launched, collected, replied)
 
-    def _forward_failed(self, batch: list[Pending], rows: int, err: Exception) -> None:
+    def _answered(self, batch: list[Pending], taken: float, started: float, collected: float, replied: float) -> None:
+        """Count a batch answered with outputs in Triton's statistics (service/metrics.py: EngineMetrics.answered;
+        service/v2/extensions.py shapes them). Each request's time in the engine is cut into four phases, back to
+        back, each counted once per request (a batch's compute time once for each request in it, as Triton does):
+
+        - queue: its front end's `arrival` (time.monotonic() once its body was read and its tensors decoded and
+          checked, just before it went to the link) to `taken`, its batch leaving the queue: the link to the engine,
+          the wait behind the forward under way, and any MAX_DELAY_MS hold; fusedserve_queue_wait_seconds's interval.
+        - compute_input: `taken` to `started`, the forward started: the batch's bookkeeping, then, for a CUDA graph
+          replay, its rows copied from the link's buffers into the pinned input of its bucket's graph and the replay
+          queued. Where the forward is not a graph replay (CPU, or a batch beyond the graphs' buckets) the runner's
+          launch runs it whole, rows in and outputs out: `started` is then when the launch began.
+        - compute_infer: `started` to `collected`: the forward (a graph's copy in, kernels and copy out) until its
+          outputs are in host memory of their own; the engine takes in new requests meanwhile, while the GPU works.
+        - compute_output: `collected` to `replied`: the outputs split into one answer per request, packed for their
+          front ends.
+
+        So each phase ends before the request's answer is sent back, and the four lie inside the front end's timing
+        of the request (success), whatever the scheduler does: the rest of success is the front end's own part
+        (reading and decoding the request before `arrival`; encoding the answer after) and the link back."""
+        n = len(batch)
+        queue_s = n * taken - sum(r.enqueued_at for r in batch)
+        phases = (queue_s, n * (started - taken), n * (collected - started), n * (replied - collected))
+        self.metrics.answered(n, phases, replied)
+
+    def _reload(self) -> None:
+        """The supervisor published new live settings (SIGHUP): take them between two batches. Executors the new mode
+        needs and this engine lacks load in the background (engine/ab.py); the mode changes once they are warm."""
+        try:
+            generation, live = read_live(self.run_dir)
+        except (OSError, ValueError, KeyError) as e:  # the supervisor's bug, not a reason to stop serving
+            self.config_seen = self.config_generation.value
+            log.error("could not read the new configuration (%s: %s); keeping this one", type(e).__name__, e)
+            return
+        self.config_seen = generation
+        q = self.queue
+        q.max_delay_s = live["max_delay_ms"] / 1e3
+        q.max_queue_requests = live["max_queue_requests"]
+        if self.device_type == "cuda":
+            self.spin_s = live["engine_spin_ms"] / 1e3
+        set_log_level(live["log_level"])
+        self.modes.configure(LiveMode(live["mode"], live["ab_unfused_percent"], live["shadow_every"]))
+        log.info("configuration %d taken: %s", generation, ", ".join(f"{k}={v}" for k, v in live.items()))
+
+    def _forward_failed(self, batch: list[Pending], rows: int, err: Exception, mode: str, taken: float) -> None:
         """Out of memory: retry in halves, down to one request, which alone gets 503. A sticky device error:
         DeviceBroken (engine/faults.py). Anything else: the batch fails alone with 500; the engine keeps serving."""
         kind = faults.classify(err, self.device_type)
         if kind == faults.OOM:
-            self.metrics.gpu_fault(kind)
+            self.metrics.gpu_fault(kind, mode)
             faults.release_memory(self.device_type)
             if len(batch) == 1:
                 log.warning("GPU out of memory on one request (%s) of %d rows: answered 503", _names(batch), rows)
@@ -241,16 +339,17 @@ class Engine:
             log.warning("GPU out of memory on a batch of %d rows (%d requests); retrying in halves", rows, len(batch))
             half = len(batch) // 2
             for part in (batch[:half], batch[half:]):
-                self._forward(part, sum(r.rows.shape[0] for r in part))
+                self._forward(part, sum(r.rows.shape[0] for r in part), mode, taken)
             return
         if kind == faults.STICKY:
-            self.metrics.gpu_fault(kind)
+            self.metrics.gpu_fault(kind, mode)
             self._device_broken(batch, err)
         log.error("forward failed on a batch of %d rows (%d requests: %s)", rows, len(batch), _names(batch),
                   exc_info=err)  # fmt: skip
-        msg = f"forward failed on a batch of {rows} rows: {type(err).__name__}: {err}"
+        msg = f"forward failed on a batch of {rows} rows in {mode} mode: {type(err).__name__}: {err}"
+        code = wire.MODES.index(mode)
         for req in batch:
-            self._reply_error(req, wire.FAILED, msg)
+            self._reply_error(req, wire.FAILED, msg, code)
 
     def _device_broken(self, batch: list[Pending], err: Exception) -> None:
         """The device is unusable (a sticky CUDA error): mark it broken, answer this batch and every queued request
@@ -269,15 +368,16 @@ class Engine:
 
     # ------------------------------------------------------------------ replies
 
-    def _reply(self, owner: int, rid: int, status: int, rows: int, payload) -> None:
+    def _reply(self, owner: int, rid: int, status: int, rows: int, payload, mode: int = wire.NO_MODE) -> None:
         entry = self._replies.get(owner)
         if entry is None:
             entry = self._replies[owner] = ([], [])
-        entry[0].append(wire.REPLY.pack(rid, status, rows, payload.nbytes if status == wire.OK else len(payload)))
+        size = payload.nbytes if status == wire.OK else len(payload)
+        entry[0].append(wire.REPLY.pack(rid, status, mode, rows, size))
         entry[1].append(payload)
 
-    def _reply_error(self, req: Pending, status: int, message: str) -> None:
-        self._reply(req.owner, req.id, status, 0, message.encode())
+    def _reply_error(self, req: Pending, status: int, message: str, mode: int = wire.NO_MODE) -> None:
+        self._reply(req.owner, req.id, status, 0, message.encode(), mode)
 
     def _flush(self) -> None:
         replies, self._replies = self._replies, {}
@@ -321,8 +421,11 @@ class _Conn:
                 os.close(fd)
 
 
-def build_runner(settings: Settings, device, dtype: str, model, metrics):
-    """The model runner of this engine, with the kernel switches set from the settings."""
+def build_runner(settings: Settings, device, dtype: str, model, metrics, mode: str | None = None):
+    """The model runner of `mode` (default: settings.mode) for this engine, with the kernel switches set from the
+    settings; its metrics carry `mode`."""
+    import functools
+
     import torch
 
     from kernels import pdl, tuning
@@ -337,23 +440,36 @@ def build_runner(settings: Settings, device, dtype: str, model, metrics):
     tuning.set_enabled(settings.tuning)
     tuning.set_timing_policy(settings.tuning_timing)
     pdl.set_enabled(settings.pdl)
+    mode = mode or settings.mode
+
+    def labelled(observe):
+        return None if observe is None else functools.partial(observe, mode=mode)
+
     return ModelRunner(
         model,
-        settings.mode,
+        mode,
         device,
         dtype,
         kernel_timing_every=settings.kernel_timing_every,
         cuda_graphs=settings.cuda_graphs,
         max_batch_size=settings.max_batch_size,
-        observe_kernel=metrics.observe_kernel,
-        observe_forward=metrics.observe_forward,
+        observe_kernel=labelled(metrics.observe_kernel),
+        observe_forward=labelled(metrics.observe_forward),
     )
 
 
 def engine_main(
-    settings: Settings, index: int, endpoint: str, state, visible_device: str | None, run_dir: str, threads: int
+    settings: Settings,
+    index: int,
+    endpoint: str,
+    state,
+    visible_device: str | None,
+    run_dir: str,
+    threads: int,
+    config: tuple | None = None,
 ) -> None:
-    """Entry point of an engine process (spawned by the supervisor). `state` is a shared integer (wire.LOADING..)."""
+    """Entry point of an engine process (spawned by the supervisor). `state` is a shared integer (wire.LOADING..);
+    `config`: (the supervisor's shared configuration generation, the generation `settings` is) for SIGHUP reloads."""
     child_setup(f"fs-engine-{index}")
     configure_logging(settings.log_level)
     engine: Engine | None = None
@@ -376,36 +492,57 @@ def engine_main(
         # The front ends need the host's cores: a CUDA engine's host work (casts, copies) is tiny and gets one
         # thread, so that idle OpenMP workers do not spin on cores the front ends use; a CPU engine gets its share.
         torch.set_num_threads(1 if device.type == "cuda" else threads)
-        from ..metrics import EngineMetrics
+        from ..metrics import EngineMetrics, config_reloaded
         from ..model.loader import load_model
 
         model = load_model(settings.model_path())
         dtype = settings.compute_dtype(device.type)
+        if device.type == "cuda" and not captures_ignore_other_threads():
+            log.warning("this torch cannot capture CUDA graphs thread-locally: a reload that loads an executor while "
+                        "the engine serves may break its serving")  # fmt: skip
         label = str(index)
         # The device as the host names it: each engine sees only its own GPU, as cuda:0.
         where = f"cuda:{visible_device}" if device.type == "cuda" and visible_device is not None else str(device)
         metrics = EngineMetrics(model.name, settings.mode, where, dtype, engine=label)
-        runner = faults.maybe_inject(build_runner(settings, device, dtype, model, metrics))
+
+        def make_runner(mode: str):
+            return faults.maybe_inject(build_runner(settings, device, dtype, model, metrics, mode))
+
+        runners = {m: make_runner(m) for m in needed_modes(settings.mode, settings.shadow_every)}
         listener = stream.new_socket()
         listener.bind(endpoint)
         listener.listen(256)
-        engine = Engine(runner, listener, settings, model.input_shape, metrics)
+        engine = Engine(runners, listener, settings, model.input_shape, metrics, dtype)
         engine.device_type = device.type
         engine.on_broken = lambda: setattr(state, "value", wire.BROKEN)
+        if config is not None:
+            engine.config_generation, engine.config_seen = config
+            engine.run_dir = Path(run_dir)
+
+        def load(mode: str):  # a mode a reload asks for, loaded on a thread of its own while the engine serves
+            runner = make_runner(mode)
+            if settings.warmup:
+                runner.warmup(settings.max_batch_size)
+            return runner
+
+        engine.modes.make = load
+        engine.modes.on_failed = lambda: config_reloaded(model.name, "failed")
+        engine.modes.on_loaded = gc.freeze
         if device.type == "cuda":
             engine.spin_s = settings.engine_spin_ms / 1e3
         if index == 0:
             from ..link.plan import write_plan
 
-            write_plan(Path(run_dir), runner.executor, str(device))
+            write_plan(Path(run_dir), engine.runner.executor, str(device))
         state.value = wire.WARMING
         if settings.warmup:
-            t = time.perf_counter()
-            sizes = runner.warmup(settings.max_batch_size)
-            log.info(
-                "engine %d warm: %s on %s, %s, batch sizes %s in %.1f s",
-                index, settings.mode, device, dtype, sizes, time.perf_counter() - t,
-            )  # fmt: skip
+            for mode, runner in runners.items():
+                t = time.perf_counter()
+                sizes = runner.warmup(settings.max_batch_size)
+                log.info(
+                    "engine %d warm: %s on %s, %s, batch sizes %s in %.1f s",
+                    index, mode, device, dtype, sizes, time.perf_counter() - t,
+                )  # fmt: skip
         # Everything allocated so far lives as long as the process: out of the collector's view, so a full GC
         # pass (100-200 ms seen on an event loop holding the model) has less to walk.
         gc.freeze()

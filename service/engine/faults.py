@@ -90,7 +90,7 @@ class FaultyRunner:
     def __getattr__(self, name: str):
         return getattr(self._runner, name)
 
-    def launch(self, parts):
+    def launch(self, parts, observe: bool = True):
         import torch
 
         self._forwards += 1
@@ -104,7 +104,7 @@ class FaultyRunner:
                 "CUDA error: an illegal memory access was encountered "
                 f"(injected: {INJECT_ENV}, forward {self._forwards})"
             )
-        return self._runner.launch(parts)
+        return self._runner.launch(parts, observe)
 
 
 def maybe_inject(runner):

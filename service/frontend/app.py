@@ -33,6 +33,7 @@ def create_app(settings: Settings, model, engines, run_dir: Path) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engines.start()
+        watcher = _LiveSettingsWatch(state)
         grpc_server = None
         if settings.grpc_port is not None:
             from ..v2 import grpc_server as v2_grpc
@@ -42,6 +43,7 @@ def create_app(settings: Settings, model, engines, run_dir: Path) -> FastAPI:
         try:
             yield
         finally:
+            watcher.cancel()
             if grpc_server is not None:
                 # After uvicorn's drain and shutdown: RPCs under way get the rest of the grace to finish.
                 await grpc_server.stop(settings.shutdown_grace_s / 2)
@@ -60,6 +62,32 @@ def create_app(settings: Settings, model, engines, run_dir: Path) -> FastAPI:
     return app
 
 
+class _LiveSettingsWatch:
+    """Looks at the supervisor's configuration generation every CONFIG_POLL_S on the event loop, and takes new live
+    settings when it changed (service/link/live.py)."""
+
+    def __init__(self, state):
+        import asyncio
+
+        from ..link.live import CONFIG_POLL_S
+
+        self.state = state
+        self.every = CONFIG_POLL_S
+        self.loop = asyncio.get_running_loop()
+        self.handle = self.loop.call_later(self.every, self._look)
+
+    def _look(self) -> None:
+        try:
+            if self.state.take_live_settings():
+                log.info("configuration %d taken: mode %s", self.state.config_seen, self.state.settings.mode)
+        except Exception:  # a bad read must not stop the looking: the next generation may be fine
+            log.exception("could not take the new configuration")
+        self.handle = self.loop.call_later(self.every, self._look)
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket with SO_REUSEPORT, so that every front end binds the same port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -72,8 +100,17 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def frontend_main(settings: Settings, model, endpoints: list[str], states: list, run_dir: str, index: int) -> None:
-    """Entry point of a front-end process (spawned by the supervisor)."""
+def frontend_main(
+    settings: Settings,
+    model,
+    endpoints: list[str],
+    states: list,
+    run_dir: str,
+    index: int,
+    config: tuple | None = None,
+) -> None:
+    """Entry point of a front-end process (spawned by the supervisor); `config`: (the supervisor's shared
+    configuration generation, the generation `settings` is) for SIGHUP reloads."""
     from ..processes import child_setup, configure_logging
 
     child_setup(f"fs-frontend-{index}")
@@ -89,6 +126,8 @@ def frontend_main(settings: Settings, model, endpoints: list[str], states: list,
     from .fastpath import PredictFastPath
 
     state = app.state.fusedserve
+    if config is not None:
+        state.config_generation, state.config_seen = config
     served = PredictFastPath(app, state)  # POST /predict ahead of FastAPI's routing
     sock = listen_socket(settings.host, settings.port)
     config = uvicorn.Config(

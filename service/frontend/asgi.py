@@ -11,6 +11,8 @@ Answer = tuple[int, bytes, list[tuple[bytes, bytes]]]  # status, body, headers
 JSON = (b"content-type", b"application/json")
 RETRY = (b"retry-after", b"1")
 CLOSE = (b"connection", b"close")
+# Which executor computed an answer (fused or unfused), on every inference answer: in ab mode they take turns.
+MODE_HEADER = {m: (b"x-fusedserve-mode", m.encode()) for m in ("fused", "unfused")}
 
 
 class ClientGone(Exception):

@@ -34,12 +34,14 @@ ARENA_BYTES = 16 << 20
 
 
 class EngineError(Exception):
-    """The engine refused or failed the request; `status` is a wire status (OVERLOADED, TIMEOUT, ...)."""
+    """The engine refused or failed the request; `status` is a wire status (OVERLOADED, TIMEOUT, ...); `mode` the
+    executor whose forward failed (FAILED), or None where none ran."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, mode: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.mode = mode
 
 
 class EngineGone(EngineError):
@@ -69,6 +71,7 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._poll: asyncio.TimerHandle | None = None
         self._dead: set[int] = set()
+        self._restarting: set[int] = set()  # dead engines whose state has read LOADING since: started again
         self._turn = 0
         # Each engine's wire dtype (link/wire.py) as its index into wire.DTYPES, from its HELLO; None until then,
         # and rows go as float32.
@@ -157,7 +160,8 @@ class EngineClient:
     def submit(self, rows: np.ndarray, deadline: float, arrival: float) -> tuple[int, asyncio.Future]:
         """Send `rows` ((n, *input_shape) float32) to the least-loaded ready engine, cast to its wire dtype here, on
         this front end's core rather than the engine's one thread; `deadline` and `arrival` are time.monotonic()
-        values. The future resolves to the (n, output_features) float32 outputs, or raises EngineError."""
+        values. The future resolves to (the (n, output_features) float32 outputs, the mode that computed them:
+        fused or unfused), or raises EngineError."""
         loop = self._loop
         fut = loop.create_future()
         load = self._load
@@ -263,6 +267,7 @@ class EngineClient:
         dtype = None if code is None else wire.DTYPES[code]
         slots = self._slots
         arena = self._arenas[i]
+        modes = wire.MODES
         for message in messages:
             if dtype is None:  # the first message of a connection: the engine's HELLO
                 try:
@@ -273,7 +278,7 @@ class EngineClient:
                 dtype = wire.DTYPES[code]
                 continue
             records, view, at = wire.unpack(message, wire.REPLY)
-            for rid, status, n, size in records:
+            for rid, status, mode, n, size in records:
                 payload = view[at : at + size]
                 at += size
                 slot = slots.pop(rid, None)
@@ -288,9 +293,10 @@ class EngineClient:
                     continue
                 if status == wire.OK:
                     out = np.frombuffer(payload, dtype=dtype).reshape(n, out_features)
-                    fut.set_result(out if dtype == np.float32 else out.astype(np.float32))
+                    fut.set_result((out if dtype == np.float32 else out.astype(np.float32), modes[mode]))
                 else:
-                    fut.set_exception(EngineError(status, bytes(payload).decode(errors="replace")))
+                    name = modes[mode] if mode < len(modes) else None
+                    fut.set_exception(EngineError(status, bytes(payload).decode(errors="replace"), name))
         if closed:
             self._engine_gone(i, f"engine {i} closed its connection")
 
@@ -306,12 +312,16 @@ class EngineClient:
     def _watch_states(self) -> None:
         for i, state in enumerate(self._states):
             if i in self._dead:
-                # Started again by the supervisor? Until the old engine's death is seen there, its state still
-                # reads as before, but nothing listens on the path and the connect is refused.
-                if state.value in (wire.WARMING, wire.READY) and self._socks[i] is None:
+                # Started again by the supervisor? Until it has seen the death, the state still reads as the old
+                # engine left it, and the old engine's listening socket may outlive its connection by a moment:
+                # so only a state that went back to LOADING since the death is a new engine.
+                if state.value == wire.LOADING:
+                    self._restarting.add(i)
+                elif i in self._restarting and state.value in (wire.WARMING, wire.READY):
                     self._connect(i)
                     if self._socks[i] is not None:
                         self._dead.discard(i)
+                        self._restarting.discard(i)
                         log.info("engine %d is back", i)
                 continue
             if state.value in (wire.STOPPED, wire.FAILED_START, wire.BROKEN):

@@ -161,6 +161,8 @@ def _empty(description: str) -> dict:
 
 
 _REF = "#/components/schemas/"
+_INFERENCE_STATS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit",
+                    "cache_miss")  # fmt: skip
 
 
 def v2_tensor_schemas(input_shape: tuple[int, ...]) -> dict:
@@ -258,6 +260,11 @@ def v2_infer_operation(input_shape: tuple[int, ...], max_rows: int) -> dict:
             "model_name": {"type": "string"},
             "model_version": {"type": "string"},
             "id": {"type": "string"},
+            "parameters": {
+                "type": "object",
+                "properties": {"mode": {"type": "string", "enum": ["fused", "unfused"]}},
+                "description": "mode: the executor that computed the outputs (as the X-Fusedserve-Mode header says)",
+            },
             "outputs": {"type": "array", "items": tensor},
         },
         "required": ["model_name", "outputs"],
@@ -336,8 +343,60 @@ def describe_v2(schema: dict, model_name: str, input_shape: tuple[int, ...], max
         },
         "required": ["name", "platform", "inputs", "outputs"],
     }
+    duration = {
+        "type": "object",
+        "properties": {"count": {"type": "integer", "minimum": 0}, "ns": {"type": "integer", "minimum": 0}},
+        "required": ["count", "ns"],
+    }
+    stat = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "version": {"type": "string"},
+            "last_inference": {"type": "integer", "minimum": 0},
+            "inference_count": {"type": "integer", "minimum": 0},
+            "execution_count": {"type": "integer", "minimum": 0},
+            "inference_stats": {
+                "type": "object",
+                "properties": {k: duration for k in _INFERENCE_STATS},
+                "required": list(_INFERENCE_STATS),
+            },
+            "batch_stats": {"type": "array"},
+        },
+        "required": ["name", "version", "last_inference", "inference_count", "execution_count", "inference_stats"],
+    }
+    stats = {
+        "type": "object",
+        "properties": {"model_stats": {"type": "array", "items": stat}},
+        "required": ["model_stats"],
+    }
+    io = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "data_type": {"type": "string"},
+            "dims": {"type": "array", "items": {"type": "integer"}},
+        },
+        "required": ["name", "data_type", "dims"],
+    }
+    config = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "platform": {"type": "string"},
+            "backend": {"type": "string"},
+            "max_batch_size": {"type": "integer", "minimum": 1},
+            "input": {"type": "array", "items": io},
+            "output": {"type": "array", "items": io},
+            "dynamic_batching": {"type": "object"},
+            "instance_group": {"type": "array", "items": {"type": "object"}},
+            "parameters": {"type": "object"},
+        },
+        "required": ["name", "platform", "backend", "max_batch_size", "input", "output"],
+    }
     no_model = _v2_error("no such model or version")
     operations = {
+        ("get", "/v2/models/stats"): {"responses": {"200": _answer("every model's statistics", stats)}},
         ("get", "/v2"): {"responses": {"200": _answer("server metadata", server)}},
         ("get", "/v2/health/live"): {"responses": {"200": _empty("the server is live")}},
         ("get", "/v2/health/ready"): {
@@ -348,6 +407,12 @@ def describe_v2(schema: dict, model_name: str, input_shape: tuple[int, ...], max
             "responses": {"200": _empty("the model is ready"), "503": _empty("not ready"), "404": no_model}
         },
         ("post", "/v2/models/{name}/infer"): v2_infer_operation(input_shape, max_rows),
+        ("get", "/v2/models/{name}/config"): {
+            "responses": {"200": _answer("the model's configuration, as Triton's", config), "404": no_model}
+        },
+        ("get", "/v2/models/{name}/stats"): {
+            "responses": {"200": _answer("the model's statistics, as Triton's", stats), "404": no_model}
+        },
     }
     for (method, path), operation in list(operations.items()):
         if path.startswith("/v2/models/{name}"):

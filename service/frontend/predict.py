@@ -12,7 +12,7 @@ import numpy as np
 import orjson
 
 from . import requestid
-from .asgi import CLOSE, JSON, Answer
+from .asgi import CLOSE, JSON, MODE_HEADER, Answer
 from .inputs import InputError, parse_rows
 from .serving import Refused, read_request, run_rows
 from .state import FrontendState
@@ -28,7 +28,8 @@ def _error(status: int, message: str, *extra: tuple[bytes, bytes]) -> Answer:
 
 
 async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
-    """{"inputs": [[...], ...]} -> {"outputs", "predictions", "model", "mode"}, as (status, body, headers)."""
+    """{"inputs": [[...], ...]} -> {"outputs", "predictions", "model", "mode"}, as (status, body, headers); "mode"
+    (and the X-Fusedserve-Mode header) is the executor that computed the outputs, fused or unfused."""
     started = time.perf_counter()
     metrics = state.metrics
     ident = (requestid.HEADER, requestid.of_scope(scope))  # the client's X-Request-Id, or a new one
@@ -39,19 +40,19 @@ async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
         rows = parse_rows(body, state.model.input_shape, state.settings.max_rows_per_request)
         arrival = time.monotonic()
         deadline = arrival + state.settings.request_timeout_ms / 1e3
-        outputs = await run_rows(state, rows, arrival, deadline, receive, ident[1])
+        outputs, mode = await run_rows(state, rows, arrival, deadline, receive, ident[1])
     except InputError as e:
-        metrics.observe_request(e.outcome)
+        metrics.observe_request(e.outcome, time.perf_counter() - started)
         return _error(e.status, e.message, ident)
     except Refused as e:
-        metrics.observe_request(e.outcome)
+        metrics.observe_request(e.outcome, time.perf_counter() - started, mode=e.mode)
         return _error(e.status, e.message, *e.headers, ident)
     doc = {
         "outputs": outputs,
         "predictions": state.predictions(np.argmax(outputs, axis=1)),
         "model": state.model.name,
-        "mode": state.settings.mode,
+        "mode": mode,
     }
-    answer = _answer(200, doc, *extra)
-    metrics.observe_request("ok", time.perf_counter() - started)
+    answer = _answer(200, doc, MODE_HEADER[mode], *extra)
+    metrics.observe_request("ok", time.perf_counter() - started, mode=mode)
     return answer

@@ -72,12 +72,18 @@ V2_ROUTES = (
     ("GET", "/v2", "server metadata: name, version, extensions"),
     ("GET", "/v2/health/live", "200 while the process runs"),
     ("GET", "/v2/health/ready", "200 when every engine is ready, else 503"),
+    # Before /v2/models/{name}: Triton reads this path as every model's statistics, not a model named "stats".
+    ("GET", "/v2/models/stats", "every model's statistics (Triton's statistics extension)"),
     ("GET", "/v2/models/{name}", "model metadata: inputs and outputs with name, datatype and shape"),
     ("GET", "/v2/models/{name}/ready", "200 when the model is ready, else 503"),
     ("POST", "/v2/models/{name}/infer", "inference: JSON tensors or Triton's binary tensor extension"),
+    ("GET", "/v2/models/{name}/config", "the model's configuration (Triton's model configuration extension)"),
+    ("GET", "/v2/models/{name}/stats", "the model's statistics (Triton's statistics extension)"),
     ("GET", "/v2/models/{name}/versions/{version}", "model metadata (version 1)"),
     ("GET", "/v2/models/{name}/versions/{version}/ready", "model readiness (version 1)"),
     ("POST", "/v2/models/{name}/versions/{version}/infer", "inference (version 1)"),
+    ("GET", "/v2/models/{name}/versions/{version}/config", "model configuration (version 1)"),
+    ("GET", "/v2/models/{name}/versions/{version}/stats", "model statistics (version 1)"),
 )
 
 

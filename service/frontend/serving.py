@@ -38,12 +38,13 @@ _STATUS_OF = {
 class Refused(Exception):
     """A request the engines did not answer: HTTP status, outcome label and a message naming why."""
 
-    def __init__(self, status: int, outcome: str, message: str, close: bool = False):
+    def __init__(self, status: int, outcome: str, message: str, close: bool = False, mode: str | None = None):
         super().__init__(message)
         self.status = status
         self.outcome = outcome
         self.message = message
         self.close = close  # refused before the whole body was read: close the connection, so it is never read
+        self.mode = mode  # the executor whose forward failed; None where none ran (the metrics' configured mode)
 
     @property
     def headers(self) -> tuple[tuple[bytes, bytes], ...]:
@@ -88,8 +89,9 @@ async def read_request(state: FrontendState, scope: dict, receive, identity_only
 
 async def run_rows(
     state: FrontendState, rows: np.ndarray, arrival: float, deadline: float, receive=None, request_id=None
-) -> np.ndarray:
-    """Submit `rows` to an engine and await their outputs ((n, output_features) float32), or raise Refused.
+) -> tuple[np.ndarray, str]:
+    """Submit `rows` to an engine and await (their outputs ((n, output_features) float32), the mode that computed
+    them: fused or unfused), or raise Refused.
 
     `receive` (ASGI) is watched for the client leaving once the request is older than WATCH_AFTER_S; a caller
     without one (gRPC) is cancelled by its server instead, and the engine is told to drop the request either way.
@@ -120,7 +122,7 @@ async def run_rows(
         status, outcome, prefix = _STATUS_OF[e.status]
         log.log(logging.WARNING if status == 500 else logging.DEBUG, "request %s (engine request %s): %d %s%s",
                 _text(request_id), wire.request_name(rid), status, prefix, e.message)  # fmt: skip
-        raise Refused(status, outcome, prefix + e.message) from None
+        raise Refused(status, outcome, prefix + e.message, mode=e.mode) from None
     except Exception as e:  # a bug, not a bad request: count it and say so, never an uncounted 500
         log.exception("unexpected error serving request %s (engine request %s)", _text(request_id),
                       wire.request_name(rid))  # fmt: skip

@@ -62,6 +62,9 @@ class FrontendState:
     # SIGHUP) and the restricted routes' header rules.
     api_keys: ApiKeys = field(default=None)  # type: ignore[assignment]  (made from settings when not given)
     restrictions: Restrictions = field(default=None)  # type: ignore[assignment]
+    # SIGHUP reloads (service/link/live.py): the supervisor's shared generation and the one this front end has.
+    config_generation: object | None = None
+    config_seen: int = 0
 
     def __post_init__(self) -> None:
         if self.api_keys is None:
@@ -82,7 +85,28 @@ class FrontendState:
             return False
         if settings is not None:
             self.restrictions = Restrictions(settings.restrictions())
-        log.info("API keys reloaded: %s", self.api_keys.describe() if n else "none")
+        if n:
+            log.info("API keys reloaded: %s", self.api_keys.describe())
+        return True
+
+    def take_live_settings(self) -> bool:
+        """If the supervisor published new live settings, take them: the request timeout, the configured mode (the
+        label of requests no executor ran, and what /health/ready and /model say), the log level. True if it did."""
+        generation = self.config_generation
+        if generation is None or generation.value == self.config_seen:
+            return False
+        from ..link.live import read_live
+        from ..processes import set_log_level
+
+        try:
+            self.config_seen, live = read_live(self.run_dir)
+        except Exception:
+            self.config_seen = generation.value  # logged by the caller once, not again every poll
+            raise
+        self.settings = self.settings.model_copy(update=live)
+        self.metrics.set_mode(self.settings.mode)
+        set_log_level(self.settings.log_level)
+        self.reload_access()  # the API keys file again (a SIGHUP after it changed: service/supervisor.py)
         return True
 
     @property

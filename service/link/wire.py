@@ -9,8 +9,10 @@ Front end -> engine, one message per event-loop turn (or per FLUSH_EVERY request
     request or cancellation, then the rows of each SUBMIT record in order (C-contiguous, (rows, *input_shape), in
     its dtype); a SUBMIT_SHARED record's rows are in the arena at `offset` instead
 Engine -> front end, one message per front end per batch:
-    COUNT, then REPLY records (id, status, rows, payload bytes), then the payloads in order: the outputs
-    (rows, output_features) in the engine's wire dtype when OK, else a UTF-8 message. Every submitted request
+    COUNT, then REPLY records (id, status, mode, rows, payload bytes), then the payloads in order: the outputs
+    (rows, output_features) in the engine's wire dtype when OK, else a UTF-8 message. `mode` says which executor
+    computed the outputs (MODES: fused, unfused; NO_MODE where no forward ran), so that in `ab` mode every answer
+    and the front end's request metrics name it. Every submitted request
     gets exactly one REPLY, a cancelled one too (CANCELLED), so that the front end knows when the engine is done
     with its rows.
 
@@ -35,7 +37,9 @@ COUNT = struct.Struct("<I")
 # (time.monotonic(), shared by the host's processes). The arrival travels on its own: a gRPC client's deadline can
 # end a request sooner than request_timeout, so it is not deadline - timeout.
 REQUEST = struct.Struct("<BBQIQdd")
-REPLY = struct.Struct("<QBII")  # id, status, rows, payload bytes
+REPLY = struct.Struct("<QBBII")  # id, status, mode (an index into MODES, or NO_MODE), rows, payload bytes
+MODES = ("fused", "unfused")
+NO_MODE = 255
 
 SUBMIT = 1
 CANCEL = 2
@@ -44,7 +48,7 @@ SUBMIT_SHARED = 3
 DTYPES = (np.dtype("<f4"), np.dtype("<f2"))  # a request's rows, a HELLO's wire dtype: by index
 FLOAT32 = 0
 HELLO = struct.Struct("<4sB")  # magic, wire dtype
-MAGIC = b"FSE1"
+MAGIC = b"FSE2"  # FSE2: REPLY carries the mode
 
 OK = 0
 OVERLOADED = 1  # the engine's queue was full: 503

@@ -1,43 +1,145 @@
 """Two executors, one plan: the fused one swaps each step's implementation, never the model.
 
     fused:   MLPStep -> kernels.FusedMLP (1 kernel for all its layers), LinearStep -> kernels.FusedLinear
-             (1 kernel), Conv2dStep -> kernels.conv.fused_conv2d (conv + bias + act [+ pool], 1 kernel),
-             Pool2dStep -> kernels.pool.fused_pool2d (pool + act, 1 kernel), ActivationStep ->
-             kernels.fused_activation
+             (1 kernel; with a residual, kernels.fused_linear(residual=)), Conv2dStep -> kernels.conv.fused_conv2d
+             (conv + folded batch norm + bias + residual + act [+ pool], 1 kernel), Pool2dStep ->
+             kernels.pool.fused_pool2d (pool + act, 1 kernel), ActivationStep -> kernels.fused_activation
     unfused: MLPStep and LinearStep -> kernels.reference.linear per layer (mm, add, act: 3 kernels each),
              Conv2dStep -> F.conv2d with its bias, then the activation (2 kernels, as nn.Conv2d + nn.ReLU)
-             [then its pool, as a Pool2dStep],
-             Pool2dStep -> F.avg_pool2d / F.max_pool2d, then the activation, ActivationStep -> torch
+             [then its pool, as a Pool2dStep], Pool2dStep -> F.avg_pool2d / F.max_pool2d, then the activation,
+             ActivationStep -> torch. A batch norm runs as F.batch_norm after its conv or linear, and a
+             residual as its own add, as the eager model runs them.
+    both:    AddStep (torch add, then the activation: in the fused mode by the activation kernel),
+             BatchNormStep (fused: one multiply-add with the folded scale and shift; unfused: F.batch_norm),
+             ConcatStep (torch.cat), SoftmaxStep (torch.softmax), and a Conv2dStep with groups > 1 (torch's
+             conv, with the batch norm folded in the fused mode: the conv kernel has no groups).
 
-Each step is bound once, at load, to its tensors and parameters, so a forward is a loop of calls.
-Each step can be timed under its plan name: on CUDA with events recorded on the stream around the
-step (or captured into a bucket's timed graph) and read after the batch's own synchronisation (no extra
-sync); on the CPU with the wall clock.
+Batch norm is folded into the weight and bias of the conv or linear before it when the fused executor binds
+the step (in float64, then cast): W' = W * s, b' = (b - mean) * s + beta with s = gamma / sqrt(var + eps) per
+output channel. The model keeps the batch norm's own tensors, which the unfused executor runs.
+
+A part of a step that the kernels lack (a `residual=` keyword, an activation missing from
+kernels.activations) runs as torch ops after the kernel in the fused mode (`torch_parts` names them, and
+`fusedserve check-model` shows them), so the plan and its step names never depend on what the kernels can do.
+
+Each step is bound once, at load, to its tensors and parameters, so a forward is a loop of calls over a
+table of live tensors (each dropped after its last reader). Each step can be timed under its plan name: on
+CUDA with events recorded on the stream around the step (or captured into a bucket's timed graph) and read
+after the batch's own synchronisation (no extra sync); on the CPU with the wall clock.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from .loader import Model
 from .planner import (
     ActivationStep,
+    AddStep,
+    BatchNorm,
+    BatchNormStep,
+    ConcatStep,
     Conv2dStep,
     FlattenStep,
     LinearStep,
     MLPStep,
     Pool2dStep,
+    SoftmaxStep,
     Step,
     fused_steps,
+    reads,
 )
 
 Mode = Literal["fused", "unfused"]
-Layer = Callable[[torch.Tensor], torch.Tensor]
+Layer = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class KernelSupport:
+    """What the fused kernels of this install can do beyond conv/linear + bias + activation."""
+
+    activations: frozenset[str]
+    conv_residual: bool  # kernels.conv.fused_conv2d(..., residual=)
+    linear_residual: bool  # kernels.linear.fused_linear(..., residual=)
+
+
+@functools.cache
+def kernel_support() -> KernelSupport:
+    # Imported here, not at module top: the service decides interpreter vs compiled (TRITON_INTERPRET) from its
+    # settings before the kernels are first defined.
+    from kernels.activations import ACTIVATIONS
+    from kernels.conv import fused_conv2d
+    from kernels.linear import fused_linear
+
+    return KernelSupport(
+        activations=frozenset(ACTIVATIONS),
+        conv_residual="residual" in inspect.signature(fused_conv2d).parameters,
+        linear_residual="residual" in inspect.signature(fused_linear).parameters,
+    )
+
+
+def torch_parts(step: Step, support: KernelSupport | None = None) -> list[str]:
+    """The parts of a step that the fused executor runs as torch ops, not in a Triton kernel ([] for none)."""
+    support = support or kernel_support()
+    if isinstance(step, MLPStep):
+        parts = [p for layer in step.layers for p in torch_parts(layer, support)]
+        return parts if not parts else ["the whole-MLP kernel (its layers run one by one)", *parts]
+    if isinstance(step, (AddStep,)):
+        return ["add"] + ([step.activation] if step.activation not in support.activations else [])
+    if isinstance(step, (BatchNormStep, ConcatStep, SoftmaxStep)):
+        return [type(step).__name__.removesuffix("Step").lower()]
+    if isinstance(step, Conv2dStep) and step.groups > 1:
+        return [f"conv2d (groups {step.groups})", *(["add"] if step.residual else []),
+                *([step.activation] if step.activation != "none" else [])]  # fmt: skip
+    parts = []
+    has_residual = isinstance(step, (Conv2dStep, LinearStep)) and step.residual is not None
+    if has_residual and not (support.conv_residual if isinstance(step, Conv2dStep) else support.linear_residual):
+        parts.append("add")
+    activation = getattr(step, "activation", "none")
+    if activation != "none" and activation not in support.activations:
+        parts.append(activation)
+    return parts
+
+
+def torch_activation(x: torch.Tensor, name: str, negative_slope: float) -> torch.Tensor:
+    """One eager activation, including those the kernels' table may lack (relu6, hardswish)."""
+    from kernels.activations import ACTIVATIONS
+    from kernels.activations import torch_activation as table
+
+    if name in ACTIVATIONS:
+        return table(x, name, negative_slope)
+    if name == "relu6":
+        return F.relu6(x)
+    if name == "hardswish":
+        return F.hardswish(x)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def fold_batchnorm(
+    weight: torch.Tensor, bias: torch.Tensor | None, bn: BatchNorm, tensors: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W', b') of a conv or linear followed by inference batch norm `bn`, in float64: W' = W * s per output
+    channel, b' = (b - mean) * s + beta, s = gamma / sqrt(var + eps)."""
+    gamma, beta, mean, var = (tensors[n].double() for n in (bn.weight, bn.bias, bn.mean, bn.var))
+    s = gamma / torch.sqrt(var + bn.eps)
+    w = weight.double() * s.reshape(-1, *([1] * (weight.dim() - 1)))
+    b = (bias.double() if bias is not None else torch.zeros_like(mean)) - mean
+    return w, b * s + beta
+
+
+def scale_shift(bn: BatchNorm, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch norm as y = x * scale + shift per channel, in float64."""
+    gamma, beta, mean, var = (tensors[n].double() for n in (bn.weight, bn.bias, bn.mean, bn.var))
+    scale = gamma / torch.sqrt(var + bn.eps)
+    return scale, beta - mean * scale
 
 
 class StepTimer:
@@ -84,6 +186,15 @@ def _flatten(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1)  # a view of a contiguous batch: no copy, no kernel
 
 
+@dataclass(frozen=True)
+class Wiring:
+    """Where a bound step takes its arguments from and puts its result, in the forward's table of tensors."""
+
+    reads: tuple[str, ...]  # the step's inputs, then its residual
+    output: str
+    frees: tuple[str, ...]  # tensors no later step reads: dropped once this step ran
+
+
 class Executor:
     """Runs the plan of `model` on one device in one dtype, fused or unfused."""
 
@@ -103,16 +214,31 @@ class Executor:
         self.mode = mode
         self.device = device
         self.dtype = dtype
+        self.support = kernel_support()
         # Both modes run one plan, so their per-step timings line up under the same names.
         self.steps: list[Step] = fused_steps(model.ops, model.tensors, whole_mlp=whole_mlp, conv_pool=conv_pool)
         # Weights are cast and placed once, contiguous, as the kernels require.
         self.tensors = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in model.tensors.items()}
-        # Fused, a conv or pool step that feeds another writes channels_last (see channels_last_outputs).
+        # Fused, a conv or pool step whose output only image steps read writes channels_last (channels_last_outputs).
         nhwc = channels_last_outputs(self.steps) if mode == "fused" else [False] * len(self.steps)
-        # (name to time under, or None for a view; the bound layer)
+        # (name to time under, or None for a view; the bound layer), and where each takes its tensors from
         self.layers: list[tuple[str | None, Layer]] = [
             self._bind(s, cl) for s, cl in zip(self.steps, nhwc, strict=True)
         ]
+        self.input_name = model.input_name if self.steps[0].inputs else "input"
+        self.output_name = self.steps[-1].output
+        self.wiring = _wire(self.steps, self.input_name)
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def _weights(self, step: LinearStep | Conv2dStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's weight and bias as its mode runs them: with the batch norm folded in when fused."""
+        if self.mode == "fused" and step.batchnorm is not None:
+            src = self.model.tensors
+            w, b = fold_batchnorm(src[step.weight], src[step.bias] if step.bias else None, step.batchnorm, src)
+            return self._cast(w), self._cast(b)
+        return self.tensors[step.weight], self.tensors[step.bias] if step.bias else None
 
     def _bind(self, step: Step, channels_last: bool = False) -> tuple[str | None, Layer]:
         # Imported here, not at module top: the service decides interpreter vs compiled
@@ -120,93 +246,207 @@ class Executor:
         from kernels import FusedLinear, fused_activation, reference
         from kernels.mlp import FusedMLP, MLPLayer
 
+        fused = self.mode == "fused"
+        support = self.support
         if isinstance(step, FlattenStep):
             return None, _flatten
         if isinstance(step, MLPStep):
-            if self.mode == "fused":
-                layers = [
-                    MLPLayer(
-                        self.tensors[s.weight], self.tensors[s.bias] if s.bias else None, s.activation, s.negative_slope
-                    )
-                    for s in step.layers
-                ]
+            if fused and not torch_parts(step, support):
+                layers = []
+                for s in step.layers:
+                    w, b = self._weights(s)
+                    layers.append(MLPLayer(w, b, s.activation, s.negative_slope))
                 return step.name, FusedMLP(layers)
             per_layer = [self._bind(s)[1] for s in step.layers]
             return step.name, functools.partial(_chain, layers=per_layer)
         if isinstance(step, LinearStep):
-            w = self.tensors[step.weight]
-            b = self.tensors[step.bias] if step.bias else None
-            if self.mode == "fused":
-                return step.name, FusedLinear(w, b, step.activation, negative_slope=step.negative_slope)
-            return step.name, functools.partial(
-                reference.linear, weight=w, bias=b, activation=step.activation, negative_slope=step.negative_slope
-            )
-        if isinstance(step, Conv2dStep):
-            w = self.tensors[step.weight]
-            b = self.tensors[step.bias] if step.bias else None
-            geometry = {"stride": step.stride, "padding": step.padding, "dilation": step.dilation}
+            w, b = self._weights(step)
             act = {"activation": step.activation, "negative_slope": step.negative_slope}
-            pool = step.pool
-            if self.mode == "fused":
-                from kernels.conv import fused_conv2d
-                from kernels.conv_tma import weight_for
+            if not fused:
+                if step.batchnorm is None and step.residual is None and step.activation in support.activations:
+                    return step.name, functools.partial(reference.linear, weight=w, bias=b, **act)
+                mm = functools.partial(reference.linear, weight=w, bias=b)
+                return step.name, functools.partial(_unfused_tail, first=mm, bn=self._batch_norm(step.batchnorm), **act)
+            kernel_act = step.activation in support.activations
+            if step.residual is not None and support.linear_residual:
+                from kernels.linear import fused_linear
 
-                w = weight_for(w, step.stride)  # channels_last where the TMA kernel can run the layer
-                if pool is not None:  # group_conv_pools checked that the kernel can: floor mode, no padding
-                    geometry["pool"] = (pool.kind, pool.kernel_size, pool.stride)
-                fmt = _memory_format(channels_last)
-                return step.name, functools.partial(
-                    fused_conv2d, weight=w, bias=b, **geometry, **act, memory_format=fmt
-                )
-            conv = functools.partial(reference.conv2d, weight=w, bias=b, **geometry, **act)
-            if pool is None:
-                return step.name, conv
-            return step.name, functools.partial(_chain, layers=[conv, self._bind(pool)[1]])
+                if kernel_act:
+                    return step.name, functools.partial(_residual_kw, fn=fused_linear, weight=w, bias=b, **act)
+                gemm = functools.partial(_residual_kw, fn=fused_linear, weight=w, bias=b)
+                return step.name, functools.partial(_then_activation, first=gemm, **act)
+            if kernel_act and step.residual is None:
+                return step.name, FusedLinear(w, b, step.activation, negative_slope=step.negative_slope)
+            # What the kernel lacks (the residual, the activation) runs after it as torch ops.
+            gemm = FusedLinear(w, b, "none")
+            return step.name, functools.partial(_fused_tail, first=gemm, add=step.residual is not None, **act)
+        if isinstance(step, Conv2dStep):
+            return step.name, self._bind_conv(step, channels_last)
         if isinstance(step, Pool2dStep):
             pool = {
                 "kind": step.kind, "kernel_size": step.kernel_size, "stride": step.stride, "padding": step.padding,
                 "ceil_mode": step.ceil_mode, "count_include_pad": step.count_include_pad,
                 "activation": step.activation, "negative_slope": step.negative_slope,
             }  # fmt: skip
-            if self.mode == "fused":
-                from kernels.pool import fused_pool2d
+            act = {"activation": step.activation, "negative_slope": step.negative_slope}
+            known = step.activation in support.activations
+            if not fused:
+                if known:
+                    return step.name, functools.partial(reference.pool2d, **pool)
+                pooled = functools.partial(reference.pool2d, **{**pool, "activation": "none"})
+                return step.name, functools.partial(_unfused_tail, first=pooled, bn=None, **act)
+            from kernels.pool import fused_pool2d
 
-                return step.name, functools.partial(fused_pool2d, **pool, memory_format=_memory_format(channels_last))
-            return step.name, functools.partial(reference.pool2d, **pool)
+            fmt = _memory_format(channels_last)
+            if known:
+                return step.name, functools.partial(fused_pool2d, **pool, memory_format=fmt)
+            pooled = functools.partial(fused_pool2d, **{**pool, "activation": "none"}, memory_format=fmt)
+            return step.name, functools.partial(_then_activation, first=pooled, **act)
         if isinstance(step, ActivationStep):
-            fn = fused_activation if self.mode == "fused" else reference.activation
-            return step.name, functools.partial(
-                _contiguous_then, fn=fn, activation=step.activation, negative_slope=step.negative_slope
-            )
+            act = {"activation": step.activation, "negative_slope": step.negative_slope}
+            if fused and step.activation in support.activations:
+                return step.name, functools.partial(_contiguous_then, fn=fused_activation, **act)
+            fn = reference.activation if step.activation in support.activations else torch_activation
+            return step.name, functools.partial(_contiguous_then, fn=fn, **act)
+        if isinstance(step, AddStep):
+            act = {"activation": step.activation, "negative_slope": step.negative_slope}
+            return step.name, functools.partial(_add_then, kernel=fused, **act)
+        if isinstance(step, BatchNormStep):
+            if fused:
+                scale, shift = scale_shift(step.batchnorm, self.model.tensors)
+                return step.name, functools.partial(_scale_shift, scale=self._cast(scale), shift=self._cast(shift))
+            return step.name, self._batch_norm(step.batchnorm)
+        if isinstance(step, ConcatStep):
+            return step.name, _concat
+        if isinstance(step, SoftmaxStep):
+            return step.name, _softmax
         raise TypeError(f"no implementation for step {step!r}")
+
+    def _batch_norm(self, bn: BatchNorm | None) -> Layer | None:
+        """F.batch_norm with the model's running statistics, in inference (the unfused mode's batch norm)."""
+        if bn is None:
+            return None
+        t = self.tensors
+        return functools.partial(_batch_norm, weight=t[bn.weight], bias=t[bn.bias], mean=t[bn.mean], var=t[bn.var],
+                                 eps=bn.eps)  # fmt: skip
+
+    def _bind_conv(self, step: Conv2dStep, channels_last: bool) -> Layer:
+        from kernels import reference
+
+        w, b = self._weights(step)
+        geometry = {"stride": step.stride, "padding": step.padding, "dilation": step.dilation}
+        act = {"activation": step.activation, "negative_slope": step.negative_slope}
+        pool = step.pool
+        if self.mode == "unfused" or step.groups > 1:
+            # Unfused (and grouped, in both modes, with the batch norm folded when fused): eager torch ops.
+            if step.groups > 1:
+                conv = functools.partial(F.conv2d, weight=w, bias=b, groups=step.groups, **geometry)
+            elif step.batchnorm is None and step.residual is None and step.activation in self.support.activations:
+                conv = functools.partial(reference.conv2d, weight=w, bias=b, **geometry, **act)
+                if pool is None:
+                    return conv
+                return functools.partial(_chain, layers=[conv, self._bind(pool)[1]])
+            else:
+                conv = functools.partial(reference.conv2d, weight=w, bias=b, **geometry)
+            bn = self._batch_norm(step.batchnorm) if self.mode == "unfused" else None
+            tail = functools.partial(_unfused_tail, first=conv, bn=bn, **act)
+            return tail if pool is None else functools.partial(_chain_first, first=tail, then=self._bind(pool)[1])
+        from kernels.conv import fused_conv2d
+        from kernels.conv_tma import weight_for
+
+        support = self.support
+        w = weight_for(w, step.stride)  # channels_last where the TMA kernel can run the layer
+        fmt = _memory_format(channels_last)
+        kernel_act = step.activation in support.activations
+        kernel_residual = step.residual is not None and support.conv_residual
+        if pool is not None and kernel_act:  # group_conv_pools checked that the kernel can: floor mode, no padding
+            geometry["pool"] = (pool.kind, pool.kernel_size, pool.stride)
+        if step.residual is None and kernel_act:
+            return functools.partial(fused_conv2d, weight=w, bias=b, **geometry, **act, memory_format=fmt)
+        if kernel_residual:
+            conv = functools.partial(_residual_kw, fn=fused_conv2d, weight=w, bias=b, **geometry,
+                                     **(act if kernel_act else {}), memory_format=fmt, layout=fmt)  # fmt: skip
+            if kernel_act:
+                return conv
+            return self._then_pool(functools.partial(_then_activation, first=conv, **act), pool, channels_last)
+        # The kernel lacks the residual (then there is no pool: group_conv_pools) or the activation (then the
+        # pool, which comes after it, runs apart): conv + bias in the kernel, the rest as torch ops and kernels.
+        conv = functools.partial(fused_conv2d, weight=w, bias=b, **geometry, memory_format=fmt)
+        tail = functools.partial(_fused_tail, first=conv, add=step.residual is not None, **act)
+        return self._then_pool(tail, pool, channels_last)
+
+    def _then_pool(self, layer: Layer, pool: Pool2dStep | None, channels_last: bool) -> Layer:
+        if pool is None:
+            return layer
+        return functools.partial(_chain_first, first=layer, then=self._bind(pool, channels_last)[1])
 
     def forward(self, x: torch.Tensor, timer: StepTimer | None = None) -> torch.Tensor:
         """x: (rows, *input_shape) on the executor's device and dtype -> (rows, output_features)."""
-        for name, layer in self.layers:
+        live = {self.input_name: x}
+        for (name, layer), wiring in zip(self.layers, self.wiring, strict=True):
+            args = [live[t] for t in wiring.reads]
             if timer is None or name is None:
-                x = layer(x)
+                y = layer(*args)
             else:
                 timer.start(name)
-                x = layer(x)
+                y = layer(*args)
                 timer.stop(name)
-        return x
+            live[wiring.output] = y
+            for t in wiring.frees:
+                del live[t]
+        return live[self.output_name]
+
+
+def _wire(steps: list[Step], input_name: str) -> list[Wiring]:
+    """Each step's reads and output, and what can be dropped after it. Steps without graph fields (made in a test)
+    form a chain."""
+    if not steps[0].inputs:
+        names = [input_name] + [f"s{i}" for i in range(len(steps))]
+        return [Wiring((names[i],), names[i + 1], (names[i],)) for i in range(len(steps))]
+    last_read: dict[str, int] = {}
+    for i, s in enumerate(steps):
+        for t in reads(s):
+            last_read[t] = i
+    out = []
+    for i, s in enumerate(steps):
+        frees = tuple(t for t in dict.fromkeys(reads(s)) if last_read[t] == i and t != steps[-1].output)
+        out.append(Wiring(reads(s), s.output, frees))
+    return out
 
 
 def channels_last_outputs(steps: list[Step]) -> list[bool]:
-    """Per step: whether the fused executor has it write channels_last (NHWC). A conv or pool step whose output
-    goes straight into another conv or pool does: the next one then gathers each pixel's channels as one
-    contiguous run, 2x faster than NCHW at 256 images of 64 -> 64 channels at 32x32 on an H100
-    (bench/results/probe_conv_h100.txt). Every other step keeps NCHW, so the model reads NCHW rows and its
+    """Per step: whether the fused executor has it write channels_last (NHWC). A conv (groups 1) or pool step whose
+    output only image steps read (convs, pools, adds, concats) does: the next conv then gathers each pixel's
+    channels as one contiguous run, 2x faster than NCHW at 256 images of 64 -> 64 channels at 32x32 on an H100
+    (bench/results/h100/probe_conv_h100.txt). Every other step keeps NCHW, so the model reads NCHW rows and its
     flatten (a view) sees torch's feature order; the first conv reads NCHW and writes NHWC in the same kernel."""
-    image_steps = (Conv2dStep, Pool2dStep)
+    image_steps = (Conv2dStep, Pool2dStep, AddStep, ConcatStep)
+    if not steps or not steps[0].inputs:  # no graph fields (made in a test): a chain
+        return [
+            isinstance(step, (Conv2dStep, Pool2dStep)) and i + 1 < len(steps) and isinstance(steps[i + 1], image_steps)
+            for i, step in enumerate(steps)
+        ]
+    readers: dict[str, list[Step]] = {}
+    for s in steps:
+        for t in reads(s):
+            readers.setdefault(t, []).append(s)
     return [
-        isinstance(step, image_steps) and i + 1 < len(steps) and isinstance(steps[i + 1], image_steps)
-        for i, step in enumerate(steps)
+        isinstance(s, (Conv2dStep, Pool2dStep))
+        and getattr(s, "groups", 1) == 1
+        and s.output != steps[-1].output
+        and bool(readers.get(s.output))
+        and all(isinstance(r, image_steps) for r in readers[s.output])
+        for s in steps
     ]
 
 
 def _memory_format(channels_last: bool) -> torch.memory_format:
     return torch.channels_last if channels_last else torch.contiguous_format
+
+
+def _in_layout(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
+    """t in memory format `fmt` (itself when it already is: no copy)."""
+    return t if t.is_contiguous(memory_format=fmt) else t.contiguous(memory_format=fmt)
 
 
 def _chain(x, *, layers):
@@ -215,5 +455,85 @@ def _chain(x, *, layers):
     return x
 
 
+def _chain_first(*args, first, then):
+    return then(first(*args))
+
+
 def _contiguous_then(x, *, fn, activation, negative_slope):
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        # An elementwise kernel on channels_last memory: run it on the NHWC view (contiguous) and view back.
+        y = fn(x.permute(0, 2, 3, 1), activation, negative_slope=negative_slope)
+        return y.permute(0, 3, 1, 2)
     return fn(x.contiguous(), activation, negative_slope=negative_slope)
+
+
+def _then_activation(*args, first, activation, negative_slope):
+    """first(*args), then the activation: the kernel's where the table has it, else torch's."""
+    from kernels import fused_activation
+    from kernels.activations import ACTIVATIONS
+
+    y = first(*args)
+    if activation == "none":
+        return y
+    fn = fused_activation if activation in ACTIVATIONS else torch_activation
+    return _contiguous_then(y, fn=fn, activation=activation, negative_slope=negative_slope)
+
+
+def _residual_kw(x, residual, *, fn, layout=None, **kwargs):
+    """A kernel that reads the residual in its epilogue (`residual=`), given it in the output's layout."""
+    if layout is not None:
+        residual = _in_layout(residual, layout)
+    elif x.dim() == 2:
+        residual = residual.contiguous()
+    return fn(x, residual=residual, **kwargs)
+
+
+def _fused_tail(x, residual=None, *, first, add, activation, negative_slope):
+    """A kernel that lacks the residual or the activation: first(x) (conv or GEMM + bias), then the residual as
+    a torch add and the activation (the activation kernel where the table has it)."""
+    y = first(x)
+    if add:
+        y = y + residual
+    return _then_activation(y, first=_identity, activation=activation, negative_slope=negative_slope)
+
+
+def _unfused_tail(x, residual=None, *, first, bn, activation, negative_slope):
+    """Eager torch, one op at a time: first(x) (conv or linear with its bias), batch norm, the residual add, the
+    activation."""
+    y = first(x)
+    if bn is not None:
+        y = bn(y)
+    if residual is not None:
+        y = y + residual
+    return torch_activation(y, activation, negative_slope)
+
+
+def _add_then(a, b, *, kernel, activation, negative_slope):
+    y = a + b
+    if activation == "none":
+        return y
+    if kernel:
+        return _then_activation(y, first=_identity, activation=activation, negative_slope=negative_slope)
+    return torch_activation(y, activation, negative_slope)
+
+
+def _identity(x):
+    return x
+
+
+def _batch_norm(x, *, weight, bias, mean, var, eps):
+    return F.batch_norm(x, mean, var, weight, bias, training=False, eps=eps)
+
+
+def _scale_shift(x, *, scale, shift):
+    """x * scale + shift per channel (dim 1) in one kernel (addcmul)."""
+    shape = (-1,) + (1,) * (x.dim() - 2)
+    return torch.addcmul(shift.reshape(shape), x, scale.reshape(shape))
+
+
+def _concat(*xs):
+    return torch.cat(xs, dim=1)
+
+
+def _softmax(x):
+    return torch.softmax(x, dim=1)

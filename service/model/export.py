@@ -1,11 +1,14 @@
-"""Export a trained torch `nn.Sequential` to the model format: Linear, Conv2d (groups 1, zero padding),
-AvgPool2d, MaxPool2d (dilation 1), Flatten and the activations fusedserve runs.
+"""Export a trained torch module to the model format.
 
-    from service.model.export import export_sequential
+    from service.model.export import export_module, export_sequential
+    export_module(resnet, torch.randn(2, 3, 32, 32), "model_weights/my-resnet", labels=[...])   # any module
     export_sequential(model, "model_weights/my-mlp", input_shape=[64], labels=["cat", "dog"])
     export_sequential(cnn, "model_weights/my-cnn", input_shape=[1, 8, 8])      # (channels, height, width)
 
-Writes config.json + model.safetensors that `fusedserve serve --model model_weights/my-mlp` loads.
+`export_module` traces any forward with torch.export (torch_import.py: residual adds, BatchNorm, concats) and
+writes format 2, a graph; `export_sequential` writes an `nn.Sequential` of Linear, Conv2d (groups 1, zero
+padding), AvgPool2d, MaxPool2d (dilation 1), Flatten and the activations fusedserve runs as format 1.
+Both write config.json + model.safetensors that `fusedserve serve --model model_weights/my-mlp` loads.
 """
 
 from __future__ import annotations
@@ -100,6 +103,13 @@ def _op_for(module: nn.Module, index: int, tensors: dict[str, torch.Tensor]) -> 
         f"layer {index}: {type(module).__name__} has no fusedserve op "
         "(Linear, Conv2d, AvgPool2d, MaxPool2d, Flatten, activations)"
     )
+
+
+def export_module(module: nn.Module, example_input: torch.Tensor, out_dir: str | Path, **kwargs) -> Path:
+    """torch_import.export_module: any module through torch.export, to format 2 (name, labels, description)."""
+    from .torch_import import export_module as export
+
+    return export(module, example_input, out_dir, **kwargs)
 
 
 def export_sequential(

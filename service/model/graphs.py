@@ -1,6 +1,6 @@
 """One CUDA graph per batch bucket: a forward is one replay instead of one Python launch per kernel.
 
-Measured on an H200 before this (bench/results/launch_overhead_float32_h200.txt): a Triton launch
+Measured on an H200 before this (bench/results/h200/launch_overhead_float32_h200.txt): a Triton launch
 from Python costs 40-65 us, while the digits MLP's GPU work is a few us, so the fused path was
 launch-bound. A graph replays every kernel of the forward for ~2-3 us of host time.
 

@@ -1,6 +1,7 @@
-"""Load a model directory (config.json + model.safetensors) and check every tensor against the ops.
+"""Load a model directory (config.json + model.safetensors, or an .onnx file imported on the fly) and check
+every tensor against the ops.
 
-Shapes are followed through the op list from the input shape, so each mismatch is reported where it
+Shapes are followed through the op graph from the input shape, so each mismatch is reported where it
 happens, with what was expected and why: "ops[2] (linear): weight 'fc2.weight' has shape
 (256, 255); expected (N, 256) because its input has 256 features", "ops[3] (maxpool2d): kernel_size
 (5, 5) with padding (0, 0) does not fit the input's (4, 4) pixels". Image ops (conv2d, pools) take
@@ -15,20 +16,38 @@ right padding, as torch.nn.MaxPool2d documents.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .spec import Conv2dOp, FlattenOp, LinearOp, ModelFormatError, ModelSpec, Op, PoolOp, read_spec
+from .shapes import conv_out, pool_out
+from .spec import (
+    AddOp,
+    BatchNormOp,
+    ConcatOp,
+    Conv2dOp,
+    FlattenOp,
+    LinearOp,
+    ModelFormatError,
+    ModelSpec,
+    Op,
+    PoolOp,
+    SoftmaxOp,
+    parse_spec,
+    read_spec,
+    where_op,
+)
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+Shape = tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class Model:
-    """A validated model: its spec, parsed ops, tensors (CPU, as stored) and feature shapes."""
+    """A validated model: its spec, parsed and wired ops (a graph in op order), tensors (CPU, as stored), and
+    the per-row shape of every tensor of the graph (`shapes`, by tensor name: the input's, each op's output)."""
 
     path: Path
     spec: ModelSpec
@@ -36,6 +55,7 @@ class Model:
     tensors: dict[str, torch.Tensor]
     input_shape: tuple[int, ...]
     output_features: int
+    shapes: dict[str, Shape] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -45,34 +65,81 @@ class Model:
     def input_features(self) -> int:
         return math.prod(self.input_shape)
 
+    @property
+    def input_name(self) -> str:
+        return self.spec.input.name
 
-def load_model(model_dir: Path | str) -> Model:
-    """Read and validate a model directory; raise ModelFormatError saying exactly what is wrong."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelFormatError(f"{model_dir}: no such model directory")
-    spec, ops = read_spec(model_dir)
-    tensors = _read_tensors(model_dir / "model.safetensors")
-    where = model_dir / "config.json"
+
+def load_model(path: Path | str) -> Model:
+    """Read and validate a model; raise ModelFormatError saying exactly what is wrong. `path`: a model directory
+    (config.json + model.safetensors), an .onnx file, or a directory holding one .onnx file and no config.json
+    (both imported on the fly: onnx_import.py)."""
+    path = Path(path)
+    if path.is_file() and path.suffix.lower() == ".onnx":
+        return load_onnx(path)
+    if not path.is_dir():
+        if path.is_file():
+            raise ModelFormatError(f"{path}: not a model: give a model directory or an .onnx file")
+        raise ModelFormatError(f"{path}: no such model directory")
+    if not (path / "config.json").exists():
+        onnx_files = sorted(path.glob("*.onnx"))
+        if len(onnx_files) == 1:
+            return load_onnx(onnx_files[0], name=path.name)
+        if len(onnx_files) > 1:
+            names = ", ".join(f.name for f in onnx_files)
+            raise ModelFormatError(f"{path}: no config.json and several .onnx files ({names}); name one of them")
+    spec, ops = read_spec(path)
+    tensors = _read_tensors(path / "model.safetensors")
+    return model_from(spec, ops, tensors, path, path / "config.json")
+
+
+def load_onnx(path: Path | str, *, name: str | None = None) -> Model:
+    """Import an ONNX file on the fly (no files written) and check it as a model directory is checked."""
+    from .onnx_import import import_onnx
+
+    path = Path(path)
+    config, tensors = import_onnx(path, name=name)
+    return model_from_config(config, tensors, path, path)
+
+
+def model_from_config(config: dict, tensors: dict[str, torch.Tensor], path: Path, where: object) -> Model:
+    """A Model from a config (as importers make it) and its tensors, checked as a model directory is."""
+    spec, ops = parse_spec(config, where)
+    return model_from(spec, ops, tensors, path, where)
+
+
+def model_from(spec: ModelSpec, ops: list[Op], tensors: dict[str, torch.Tensor], path: Path, where: object) -> Model:
     try:
-        shape = _check_ops(ops, tensors, tuple(spec.input.shape))
+        shapes = _check_ops(ops, tensors, spec.input.name, tuple(spec.input.shape))
     except ModelFormatError as e:
         raise ModelFormatError(f"{where}: {e}") from None
+    shape = shapes[ops[-1].output]
     if len(shape) != 1:
+        last = "the last op" if spec.format == "fusedserve-model/1" else f"the output {ops[-1].output!r}"
         raise ModelFormatError(
-            f"{where}: the last op leaves shape {shape} per row; the output must be a vector (add a flatten op)"
+            f"{where}: {last} leaves shape {shape} per row; the output must be a vector (add a flatten op)"
         )
     if spec.labels is not None and len(spec.labels) != shape[0]:
         raise ModelFormatError(f"{where}: {len(spec.labels)} labels but the model outputs {shape[0]} values per row")
-    used = {name for op in ops if isinstance(op, (LinearOp, Conv2dOp)) for name in (op.weight, op.bias) if name}
+    used = {name for op in ops for name in tensor_names(op)}
     return Model(
-        path=model_dir,
+        path=path,
         spec=spec,
         ops=ops,
         tensors={k: v for k, v in tensors.items() if k in used},
         input_shape=tuple(spec.input.shape),
         output_features=shape[0],
+        shapes=shapes,
     )
+
+
+def tensor_names(op: Op) -> list[str]:
+    """The safetensors names an op reads."""
+    if isinstance(op, (LinearOp, Conv2dOp)):
+        return [n for n in (op.weight, op.bias) if n]
+    if isinstance(op, BatchNormOp):
+        return [op.weight, op.bias, op.mean, op.var]
+    return []
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -97,11 +164,46 @@ def _tensor(tensors: dict[str, torch.Tensor], name: str, where: str, role: str) 
     return t
 
 
-def _check_ops(ops: list[Op], tensors: dict[str, torch.Tensor], shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Follow the per-row feature shape through the ops; return the output shape."""
+def _check_ops(ops: list[Op], tensors: dict[str, torch.Tensor], input_name: str, input_shape: Shape) -> dict:
+    """Follow the per-row shapes through the (wired) ops; return every tensor's shape by name."""
+    shapes: dict[str, Shape] = {input_name: input_shape}
     for i, op in enumerate(ops):
-        where = f"ops[{i}] ({op.op})"
-        if isinstance(op, FlattenOp):
+        where = where_op(op, i)
+        shape = shapes[op.input]
+        if isinstance(op, AddOp):
+            a, b = (shapes[t] for t in op.inputs)
+            if a != b:
+                raise ModelFormatError(
+                    f"{where}: adds {op.inputs[0]!r} of shape {a} to {op.inputs[1]!r} of shape {b} per row; "
+                    "add takes two tensors of one shape"
+                )
+        elif isinstance(op, ConcatOp):
+            parts = [shapes[t] for t in op.inputs]
+            if any(len(p) != len(shape) or p[1:] != shape[1:] for p in parts):
+                listed = ", ".join(f"{t!r} {p}" for t, p in zip(op.inputs, parts, strict=True))
+                raise ModelFormatError(
+                    f"{where}: concatenates {listed} per row; concat joins along channels (or features), so the "
+                    "other dimensions must agree"
+                )
+            shape = (sum(p[0] for p in parts), *shape[1:])
+        elif isinstance(op, BatchNormOp):
+            channels = shape[0]
+            for role in ("weight", "bias", "mean", "var"):
+                name = getattr(op, role)
+                t = _tensor(tensors, name, where, role)
+                if tuple(t.shape) != (channels,):
+                    raise ModelFormatError(
+                        f"{where}: {role} {name!r} has shape {tuple(t.shape)}; expected ({channels},): one per "
+                        f"channel of its input of shape {shape}"
+                    )
+            if (tensors[op.var] < 0).any():
+                raise ModelFormatError(f"{where}: var {op.var!r} has negative values; a variance is >= 0")
+        elif isinstance(op, SoftmaxOp):
+            if i != len(ops) - 1:
+                raise ModelFormatError(f"{where}: softmax is supported only as the op that gives the model's output")
+            if len(shape) != 1:
+                raise ModelFormatError(f"{where}: input has shape {shape} per row; softmax takes the output vector")
+        elif isinstance(op, FlattenOp):
             shape = (math.prod(shape),)
         elif isinstance(op, Conv2dOp):
             shape = _check_conv2d(op, tensors, shape, where)
@@ -125,7 +227,8 @@ def _check_ops(ops: list[Op], tensors: dict[str, torch.Tensor], shape: tuple[int
                     )
             shape = (w.shape[0],)
         # activations keep the shape
-    return shape
+        shapes[op.output] = shape
+    return shapes
 
 
 def _image_shape(shape: tuple[int, ...], where: str, kind: str) -> tuple[int, int, int]:
@@ -137,29 +240,20 @@ def _image_shape(shape: tuple[int, ...], where: str, kind: str) -> tuple[int, in
     return shape  # type: ignore[return-value]
 
 
-def conv_out(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
-    """torch.nn.Conv2d's output size along one axis (may be < 1: the caller refuses that)."""
-    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
-
-
-def pool_out(size: int, kernel: int, stride: int, padding: int, ceil_mode: bool) -> int:
-    """torch.nn.{Avg,Max}Pool2d's output size along one axis: with ceil_mode a last, partial window
-    counts, unless it would start in the right padding."""
-    span = size + 2 * padding - kernel
-    out = (-(-span // stride) if ceil_mode else span // stride) + 1
-    if ceil_mode and (out - 1) * stride >= size + padding:
-        out -= 1
-    return out
-
-
 def _check_conv2d(op: Conv2dOp, tensors: dict[str, torch.Tensor], shape: tuple[int, ...], where: str):
     c, h, w_in = _image_shape(shape, where, "conv2d")
     w = _tensor(tensors, op.weight, where, "weight")
-    if w.dim() != 4 or w.shape[1] != c:
+    g = op.groups
+    if c % g:
+        raise ModelFormatError(f"{where}: groups {g} does not divide the input's {c} channels")
+    if w.dim() != 4 or w.shape[1] != c // g:
+        per = f" / groups {g}" if g > 1 else ""
         raise ModelFormatError(
-            f"{where}: weight {op.weight!r} has shape {tuple(w.shape)}; expected (out, {c}, kh, kw) "
-            f"because its input has {c} channel{'s' if c != 1 else ''}"
+            f"{where}: weight {op.weight!r} has shape {tuple(w.shape)}; expected (out, {c // g}, kh, kw) "
+            f"because its input has {c} channel{'s' if c != 1 else ''}{per}"
         )
+    if w.shape[0] % g:
+        raise ModelFormatError(f"{where}: groups {g} does not divide the {w.shape[0]} output channels of {op.weight!r}")
     if op.bias is not None:
         b = _tensor(tensors, op.bias, where, "bias")
         if tuple(b.shape) != (w.shape[0],):

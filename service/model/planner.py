@@ -1,43 +1,76 @@
-"""Turn the op list into fused steps, as TensorRT or torch.compile would.
+"""Turn the op graph into fused steps, as TensorRT or torch.compile would.
 
-    linear + activation -> one LinearStep (GEMM + bias + activation in one kernel)
-    linear alone        -> LinearStep with activation "none"
-    conv2d + activation -> one Conv2dStep (implicit GEMM + bias + activation in one kernel)
+    conv2d [+ batchnorm] [+ add] [+ activation] -> one Conv2dStep: implicit GEMM + folded BN + bias + residual
+                                                   + activation in one kernel (`conv2d_3_bn_add_relu`)
+    linear [+ batchnorm] [+ add] [+ activation] -> one LinearStep: GEMM + folded BN + bias + residual + activation
     pool + activation   -> one Pool2dStep (avg or max pooling + activation in one kernel)
+    add [+ activation]  -> AddStep, where no conv or linear can take the add in its epilogue
+    batchnorm           -> BatchNormStep (a per-channel scale and shift), where no conv or linear comes before it
     other activation    -> ActivationStep (its own elementwise kernel)
     flatten             -> FlattenStep (a view: no kernel, no copy)
+    concat, softmax     -> ConcatStep, SoftmaxStep (torch ops in both modes)
 
-then `group_mlps` turns each run of 2-8 consecutive LinearSteps whose widths all fit the whole-MLP
-kernel (<= 256 after padding) into one MLPStep (`mlp_0_2`: linear layers 0 to 2, one kernel), and
-`group_conv_pools` folds a pool that follows a conv (+ activation) into the conv's step when the conv
-kernel can pool its own output (`conv2d_1_relu_maxpool2d_0`: conv + bias + act + pool, one kernel; the
-(N, OC, OH, OW) conv output is never written).
+A step takes the op after it only where the tensor between them has no other reader: a conv output read by
+both an add and a later op stays materialised, and the add becomes its own step. An add whose two inputs both
+come from convs rides in the first input's conv (torch's `y + shortcut`: the main branch); the other input is
+the residual the kernel reads in its epilogue. A fused step runs where its last op stood in the graph, so every
+tensor it reads has been written by then.
+
+Then `group_mlps` turns each chain of 2-8 LinearSteps, each read only by the next, whose widths all fit the
+whole-MLP kernel (<= 256 after padding) into one MLPStep (`mlp_0_2`: linear layers 0 to 2, one kernel), and
+`group_conv_pools` folds a pool that reads a conv step's output (its only reader) into that conv step when the
+conv kernel can pool its own output and adds no residual (`conv2d_1_relu_maxpool2d_0`: conv + bias + act +
+pool, one kernel; the (N, OC, OH, OW) conv output is never written).
 
 Each step that launches work has a stable name (`linear_0_relu`, `linear_2`, `conv2d_0_relu`,
-`maxpool2d_0`, `avgpool2d_1_relu`, `activation_0_tanh`; numbered per kind, in op order):
-the `kernel` label in metrics. Both executors run the same plan, so fused and unfused times line
-up kernel by kernel.
+`conv2d_3_bn_add_relu`, `maxpool2d_0`, `avgpool2d_1_relu`, `activation_0_tanh`, `add_1_relu`, `concat_0`;
+convs, linears, pools, adds, batchnorms and concats numbered per kind in op order, standalone activations in
+step order): the `kernel` label in metrics. The plan does not depend on what the kernels can do: both executors
+run the same steps, so fused and unfused times line up kernel by kernel, and a step whose kernel lacks a part
+(groups, a residual, an activation) runs that part as torch ops in the fused mode too (executors.py says which;
+`fused_parts` reports it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .spec import (
     DEFAULT_NEGATIVE_SLOPE,
+    AddOp,
     AvgPool2dOp,
+    BatchNormOp,
+    ConcatOp,
     Conv2dOp,
     FlattenOp,
     LinearOp,
     MaxPool2dOp,
     Op,
     Pair,
+    SoftmaxOp,
     activation_of,
+    wire,
 )
+
+# Graph fields of a step: the tensors it reads (the residual apart) and the one it writes. Left out of equality
+# so that a plan compares by what each step computes.
+_Inputs = field(default=(), compare=False)
+_Output = field(default="", compare=False)
+
+
+@dataclass(frozen=True)
+class BatchNorm:
+    """Inference batch norm, y = (x - mean) / sqrt(var + eps) * weight + bias: its tensor names and eps."""
+
+    weight: str
+    bias: str
+    mean: str
+    var: str
+    eps: float
 
 
 @dataclass(frozen=True)
@@ -47,6 +80,10 @@ class LinearStep:
     bias: str | None
     activation: str
     negative_slope: float
+    batchnorm: BatchNorm | None = None  # folded into weight and bias by the fused executor
+    residual: str | None = None  # tensor added before the activation (read in the GEMM's epilogue)
+    inputs: tuple[str, ...] = _Inputs
+    output: str = _Output
 
 
 @dataclass(frozen=True)
@@ -60,12 +97,14 @@ class Pool2dStep:
     count_include_pad: bool  # avg only (True for max, where it means nothing)
     activation: str
     negative_slope: float
+    inputs: tuple[str, ...] = _Inputs
+    output: str = _Output
 
 
 @dataclass(frozen=True)
 class Conv2dStep:
     name: str
-    weight: str  # (out, in, kh, kw)
+    weight: str  # (out, in / groups, kh, kw)
     bias: str | None
     stride: Pair
     padding: Pair
@@ -73,6 +112,11 @@ class Conv2dStep:
     activation: str
     negative_slope: float
     pool: Pool2dStep | None = None  # pooled in the same kernel, after the activation (group_conv_pools)
+    batchnorm: BatchNorm | None = None  # folded into weight and bias by the fused executor
+    residual: str | None = None  # tensor added before the activation (read in the conv's epilogue)
+    groups: int = 1  # > 1: torch's grouped conv in both modes (the conv kernel has no groups)
+    inputs: tuple[str, ...] = _Inputs
+    output: str = _Output
 
 
 @dataclass(frozen=True)
@@ -80,71 +124,215 @@ class ActivationStep:
     name: str
     activation: str
     negative_slope: float
+    inputs: tuple[str, ...] = _Inputs
+    output: str = _Output
 
 
 @dataclass(frozen=True)
 class FlattenStep:
     name: str
+    inputs: tuple[str, ...] = _Inputs
+    output: str = _Output
 
 
 @dataclass(frozen=True)
 class MLPStep:
     name: str
     layers: tuple[LinearStep, ...]
+    inputs: tuple[str, ...] = _Inputs
+    output: str = _Output
 
 
-Step = LinearStep | Conv2dStep | Pool2dStep | ActivationStep | FlattenStep | MLPStep
+@dataclass(frozen=True)
+class AddStep:
+    """inputs[0] + inputs[1], then the activation."""
+
+    name: str
+    activation: str
+    negative_slope: float
+    inputs: tuple[str, ...] = _Inputs
+    output: str = _Output
+
+
+@dataclass(frozen=True)
+class BatchNormStep:
+    """A batch norm with no conv or linear before it to fold into: a per-channel scale and shift."""
+
+    name: str
+    batchnorm: BatchNorm
+    inputs: tuple[str, ...] = _Inputs
+    output: str = _Output
+
+
+@dataclass(frozen=True)
+class ConcatStep:
+    name: str
+    inputs: tuple[str, ...] = _Inputs
+    output: str = _Output
+
+
+@dataclass(frozen=True)
+class SoftmaxStep:
+    name: str
+    inputs: tuple[str, ...] = _Inputs
+    output: str = _Output
+
+
+Step = (
+    LinearStep | Conv2dStep | Pool2dStep | ActivationStep | FlattenStep | MLPStep | AddStep | BatchNormStep
+    | ConcatStep | SoftmaxStep
+)  # fmt: skip
+
+
+def reads(step: Step) -> tuple[str, ...]:
+    """Every tensor a step reads: its inputs, then its residual."""
+    residual = getattr(step, "residual", None)
+    return (*step.inputs, residual) if residual else step.inputs
+
+
+def _readers(ops_or_steps, reads_of, output: str) -> dict[str, int]:
+    """How many times each tensor is read; the model's output counts as one more read."""
+    count: dict[str, int] = {output: 1}
+    for item in ops_or_steps:
+        for t in reads_of(item):
+            count[t] = count.get(t, 0) + 1
+    return count
+
+
+def _batchnorm(op: BatchNormOp) -> BatchNorm:
+    return BatchNorm(op.weight, op.bias, op.mean, op.var, op.eps)
 
 
 def plan(ops: list[Op]) -> list[Step]:
-    steps: list[Step] = []
-    n_linear = n_conv = n_act = n_flat = 0
-    n_pool = {"avg": 0, "max": 0}
-    i = 0
-    while i < len(ops):
-        op = ops[i]
-        if isinstance(op, (LinearOp, Conv2dOp, AvgPool2dOp, MaxPool2dOp)):
-            # The activation right after rides in this op's kernel (its epilogue).
-            act = activation_of(ops[i + 1]) if i + 1 < len(ops) else None
-            name, slope = act or ("none", DEFAULT_NEGATIVE_SLOPE)
-            suffix = "" if name == "none" else f"_{name}"
-            i += 2 if act else 1
+    """One step per op or fused group of ops, in an order where each step reads only tensors written before it.
+    Unwired ops (format 1, or ops made in a test) are wired first: each reads the op before it."""
+    if any(op.inputs is None or op.output is None for op in ops):
+        ops = wire(ops)
+    output = ops[-1].output
+    readers = _readers(ops, lambda op: op.inputs, output)
+    producer = {op.output: i for i, op in enumerate(ops)}
+    reader_of: dict[str, int] = {}
+    for i, op in enumerate(ops):
+        for t in op.inputs:
+            reader_of[t] = i
+
+    def sole_reader(t: str) -> int | None:
+        """The op that reads `t`, if it is the only reader and `t` is not the model's output."""
+        return reader_of[t] if readers.get(t, 0) == 1 and t != output else None
+
+    def feeds_add_from_weighted(t: str, add: int) -> bool:
+        """Whether `t` is a conv's or linear's output (after an optional batch norm) that only `add` reads."""
+        if sole_reader(t) != add or t not in producer:
+            return False
+        op = ops[producer[t]]
+        if isinstance(op, BatchNormOp):
+            inner = op.input
+            if inner not in producer or sole_reader(inner) != producer[t]:
+                return False
+            op = ops[producer[inner]]
+        return isinstance(op, (Conv2dOp, LinearOp))
+
+    # Which input of each add rides in its producer's epilogue: the first that can.
+    fused_add_input = {
+        i: next((t for t in op.inputs if feeds_add_from_weighted(t, i)), None)
+        for i, op in enumerate(ops)
+        if isinstance(op, AddOp)
+    }
+    index_of_kind: dict[int, int] = {}
+    seen: dict[str, int] = {}
+    for i, op in enumerate(ops):
+        kind = "activation" if activation_of(op) else op.op
+        index_of_kind[i] = seen.get(kind, 0)
+        seen[kind] = seen.get(kind, 0) + 1
+
+    placed: list[tuple[int, Step]] = []  # (index of the step's last op, step)
+    taken: set[int] = set()
+    n_act = n_flat = 0
+
+    def take_activation(t: str) -> tuple[str, float, str, int | None]:
+        """The activation that reads `t` alone, if any: (kernel name, slope, name suffix, its op index)."""
+        j = sole_reader(t)
+        act = activation_of(ops[j]) if j is not None else None
+        if act is None:
+            return "none", DEFAULT_NEGATIVE_SLOPE, "", None
+        return act[0], act[1], f"_{act[0]}", j
+
+    for i, op in enumerate(ops):
+        if i in taken:
+            continue
+        last, t = i, op.output
+        if isinstance(op, (LinearOp, Conv2dOp)):
+            bn, residual, suffix = None, None, ""
+            j = sole_reader(t)
+            if j is not None and isinstance(ops[j], BatchNormOp):
+                bn, suffix, last, t = _batchnorm(ops[j]), "_bn", j, ops[j].output
+                taken.add(j)
+            j = sole_reader(t)
+            if j is not None and isinstance(ops[j], AddOp) and fused_add_input[j] == t:
+                residual = next(x for x in ops[j].inputs if x != t)
+                suffix, last, t = suffix + "_add", j, ops[j].output
+                taken.add(j)
+            name, slope, act_suffix, j = take_activation(t)
+            if j is not None:
+                last, t = j, ops[j].output
+                taken.add(j)
+            k = index_of_kind[i]
+            graph = {"inputs": op.inputs, "output": t, "batchnorm": bn, "residual": residual}
             if isinstance(op, LinearOp):
-                steps.append(LinearStep(f"linear_{n_linear}{suffix}", op.weight, op.bias, name, slope))
-                n_linear += 1
-            elif isinstance(op, Conv2dOp):
-                label = f"conv2d_{n_conv}{suffix}"
-                steps.append(Conv2dStep(label, op.weight, op.bias, op.stride, op.padding, op.dilation, name, slope))
-                n_conv += 1
+                step = LinearStep(f"linear_{k}{suffix}{act_suffix}", op.weight, op.bias, name, slope, **graph)
             else:
-                kind = "avg" if isinstance(op, AvgPool2dOp) else "max"
-                label = f"{op.op}_{n_pool[kind]}{suffix}"
-                pool = Pool2dStep(
-                    label, kind, kernel_size=op.kernel_size, stride=op.stride_or_kernel, padding=op.padding,
-                    ceil_mode=op.ceil_mode, count_include_pad=getattr(op, "count_include_pad", True),
-                    activation=name, negative_slope=slope,
+                step = Conv2dStep(
+                    f"conv2d_{k}{suffix}{act_suffix}", op.weight, op.bias, op.stride, op.padding, op.dilation, name,
+                    slope, groups=op.groups, **graph,
                 )  # fmt: skip
-                steps.append(pool)
-                n_pool[kind] += 1
+        elif isinstance(op, (AvgPool2dOp, MaxPool2dOp)):
+            name, slope, act_suffix, j = take_activation(t)
+            if j is not None:
+                last, t = j, ops[j].output
+                taken.add(j)
+            kind = "avg" if isinstance(op, AvgPool2dOp) else "max"
+            step = Pool2dStep(
+                f"{op.op}_{index_of_kind[i]}{act_suffix}", kind, kernel_size=op.kernel_size, stride=op.stride_or_kernel,
+                padding=op.padding, ceil_mode=op.ceil_mode, count_include_pad=getattr(op, "count_include_pad", True),
+                activation=name, negative_slope=slope, inputs=op.inputs, output=t,
+            )  # fmt: skip
+        elif isinstance(op, AddOp):
+            name, slope, act_suffix, j = take_activation(t)
+            if j is not None:
+                last, t = j, ops[j].output
+                taken.add(j)
+            step = AddStep(f"add_{index_of_kind[i]}{act_suffix}", name, slope, inputs=op.inputs, output=t)
+        elif isinstance(op, BatchNormOp):
+            step = BatchNormStep(f"batchnorm_{index_of_kind[i]}", _batchnorm(op), inputs=op.inputs, output=t)
+        elif isinstance(op, ConcatOp):
+            step = ConcatStep(f"concat_{index_of_kind[i]}", inputs=op.inputs, output=t)
+        elif isinstance(op, SoftmaxOp):
+            step = SoftmaxStep(f"softmax_{index_of_kind[i]}", inputs=op.inputs, output=t)
         elif isinstance(op, FlattenOp):
-            steps.append(FlattenStep(f"flatten_{n_flat}"))
+            step = FlattenStep(f"flatten_{n_flat}", inputs=op.inputs, output=t)
             n_flat += 1
-            i += 1
         else:
             name, slope = activation_of(op)
-            steps.append(ActivationStep(f"activation_{n_act}_{name}", name, slope))
+            step = ActivationStep(f"activation_{n_act}_{name}", name, slope, inputs=op.inputs, output=t)
             n_act += 1
-            i += 1
-    return steps
+        placed.append((last, step))
+    return [step for _, step in sorted(placed, key=lambda p: p[0])]
+
+
+def _step_readers(steps: list[Step]) -> dict[str, int]:
+    return _readers(steps, reads, steps[-1].output if steps else "")
 
 
 def group_mlps(steps: list[Step], tensors: Mapping[str, torch.Tensor]) -> list[Step]:
-    """Replace each maximal run of consecutive LinearSteps that fits one whole-MLP kernel by an MLPStep.
+    """Replace each maximal chain of LinearSteps (each reading the one before it, its only reader) that fits one
+    whole-MLP kernel by an MLPStep. A step with a residual stays out (the whole-MLP kernel adds none).
 
-    A run too long for one kernel is cut into kernels of at most MAX_LAYERS layers; a run of one layer
+    A chain too long for one kernel is cut into kernels of at most MAX_LAYERS layers; a chain of one layer
     stays a LinearStep (the per-layer kernel is the same single launch).
     """
     from kernels.mlp import MAX_LAYERS, mlp_fits
+
+    readers = _step_readers(steps)
 
     def widths(run: list[LinearStep]) -> list[int]:
         return [tensors[run[0].weight].shape[1]] + [tensors[s.weight].shape[0] for s in run]
@@ -158,12 +346,16 @@ def group_mlps(steps: list[Step], tensors: Mapping[str, torch.Tensor]) -> list[S
             del run[: len(chunk)]
             if len(chunk) >= 2:
                 first, last = chunk[0].name.split("_")[1], chunk[-1].name.split("_")[1]
-                out.append(MLPStep(f"mlp_{first}_{last}", tuple(chunk)))
+                out.append(MLPStep(f"mlp_{first}_{last}", tuple(chunk), chunk[0].inputs, chunk[-1].output))
             else:
                 out.extend(chunk)
 
     for step in steps:
-        if isinstance(step, LinearStep) and mlp_fits(widths([step])):  # widths chain: run + step fits too
+        fits = isinstance(step, LinearStep) and step.residual is None and mlp_fits(widths([step]))
+        # widths chain: run + step fits too
+        if fits and run and not (step.inputs == (run[-1].output,) and readers.get(run[-1].output) == 1):
+            flush()
+        if fits:
             run.append(step)
         else:
             flush()
@@ -185,15 +377,40 @@ def pool_fits_conv(pool: Pool2dStep) -> bool:
 
 
 def group_conv_pools(steps: list[Step]) -> list[Step]:
-    """Fold each pool that directly follows a conv step, and that `pool_fits_conv`, into that conv step:
-    3 kernels -> 1 in the fused plan (conv + act, pool: 2 -> 1), one step in both modes."""
-    out: list[Step] = []
+    """Fold each pool whose input is a conv step's output, read by that pool alone, and that `pool_fits_conv`,
+    into that conv step (which then runs where the pool stood): 3 kernels -> 1 in the fused plan (conv + act,
+    pool: 2 -> 1), one step in both modes. Not a conv with a residual or groups (the kernel cannot pool those)."""
+    if steps and not steps[-1].output:  # steps made without graph fields (tests): a chain
+        steps = _chain(steps)
+    readers = _step_readers(steps)
+    out: list[Step | None] = []
+    where: dict[str, int] = {}  # conv step output -> its index in out
     for step in steps:
-        prev = out[-1] if out else None
-        if isinstance(step, Pool2dStep) and isinstance(prev, Conv2dStep) and prev.pool is None and pool_fits_conv(step):
-            out[-1] = dataclasses.replace(prev, name=f"{prev.name}_{step.name}", pool=step)
+        conv_at = where.get(step.inputs[0]) if isinstance(step, Pool2dStep) and step.inputs else None
+        conv = out[conv_at] if conv_at is not None else None
+        if (
+            isinstance(conv, Conv2dStep)
+            and conv.pool is None
+            and conv.residual is None
+            and conv.groups == 1
+            and readers.get(conv.output) == 1
+            and pool_fits_conv(step)
+        ):
+            out[conv_at] = None
+            out.append(dataclasses.replace(conv, name=f"{conv.name}_{step.name}", pool=step, output=step.output))
         else:
             out.append(step)
+        if isinstance(out[-1], Conv2dStep):
+            where[out[-1].output] = len(out) - 1
+    return [s for s in out if s is not None]
+
+
+def _chain(steps: list[Step]) -> list[Step]:
+    """Steps without graph fields, wired as a chain: step i reads step i - 1's output."""
+    out, previous = [], "input"
+    for i, s in enumerate(steps):
+        out.append(dataclasses.replace(s, inputs=(previous,), output=f"s{i}"))
+        previous = f"s{i}"
     return out
 
 
@@ -209,3 +426,49 @@ def fused_steps(
 def kernel_names(steps: list[Step]) -> list[str]:
     """The steps that launch work, by name (flatten is a view)."""
     return [s.name for s in steps if not isinstance(s, FlattenStep)]
+
+
+def step_ops(step: Step) -> list[str]:
+    """The ops a step runs, in order, as the graph names them (`conv2d`, `batchnorm`, `add`, `relu`, `maxpool2d`)."""
+    if isinstance(step, MLPStep):
+        return [part for layer in step.layers for part in step_ops(layer)]
+    parts: list[str] = []
+    if isinstance(step, (LinearStep, Conv2dStep)):
+        parts.append("linear" if isinstance(step, LinearStep) else "conv2d")
+        if step.batchnorm is not None:
+            parts.append("batchnorm")
+        if step.residual is not None:
+            parts.append("add")
+    elif isinstance(step, Pool2dStep):
+        parts.append(f"{step.kind}pool2d")
+    elif isinstance(step, AddStep):
+        parts.append("add")
+    elif isinstance(step, (BatchNormStep, ConcatStep, SoftmaxStep, FlattenStep)):
+        parts.append(type(step).__name__.removesuffix("Step").lower())
+    activation = getattr(step, "activation", "none")
+    if activation != "none":
+        parts.append(activation)
+    pool = getattr(step, "pool", None)
+    if pool is not None:
+        parts.append(f"{pool.kind}pool2d")
+    return parts
+
+
+def step_extras(step: LinearStep | Conv2dStep) -> dict:
+    """What a conv or linear step fuses beyond the format-1 ops, for `GET /model`'s plan ({} for none)."""
+    out: dict = {}
+    if step.batchnorm is not None:
+        out["batchnorm"] = True
+    if step.residual is not None:
+        out["residual"] = step.residual
+    if getattr(step, "groups", 1) != 1:
+        out["groups"] = step.groups
+    return out
+
+
+def describe_step(step: Step) -> dict:
+    """A step of the graph-only kinds (add, batchnorm, concat, softmax) for `GET /model`'s plan."""
+    doc: dict = {"op": step_ops(step)[0], "inputs": list(step.inputs)}
+    if isinstance(step, AddStep):
+        doc["activation"] = step.activation
+    return doc

@@ -35,6 +35,7 @@ class InFlight:
     timer: StepTimer | None
     host_out: torch.Tensor | None  # graphed: the pinned outputs, valid once the stream is synchronised
     done: np.ndarray | None  # launched step by step: the outputs, already there
+    observe: bool = True  # False: a shadow forward (service/engine/ab.py), kept out of the forward and kernel metrics
 
 
 def resolve_device(name: str) -> torch.device:
@@ -109,15 +110,21 @@ class ModelRunner:
         """batch: (rows, *input_shape), any float dtype -> (rows, output_features) float32."""
         return self.collect(self.launch([np.asarray(batch)])).astype(np.float32, copy=False)
 
-    def launch(self, parts: list[np.ndarray]) -> InFlight:
+    def launch(self, parts: list[np.ndarray], observe: bool = True) -> InFlight:
         """Start the forward of one batch made of `parts` ((n, *input_shape) arrays, in the wire dtype or float32,
         read-only views of a message's bytes are fine); `collect` waits for it and gives its outputs. On CUDA with
         graphs the rows are copied once, straight into the bucket's pinned input, and the replay is queued: the
-        caller has the host while the GPU works. Elsewhere the forward is done when this returns."""
+        caller has the host while the GPU works. Elsewhere the forward is done when this returns.
+
+        `observe=False` (a shadow forward, run while the engine is idle): no forward or kernel metric, and the
+        kernel-timing count is left alone, so that the metrics of a mode hold only the batches that answered."""
         started = time.perf_counter()
-        self._batches += 1
-        every = self.kernel_timing_every
-        timer = self._timer if (every and self._observe_kernel and self._batches % every == 0) else None
+        timer = None
+        if observe:
+            self._batches += 1
+            every = self.kernel_timing_every
+            if every and self._observe_kernel and self._batches % every == 0:
+                timer = self._timer
         rows = sum(p.shape[0] for p in parts)
         # A batch larger than the biggest graph bucket (a direct caller; the engine never forms one) runs
         # launch by launch rather than failing.
@@ -132,7 +139,7 @@ class ModelRunner:
         else:
             batch = parts[0] if len(parts) == 1 else np.concatenate(parts)
             host_out, done = None, self._run_launched(batch, timer)
-        return InFlight(started, time.perf_counter() - started, rows, timer, host_out, done)
+        return InFlight(started, time.perf_counter() - started, rows, timer, host_out, done, observe)
 
     def collect(self, f: InFlight) -> np.ndarray:
         """The outputs of a launched batch, (rows, output_features) in the wire dtype, in memory of their own."""
@@ -147,7 +154,7 @@ class ModelRunner:
         if f.timer:
             for name, seconds in f.timer.results():
                 self._observe_kernel(name, seconds)
-        if self._observe_forward:
+        if self._observe_forward and f.observe:
             # The host's time on this forward: launching it and waiting for it, not what the caller did between.
             self._observe_forward(f.launch_s + time.perf_counter() - t)
         return out

@@ -1,5 +1,7 @@
 """The model format: `config.json` beside `model.safetensors` in `model_weights/<name>/`.
 
+Two versions. `fusedserve-model/1`, a sequence: each op reads what the op before it gave.
+
     {"format": "fusedserve-model/1", "name": "digits-mlp",
      "input": {"shape": [64], "dtype": "float32"},
      "labels": ["0", ..., "9"],                       # optional; one per output column
@@ -13,6 +15,27 @@ avg count_include_pad, as torch defines them), `flatten`, and activations: `relu
 (stride, padding, dilation, kernel_size) is one int for both sides or `[h, w]`. Image ops take rows of
 shape (channels, height, width): `"input": {"shape": [1, 8, 8]}`. Every problem is reported with its
 place (`ops[3]`) and what was expected.
+
+`fusedserve-model/2`, a graph: the same ops, each of which may name its input tensors and its output, so
+residual adds and channel concats can be written, and these ops besides:
+
+    {"format": "fusedserve-model/2", "name": "digits-resnet",
+     "input": {"name": "input", "shape": [1, 8, 8], "dtype": "float32"},
+     "output": "logits",                              # optional: the last op's output
+     "ops": [{"op": "conv2d", "name": "stem", "inputs": ["input"], "output": "t0", "weight": "stem.w"},
+             {"op": "batchnorm", "inputs": ["t0"], "output": "t1", "weight": "bn.w", "bias": "bn.b",
+              "mean": "bn.mean", "var": "bn.var", "eps": 1e-5},
+             {"op": "relu", "inputs": ["t1"], "output": "t2"}, ...
+             {"op": "add", "inputs": ["t7", "t2"], "output": "t8"}, ...]}
+
+`name` (default `ops[i]`) names the op in messages; `inputs` (default: the previous op's output, or the model's
+input for the first op) and `output` (default: the op's name) are tensor names, each output written once and
+read only by later ops. New ops: `batchnorm` (inference: per-channel weight, bias, running mean and var, eps;
+the fused executor folds it into the conv or linear before it), `add` (two tensors of one shape), `concat`
+(along channels, or features of a vector), `softmax` (over the features of the model's output only), the
+activations `relu6` and `hardswish`, and `conv2d` with `groups` > 1 (depthwise and grouped convs, which run as
+torch ops in both modes: the conv kernel has no groups). Importers write this version (onnx_import.py,
+torch_import.py); the loader follows every tensor's shape through the graph.
 """
 
 from __future__ import annotations
@@ -23,7 +46,9 @@ from typing import Annotated, Literal
 import orjson
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError
 
-FORMAT = "fusedserve-model/1"
+FORMAT = "fusedserve-model/1"  # what export_sequential writes: a sequence of ops
+FORMAT_V2 = "fusedserve-model/2"  # a graph of ops: what the importers write
+FORMATS = (FORMAT, FORMAT_V2)
 # torch.nn.LeakyReLU's default, as kernels.activations.DEFAULT_NEGATIVE_SLOPE (not imported from there:
 # importing `kernels` fixes interpreted-vs-compiled, which the service decides later, from its settings).
 DEFAULT_NEGATIVE_SLOPE = 0.01
@@ -35,6 +60,16 @@ class ModelFormatError(ValueError):
 
 class _Op(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # Graph fields (format 2 only; `wire` fills them in for both formats): the op's name for messages and
+    # step names' provenance, the tensors it reads and the one it writes.
+    name: str | None = None
+    inputs: tuple[str, ...] | None = None
+    output: str | None = None
+
+    @property
+    def input(self) -> str:
+        """The op's first (for most ops, only) input tensor; the op must be wired."""
+        return self.inputs[0]
 
 
 class LinearOp(_Op):
@@ -61,8 +96,9 @@ NonNegativePair = Annotated[Pair, _pair_of(0)]
 
 
 class Conv2dOp(_Op):
-    """torch.nn.Conv2d with zero padding and groups 1: weight (out, in, kh, kw), bias (out,).
-    Pair fields are normalised to (h, w)."""
+    """torch.nn.Conv2d with zero padding: weight (out, in / groups, kh, kw), bias (out,). groups 1 in format 1;
+    in format 2 any groups that divide both channel counts (depthwise: groups == in channels). Pair fields are
+    normalised to (h, w)."""
 
     op: Literal["conv2d"]
     weight: str
@@ -70,7 +106,7 @@ class Conv2dOp(_Op):
     stride: PositivePair = (1, 1)
     padding: NonNegativePair = (0, 0)
     dilation: PositivePair = (1, 1)
-    groups: Literal[1] = 1
+    groups: Annotated[int, Field(ge=1)] = 1
 
 
 class _PoolOp(_Op):
@@ -102,7 +138,7 @@ class FlattenOp(_Op):
 
 
 class SimpleActivationOp(_Op):
-    op: Literal["relu", "sigmoid", "silu", "tanh"]
+    op: Literal["relu", "sigmoid", "silu", "tanh", "relu6", "hardswish"]
 
 
 class LeakyReluOp(_Op):
@@ -115,7 +151,40 @@ class GeluOp(_Op):
     approximate: Literal["none", "tanh"] = "none"
 
 
-Op = LinearOp | Conv2dOp | AvgPool2dOp | MaxPool2dOp | FlattenOp | SimpleActivationOp | LeakyReluOp | GeluOp
+class BatchNormOp(_Op):
+    """torch.nn.BatchNorm1d/2d in inference: (x - mean) / sqrt(var + eps) * weight + bias per channel (dim 1)."""
+
+    op: Literal["batchnorm"]
+    weight: str
+    bias: str
+    mean: str
+    var: str
+    eps: Annotated[float, Field(ge=0)] = 1e-5
+
+
+class AddOp(_Op):
+    """a + b, two tensors of one shape (a residual connection)."""
+
+    op: Literal["add"]
+
+
+class ConcatOp(_Op):
+    """torch.cat(inputs, dim=1): along the channels of images, or the features of vectors."""
+
+    op: Literal["concat"]
+    axis: Literal[1] = 1
+
+
+class SoftmaxOp(_Op):
+    """torch.softmax(x, dim=1) over the features of the model's output (only as the op that gives it)."""
+
+    op: Literal["softmax"]
+
+
+Op = (
+    LinearOp | Conv2dOp | AvgPool2dOp | MaxPool2dOp | FlattenOp | SimpleActivationOp | LeakyReluOp | GeluOp
+    | BatchNormOp | AddOp | ConcatOp | SoftmaxOp
+)  # fmt: skip
 PoolOp = AvgPool2dOp | MaxPool2dOp
 OP_TYPES: dict[str, type[_Op]] = {
     "linear": LinearOp,
@@ -129,7 +198,30 @@ OP_TYPES: dict[str, type[_Op]] = {
     "tanh": SimpleActivationOp,
     "leaky_relu": LeakyReluOp,
     "gelu": GeluOp,
+    "relu6": SimpleActivationOp,
+    "hardswish": SimpleActivationOp,
+    "batchnorm": BatchNormOp,
+    "add": AddOp,
+    "concat": ConcatOp,
+    "softmax": SoftmaxOp,
 }
+# Format 1 is what it was: a sequence of these ops, without graph fields.
+V1_OPS = (
+    "linear",
+    "conv2d",
+    "avgpool2d",
+    "maxpool2d",
+    "flatten",
+    "relu",
+    "sigmoid",
+    "silu",
+    "tanh",
+    "leaky_relu",
+    "gelu",
+)
+GRAPH_FIELDS = ("name", "inputs", "output")
+# Inputs an op reads: (fewest, most); None: any number from the fewest.
+ARITY = {"add": (2, 2), "concat": (2, None)}
 
 
 def activation_of(op: Op) -> tuple[str, float] | None:
@@ -145,34 +237,119 @@ def activation_of(op: Op) -> tuple[str, float] | None:
 
 class InputSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    name: Annotated[str, Field(min_length=1)] = "input"  # the input tensor's name in a format-2 graph
     shape: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1, max_length=4)]
     dtype: Literal["float32"] = "float32"
 
 
 class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    format: Literal["fusedserve-model/1"]
+    format: Literal["fusedserve-model/1", "fusedserve-model/2"]
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")]
     description: str = ""
     input: InputSpec
+    output: Annotated[str, Field(min_length=1)] | None = None  # format 2: the tensor the model answers with
+    source: str = ""  # format 2: where an importer took the graph from (e.g. "onnx: model.onnx, opset 18")
     labels: list[str] | None = None
     ops: Annotated[list[dict], Field(min_length=1)]
 
     def parsed_ops(self) -> list[Op]:
-        return [parse_op(raw, i) for i, raw in enumerate(self.ops)]
+        """The ops, validated and wired (every op names its inputs and output)."""
+        v1 = self.format == FORMAT
+        if v1:
+            for field in ("output", "source"):
+                if getattr(self, field):
+                    raise ModelFormatError(f"{field}: needs format {FORMAT_V2!r} (a graph); this config is {FORMAT!r}")
+            if self.input.name != "input":
+                raise ModelFormatError(f"input.name: needs format {FORMAT_V2!r} (a graph); this config is {FORMAT!r}")
+        ops = [parse_op(raw, i, v1=v1) for i, raw in enumerate(self.ops)]
+        return wire(ops, self.input.name, self.output)
 
 
-def parse_op(raw: object, index: int) -> Op:
+def where_op(op: Op, index: int) -> str:
+    """How messages name an op: `ops[3] (add)`, or `ops[3] (add '/b1/Add')` when the config names it."""
+    named = op.name is not None and op.name != f"ops[{index}]"
+    return f"ops[{index}] ({op.op}{f' {op.name!r}' if named else ''})"
+
+
+def parse_op(raw: object, index: int, *, v1: bool = False) -> Op:
     where = f"ops[{index}]"
     if not isinstance(raw, dict) or not isinstance(raw.get("op"), str):
         raise ModelFormatError(f"{where}: each op must be an object with a string 'op' field; got {raw!r}")
     kind = raw["op"]
-    if kind not in OP_TYPES:
-        raise ModelFormatError(f"{where}: unknown op {kind!r}; expected one of {', '.join(OP_TYPES)}")
+    known = V1_OPS if v1 else tuple(OP_TYPES)
+    if kind not in known:
+        later = f" (op {kind!r} needs format {FORMAT_V2!r})" if kind in OP_TYPES else ""
+        raise ModelFormatError(f"{where}: unknown op {kind!r}; expected one of {', '.join(known)}{later}")
+    if v1:
+        graph = [f for f in GRAPH_FIELDS if f in raw]
+        if graph:
+            fields = ", ".join(graph)
+            raise ModelFormatError(
+                f"{where} ({kind}): {fields}: graph fields need format {FORMAT_V2!r}, not {FORMAT!r}"
+            )
+        if raw.get("groups", 1) != 1 and kind == "conv2d":
+            got = raw["groups"]
+            raise ModelFormatError(
+                f"{where} ({kind}): groups: Input should be 1 in {FORMAT!r} ({FORMAT_V2!r} takes more); got {got!r}"
+            )
     try:
         return OP_TYPES[kind].model_validate(raw)
     except ValidationError as e:
         raise ModelFormatError(f"{where} ({kind}): {_describe(e)}") from None
+
+
+def wire(ops: list[Op], input_name: str = "input", output: str | None = None) -> list[Op]:
+    """Fill in each op's graph fields: `name` ops[i], `inputs` the previous op's output (the model's input for the
+    first op), `output` the op's name. Checks that every tensor is written once, before it is read, and that
+    every op's result reaches the model's output (default: the last op's). Ops already wired pass unchanged."""
+    wired: list[Op] = []
+    written = {input_name: "the model's input"}
+    names: set[str] = set()
+    previous = input_name
+    for i, op in enumerate(ops):
+        name = op.name if op.name is not None else f"ops[{i}]"
+        inputs = op.inputs if op.inputs is not None else (previous,)
+        out = op.output if op.output is not None else name
+        op = op.model_copy(update={"name": name, "inputs": tuple(inputs), "output": out})
+        where = where_op(op, i)
+        if name in names:
+            raise ModelFormatError(f"{where}: name {name!r} is used by an earlier op; names are unique")
+        names.add(name)
+        fewest, most = ARITY.get(op.op, (1, 1))
+        if len(inputs) < fewest or (most is not None and len(inputs) > most):
+            want = f"{fewest}" if fewest == most else f"at least {fewest}"
+            raise ModelFormatError(f"{where}: reads {len(inputs)} tensor(s) {list(inputs)}; {op.op} reads {want}")
+        for t in inputs:
+            if t not in written:
+                later = " (ops must be listed in an order where each reads only tensors written before it)"
+                raise ModelFormatError(
+                    f"{where}: input {t!r} is not the model's input or an earlier op's output{later}"
+                )
+        if out in written:
+            raise ModelFormatError(f"{where}: output {out!r} is already written by {written[out]}; each tensor once")
+        written[out] = where
+        wired.append(op)
+        previous = out
+    final = output if output is not None else previous
+    if final not in written or final == input_name:
+        raise ModelFormatError(f"output: {final!r} is not an op's output")
+    # Every op must contribute to the output: an op whose result nobody reads is a mistake in the graph.
+    needed = {final}
+    for i in range(len(wired) - 1, -1, -1):
+        op = wired[i]
+        if op.output in needed:
+            needed.update(op.inputs)
+        else:
+            raise ModelFormatError(
+                f"{where_op(op, i)}: its output {op.output!r} is never read on the way to the model's output {final!r}"
+            )
+    return wired
+
+
+def graph_output(ops: list[Op]) -> str:
+    """The model's output tensor of wired ops: the only output that no op reads (wire checked there is one)."""
+    return ops[-1].output
 
 
 def _describe(e: ValidationError) -> str:
@@ -193,13 +370,19 @@ def read_spec(model_dir: Path) -> tuple[ModelSpec, list[Op]]:
         raw = orjson.loads(path.read_bytes())
     except orjson.JSONDecodeError as e:
         raise ModelFormatError(f"{path}: not valid JSON: {e}") from None
-    if isinstance(raw, dict) and raw.get("format") not in (None, FORMAT):
-        raise ModelFormatError(f"{path}: format {raw.get('format')!r} is not supported; expected {FORMAT!r}")
+    return parse_spec(raw, path)
+
+
+def parse_spec(raw: object, where: object) -> tuple[ModelSpec, list[Op]]:
+    """Validate a config (as parsed from JSON, or as an importer made it); messages start with `where`."""
+    if isinstance(raw, dict) and raw.get("format") not in (None, *FORMATS):
+        expected = " or ".join(map(repr, FORMATS))
+        raise ModelFormatError(f"{where}: format {raw.get('format')!r} is not supported; expected {expected}")
     try:
         spec = ModelSpec.model_validate(raw)
     except ValidationError as e:
-        raise ModelFormatError(f"{path}: {_describe(e)}") from None
+        raise ModelFormatError(f"{where}: {_describe(e)}") from None
     try:
         return spec, spec.parsed_ops()
     except ModelFormatError as e:
-        raise ModelFormatError(f"{path}: {e}") from None
+        raise ModelFormatError(f"{where}: {e}") from None

@@ -6,11 +6,12 @@ end binds the same port: grpcio sets SO_REUSEPORT on Linux, so the kernel spread
 does uvicorn's. A message larger than the front end's body limit is refused by grpcio with RESOURCE_EXHAUSTED
 before it is read in full (in grpcio's core, before any handler: so it is not counted in fusedserve_requests_total);
 the client's deadline, when it has one, shortens the request's timeout in the queue. On shutdown the server stops
-after uvicorn's drain, giving RPCs under way half the grace to finish.
+after uvicorn's drain, giving RPCs under way half the grace to finish. ModelConfig and ModelStatistics (Triton's
+extensions) answer the documents REST's /config and /stats do (service/v2/extensions.py).
 
 The generated modules register `inference.*` in protobuf's default descriptor pool, as tritonclient.grpc's own
 copy of the protocol does: one process cannot import both (a duplicate-symbol TypeError). The server never imports
-tritonclient; tests and clients that use tritonclient never import these modules (bench/serve_v2.py builds its
+tritonclient; tests and clients that use tritonclient never import these modules (bench/serve/v2.py builds its
 requests with them in a process that has no tritonclient).
 """
 
@@ -22,12 +23,14 @@ import time
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
 
 from ..frontend import requestid
 from ..frontend.auth import grpc_credentials, grpc_interceptor
 from ..frontend.inputs import InputError
 from ..frontend.serving import Refused, run_rows
 from ..frontend.state import FrontendState
+from . import extensions
 from . import grpc_predict_v2_pb2 as pb
 from . import grpc_predict_v2_pb2_grpc as pb_grpc
 from . import tensors as t
@@ -83,6 +86,23 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(_CODE_OF[e.status], e.message)
         return self._metadata
 
+    async def ModelConfig(self, request, context):
+        """Triton's model configuration extension: the document REST's /config answers, as its message."""
+        try:
+            t.check_model(self.state.model, request.name, request.version)
+        except InputError as e:
+            await context.abort(_CODE_OF[e.status], e.message)
+        return json_format.ParseDict({"config": extensions.model_config(self.state)}, pb.ModelConfigResponse())
+
+    async def ModelStatistics(self, request, context):
+        """Triton's statistics extension: an empty name asks for every model's, as REST's /v2/models/stats."""
+        if request.name:
+            try:
+                t.check_model(self.state.model, request.name, request.version)
+            except InputError as e:
+                await context.abort(_CODE_OF[e.status], e.message)
+        return json_format.ParseDict(extensions.statistics(self.state), pb.ModelStatisticsResponse())
+
     async def ModelInfer(self, request, context):
         started = time.perf_counter()
         state = self.state
@@ -111,26 +131,27 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             if remaining is not None:
                 timeout_s = min(timeout_s, remaining)
             arrival = time.monotonic()
-            outputs = await run_rows(state, rows, arrival, arrival + timeout_s, request_id=rid)
+            outputs, mode = await run_rows(state, rows, arrival, arrival + timeout_s, request_id=rid)
         except (InputError, Refused) as e:
-            outcome = e.outcome
+            outcome, failed_mode = e.outcome, getattr(e, "mode", None)
             code, message = _CODE_OF.get(e.status, grpc.StatusCode.INTERNAL), e.message
         except asyncio.CancelledError:
             # The client left, or its deadline passed (grpcio cancels the handler either way).
             remaining = context.time_remaining()
             metrics.observe_request("timeout" if remaining is not None and remaining <= 0 else "cancelled",
-                                    protocol=PROTOCOL)  # fmt: skip
+                                    time.perf_counter() - started, protocol=PROTOCOL)  # fmt: skip
             raise
         except Exception as e:  # a bug, not a bad request: count it and say so, never an uncounted failure
             log.exception("unexpected error serving ModelInfer")
             outcome, code, message = "error", grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+            failed_mode = None
         else:
-            response = _response(state, request, outputs, wanted)
+            response = _response(state, request, outputs, wanted, mode)
             if not request.id:
                 response.id = rid
-            metrics.observe_request("ok", time.perf_counter() - started, protocol=PROTOCOL)
+            metrics.observe_request("ok", time.perf_counter() - started, protocol=PROTOCOL, mode=mode)
             return response
-        metrics.observe_request(outcome, protocol=PROTOCOL)
+        metrics.observe_request(outcome, time.perf_counter() - started, protocol=PROTOCOL, mode=failed_mode)
         context.set_trailing_metadata((("x-request-id", rid),))
         await context.abort(code, message)
 
@@ -155,7 +176,9 @@ def _parse(state: FrontendState, request) -> tuple[np.ndarray, list[str]]:
         name = t.dtype_name(dtype)
         if name == "FP16":
             raise InputError(400, f"input {t.INPUT!r} is FP16: FP16 travels only in raw_input_contents")
-        values = contents.fp32_contents if name == "FP32" else contents.fp64_contents
+        values = {"FP32": contents.fp32_contents, "FP64": contents.fp64_contents, "UINT8": contents.uint_contents}[name]
+        if name == "UINT8" and values and max(values) > 255:
+            raise InputError(400, f"input {t.INPUT!r} is UINT8: its uint_contents must be 0..255")
         if not values:
             raise InputError(400, f"input {t.INPUT!r} has no {name.lower()}_contents and no raw_input_contents")
         rows = t.rows_from_buffer(model, np.asarray(values, dtype=dtype).tobytes(), dtype, shape)
@@ -166,7 +189,7 @@ def _parse(state: FrontendState, request) -> tuple[np.ndarray, list[str]]:
     return rows, wanted
 
 
-def _response(state: FrontendState, request, outputs: np.ndarray, wanted: list[str]):
+def _response(state: FrontendState, request, outputs: np.ndarray, wanted: list[str], mode: str):
     model = state.model
     n = len(outputs)
     tensor = pb.ModelInferResponse.InferOutputTensor
@@ -178,9 +201,11 @@ def _response(state: FrontendState, request, outputs: np.ndarray, wanted: list[s
         else:
             metas.append(tensor(name=name, datatype="BYTES", shape=[n]))
             raws.append(t.labels_tensor(model, outputs))
+    # parameters["mode"]: the executor that computed the outputs (fused or unfused).
     return pb.ModelInferResponse(
-        model_name=model.name, model_version=t.VERSION, id=request.id, outputs=metas, raw_output_contents=raws
-    )
+        model_name=model.name, model_version=t.VERSION, id=request.id, outputs=metas, raw_output_contents=raws,
+        parameters={"mode": pb.InferParameter(string_param=mode)},
+    )  # fmt: skip
 
 
 def address(host: str, port: int) -> str:
@@ -189,7 +214,7 @@ def address(host: str, port: int) -> str:
 
 
 def new_server(max_receive_bytes: int, max_calls: int, interceptors=()) -> grpc.aio.Server:
-    """A grpc.aio server with a front end's options, not yet bound. bench/serve_apps/empty_grpc.py builds its
+    """A grpc.aio server with a front end's options, not yet bound. bench/serve/apps/empty_grpc.py builds its
     no-model server (the benchmark's gRPC ceiling) with it too, so that both run grpcio with the same options."""
     return grpc.aio.server(
         interceptors=list(interceptors) or None,

@@ -6,6 +6,10 @@ JSON tensors, and Triton Inference Server's binary tensor extension: a body whos
 `np.frombuffer`, never through a JSON float parser. Outputs come back as JSON `data`, or as binary when the output
 asks (`parameters.binary_data`) or the request does for every output (`parameters.binary_data_output`).
 
+Triton's model-configuration and statistics extensions (service/v2/extensions.py): GET
+/v2/models/{name}[/versions/{version}]/config, GET /v2/models/stats (every model's) and
+/v2/models/{name}[/versions/{version}]/stats.
+
 Errors are {"error": "..."}: 400 for a bad request, 404 for an unknown model or route, 405 for a route asked with a
 method it does not take (with Allow), 413 past the size limits, 503 when not ready or overloaded, 504 when the request
 outlived its timeout in the queue.
@@ -19,14 +23,16 @@ import numpy as np
 import orjson
 
 from ..frontend import requestid
-from ..frontend.asgi import CLOSE, JSON, Answer, header
+from ..frontend.asgi import CLOSE, JSON, MODE_HEADER, Answer, header
 from ..frontend.inputs import InputError
 from ..frontend.serving import Refused, read_request, run_rows
 from ..frontend.state import FrontendState
+from . import extensions
 from . import tensors as t
 
 PROTOCOL = "v2_rest"
-SERVER_METADATA = {"name": "fusedserve", "version": "0.1.0", "extensions": ["binary_tensor_data"]}
+SERVER_METADATA = {"name": "fusedserve", "version": "0.1.0", "extensions": list(extensions.EXTENSIONS)}
+MODEL_ROUTES = ([], ["ready"], ["infer"], ["config"], ["stats"])  # what may follow /v2/models/{name}[/versions/{v}]
 HEADER_LENGTH = b"inference-header-content-length"
 _OCTETS = (b"content-type", b"application/octet-stream")
 
@@ -58,12 +64,15 @@ async def handle_v2(state: FrontendState, scope: dict, receive) -> Answer:
         return _empty(200)
     if method == "GET" and parts == ["health", "ready"]:
         return _empty(200 if state.ready else 503)
-    if len(parts) >= 2 and parts[0] == "models":
+    if parts == ["models", "stats"]:  # every model's statistics, as Triton reads this path (not a model's metadata)
+        if method == "GET":
+            return _json(200, extensions.statistics(state))
+    elif len(parts) >= 2 and parts[0] == "models":
         name, version, rest = parts[1], None, parts[2:]
         if len(rest) >= 2 and rest[0] == "versions":
             version, rest = rest[1], rest[2:]
         try:
-            if rest in ([], ["ready"], ["infer"]):
+            if rest in MODEL_ROUTES:
                 t.check_model(model, name, version)
         except InputError as e:
             if rest == ["infer"] and method == "POST":
@@ -75,6 +84,10 @@ async def handle_v2(state: FrontendState, scope: dict, receive) -> Answer:
             return _empty(200 if state.ready else 503)
         if method == "POST" and rest == ["infer"]:
             return await handle_infer(state, scope, receive)
+        if method == "GET" and rest == ["config"]:
+            return _json(200, extensions.model_config(state))
+        if method == "GET" and rest == ["stats"]:
+            return _json(200, extensions.statistics(state))
     allowed = _allowed(parts)
     if allowed is not None:  # a route that exists, asked with another method: 405 with Allow, as HTTP says
         return _error(405, f"{method} is not allowed on {scope['path']}; use {allowed}", (b"allow", allowed.encode()))
@@ -89,7 +102,7 @@ def _allowed(parts: list[str]) -> str | None:
         rest = parts[2:]
         if len(rest) >= 2 and rest[0] == "versions":
             rest = rest[2:]
-        if rest in ([], ["ready"]):
+        if rest in ([], ["ready"], ["config"], ["stats"]):  # [] covers /v2/models/stats too
             return "GET"
         if rest == ["infer"]:
             return "POST"
@@ -109,19 +122,19 @@ async def handle_infer(state: FrontendState, scope: dict, receive) -> Answer:
             rid = doc["id"].encode() if requestid.valid(doc.get("id")) else requestid.new()
         arrival = time.monotonic()
         deadline = arrival + state.settings.request_timeout_ms / 1e3
-        outputs = await run_rows(state, rows, arrival, deadline, receive, rid)
+        outputs, mode = await run_rows(state, rows, arrival, deadline, receive, rid)
     except InputError as e:
-        metrics.observe_request(e.outcome, protocol=PROTOCOL)
+        metrics.observe_request(e.outcome, time.perf_counter() - started, protocol=PROTOCOL)
         return _error(e.status if e.status != 422 else 400, e.message, (requestid.HEADER, rid or requestid.new()))
     except Refused as e:
-        metrics.observe_request(e.outcome, protocol=PROTOCOL)
+        metrics.observe_request(e.outcome, time.perf_counter() - started, protocol=PROTOCOL, mode=e.mode)
         return _error(e.status, e.message, *e.headers, (requestid.HEADER, rid or requestid.new()))
     if not isinstance(doc.get("id"), str):
         doc["id"] = rid.decode()
     ident = (requestid.HEADER, rid)
-    extra = (ident, CLOSE) if state.draining else (ident,)
-    answer = _response(state, doc, outputs, binary_out, wanted, extra)
-    metrics.observe_request("ok", time.perf_counter() - started, protocol=PROTOCOL)
+    extra = (MODE_HEADER[mode], ident, CLOSE) if state.draining else (MODE_HEADER[mode], ident)
+    answer = _response(state, doc, outputs, binary_out, wanted, extra, mode)
+    metrics.observe_request("ok", time.perf_counter() - started, protocol=PROTOCOL, mode=mode)
     return answer
 
 
@@ -186,7 +199,13 @@ def _parse(state: FrontendState, scope: dict, body: bytes) -> tuple[dict, np.nda
 
 
 def _response(
-    state: FrontendState, doc: dict, outputs: np.ndarray, binary_out: dict[str, bool], wanted: list[str], extra
+    state: FrontendState,
+    doc: dict,
+    outputs: np.ndarray,
+    binary_out: dict[str, bool],
+    wanted: list[str],
+    extra,
+    mode: str,
 ) -> Answer:
     model = state.model
     n = len(outputs)
@@ -209,7 +228,8 @@ def _response(
             else:
                 meta["data"] = t.label_names(model, outputs)
         tensors.append(meta)
-    out = {"model_name": model.name, "model_version": t.VERSION, "outputs": tensors}
+    # parameters.mode: the executor that computed the outputs (fused or unfused), as X-Fusedserve-Mode says too.
+    out = {"model_name": model.name, "model_version": t.VERSION, "parameters": {"mode": mode}, "outputs": tensors}
     if isinstance(doc.get("id"), str):
         out["id"] = doc["id"]
     head = orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)

@@ -2,9 +2,9 @@
 join a batch, for REST (JSON or binary) and gRPC alike.
 
 The model has one input, `input`, of shape [-1, *input_shape] (or any layout /predict accepts for a row: for an
-image model of shape (1, 8, 8), [-1, 1, 8, 8], [-1, 8, 8] or [-1, 64]), in FP32, FP16 or FP64 (converted to the
-engine's float32 in one numpy call), and two outputs: `logits` [-1, output_features] FP32, and `label` [-1] BYTES
-(the label of the highest logit, or its index when the model names no labels).
+image model of shape (1, 8, 8), [-1, 1, 8, 8], [-1, 8, 8] or [-1, 64]), in FP32, FP16, FP64 or UINT8 (image pixels
+as stored; converted to the engine's float32 in one numpy call), and two outputs: `logits` [-1, output_features]
+FP32, and `label` [-1] BYTES (the label of the highest logit, or its index when the model names no labels).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ OUTPUTS = (LOGITS, LABEL)
 VERSION = "1"  # one model per server, one version
 PLATFORM = "fusedserve"
 # Little-endian, as the protocol's raw and binary tensors are.
-DTYPES = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "FP64": np.dtype("<f8")}
+DTYPES = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "FP64": np.dtype("<f8"), "UINT8": np.dtype("u1")}
 
 
 def model_metadata(model: ModelInfo) -> dict:
@@ -54,7 +54,7 @@ def check_input(model: ModelInfo, name: str, datatype: str, shape: object, max_r
         raise InputError(400, f"unknown input {name!r}; the model takes one input, {INPUT!r}")
     dtype = DTYPES.get(datatype) if isinstance(datatype, str) else None  # a JSON object is not hashable: 400, not 500
     if dtype is None:
-        raise InputError(400, f"input {name!r} has datatype {datatype!r}; it takes FP32, FP16 or FP64")
+        raise InputError(400, f"input {name!r} has datatype {datatype!r}; it takes FP32, FP16 or FP64, or UINT8")
     if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
         raise InputError(400, f"input {name!r} has shape {shape!r}; a shape is a list of integers")
     layouts = row_layouts(tuple(model.input_shape))
@@ -100,6 +100,8 @@ def rows_from_json(model: ModelInfo, data: object, dtype: np.dtype, shape: list[
         raise InputError(400, f"input {name!r} has {values.size} values; shape {list(shape)} takes {math.prod(shape)}")
     if dtype == DTYPES["FP32"] and values.dtype == np.float64:
         values = values.astype(np.float32)
+    elif dtype == DTYPES["UINT8"] and not ((values >= 0) & (values <= 255) & (values == np.floor(values))).all():
+        raise InputError(400, f"input {name!r} is UINT8: its data must be integers 0..255")
     return finite_rows(model, values.reshape(-1), shape[0], name)
 
 

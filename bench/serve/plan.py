@@ -1,0 +1,59 @@
+"""What one `bench serve` run does, resolved from the flags: the systems it starts and the Plan that cli.py
+builds and run.py executes (both import this module; neither imports the other back)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+SYSTEMS = ("empty", "empty_grpc", "eager", "fused", "unfused")
+FUSEDSERVE = ("fused", "unfused")
+GRPC_ONLY = ("empty_grpc",)  # no HTTP: only the single-row gRPC phases (bench/serve/apps/empty_grpc.py)
+
+
+@dataclass(frozen=True)
+class System:
+    name: str  # empty | empty_grpc | eager | fused | unfused
+    workers: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}@{self.workers}"
+
+    @property
+    def fusedserve(self) -> bool:
+        return self.name in FUSEDSERVE
+
+    @property
+    def grpc_only(self) -> bool:
+        return self.name in GRPC_ONLY
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One run, resolved from the flags."""
+
+    device: str
+    dtype: str
+    systems: tuple[System, ...]
+    workers: int
+    connections: tuple[int, ...]
+    rows: tuple[int, ...]
+    duration_s: float
+    warmup_s: float
+    rates: tuple[float, ...] | None  # None: auto (fractions of the empty route's closed-loop peak)
+    open_systems: tuple[System, ...]
+    open_connections: int
+    clients: int
+    client: str
+    sigterm: bool
+    time_budget_s: float
+    drain_timeout_s: float
+    ready_timeout_s: float
+    tuning_cache: Path | None
+    v2: tuple[str, ...]  # Open Inference Protocol phases: v2_binary, v2_grpc
+    v2_rows: int
+    rounds: int  # how many times a fused/unfused pair runs each shared phase
+    quick: bool
+    seed: int
+    out: Path | None  # None: bench/results/<gpu>

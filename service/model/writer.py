@@ -1,0 +1,36 @@
+"""Model directories written: config.json + model.safetensors, from a config and its tensors, and from an ONNX file
+(`fusedserve import`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+def write_model(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write config.json (each op on one line, for reading) and model.safetensors (float32 as given, 0644)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    st = out / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(st), metadata={"format": "pt"})
+    st.chmod(0o644)  # safetensors creates the file 0600
+    top = [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in config.items() if k != "ops"]
+    ops = ",\n".join(f"    {json.dumps(op)}" for op in config["ops"])
+    (out / "config.json").write_text("{\n" + "\n".join(top) + f'\n  "ops": [\n{ops}\n  ]\n}}\n')
+    return out
+
+
+def import_to_dir(
+    path: Path | str, out_dir: Path | str, *, name: str | None = None, labels: list[str] | None = None
+) -> Path:
+    """`fusedserve import`: write config.json + model.safetensors for the ONNX file, checked by loading it back."""
+    from .loader import model_from_config
+    from .onnx_import import import_onnx, safe_name
+
+    out = Path(out_dir)
+    config, tensors = import_onnx(path, name=name or safe_name(out.name), labels=labels)
+    model_from_config(config, tensors, Path(path), Path(path))  # refuse before writing anything
+    return write_model(out, config, tensors)

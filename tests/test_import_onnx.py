@@ -1,0 +1,358 @@
+"""The ONNX importer (service/model/onnx_import.py) against onnxruntime on the same file: models written here as
+torch modules (residual blocks with a strided 1x1 downsample, BatchNorm, ReLU6, SiLU, GELU, hard swish, a
+depthwise conv, a concat, an MLP with BatchNorm1d and softmax), exported by torch's two ONNX exporters (dynamo,
+which folds BatchNorm into the convs, and TorchScript without constant folding, which keeps the BatchNormalization
+nodes), imported, and run by both executors. fp32: within 1e-4 relative norm error of onnxruntime, the same top-1
+on at least 99.5% of the inputs (512 random inputs; the fused mode on the CPU runs Triton's interpreter, so it
+gets FUSED_CPU_ROWS). Then what is refused, and how: the node's name and op type, files that are not ONNX,
+several inputs, sizes other than the batch that are not fixed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+from torch import nn
+
+from service.cli import main
+from service.model.executors import Executor
+from service.model.loader import load_model, load_onnx
+from service.model.onnx_import import import_onnx
+from service.model.planner import fused_steps, kernel_names
+from service.model.spec import ModelFormatError
+from tests.torch_models import MODELS, make
+
+ort = pytest.importorskip("onnxruntime")
+
+pytestmark = pytest.mark.timeout(600)
+
+ROWS = 512
+FUSED_CPU_ROWS = 24
+NORMWISE = 1e-4
+TOP1 = 0.995
+HAS_CUDA = torch.cuda.is_available()
+
+
+EXPORTERS = ("dynamo", "torchscript")
+# torch.onnx's dynamo exporter needs onnxscript (a test dependency); where it is missing those cases skip.
+NO_ONNXSCRIPT = importlib.util.find_spec("onnxscript") is None
+
+
+def export(module: nn.Module, shape, path: Path, exporter: str) -> Path:
+    x = torch.randn(2, *shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "dynamo":
+            torch.onnx.export(module, (x,), str(path), dynamo=True, dynamic_shapes=({0: torch.export.Dim("batch")},))
+        else:
+            torch.onnx.export(module, (x,), str(path), dynamo=False, do_constant_folding=False, opset_version=17,
+                              input_names=["input"], dynamic_axes={"input": {0: "batch"}})  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> dict:
+    """{(model, exporter): path of its .onnx file}, made once per module."""
+    out = {}
+    d = tmp_path_factory.mktemp("onnx")
+    for name, (_, shape) in MODELS.items():
+        module = make(name)
+        for exporter in EXPORTERS:
+            if exporter == "dynamo" and NO_ONNXSCRIPT:
+                continue
+            out[name, exporter] = export(module, shape, d / f"{name}-{exporter}.onnx", exporter)
+    return out
+
+
+def run_ort(path: Path, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, {session.get_inputs()[0].name: x})[0]
+
+
+def check_against_ort(got: np.ndarray, want: np.ndarray, normwise: float, what: str) -> None:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, f"{what}: {got.shape} != {want.shape}"
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    agree = float(np.mean(got.argmax(1) == want.argmax(1)))
+    assert err <= normwise, f"{what}: relative norm error {err:.3g} > {normwise}"
+    assert agree >= TOP1, f"{what}: top-1 agrees on {agree:.4f} of {len(got)} inputs < {TOP1}"
+
+
+# ---- imported models match onnxruntime ----
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("mode", ["unfused", "fused"])
+def test_imported_model_matches_onnxruntime(exported, name, exporter, mode):
+    if (name, exporter) not in exported:
+        pytest.skip("onnxscript is not installed: torch.onnx's dynamo exporter needs it")
+    path = exported[name, exporter]
+    model = load_onnx(path)
+    rows = ROWS if (mode == "unfused" or HAS_CUDA) else FUSED_CPU_ROWS
+    x = np.random.default_rng(7).standard_normal((rows, *MODELS[name][1]), dtype=np.float32)
+    device = torch.device("cuda" if HAS_CUDA else "cpu")
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # fp32 as onnxruntime computes it (no TF32 on a GPU)
+    try:
+        with torch.inference_mode():
+            got = Executor(model, mode, device, torch.float32).forward(torch.from_numpy(x).to(device)).cpu().numpy()
+    finally:
+        torch.backends.cudnn.allow_tf32 = before
+    check_against_ort(got, run_ort(path, x), NORMWISE, f"{name} ({exporter}, {mode})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("mode", ["unfused", "fused"])
+def test_imported_model_in_half_precision_on_the_gpu(exported, name, mode, dtype):
+    path = exported[name, "torchscript"]
+    model = load_onnx(path)
+    x = np.random.default_rng(8).standard_normal((ROWS, *MODELS[name][1]), dtype=np.float32)
+    with torch.inference_mode():
+        got = Executor(model, mode, torch.device("cuda"), dtype).forward(torch.from_numpy(x).cuda().to(dtype))
+    got = got.float().cpu().numpy()
+    want = run_ort(path, x)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err <= 1e-2, f"{name} {mode} {dtype}: relative norm error {err:.3g}"
+    assert float(np.mean(got.argmax(1) == want.argmax(1))) >= 0.97, f"{name} {mode} {dtype}: top-1"
+
+
+def test_batchnorm_is_kept_in_the_graph_and_folded_by_the_plan(exported):
+    """TorchScript without constant folding keeps BatchNormalization nodes: the graph has batchnorm ops (the
+    unfused mode runs them), and the plan folds each into the conv or linear before it."""
+    model = load_onnx(exported["resnet", "torchscript"])
+    assert sum(op.op == "batchnorm" for op in model.ops) == 6
+    names = kernel_names(fused_steps(model.ops, model.tensors))
+    assert names == [
+        "conv2d_0_bn_relu", "conv2d_1_bn_relu", "conv2d_2_bn_add_relu", "conv2d_3_bn_relu", "conv2d_5_bn",
+        "conv2d_4_bn_add_relu", "avgpool2d_0", "linear_0",
+    ]  # fmt: skip
+    mlp = load_onnx(exported["mlp-bn", "torchscript"])
+    assert [op.op for op in mlp.ops] == [
+        "linear", "batchnorm", "relu", "linear", "batchnorm", "gelu", "linear", "softmax",
+    ]  # fmt: skip
+    assert kernel_names(fused_steps(mlp.ops, mlp.tensors)) == ["mlp_0_2", "softmax_0"]
+
+
+def test_patterns_become_one_activation(exported):
+    """Each exporter's spelling of ReLU6 (Clip), SiLU (x * sigmoid(x)) and GELU (the erf form) is one op."""
+    for exporter in [e for e in EXPORTERS if ("activations", e) in exported]:
+        ops = [op.op for op in load_onnx(exported["activations", exporter]).ops]
+        assert {"relu6", "silu", "gelu", "hardswish", "concat", "leaky_relu", "tanh"} <= set(ops), (exporter, ops)
+        assert ops.count("conv2d") == 4, (exporter, ops)
+
+
+# ---- the CLI ----
+
+
+def test_import_cli_writes_a_model_directory_that_serves_the_same(exported, tmp_path, capsys):
+    src = exported["resnet", "torchscript"]
+    labels = tmp_path / "labels.txt"
+    labels.write_text("\n".join(f"class-{i}" for i in range(10)) + "\n")
+    out = tmp_path / "my-resnet"
+    assert main(["import", str(src), str(out), "--labels", str(labels)]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out}/config.json and model.safetensors" in printed
+    assert "fused plan (8 kernels): conv2d_0_bn_relu," in printed
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["format"] == "fusedserve-model/2" and cfg["name"] == "my-resnet"
+    assert cfg["labels"] == [f"class-{i}" for i in range(10)] and cfg["source"].startswith(f"onnx: {src.name}")
+    model = load_model(out)
+    x = torch.randn(3, 3, 8, 8)
+    with torch.inference_mode():
+        a = Executor(model, "unfused", torch.device("cpu"), torch.float32).forward(x)
+        b = Executor(load_onnx(src), "unfused", torch.device("cpu"), torch.float32).forward(x)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_check_model_and_load_take_an_onnx_file_or_a_folder_holding_one(exported, tmp_path, capsys):
+    src = exported["mlp-bn", "torchscript"]
+    assert main(["check-model", str(src)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("mlp-bn-torchscript: input (20,) -> 5 outputs;")
+    assert "source: onnx: mlp-bn-torchscript.onnx" in out
+    folder = tmp_path / "brought"
+    folder.mkdir()
+    onnx.save(onnx.load(str(src)), str(folder / "model.onnx"))
+    assert load_model(folder).name == "brought"  # the folder's name, as `serve --model brought` says it
+    (folder / "other.onnx").write_bytes((folder / "model.onnx").read_bytes())
+    with pytest.raises(ModelFormatError, match="no config.json and several .onnx files"):
+        load_model(folder)
+
+
+def test_labels_come_from_the_files_metadata(exported, tmp_path):
+    proto = onnx.load(str(exported["mlp-bn", "torchscript"]))
+    entry = proto.metadata_props.add()
+    entry.key, entry.value = "labels", json.dumps(list("abcde"))
+    path = tmp_path / "labelled.onnx"
+    onnx.save(proto, str(path))
+    assert load_onnx(path).spec.labels == list("abcde")
+    config, _ = import_onnx(path, labels=list("vwxyz"))
+    assert config["labels"] == list("vwxyz")  # --labels wins
+
+
+# ---- what is refused, and how ----
+
+
+def _graph_file(path: Path, nodes, inputs, outputs, inits=(), opset: int = 17) -> Path:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(inits))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    onnx.save(model, str(path))
+    return path
+
+
+def _vi(name, shape, elem=TensorProto.FLOAT):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def _const(name, array):
+    return onnx.numpy_helper.from_array(np.asarray(array, dtype=np.float32), name)
+
+
+def _conv_file(path: Path, after: list, out_shape, *, pads=(1, 1, 1, 1), opset=17, inputs=None) -> Path:
+    """x [N, 3, 8, 8] -> Conv 'conv' (4 channels) -> `after` nodes (reading 'c') -> 'y'."""
+    w = _const("w", np.random.default_rng(0).standard_normal((4, 3, 3, 3)))
+    conv = helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=list(pads))
+    inputs = inputs or [_vi("x", ["N", 3, 8, 8])]
+    return _graph_file(path, [conv, *after], inputs, [_vi("y", out_shape)], [w], opset)
+
+
+def _refused(path: Path, *needles: str) -> str:
+    with pytest.raises(ModelFormatError) as info:
+        load_model(path)
+    message = str(info.value)
+    assert message.startswith(str(path)), message
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in: {message}"
+    return message
+
+
+def test_unsupported_op_is_named_with_its_node_and_what_is_supported(tmp_path):
+    sin = helper.make_node("Sin", ["c"], ["s"], name="my_sin")
+    flat = helper.make_node("Flatten", ["s"], ["y"], name="flat")
+    path = _conv_file(tmp_path / "sin.onnx", [sin, flat], ["N", 256])
+    _refused(path, "node 'my_sin' (Sin): this op is not supported", "fusedserve imports Conv, BatchNormalization, Gemm")
+
+
+def test_every_unsupported_node_is_listed(tmp_path):
+    a = helper.make_node("Sin", ["c"], ["s"], name="first")
+    b = helper.make_node("LpNormalization", ["s"], ["t"], name="second")
+    c = helper.make_node("Flatten", ["t"], ["y"])
+    path = _conv_file(tmp_path / "two.onnx", [a, b, c], ["N", 256])
+    _refused(path, "node 'first' (Sin); node 'second' (LpNormalization): these ops are not supported")
+
+
+def test_an_unnamed_node_is_named_by_its_place_and_output(tmp_path):
+    path = _conv_file(tmp_path / "u.onnx", [helper.make_node("Sin", ["c"], ["y"])], ["N", 4, 8, 8])
+    _refused(path, "node #1 (output 'y') (Sin)")
+
+
+@pytest.mark.parametrize("content", [b"", b"not an onnx file\n", bytes(range(256)) * 4, b"\x08\x07\x12\x03abc"])
+def test_a_file_that_is_not_onnx(tmp_path, content):
+    path = tmp_path / "model.onnx"
+    path.write_bytes(content)
+    _refused(path, "not a valid ONNX file")
+
+
+def test_a_missing_file_and_a_file_that_is_not_a_model(tmp_path):
+    with pytest.raises(ModelFormatError, match="no such model directory"):
+        load_model(tmp_path / "missing.onnx")
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"\0" * 10)
+    with pytest.raises(ModelFormatError, match="not a model: give a model directory or an .onnx file"):
+        load_model(other)
+
+
+def test_a_graph_with_two_inputs(tmp_path):
+    add = helper.make_node("Add", ["a", "b"], ["y"], name="sum")
+    path = _graph_file(tmp_path / "two.onnx", [add], [_vi("a", ["N", 8]), _vi("b", ["N", 8])], [_vi("y", ["N", 8])])
+    _refused(path, "the graph has 2 inputs ('a', 'b'); fusedserve serves models of one input")
+
+
+def test_a_graph_with_two_outputs(tmp_path):
+    relu = helper.make_node("Relu", ["c"], ["y"])
+    path = _conv_file(tmp_path / "o.onnx", [relu], ["N", 4, 8, 8])
+    proto = onnx.load(str(path))
+    proto.graph.output.append(_vi("c", ["N", 4, 8, 8]))
+    onnx.save(proto, str(path))
+    _refused(path, "the graph has 2 outputs ('y', 'c'); fusedserve serves models of one output")
+
+
+@pytest.mark.parametrize("dims,which", [(["N", 3, "H", 8], "height ('H')"), (["N", 3, 8, "W"], "width ('W')"),
+                                        (["N", "C", 8, 8], "channels ('C')")])  # fmt: skip
+def test_a_dynamic_size_other_than_the_batch(tmp_path, dims, which):
+    path = _conv_file(tmp_path / "dyn.onnx", [helper.make_node("Relu", ["c"], ["y"])], ["N", 4, "H", "W"],
+                      inputs=[_vi("x", dims)])  # fmt: skip
+    _refused(path, f"input 'x' has shape {dims}: its {which} is not fixed", "a dynamic batch dimension is fine")
+
+
+def test_a_fixed_batch_is_fine(tmp_path):
+    flat = helper.make_node("Flatten", ["c"], ["y"])
+    path = _conv_file(tmp_path / "b1.onnx", [flat], [1, 256], inputs=[_vi("x", [1, 3, 8, 8])])
+    assert load_model(path).input_shape == (3, 8, 8)
+
+
+def test_an_opset_before_13(tmp_path):
+    path = _conv_file(tmp_path / "old.onnx", [helper.make_node("Flatten", ["c"], ["y"])], ["N", 256], opset=12)
+    _refused(path, "opset 12; fusedserve imports ONNX opset 13 and later")
+
+
+def test_an_integer_input(tmp_path):
+    cast = helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT)
+    path = _graph_file(tmp_path / "u8.onnx", [cast], [_vi("x", ["N", 64], TensorProto.UINT8)], [_vi("y", ["N", 64])])
+    _refused(path, "input 'x' is uint8; fusedserve imports models whose input is floating point")
+
+
+@pytest.mark.parametrize(
+    "after,shape,needles",
+    [
+        ([helper.make_node("Clip", ["c", "lo", "hi"], ["y"], name="clip")], ["N", 4, 8, 8],
+         ["node 'clip' (Clip): Clip(-1, 1): only Clip(0, 6) (ReLU6) and Clip(0) (ReLU) are supported"]),
+        ([helper.make_node("Softmax", ["c"], ["s"], name="sm", axis=1), helper.make_node("Flatten", ["s"], ["y"])],
+         ["N", 256], ["node 'sm' (Softmax)"]),
+        ([helper.make_node("Mul", ["c", "c"], ["y"], name="square")], ["N", 4, 8, 8],
+         ["node 'square' (Mul): Mul is supported only as part of a pattern"]),
+        ([helper.make_node("Flatten", ["c"], ["y"], name="f0", axis=2)], ["N", 4, 64],
+         ["node 'f0' (Flatten): axis 2: only Flatten(axis=1)"]),
+        ([helper.make_node("Concat", ["c", "c"], ["y"], name="cat", axis=2)], ["N", 4, 16, 8],
+         ["node 'cat' (Concat): axis 2 of rank-4 tensors: only concat along channels"]),
+    ],
+    ids=["clip", "softmax-inside", "bare-mul", "flatten-axis", "concat-axis"],
+)  # fmt: skip
+def test_node_attributes_that_cannot_be_served(tmp_path, after, shape, needles):
+    path = _conv_file(tmp_path / "a.onnx", after, shape)
+    proto = onnx.load(str(path))
+    proto.graph.initializer.extend([_const("lo", -1.0), _const("hi", 1.0)])
+    onnx.save(proto, str(path))
+    _refused(path, *needles)
+
+
+def test_uneven_padding(tmp_path):
+    path = _conv_file(tmp_path / "p.onnx", [helper.make_node("Relu", ["c"], ["y"])], ["N", 4, 7, 7], pads=(0, 0, 1, 1))
+    _refused(path, "node 'conv' (Conv): pads [0, 0, 1, 1] differ between the start and the end of an axis")
+
+
+def test_broadcasting_add_of_two_tensors(tmp_path):
+    pool = helper.make_node("GlobalAveragePool", ["c"], ["g"])
+    add = helper.make_node("Add", ["c", "g"], ["y"], name="bcast")
+    path = _conv_file(tmp_path / "b.onnx", [pool, add], ["N", 4, 8, 8])
+    _refused(path, "node 'bcast' (Add): adds per-row shapes (4, 8, 8) and (4, 1, 1); only tensors of one shape")
+
+
+def test_check_model_cli_refuses_with_the_node(tmp_path, capsys):
+    path = _conv_file(tmp_path / "sin.onnx", [helper.make_node("Sin", ["c"], ["y"], name="odd")], ["N", 4, 8, 8])
+    assert main(["check-model", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("invalid model: ") and "node 'odd' (Sin)" in err
+    assert main(["import", str(path), str(tmp_path / "out")]) == 1
+    assert "cannot import: " in capsys.readouterr().err and not (tmp_path / "out").exists()
