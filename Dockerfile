@@ -63,12 +63,15 @@ RUN python -c 'from importlib.metadata import version as v; print("torch==" + v(
 # Model weights last: the layers above are reused when only the weights change.
 COPY model_weights/ ./model_weights/
 
+# No API docs (/docs, /redoc, /openapi.json) in the image: a deployed service need not describe itself to anyone
+# who reaches it (docs/security.md; FUSEDSERVE_DOCS=true brings them back).
 ENV FUSEDSERVE_HOST=0.0.0.0 \
     FUSEDSERVE_PORT=8000 \
     FUSEDSERVE_MODEL_DIR=/app/model_weights \
     FUSEDSERVE_MODEL=digits-mlp \
     FUSEDSERVE_MODE=fused \
-    FUSEDSERVE_DEVICE=auto
+    FUSEDSERVE_DEVICE=auto \
+    FUSEDSERVE_DOCS=false
 
 # Numeric uid:gid (the fusedserve user created above) so runtimes can verify it is not root.
 USER 10001:10001

@@ -5,19 +5,28 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
 from dotenv import dotenv_values
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "FUSEDSERVE_"
 PACKAGE_MODEL_DIR = Path(__file__).resolve().parents[1] / "model_weights"
 DEFAULT_MODEL_DIR = Path("model_weights")
 ENV_FILE = ".env"
+SECRET_SETTINGS = ("api_key", "restricted_api")  # never echoed in an error or a log
+# What FUSEDSERVE_RESTRICTED_API can put behind a header (service/frontend/auth.py, api_of_path): Triton's names where
+# Triton has the API (statistics, model-config), ours for the rest. Health is never restricted; inference takes the
+# API keys instead.
+RESTRICTABLE_APIS = ("metrics", "model", "docs", "statistics", "model-config")
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP header name (RFC 9110 token)
+_VALUE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")  # printable ASCII, no space at either end
 
 
 class Settings(BaseSettings):
@@ -184,6 +193,46 @@ class Settings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="log level. Changes live on SIGHUP"
     )
+    # ---- who may call what (docs/security.md)
+    api_key: SecretStr | None = Field(
+        None,
+        description="one API key: inference (POST /predict, the v2 infer routes, gRPC ModelInfer) then needs "
+        "`Authorization: Bearer <key>` (gRPC metadata `authorization`), else 401. Prefer API_KEYS_FILE: a key in the "
+        "environment or on the command line is seen by whoever can read the process's",
+    )
+    api_keys_file: Path | None = Field(
+        None,
+        description="a file of API keys, one a line, each the key itself or `sha256:<64 hex digits>` of it; blank "
+        "lines and `#` comments are skipped (a Kubernetes Secret or compose secret mounted as a file). With "
+        "API_KEY, either key is taken. Read at start (unreadable: the start fails naming it) and again on SIGHUP",
+    )
+    restricted_api: SecretStr | None = Field(
+        None,
+        description="routes that need a header, as Triton's --http-restricted-api: `API[,API...]:HEADER=VALUE`, "
+        "groups separated by `;`, e.g. `metrics,statistics,model-config:X-Admin-Key=s3cret`. APIs: metrics "
+        "(/metrics), model (/model), docs (/docs, /redoc, /openapi.json), statistics (/v2/models[/NAME[/versions/"
+        "V]]/stats, gRPC ModelStatistics), model-config (/v2/models/NAME[/versions/V]/config, gRPC ModelConfig). "
+        "Without the header and value: 403 (gRPC PERMISSION_DENIED). Health is always open",
+    )
+    metrics_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="serve /metrics on this port instead (plain HTTP, only /metrics, from the supervisor process), "
+        "so that a network policy can keep it inside the cluster; /metrics on PORT then answers 404",
+    )
+    docs: bool = Field(
+        True, description="serve the API docs: /docs, /redoc and /openapi.json (the container image turns them off)"
+    )
+    tls_cert: Path | None = Field(
+        None, description="PEM certificate (chain) for HTTPS and gRPC over TLS; needs TLS_KEY (unset: plain text)"
+    )
+    tls_key: Path | None = Field(None, description="PEM private key of TLS_CERT")
+    tls_client_ca: Path | None = Field(
+        None,
+        description="PEM CA certificate(s) for mutual TLS: HTTPS and gRPC clients must present a certificate "
+        "signed by one (needs TLS_CERT)",
+    )
 
     @model_validator(mode="after")
     def _rows_fit_a_batch(self) -> Settings:
@@ -197,7 +246,28 @@ class Settings(BaseSettings):
         if self.grpc_port is not None and self.grpc_port == self.port:
             # Both bind with SO_REUSEPORT: the kernel would hand HTTP connections to the gRPC server and back.
             raise ValueError(f"{ENV_PREFIX}GRPC_PORT ({self.grpc_port}) must differ from {ENV_PREFIX}PORT")
+        if self.metrics_port is not None and self.metrics_port in (self.port, self.grpc_port):
+            raise ValueError(f"{ENV_PREFIX}METRICS_PORT ({self.metrics_port}) must differ from {ENV_PREFIX}PORT and "
+                             f"{ENV_PREFIX}GRPC_PORT")  # fmt: skip
+        if (self.tls_cert is None) != (self.tls_key is None):
+            given, missing = ("TLS_CERT", "TLS_KEY") if self.tls_key is None else ("TLS_KEY", "TLS_CERT")
+            raise ValueError(f"{ENV_PREFIX}{given} is set without {ENV_PREFIX}{missing}: set both, or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError(f"{ENV_PREFIX}TLS_CLIENT_CA needs {ENV_PREFIX}TLS_CERT and {ENV_PREFIX}TLS_KEY")
+        self.restrictions()  # a malformed rule stops the start with its error
         return self
+
+    def restrictions(self) -> dict[str, tuple[str, bytes]]:
+        """FUSEDSERVE_RESTRICTED_API as {api: (header name in lower case, sha256 of the value)}; ValueError naming
+        what is wrong, never the value. Values are kept as digests only, compared in constant time
+        (service/frontend/auth.py)."""
+        if self.restricted_api is None:
+            return {}
+        return parse_restricted(self.restricted_api.get_secret_value())
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
 
     def compute_dtype(self, device_type: str) -> str:
         """The dtype to serve in: `dtype`, with auto resolved (float16 on CUDA: Hopper's tensor cores do not
@@ -221,6 +291,39 @@ class Settings(BaseSettings):
         if base == DEFAULT_MODEL_DIR and not base.exists() and PACKAGE_MODEL_DIR.is_dir():
             base = PACKAGE_MODEL_DIR
         return base / self.model
+
+
+def parse_restricted(text: str) -> dict[str, tuple[str, bytes]]:
+    """`metrics,statistics:X-Admin-Key=v;docs:X-Docs=w` -> {"metrics": ("x-admin-key", sha256(v)), ...}. A value may
+    hold `=` but not `,` or `;`; every API at most once. Errors name the group by its number, never its value."""
+    var = ENV_PREFIX + "RESTRICTED_API"
+    rules: dict[str, tuple[str, bytes]] = {}
+    groups = [g.strip() for g in text.split(";")]
+    for n, group in enumerate(groups, 1):
+        if not group:
+            if len(groups) == 1:
+                raise ValueError(f"{var} is empty; unset it, or give API[,API...]:HEADER=VALUE")
+            continue
+        apis, colon, rule = group.partition(":")
+        header, equals, value = rule.partition("=")
+        header, value = header.strip(), value.strip()
+        where = f"{var}, group {n} of {len(groups)}"
+        if not colon or not equals:
+            raise ValueError(f"{where}: expected API[,API...]:HEADER=VALUE (groups separated by ';')")
+        if not _TOKEN.fullmatch(header):
+            raise ValueError(f"{where}: {header!r} is not an HTTP header name")
+        if not _VALUE.fullmatch(value):
+            raise ValueError(f"{where}: the value of {header} must be printable ASCII, not empty (not shown here)")
+        if "," in value:
+            raise ValueError(f"{where}: the value of {header} holds ',' (separate groups with ';')")
+        for api in (a.strip() for a in apis.split(",")):
+            if api not in RESTRICTABLE_APIS:
+                why = " (health is always open)" if api == "health" else ""
+                raise ValueError(f"{where}: unknown API {api!r}{why}; known: {', '.join(RESTRICTABLE_APIS)}")
+            if api in rules:
+                raise ValueError(f"{where}: {api} is restricted twice")
+            rules[api] = (header.lower(), hashlib.sha256(value.encode()).digest())
+    return rules
 
 
 class SettingsError(ValueError):
@@ -280,7 +383,8 @@ def load_settings(**overrides) -> Settings:
         for err in e.errors():
             field = ".".join(str(p) for p in err["loc"]) or "settings"
             name = ENV_PREFIX + field.upper() if field in Settings.model_fields else field
-            got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+            shown = "input" in err and not isinstance(err["input"], dict) and field not in SECRET_SETTINGS
+            got = f" (got {err['input']!r})" if shown else ""
             lines.append(f"{name}: {err['msg']}{got}")
         raise SettingsError("invalid configuration:\n  " + "\n  ".join(lines)) from None
 

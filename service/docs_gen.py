@@ -15,6 +15,7 @@ import typing
 from pathlib import Path
 
 import annotated_types
+from pydantic import SecretStr
 
 from .config import ENV_PREFIX, Settings
 
@@ -43,7 +44,14 @@ def _type_name(annotation, bounds: str = "") -> str:
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if args and len(args) < len(typing.get_args(annotation)):  # X | None
         return " or ".join(_type_name(a, bounds) for a in args) + ", or unset"
-    name = {bool: "`true` or `false`", int: "integer", float: "number", str: "text", Path: "path"}[annotation]
+    name = {
+        bool: "`true` or `false`",
+        int: "integer",
+        float: "number",
+        str: "text",
+        Path: "path",
+        SecretStr: "secret text",
+    }[annotation]
     return f"{name}, {bounds}" if bounds else name
 
 
@@ -122,7 +130,8 @@ LABELS = {
     "outcome": "`ok`; `invalid` (400, 422: refused before it could join a batch); `too_large` (413); `overloaded` "
     "(503: the queue or the connection cap is full, the model is not ready, or the service is stopping); `timeout` "
     "(504: queued past `FUSEDSERVE_REQUEST_TIMEOUT_MS` or its gRPC deadline); `cancelled` (the client left first); "
-    "`error` (500: its batch's forward failed)",
+    "`error` (500: its batch's forward failed); `unauthorized` (401: API keys are on and the request had no valid "
+    "one; its body was not read)",
     "phase": "where an answered request's time in its engine went, as Triton's statistics extension splits it: "
     "`queue` (front end's arrival to the batch leaving the queue), `compute_input` (to the forward starting), "
     "`compute_infer` (to the outputs in host memory), `compute_output` (to the answers packed); "

@@ -42,7 +42,8 @@ from prometheus_client import (
 SECONDS_BUCKETS = tuple(1e-6 * 2**i for i in range(25))
 # Batch rows in powers of two, 1 .. 65536 (the largest max_batch_size the settings allow).
 ROWS_BUCKETS = tuple(float(2**i) for i in range(17))
-OUTCOMES = ("ok", "invalid", "too_large", "overloaded", "timeout", "cancelled", "error")
+# unauthorized: an inference request without a valid API key (401), refused before its body was read.
+OUTCOMES = ("ok", "invalid", "too_large", "overloaded", "timeout", "cancelled", "error", "unauthorized")
 # How the request came: POST /predict, the Open Inference Protocol over REST (/v2/...), or over gRPC.
 PROTOCOLS = ("predict", "v2_rest", "v2_grpc")
 

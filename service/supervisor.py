@@ -139,9 +139,20 @@ class Supervisor:
         self._restarts: list[float] = []
         self._engine_deaths: list[float] = []
         self._metrics = None  # SupervisorMetrics, once the metrics directory is set
+        self._keys = None  # the API keys (service/frontend/auth.py), read at start and again on SIGHUP
 
     def run(self) -> int:
         s = self.settings
+        from .frontend.auth import ApiKeys, Restrictions, SecurityFileError, check_tls, describe_access
+
+        try:  # the keys file and TLS files are read now: one unreadable stops the start, naming it
+            keys = self._keys = ApiKeys(s)
+            check_tls(s)
+        except SecurityFileError as e:
+            raise StartError(str(e)) from None
+        log.info("%s", describe_access(s, keys))
+        if not keys.on and keys.source:
+            log.warning("%s holds no API key: inference is open", keys.source)
         # From the start: a SIGHUP's default action is to end the process. One that comes before the children
         # run is taken once they do.
         signal.signal(signal.SIGHUP, self._request_reload)
@@ -165,12 +176,23 @@ class Supervisor:
             devices = engine_devices(s, device.type)
             workers = s.workers or default_workers(len(devices))
             port_hold = _reserve_port(s.host, s.port)
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, self._request_stop)
+            metrics_port = None
             try:
+                if s.metrics_port is not None:
+                    from .metrics_server import MetricsServer
+
+                    try:
+                        metrics_port = MetricsServer(s.host, s.metrics_port, Restrictions(s.restrictions()))
+                    except OSError as e:
+                        raise StartError(f"cannot listen on {s.host}:{s.metrics_port} (FUSEDSERVE_METRICS_PORT): "
+                                         f"{e.strerror or e}") from None  # fmt: skip
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    signal.signal(sig, self._request_stop)
                 return self._run(model, ModelInfo.of(model), devices, workers, run_dir)
             finally:
                 port_hold.close()
+                if metrics_port is not None:
+                    metrics_port.close()
         finally:
             shutil.rmtree(run_dir, ignore_errors=True)
             # A caller in the same process (a test, a library user) must not inherit a directory that is gone.
@@ -214,7 +236,8 @@ class Supervisor:
                 ", ".join(ENV_PREFIX + f.upper() for f in fixed), env_file,
                 "it" if len(fixed) == 1 else "them", ", ".join(f"{f}={getattr(s, f)}" for f in fixed),
             )  # fmt: skip
-        if not live:
+        keys_changed = self._reload_keys()
+        if not live and not keys_changed:
             log.info("SIGHUP: %s read; no live setting changed", env_file)
             return "unchanged"
         self.settings = s.model_copy(update=live)
@@ -229,6 +252,25 @@ class Supervisor:
         log.info("SIGHUP: configuration %d from %s: %s", self._generation, env_file,
                  ", ".join(f"{ENV_PREFIX}{k.upper()}={v}" for k, v in live.items()))  # fmt: skip
         return "applied"
+
+    def _reload_keys(self) -> bool:
+        """SIGHUP: read the API keys file again; True if the keys changed, so that the front ends are told to read it
+        too (FrontendState.reload_access, on the new generation). A file that cannot be read, or that would turn keys
+        off, is logged and changes nothing (auth.ApiKeys.reload)."""
+        from .frontend.auth import SecurityFileError
+
+        if self._keys is None:
+            return False
+        before = self._keys.digests
+        try:
+            self._keys.reload()
+        except SecurityFileError as e:
+            log.error("SIGHUP: API keys not reloaded, those in force stay: %s", e)
+            return False
+        if self._keys.digests == before:
+            return False
+        log.info("SIGHUP: %s", self._keys.describe())
+        return True
 
     def _run(self, model, info, devices: list[str | None], workers: int, run_dir: Path) -> int:
         from .engine.core import engine_main
@@ -270,9 +312,11 @@ class Supervisor:
 
         for k in range(workers):
             self.frontends.append(start_frontend(k))
+        scheme = "https" if s.tls else "http"
         log.info(
-            "fusedserve: %s on %s, %d engine(s) %s, %d front end(s), http://%s:%d",
-            model.name, s.mode, len(devices), [d if d is not None else "cpu" for d in devices], workers, s.host, s.port,
+            "fusedserve: %s on %s, %d engine(s) %s, %d front end(s), %s://%s:%d",
+            model.name, s.mode, len(devices), [d if d is not None else "cpu" for d in devices], workers, scheme, s.host,
+            s.port,
         )  # fmt: skip
 
         announced = False
@@ -285,7 +329,7 @@ class Supervisor:
                 self.reload()
             if not announced and all(st.value == wire.READY for st in states):
                 announced = True
-                log.info("fusedserve ready on http://%s:%d", s.host, s.port)
+                log.info("fusedserve ready on %s://%s:%d", scheme, s.host, s.port)
             if self._stop_requested:  # an engine the stop signal reached too (a signal to the group) stays down
                 break
             dead = [(i, p) for i, p in enumerate(self.engines) if not p.is_alive()]

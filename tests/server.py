@@ -123,11 +123,14 @@ class ManagedProcess:
                 self.proc.wait(STOP_TIMEOUT_S)
         self._log.close()
 
-    def wait_http(self, url: str, timeout_s: float, ok=lambda r: r.status_code == 200) -> httpx.Response:
-        """Poll `url` until ok(response); raises (with the log) when the process exits or time runs out."""
+    def wait_http(
+        self, url: str, timeout_s: float, ok=lambda r: r.status_code == 200, client_args: dict | None = None
+    ) -> httpx.Response:
+        """Poll `url` until ok(response); raises (with the log) when the process exits or time runs out.
+        `client_args`: httpx.Client's TLS arguments (verify, cert) for an https URL."""
         deadline = time.monotonic() + timeout_s
         last = "no answer yet"
-        with httpx.Client(timeout=2.0) as client:
+        with httpx.Client(timeout=2.0, **(client_args or {})) as client:
             while True:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"{self.name} exited before {url} was ready\n{self.describe()}")
@@ -161,19 +164,24 @@ def _bind_failed(p: ManagedProcess) -> bool:
 
 class Server:
     """One `python -m service.cli serve` process; `url` is its base URL once ready. `mode` None: no --mode, so the
-    environment or the configuration file chooses it (a SIGHUP reload can change it then)."""
+    environment or the configuration file chooses it (a SIGHUP reload can change it then). A server with `tls_cert`
+    in its env is https, polled with `client_args` (httpx's verify and cert)."""
 
-    def __init__(self, mode: str | None, log_dir: Path, env: dict[str, str | int | float]):
+    def __init__(
+        self, mode: str | None, log_dir: Path, env: dict[str, str | int | float], client_args: dict | None = None
+    ):
         self.mode = mode
         self.env = env
         self.log_dir = log_dir
         self.port = 0
         self.url = ""
         self.process: ManagedProcess | None = None
+        self.client_args = client_args or {}
 
     def start(self) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.env.get("tls_cert") or self.env.get("FUSEDSERVE_TLS_CERT") else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
         if self.mode is not None:
             argv += ["--mode", self.mode]
@@ -188,7 +196,7 @@ class Server:
         assert self.process is not None
         for attempt in range(3):
             try:
-                self.process.wait_http(self.url + "/health/ready", timeout_s)
+                self.process.wait_http(self.url + "/health/ready", timeout_s, client_args=self.client_args)
                 return
             except RuntimeError:
                 if attempt == 2 or not _bind_failed(self.process):
@@ -210,11 +218,14 @@ def _log_dir(log_dir: Path | None) -> Path:
 
 @contextlib.contextmanager
 def running_servers(
-    specs: dict[str, tuple[str, dict]], log_dir: Path | None = None, timeout_s: float = DEFAULT_READY_TIMEOUT_S
+    specs: dict[str, tuple], log_dir: Path | None = None, timeout_s: float = DEFAULT_READY_TIMEOUT_S
 ) -> Iterator[dict[str, Server]]:
-    """Start several servers at once ({key: (mode, env)}), wait until all are ready, stop all on exit."""
+    """Start several servers at once ({key: (mode, env)}, or (mode, env, client_args) for a TLS server), wait until
+    all are ready, stop all on exit."""
     log_dir = _log_dir(log_dir)
-    servers = {key: Server(mode, log_dir, env) for key, (mode, env) in specs.items()}
+    servers = {
+        key: Server(spec[0], log_dir, spec[1], spec[2] if len(spec) > 2 else None) for key, spec in specs.items()
+    }
     try:
         for s in servers.values():
             s.start()
@@ -235,10 +246,13 @@ def running_servers(
 
 
 @contextlib.contextmanager
-def running_server(mode: str, log_dir: Path | None = None, timeout_s: float = DEFAULT_READY_TIMEOUT_S, **env):
+def running_server(
+    mode: str, log_dir: Path | None = None, timeout_s: float = DEFAULT_READY_TIMEOUT_S, client_args=None, **env
+):
     """`python -m service.cli serve --mode MODE` on a free loopback port with FUSEDSERVE_* from `env`
-    (max_delay_ms=20 or FUSEDSERVE_MAX_DELAY_MS=20); yields the base URL once /health/ready is 200."""
-    with running_servers({"s": (mode, env)}, log_dir, timeout_s) as servers:
+    (max_delay_ms=20 or FUSEDSERVE_MAX_DELAY_MS=20); yields the base URL once /health/ready is 200. `client_args`:
+    httpx's TLS arguments to poll an https server with."""
+    with running_servers({"s": (mode, env, client_args)}, log_dir, timeout_s) as servers:
         yield servers["s"].url
 
 

@@ -81,7 +81,11 @@ def test_defaults():
         "cuda_graphs", "tuning", "tuning_timing", "tuning_cache", "pdl", "warmup", "workers", "engines",
         "shutdown_grace_s", "max_connections", "header_timeout_s", "body_timeout_s",
         "host", "port", "grpc_port", "log_level",
+        "api_key", "api_keys_file", "restricted_api", "metrics_port", "docs", "tls_cert", "tls_key", "tls_client_ca",
     }  # fmt: skip
+    # Who may call what (docs/security.md): everything open, plain text, docs on, until configured.
+    assert s.api_key is None and s.api_keys_file is None and s.restricted_api is None and s.restrictions() == {}
+    assert s.metrics_port is None and s.docs is True and not s.tls and s.tls_client_ca is None
 
 
 ENV_VALUES = [

@@ -286,6 +286,28 @@ def test_compose_and_dockerfile_env_vars_are_settings_fields():
     assert {"FUSEDSERVE_HOST", "FUSEDSERVE_PORT", "FUSEDSERVE_MODEL_DIR", "FUSEDSERVE_MODE"} <= set(checked)
 
 
+def test_compose_gives_api_keys_from_a_secret_and_turns_the_docs_off():
+    """docs/security.md: the keys file is a compose secret (a Kubernetes Secret likewise), never an environment
+    value; the image and compose serve no API docs."""
+    data = compose()
+    secrets = data.get("secrets") or {}
+    assert "fusedserve_api_keys" in secrets, f"no fusedserve_api_keys secret: {secrets}"
+    default = resolve(secrets["fusedserve_api_keys"]["file"])
+    assert (REPO / default).is_file(), f"the secret's default file {default} is missing"
+    for name, svc in fusedserve_services(data).items():
+        assert "fusedserve_api_keys" in (svc.get("secrets") or []), f"{name} does not mount the keys secret"
+        env = env_of(svc)
+        assert env.get("FUSEDSERVE_API_KEYS_FILE") == "/run/secrets/fusedserve_api_keys", name
+        assert "FUSEDSERVE_API_KEY" not in env, f"{name}: a key in the environment is seen by whoever can read it"
+        assert resolve(env.get("FUSEDSERVE_DOCS", "true")) == "false", name
+    assert dockerfile_env().get("FUSEDSERVE_DOCS") == "false", "the image must not serve /docs"
+    # The shipped file parses, and holds no key (inference open until one is added; the start-up log says so).
+    from service.config import Settings
+    from service.frontend.auth import read_keys
+
+    assert read_keys(Settings(_env_file=None, api_keys_file=REPO / default))[0] is None
+
+
 def test_compose_prometheus_and_grafana_services():
     services = compose()["services"]
 

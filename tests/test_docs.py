@@ -38,6 +38,7 @@ DOCS = (
     "docs/scaling.md",
     "docs/configuration.md",
     "docs/metrics.md",
+    "docs/security.md",
 )
 FUSEDSERVE = ".venv/bin/fusedserve"
 RESULTS = REPO / "bench" / "results"  # one folder per GPU: results/h100/kernels_h100.md

@@ -4,6 +4,10 @@ that send half a header or stall their body, and more connections than a front e
 Raw sockets, so that the client controls every byte: an oversized body is offered 64 KiB at a time and the
 test watches how much the server takes before it answers 413 and closes. One front end (workers=1), so that
 the front end whose memory and sockets are read is the one every connection reaches.
+
+The same guards with API keys and TLS on (docs/security.md): a subset, on a third server, over TLS sockets: an
+oversized body with a key gets 413 and one without gets 401, each at once and unread; half headers after the
+handshake are closed on time.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import asyncio
 import contextlib
 import select
 import socket
+import ssl
 import time
 
 import httpx
@@ -49,17 +54,33 @@ def frontend_pid(server) -> int:
     return children(server.process.proc.pid)["fs-frontend-0"]
 
 
-def connect(server, timeout: float = 5.0) -> socket.socket:
+KEY = "hostile-key-41e2"
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory):
+    """(server, client TLS context): the guard server's settings with API keys and TLS on."""
+    pytest.importorskip("cryptography", reason="cryptography is not installed (pip install -e '.[test]')")
+    from .tlscerts import make_certs
+
+    certs = make_certs(tmp_path_factory.mktemp("certs"))
+    ctx = ssl.create_default_context(cafile=str(certs.ca))
+    env = {**GUARD_ENV, "api_key": KEY, "tls_cert": certs.server_cert, "tls_key": certs.server_key}
+    with running_servers({"secure": ("unfused", env, {"verify": ctx})}) as s:
+        yield s["secure"], ctx
+
+
+def connect(server, timeout: float = 5.0, tls: ssl.SSLContext | None = None) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
+    return tls.wrap_socket(sock, server_hostname="127.0.0.1") if tls is not None else sock
 
 
 def read_answer(sock: socket.socket, timeout_s: float = 5.0) -> bytes:
     """What the server sends until it closes (or `timeout_s`), tolerating a reset after its answer."""
     sock.settimeout(timeout_s)
     data = b""
-    with contextlib.suppress(ConnectionResetError, TimeoutError):
+    with contextlib.suppress(ConnectionResetError, TimeoutError, ssl.SSLError):
         while chunk := sock.recv(65536):
             data += chunk
     return data
@@ -248,3 +269,56 @@ def test_past_the_connection_cap_a_request_gets_503_at_once(servers):
         if line.startswith("fusedserve_requests_total") and 'outcome="overloaded"' in line
     ]
     assert overloaded and float(overloaded[0].rsplit(" ", 1)[1]) >= 1, overloaded
+
+
+# ------------------------------------------------------------------ the same guards with API keys and TLS on
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "content-length"])
+def test_with_keys_and_tls_an_oversized_body_gets_413_and_one_without_a_key_401_unread(secure, chunked):
+    """A 200 MB body offered over TLS: 256 KiB of it sent (past the 135 KB limit), then the answer read. (Not
+    offer_huge_body's send-until-answered: an SSL socket's send that times out midway cannot be followed by a read.)"""
+    server, tls = secure
+    framing = b"transfer-encoding: chunked\r\n" if chunked else b"content-length: %d\r\n" % HUGE
+    piece = b"1" * CHUNK
+    frame = (b"%x\r\n" % len(piece)) + piece + b"\r\n" if chunked else piece
+    for extra, status in ((b"authorization: Bearer %s\r\n" % KEY.encode(), b"413"), (b"", b"401")):
+        started = time.monotonic()
+        with connect(server, tls=tls) as sock:
+            sock.sendall(b"POST /predict HTTP/1.1\r\nhost: t\r\n%s%s\r\n" % (extra, framing))
+            with contextlib.suppress(OSError):
+                for _ in range(4):
+                    sock.sendall(frame)
+            answer = read_answer(sock, 5.0)
+        took = time.monotonic() - started
+        assert answer.startswith(b"HTTP/1.1 " + status), answer[:300]
+        assert b"connection: close" in answer.lower(), f"a refusal before the whole body closes: {answer[:300]!r}"
+        assert took < 2.0, f"{status.decode()} came {took:.2f} s after the body started"
+    r = httpx.post(server.url + "/predict", json=GOOD, headers={"Authorization": f"Bearer {KEY}"}, verify=tls)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.timeout(120)
+def test_with_tls_half_header_connections_are_closed_after_the_header_timeout(secure):
+    server, tls = secure
+    pid = frontend_pid(server)
+    baseline = open_sockets(pid)
+    n = 200  # each a TLS handshake first
+    socks = []
+    try:
+        for _ in range(n):
+            s = connect(server, tls=tls)
+            s.sendall(b"POST /predict HTTP/1.1\r\nhost: t\r\ncontent-le")
+            socks.append(s)
+        opened = time.monotonic()
+        deadline = opened + HEADER_TIMEOUT_S + 5.0
+        while open_sockets(pid) > baseline + 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = open_sockets(pid) - baseline
+        assert left <= 2, f"{left} slow TLS connections still open {time.monotonic() - opened:.1f} s after they opened"
+        answers = [read_answer(s, 2.0) for s in socks[:10]]
+        assert all(a.startswith(b"HTTP/1.1 408") for a in answers), answers[:3]
+    finally:
+        for s in socks:
+            s.close()

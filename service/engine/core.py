@@ -179,6 +179,7 @@ class Engine:
             # input, when their batch runs.
             if kind == wire.SUBMIT_SHARED:
                 if conn.arena is None or offset + size > len(conn.arena):  # a front end's bug: fail it, not us
+                    log.warning("request %s: its rows are outside its front end's arena", wire.request_name(rid))
                     self._reply(owner, rid, wire.FAILED, 0, b"the request's rows are outside its front end's arena")
                     continue
                 rows = np.frombuffer(conn.arena, dtype=dtype, count=n * features, offset=offset)
@@ -331,7 +332,7 @@ class Engine:
             self.metrics.gpu_fault(kind, mode)
             faults.release_memory(self.device_type)
             if len(batch) == 1:
-                log.warning("GPU out of memory on one request of %d rows: answered 503", rows)
+                log.warning("GPU out of memory on one request (%s) of %d rows: answered 503", _names(batch), rows)
                 msg = f"GPU out of memory on this request's {rows} rows alone; retry later or send fewer rows"
                 self._reply_error(batch[0], wire.OVERLOADED, msg)
                 return
@@ -343,7 +344,8 @@ class Engine:
         if kind == faults.STICKY:
             self.metrics.gpu_fault(kind, mode)
             self._device_broken(batch, err)
-        log.error("forward failed on a batch of %d rows (%d requests)", rows, len(batch), exc_info=err)
+        log.error("forward failed on a batch of %d rows (%d requests: %s)", rows, len(batch), _names(batch),
+                  exc_info=err)  # fmt: skip
         msg = f"forward failed on a batch of {rows} rows in {mode} mode: {type(err).__name__}: {err}"
         code = wire.MODES.index(mode)
         for req in batch:
@@ -388,6 +390,13 @@ class Engine:
                 self._drop(conn)
             else:
                 self._watch_writes(conn)
+
+
+def _names(batch: list[Pending], most: int = 8) -> str:
+    """The requests of a batch as warnings name them (wire.request_name; a front end's failure line gives the
+    request id of each), the first `most` of them."""
+    names = ", ".join(wire.request_name(r.id) for r in batch[:most])
+    return names + (f" and {len(batch) - most} more" if len(batch) > most else "")
 
 
 class _Conn:

@@ -74,12 +74,14 @@ def release_memory(device_type: str) -> None:
 class FaultyRunner:
     """A runner that fails like a GPU would, for tests. Spec (FS_INJECT_FAULT):
     `oom_above=N`: a forward of more than N rows raises torch.OutOfMemoryError;
-    `sticky_at=K`: the K-th forward (from 1) and every later one raise CUDA's illegal-address error."""
+    `sticky_at=K`: the K-th forward (from 1) and every later one raise CUDA's illegal-address error;
+    `fail_above=N`: a forward of more than N rows raises an error of neither kind (its batch fails with 500 and the
+    engine keeps serving)."""
 
     def __init__(self, runner, spec: str):
         name, _, value = spec.partition("=")
-        if name not in ("oom_above", "sticky_at") or not value.isdigit():
-            raise ValueError(f"{INJECT_ENV}={spec!r}: expected oom_above=N or sticky_at=K")
+        if name not in ("oom_above", "sticky_at", "fail_above") or not value.isdigit():
+            raise ValueError(f"{INJECT_ENV}={spec!r}: expected oom_above=N, sticky_at=K or fail_above=N")
         self._runner = runner
         self._kind = name
         self._n = int(value)
@@ -95,6 +97,8 @@ class FaultyRunner:
         rows = sum(p.shape[0] for p in parts)
         if self._kind == "oom_above" and rows > self._n:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {rows} rows (injected: {INJECT_ENV})")
+        if self._kind == "fail_above" and rows > self._n:
+            raise ValueError(f"injected failure of a forward of {rows} rows ({INJECT_ENV})")
         if self._kind == "sticky_at" and self._forwards >= self._n:
             raise RuntimeError(
                 "CUDA error: an illegal memory access was encountered "

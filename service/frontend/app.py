@@ -49,12 +49,16 @@ def create_app(settings: Settings, model, engines, run_dir: Path) -> FastAPI:
                 await grpc_server.stop(settings.shutdown_grace_s / 2)
             engines.close()
 
-    app = FastAPI(title="fusedserve", version="0.1.0", lifespan=lifespan)
+    # FUSEDSERVE_DOCS=false: no /docs, /redoc or /openapi.json (404), as the container image runs.
+    docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="fusedserve", version="0.1.0", lifespan=lifespan, **docs)
     app.state.fusedserve = state
     app.include_router(router)
     from .openapi import install
 
-    install(app, model.input_shape, settings.max_rows_per_request, model.name)  # /predict's body, every route's answers
+    install(
+        app, model.input_shape, settings.max_rows_per_request, model.name, state
+    )  # /predict's body, every route's answers
     return app
 
 
@@ -113,6 +117,7 @@ def frontend_main(
     configure_logging(settings.log_level)
     import uvicorn
 
+    from .auth import uvicorn_tls
     from .engine_client import EngineClient
     from .guard import guarded_protocol
 
@@ -137,8 +142,11 @@ def frontend_main(
         http=guarded_protocol(settings.max_connections, lambda: state.metrics.observe_request("overloaded")),
         server_header=False,
         date_header=False,
+        # FUSEDSERVE_TLS_*: uvicorn wraps the socket passed to server.run with these too (loop.create_server(ssl=)).
+        **uvicorn_tls(settings),
     )
-    log.info("front end %d (pid %d) serving on %s:%d", index, os.getpid(), settings.host, settings.port)
+    log.info("front end %d (pid %d) serving on %s://%s:%d", index, os.getpid(), "https" if settings.tls else "http",
+             settings.host, settings.port)  # fmt: skip
     drain_s = min(DRAIN_MAX_S, settings.shutdown_grace_s / 2)
     server = _draining_server(uvicorn.Server)(config, app.state.fusedserve, drain_s)
     server.fs_timeouts = (settings.header_timeout_s, settings.body_timeout_s)

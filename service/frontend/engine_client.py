@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 
 import numpy as np
 
@@ -60,7 +61,9 @@ class EngineClient:
         self._unsent = [bytearray() for _ in endpoints]
         self._states = states
         self._out_features = output_features
-        self._ids = itertools.count(1)
+        # From pid << 32: ids unique on the host, so an engine's warning names a request as one front end's
+        # (wire.request_name), at no cost per request.
+        self._ids = itertools.count((os.getpid() << 32) + 1)
         self._pending: dict[int, tuple[asyncio.Future, int]] = {}
         self._load = [0] * len(endpoints)
         self._outbox: list[tuple[list[bytes], list]] = [([], []) for _ in endpoints]

@@ -9,30 +9,65 @@ things either way: the same checks, errors, metrics and engine link.
 
 from __future__ import annotations
 
+import orjson
+
 from ..v2.rest import handle_v2
+from .asgi import JSON, Answer, header
+from .auth import api_of_path
 from .predict import handle_predict
 from .state import FrontendState
 
 
 class PredictFastPath:
     """ASGI wrapper: POST /predict (handle_predict) and the Open Inference Protocol's /v2 routes
-    (service/v2/rest.py) are served directly, everything else by `app`."""
+    (service/v2/rest.py) are served directly, everything else by `app`. Restricted routes (FUSEDSERVE_RESTRICTED_API)
+    without their header get 403 here, and /metrics 404 when FUSEDSERVE_METRICS_PORT serves it elsewhere."""
 
     def __init__(self, app, state: FrontendState):
         self.app = app
         self.state = state
+        # None where nothing is restricted or moved: then no request pays for the look.
+        self.gate = _gate if state.restrictions or state.settings.metrics_port is not None else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope["path"]
+        gate = self.gate
         if path == "/predict" and scope["method"] == "POST":
             status, body, headers = await handle_predict(self.state, scope, receive)
         elif path == "/v2" or path.startswith("/v2/"):
-            status, body, headers = await handle_v2(self.state, scope, receive)
+            refused = gate(self.state, scope, path, "error") if gate is not None else None
+            if refused is not None:
+                status, body, headers = refused
+            else:
+                status, body, headers = await handle_v2(self.state, scope, receive)
         else:
-            await self.app(scope, receive, send)
-            return
+            refused = gate(self.state, scope, path, "detail") if gate is not None else None
+            if refused is None:
+                await self.app(scope, receive, send)
+                return
+            status, body, headers = refused
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def _gate(state: FrontendState, scope: dict, path: str, error_key: str) -> Answer | None:
+    """403 for a restricted route without its header and value, 404 for /metrics served on METRICS_PORT instead;
+    None to serve the request. Errors as the route family writes them: {"error"} under /v2, else {"detail"}."""
+    api = api_of_path(path)
+    if api is None:
+        return None
+    if api == "metrics" and state.settings.metrics_port is not None:
+        return _refuse(404, error_key, f"no route {path} on this port: /metrics is served on its own port")
+    restrictions = state.restrictions
+    name = restrictions.header_for(api)
+    if name is None or restrictions.allows(api, header(scope, name.encode())):
+        return None
+    return _refuse(403, error_key, restrictions.refusal(api))
+
+
+def _refuse(status: int, error_key: str, message: str) -> Answer:
+    body = orjson.dumps({error_key: message})
+    return status, body, [JSON, (b"content-length", str(len(body)).encode())]

@@ -21,6 +21,13 @@ unread bytes sends a reset, and a client still writing its body may then lose th
 (8 of 131 oversized requests in a CPU soak). So a request announcing a large body (chunked, or 100,000 bytes
 or more) gets a lingering close, as nginx and Apache do: the answer is followed by a FIN, what the client
 still sends is discarded unparsed for LINGER_S, then the socket closes.
+
+Over TLS (FUSEDSERVE_TLS_CERT), a transport's close() sends close_notify and then waits for the peer's, up to 30 s
+(asyncio's and uvloop's ssl_shutdown_timeout, which uvicorn does not expose): a slow client that never answers it
+would keep its socket that long after its timeout. So a connection closed here for a timeout is aborted TLS_CLOSE_S
+later if its socket is still open, and a refused body's (the lingering close, which over TLS is that wait for
+close_notify, the client's bytes discarded meanwhile) TLS_LINGER_S later: long enough for a client still writing to
+read its 413 first, as an abort throws away what the client has not read.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 LINGER_S = 1.0  # how long a refused body is discarded after the answer, before the socket closes
 SWEEP_EVERY_TICKS = 5  # uvicorn ticks every 0.1 s: sweep twice a second (1,500 connections take ~0.3 ms)
+TLS_CLOSE_S = 1.0  # over TLS, how long a timed-out connection may wait for the client's close_notify before its abort
+TLS_LINGER_S = 5.0  # the same for a connection whose body was refused (413, 401) while the client was writing it
 
 IDLE, HEADERS, BODY, HANDLING = 0, 1, 2, 3
 _408_BODY = b"request headers took too long\n"
@@ -137,7 +146,7 @@ class _LingeringClose:
     def close(self) -> None:
         transport, protocol = self._transport, self._protocol
         if protocol.fs_phase != BODY or transport.is_closing() or not transport.can_write_eof():
-            transport.close()
+            close(transport, protocol.loop, TLS_LINGER_S)  # TLS cannot write EOF alone: close sends close_notify
             return
         protocol.fs_phase = IDLE  # out of the sweep's view: LINGER_S closes it
         protocol.parser = _Discard()
@@ -168,7 +177,14 @@ def sweep(connections, now: float, header_timeout_s: float, body_timeout_s: floa
             continue
         if phase == HEADERS and (conn.cycle is None or conn.cycle.response_complete):
             transport.write(_TIMEOUT_408)
-        transport.close()
+        close(transport, conn.loop)
         conn.fs_phase = IDLE
         closed += 1
     return closed
+
+
+def close(transport, loop, tls_grace_s: float = TLS_CLOSE_S) -> None:
+    """transport.close(), and over TLS an abort `tls_grace_s` later if the client has not answered close_notify."""
+    transport.close()
+    if transport.get_extra_info("sslcontext") is not None:
+        loop.call_later(tls_grace_s, transport.abort)

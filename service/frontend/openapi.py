@@ -95,13 +95,50 @@ def describe_routes(schema: dict, input_shape: tuple[int, ...], max_rows: int, m
     return schema
 
 
-def install(app, input_shape: tuple[int, ...], max_rows: int, model_name: str | None = None) -> None:
-    """Make `app.openapi()` return the completed schema (built once, on first request, as FastAPI does)."""
+def describe_security(schema: dict, keys: bool, restrictions: dict[str, tuple[str, bytes]], metrics_port) -> dict:
+    """Who may call what (service/frontend/auth.py), in `schema`: with API keys on, the inference operations need a
+    bearer key and may answer 401; each restricted route needs its header and may answer 403; /metrics is left out
+    when METRICS_PORT serves it elsewhere."""
+    from .auth import api_of_path
+
+    paths = schema.get("paths", {})
+    schemes = {}
+    if metrics_port is not None:
+        paths.pop("/metrics", None)
+    for path, operations in paths.items():
+        api = api_of_path(path)
+        for method, operation in operations.items():
+            inference = method == "post" and (path == "/predict" or path.endswith("/infer"))
+            if inference and keys:
+                schemes["apiKey"] = {"type": "http", "scheme": "bearer", "description": "an API key"}
+                operation["security"] = [{"apiKey": []}]
+                error = "error" if path.startswith("/v2") else "detail"
+                body = {"type": "object", "properties": {error: {"type": "string"}}, "required": [error]}
+                operation["responses"]["401"] = _answer("no valid API key (WWW-Authenticate: Bearer)", body)
+            elif api in restrictions:
+                header = restrictions[api][0]
+                name = f"restricted-{api}"
+                schemes[name] = {"type": "apiKey", "in": "header", "name": header}
+                operation["security"] = [{name: []}]
+                error = "error" if path.startswith("/v2") else "detail"
+                body = {"type": "object", "properties": {error: {"type": "string"}}, "required": [error]}
+                operation["responses"]["403"] = _answer(f"no {header} header with its value", body)
+    if schemes:
+        schema.setdefault("components", {}).setdefault("securitySchemes", {}).update(schemes)
+    return schema
+
+
+def install(app, input_shape: tuple[int, ...], max_rows: int, model_name: str | None = None, state=None) -> None:
+    """Make `app.openapi()` return the completed schema (built once, on first request, as FastAPI does); with a
+    FrontendState `state`, its API keys, restrictions and metrics port described too."""
     generate = app.openapi
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = describe_routes(generate(), input_shape, max_rows, model_name)
+            schema = describe_routes(generate(), input_shape, max_rows, model_name)
+            if state is not None:
+                describe_security(schema, state.api_keys.on, state.restrictions.rules, state.settings.metrics_port)
+            app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import orjson
 
+from . import requestid
 from .asgi import CLOSE, JSON, MODE_HEADER, Answer
 from .inputs import InputError, parse_rows
 from .serving import Refused, read_request, run_rows
@@ -31,19 +32,21 @@ async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
     (and the X-Fusedserve-Mode header) is the executor that computed the outputs, fused or unfused."""
     started = time.perf_counter()
     metrics = state.metrics
+    ident = (requestid.HEADER, requestid.of_scope(scope))  # the client's X-Request-Id, or a new one
     # While draining (SIGTERM), requests are still answered, each answer closing its connection.
-    extra = (CLOSE,) if state.draining else ()
+    extra = (ident, CLOSE) if state.draining else (ident,)
     try:
         body = await read_request(state, scope, receive)
         rows = parse_rows(body, state.model.input_shape, state.settings.max_rows_per_request)
         arrival = time.monotonic()
-        outputs, mode = await run_rows(state, rows, arrival, arrival + state.settings.request_timeout_ms / 1e3, receive)
+        deadline = arrival + state.settings.request_timeout_ms / 1e3
+        outputs, mode = await run_rows(state, rows, arrival, deadline, receive, ident[1])
     except InputError as e:
         metrics.observe_request(e.outcome, time.perf_counter() - started)
-        return _error(e.status, e.message)
+        return _error(e.status, e.message, ident)
     except Refused as e:
         metrics.observe_request(e.outcome, time.perf_counter() - started, mode=e.mode)
-        return _error(e.status, e.message, *e.headers)
+        return _error(e.status, e.message, *e.headers, ident)
     doc = {
         "outputs": outputs,
         "predictions": state.predictions(np.argmax(outputs, axis=1)),

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..link import wire
 from .asgi import CLOSE, RETRY, ClientGone, content_length, header, read_body, watch_disconnect
+from .auth import CHALLENGE
 from .engine_client import EngineError, EngineGone
 from .inputs import InputError
 from .state import FrontendState
@@ -22,6 +23,10 @@ log = logging.getLogger(__name__)
 # per request would cost more than the whole forward of a small model, and a request answered within 50 ms
 # gains nothing from being dropped.
 WATCH_AFTER_S = 0.05
+# A request refused 401 keeps its connection when its body is at most this long (uvicorn reads and drops that much);
+# one that announces more, or a chunked one, has its connection closed, so that no body of an unauthenticated client
+# is read.
+UNAUTHORIZED_KEEP_BYTES = 64 * 1024
 _STATUS_OF = {
     wire.OVERLOADED: (503, "overloaded", "server overloaded: "),
     wire.TIMEOUT: (504, "timeout", "request waited longer than its timeout in the queue: "),
@@ -43,17 +48,25 @@ class Refused(Exception):
 
     @property
     def headers(self) -> tuple[tuple[bytes, bytes], ...]:
-        """Retry-After on a 503 (not ready, overloaded, shutting down); Connection: close where `close`."""
-        return ((RETRY,) if self.status == 503 else ()) + ((CLOSE,) if self.close else ())
+        """Retry-After on a 503 (not ready, overloaded, shutting down); WWW-Authenticate: Bearer on a 401; Connection:
+        close where `close`."""
+        extra = (RETRY,) if self.status == 503 else (CHALLENGE,) if self.status == 401 else ()
+        return extra + ((CLOSE,) if self.close else ())
 
 
 async def read_request(state: FrontendState, scope: dict, receive, identity_only: bool = False) -> bytes:
-    """The body of an inference request, or Refused: 503 while the model is not ready, 413 past the size limit
+    """The body of an inference request, or Refused: 401 without a valid API key when keys are on (service/frontend/
+    auth.py; before anything else, the body unread), 503 while the model is not ready, 413 past the size limit
     (counted while the bytes arrive), 499 when the client left, and with `identity_only` 400 for a compressed body.
 
     A body refused before it is all read closes its connection (`Refused.close`): uvicorn then reads no more of it
     (it would otherwise read and discard the rest, 200 MB of it if the client says so, to keep the connection).
     """
+    keys = state.api_keys
+    if keys.digests is not None and not keys.allows(header(scope, b"authorization")):
+        length = content_length(scope)
+        close = length is None or length > UNAUTHORIZED_KEEP_BYTES
+        raise Refused(401, "unauthorized", "a valid API key is needed: Authorization: Bearer <key>", close=close)
     if not state.engines.ready():
         raise Refused(503, "overloaded", f"model is not ready ({state.status}); retry shortly")
     limit = state.max_body_bytes
@@ -75,13 +88,16 @@ async def read_request(state: FrontendState, scope: dict, receive, identity_only
 
 
 async def run_rows(
-    state: FrontendState, rows: np.ndarray, arrival: float, deadline: float, receive=None
+    state: FrontendState, rows: np.ndarray, arrival: float, deadline: float, receive=None, request_id=None
 ) -> tuple[np.ndarray, str]:
     """Submit `rows` to an engine and await (their outputs ((n, output_features) float32), the mode that computed
     them: fused or unfused), or raise Refused.
 
     `receive` (ASGI) is watched for the client leaving once the request is older than WATCH_AFTER_S; a caller
     without one (gRPC) is cancelled by its server instead, and the engine is told to drop the request either way.
+    A failure (500) is logged with `request_id` (service/frontend/requestid.py) and the engine's name for the request
+    (wire.request_name), which its own warning uses; other refusals (503, 504: load, counted in the metrics) only at
+    debug level.
     """
     engines = state.engines
     rid, fut = engines.submit(rows, deadline, arrival)
@@ -104,12 +120,19 @@ async def run_rows(
         raise Refused(503, "overloaded", f"engine unavailable: {e.message}") from None
     except EngineError as e:
         status, outcome, prefix = _STATUS_OF[e.status]
+        log.log(logging.WARNING if status == 500 else logging.DEBUG, "request %s (engine request %s): %d %s%s",
+                _text(request_id), wire.request_name(rid), status, prefix, e.message)  # fmt: skip
         raise Refused(status, outcome, prefix + e.message, mode=e.mode) from None
     except Exception as e:  # a bug, not a bad request: count it and say so, never an uncounted 500
-        log.exception("unexpected error serving a request")
+        log.exception("unexpected error serving request %s (engine request %s)", _text(request_id),
+                      wire.request_name(rid))  # fmt: skip
         raise Refused(500, "error", f"internal error: {type(e).__name__}: {e}") from None
     finally:
         if timer is not None:
             timer.cancel()
         if watcher:
             watcher[0].cancel()
+
+
+def _text(request_id) -> str:
+    return request_id.decode("ascii", "replace") if isinstance(request_id, bytes) else str(request_id or "-")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,10 @@ from ..config import Settings
 from ..link import wire
 from ..link.plan import read_plan
 from ..metrics import RequestMetrics
+from .auth import ApiKeys, Restrictions
 from .engine_client import EngineClient
+
+log = logging.getLogger(__name__)
 
 # Longest JSON number orjson writes for a float ("-1.2345678901234567e-308," is 25 bytes), rounded up.
 BYTES_PER_VALUE = 32
@@ -54,9 +58,36 @@ class FrontendState:
     run_dir: Path
     draining: bool = False  # SIGTERM came: answers close their connections, /health/ready reads 503
     _plan: dict | None = None
+    # Who may call what (service/frontend/auth.py): inference's API keys (`api_keys.reload()` reads them again, for
+    # SIGHUP) and the restricted routes' header rules.
+    api_keys: ApiKeys = field(default=None)  # type: ignore[assignment]  (made from settings when not given)
+    restrictions: Restrictions = field(default=None)  # type: ignore[assignment]
     # SIGHUP reloads (service/link/live.py): the supervisor's shared generation and the one this front end has.
     config_generation: object | None = None
     config_seen: int = 0
+
+    def __post_init__(self) -> None:
+        if self.api_keys is None:
+            self.api_keys = ApiKeys(self.settings)
+        if self.restrictions is None:
+            self.restrictions = Restrictions(self.settings.restrictions())
+
+    def reload_access(self, settings: Settings | None = None) -> bool:
+        """For a reload (SIGHUP): read the API keys again (the keys file, or `settings`' key settings when given) and
+        take `settings`' restriction rules; True if it did. A keys file that cannot be read, or a reload that would
+        turn keys off, is logged and changes nothing: the keys in force stay (auth.ApiKeys.reload)."""
+        from .auth import SecurityFileError
+
+        try:
+            n = self.api_keys.reload(settings)
+        except SecurityFileError as e:
+            log.error("API keys not reloaded: %s", e)
+            return False
+        if settings is not None:
+            self.restrictions = Restrictions(settings.restrictions())
+        if n:
+            log.info("API keys reloaded: %s", self.api_keys.describe())
+        return True
 
     def take_live_settings(self) -> bool:
         """If the supervisor published new live settings, take them: the request timeout, the configured mode (the
@@ -75,6 +106,7 @@ class FrontendState:
         self.settings = self.settings.model_copy(update=live)
         self.metrics.set_mode(self.settings.mode)
         set_log_level(self.settings.log_level)
+        self.reload_access()  # the API keys file again (a SIGHUP after it changed: service/supervisor.py)
         return True
 
     @property

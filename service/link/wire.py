@@ -71,6 +71,13 @@ ENGINE_STATES = {
 }  # fmt: skip
 
 
+def request_name(rid: int) -> str:
+    """A request's id as the engine's warnings and the front end's failure lines both write it: `<front end pid>-<n>`
+    (a front end numbers its requests from its pid << 32, service/frontend/engine_client.py), so that a front end's
+    line that names a request id (service/frontend/requestid.py) leads to the engine's line about it."""
+    return f"{rid >> 32}-{rid & 0xFFFFFFFF}"
+
+
 def pack(records: list[bytes], payloads: list) -> bytes:
     """One message: the count, the packed records, then every payload (bytes or C-contiguous arrays)."""
     return b"".join([COUNT.pack(len(records)), *records, *payloads])

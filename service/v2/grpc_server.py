@@ -25,6 +25,8 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
+from ..frontend import requestid
+from ..frontend.auth import grpc_credentials, grpc_interceptor
 from ..frontend.inputs import InputError
 from ..frontend.serving import Refused, run_rows
 from ..frontend.state import FrontendState
@@ -105,6 +107,21 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         started = time.perf_counter()
         state = self.state
         metrics = state.metrics
+        # The request id (service/frontend/requestid.py): metadata x-request-id, else the request's `id`, else a new
+        # one; the answer's `id` where the request had none, and trailing metadata x-request-id on a failure.
+        rid = None
+        keys = state.api_keys
+        metadata = context.invocation_metadata() or ()
+        for key, value in metadata:
+            if key == "x-request-id":
+                rid = value if requestid.valid(value) else None
+        if rid is None:
+            rid = request.id if requestid.valid(request.id) else requestid.new().decode()
+        if keys.digests is not None and not keys.allows(next((v for k, v in metadata if k == "authorization"), None)):
+            metrics.observe_request("unauthorized", protocol=PROTOCOL)
+            context.set_trailing_metadata((("x-request-id", rid),))
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is needed: metadata authorization: "
+                                "Bearer <key>")  # fmt: skip
         try:
             if not state.engines.ready():
                 raise Refused(503, "overloaded", f"model is not ready ({state.status}); retry shortly")
@@ -114,7 +131,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             if remaining is not None:
                 timeout_s = min(timeout_s, remaining)
             arrival = time.monotonic()
-            outputs, mode = await run_rows(state, rows, arrival, arrival + timeout_s)
+            outputs, mode = await run_rows(state, rows, arrival, arrival + timeout_s, request_id=rid)
         except (InputError, Refused) as e:
             outcome, failed_mode = e.outcome, getattr(e, "mode", None)
             code, message = _CODE_OF.get(e.status, grpc.StatusCode.INTERNAL), e.message
@@ -130,9 +147,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             failed_mode = None
         else:
             response = _response(state, request, outputs, wanted, mode)
+            if not request.id:
+                response.id = rid
             metrics.observe_request("ok", time.perf_counter() - started, protocol=PROTOCOL, mode=mode)
             return response
         metrics.observe_request(outcome, time.perf_counter() - started, protocol=PROTOCOL, mode=failed_mode)
+        context.set_trailing_metadata((("x-request-id", rid),))
         await context.abort(code, message)
 
 
@@ -193,10 +213,11 @@ def address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def new_server(max_receive_bytes: int, max_calls: int) -> grpc.aio.Server:
+def new_server(max_receive_bytes: int, max_calls: int, interceptors=()) -> grpc.aio.Server:
     """A grpc.aio server with a front end's options, not yet bound. bench/serve/apps/empty_grpc.py builds its
     no-model server (the benchmark's gRPC ceiling) with it too, so that both run grpcio with the same options."""
     return grpc.aio.server(
+        interceptors=list(interceptors) or None,
         options=[
             ("grpc.so_reuseport", 1),
             ("grpc.max_receive_message_length", max_receive_bytes),
@@ -211,9 +232,15 @@ def new_server(max_receive_bytes: int, max_calls: int) -> grpc.aio.Server:
 async def start(state: FrontendState) -> grpc.aio.Server:
     """The gRPC server of this front end, listening on host:grpc_port (shared with the other front ends)."""
     s = state.settings
-    server = new_server(state.max_body_bytes, s.max_connections)
+    # FUSEDSERVE_RESTRICTED_API's statistics and model-config rules, as metadata (service/frontend/auth.py); no
+    # interceptor, so no cost per RPC, where neither is restricted.
+    restricted = grpc_interceptor(state.restrictions)
+    server = new_server(state.max_body_bytes, s.max_connections, [restricted] if restricted else ())
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(state), server)
-    server.add_insecure_port(address(s.host, s.grpc_port))
+    if s.tls:
+        server.add_secure_port(address(s.host, s.grpc_port), grpc_credentials(s))
+    else:
+        server.add_insecure_port(address(s.host, s.grpc_port))
     await server.start()
-    log.info("gRPC (Open Inference Protocol) on %s:%d", s.host, s.grpc_port)
+    log.info("gRPC (Open Inference Protocol) on %s:%d%s", s.host, s.grpc_port, " over TLS" if s.tls else "")
     return server

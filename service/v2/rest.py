@@ -22,6 +22,7 @@ import time
 import numpy as np
 import orjson
 
+from ..frontend import requestid
 from ..frontend.asgi import CLOSE, JSON, MODE_HEADER, Answer, header
 from ..frontend.inputs import InputError
 from ..frontend.serving import Refused, read_request, run_rows
@@ -111,19 +112,28 @@ def _allowed(parts: list[str]) -> str | None:
 async def handle_infer(state: FrontendState, scope: dict, receive) -> Answer:
     started = time.perf_counter()
     metrics = state.metrics
-    extra = (CLOSE,) if state.draining else ()
+    # The request id (service/frontend/requestid.py): X-Request-Id, else the body's `id`, else a new one; in the
+    # X-Request-Id answer header, and as the answer's `id` where the body had none.
+    rid = requestid.given(scope)
     try:
         body = await read_request(state, scope, receive, identity_only=True)
         doc, rows, binary_out, wanted = _parse(state, scope, body)
+        if rid is None:
+            rid = doc["id"].encode() if requestid.valid(doc.get("id")) else requestid.new()
         arrival = time.monotonic()
-        outputs, mode = await run_rows(state, rows, arrival, arrival + state.settings.request_timeout_ms / 1e3, receive)
+        deadline = arrival + state.settings.request_timeout_ms / 1e3
+        outputs, mode = await run_rows(state, rows, arrival, deadline, receive, rid)
     except InputError as e:
         metrics.observe_request(e.outcome, time.perf_counter() - started, protocol=PROTOCOL)
-        return _error(e.status if e.status != 422 else 400, e.message)
+        return _error(e.status if e.status != 422 else 400, e.message, (requestid.HEADER, rid or requestid.new()))
     except Refused as e:
         metrics.observe_request(e.outcome, time.perf_counter() - started, protocol=PROTOCOL, mode=e.mode)
-        return _error(e.status, e.message, *e.headers)
-    answer = _response(state, doc, outputs, binary_out, wanted, (MODE_HEADER[mode], *extra), mode)
+        return _error(e.status, e.message, *e.headers, (requestid.HEADER, rid or requestid.new()))
+    if not isinstance(doc.get("id"), str):
+        doc["id"] = rid.decode()
+    ident = (requestid.HEADER, rid)
+    extra = (MODE_HEADER[mode], ident, CLOSE) if state.draining else (MODE_HEADER[mode], ident)
+    answer = _response(state, doc, outputs, binary_out, wanted, extra, mode)
     metrics.observe_request("ok", time.perf_counter() - started, protocol=PROTOCOL, mode=mode)
     return answer
 

@@ -1,0 +1,306 @@
+"""Who may call what (docs/security.md): API keys for inference, a header for each restricted route, TLS files.
+
+API keys. Inference (POST /predict, the v2 infer routes, gRPC ModelInfer) needs `Authorization: Bearer <key>` (gRPC
+metadata `authorization`) once FUSEDSERVE_API_KEY or FUSEDSERVE_API_KEYS_FILE gives a key; without a valid one the
+request gets 401 with `WWW-Authenticate: Bearer` (gRPC UNAUTHENTICATED), counted `unauthorized`, before its body is
+read (service/frontend/serving.py, read_request). Keys are held as sha256 digests only: the presented key is hashed
+and compared with every stored digest by `hmac.compare_digest`, all of them every time, so neither a key's bytes
+nor its length nor which key matched shows in the time taken. A keys file may hold `sha256:<hex>` lines instead of
+keys, so that the secret mounted into the pod need not hold the keys themselves. Keys are never logged.
+
+Restricted routes (FUSEDSERVE_RESTRICTED_API, parsed in service/config.py): `api_of_path` names the API of a path,
+by its shape rather than a list of routes, so that routes added later under the same shape (the statistics
+extension's /v2/models[/NAME[/versions/V]]/stats) are covered the day they land; a request without the API's
+header and value gets 403 (gRPC PERMISSION_DENIED, through `grpc_interceptor`). The values are compared as the
+keys are.
+
+Cost on the hot path with keys on: one scan of the request's headers, one sha256 of ~40 bytes and one
+compare_digest per key, about a microsecond; with keys off, one attribute test.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import ssl
+from pathlib import Path
+
+from ..config import ENV_PREFIX, Settings
+
+log = logging.getLogger(__name__)
+
+SHA256 = "sha256:"
+CHALLENGE = (b"www-authenticate", b"Bearer")
+_BEARER = b"bearer "
+_PRINTABLE = bytes(range(0x21, 0x7F))  # a key: printable ASCII, no spaces
+# gRPC methods behind a restriction: Triton's statistics and model-configuration extensions.
+GRPC_APIS = {
+    "/inference.GRPCInferenceService/ModelStatistics": "statistics",
+    "/inference.GRPCInferenceService/ModelConfig": "model-config",
+}
+_DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+
+
+class SecurityFileError(ValueError):
+    """A keys or TLS file (or key setting) cannot be used; the message names it (and the line), never a secret."""
+
+
+def read_keys(settings: Settings) -> tuple[tuple[bytes, ...] | None, str]:
+    """(the sha256 digests of every key, or None when no key is configured (inference open), where they come from).
+
+    A keys file that holds no key leaves keys off only where API_KEY is unset too; the caller says so in the log.
+    SecurityFileError for an unreadable file or a line that is not a key.
+    """
+    digests: list[bytes] = []
+    sources = []
+    if settings.api_key is not None:
+        key = settings.api_key.get_secret_value().strip()
+        if not key or key.encode().translate(None, _PRINTABLE):
+            raise SecurityFileError(f"{ENV_PREFIX}API_KEY must be printable ASCII without spaces, not empty")
+        digests.append(hashlib.sha256(key.encode()).digest())
+        sources.append(f"{ENV_PREFIX}API_KEY")
+    path = settings.api_keys_file
+    if path is not None:
+        from_file = _read_keys_file(Path(path))
+        digests += from_file
+        sources.append(f"{ENV_PREFIX}API_KEYS_FILE={path} ({len(from_file)})")
+    if not digests:
+        return None, " and ".join(sources)
+    return tuple(dict.fromkeys(digests)), " and ".join(sources)
+
+
+def _read_keys_file(path: Path) -> list[bytes]:
+    var = f"{ENV_PREFIX}API_KEYS_FILE={path}"
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise SecurityFileError(f"{var}: cannot read it: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise SecurityFileError(f"{var}: not UTF-8 text") from None
+    digests = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith(SHA256):
+            hexdigest = line[len(SHA256) :].strip().lower()
+            try:
+                digest = bytes.fromhex(hexdigest)
+            except ValueError:
+                digest = b""
+            if len(digest) != 32:
+                raise SecurityFileError(f"{var}, line {n}: sha256: must be followed by 64 hex digits")
+            digests.append(digest)
+            continue
+        if line.encode().translate(None, _PRINTABLE):
+            raise SecurityFileError(
+                f"{var}, line {n}: a key must be printable ASCII without spaces (the line is not shown)"
+            )
+        digests.append(hashlib.sha256(line.encode()).digest())
+    return digests
+
+
+class ApiKeys:
+    """The API keys a front end checks; `reload()` reads them again (SIGHUP)."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.digests: tuple[bytes, ...] | None = None  # None: keys off
+        self.source = ""
+        self.reload()
+
+    @property
+    def on(self) -> bool:
+        return self.digests is not None
+
+    def reload(self, settings: Settings | None = None) -> int:
+        """Read the keys again (from `settings` when given: a reload that changed the configuration), and return
+        how many there are. On SecurityFileError the keys in force stay. A reload tightens but never opens: once
+        keys are on, a configuration or file that gives none raises SecurityFileError and the old keys stay
+        (restart to turn keys off), so a file emptied by mistake cannot open the service."""
+        settings = settings or self.settings
+        digests, source = read_keys(settings)
+        if digests is None and self.digests is not None:
+            raise SecurityFileError(
+                f"the new configuration ({source or 'no key setting'}) gives no API key; keeping the "
+                f"{len(self.digests)} in force: restart the service to turn keys off"
+            )
+        self.settings, self.digests, self.source = settings, digests, source
+        return len(digests or ())
+
+    def allows(self, authorization: bytes | str | None) -> bool:
+        """Whether an `Authorization` header (or gRPC metadata) value carries a valid key; True when keys are off."""
+        digests = self.digests
+        if digests is None:
+            return True
+        if authorization is None:
+            return False
+        if isinstance(authorization, str):
+            authorization = authorization.encode("latin-1", "replace")
+        if authorization[:7].lower() != _BEARER:
+            return False
+        presented = hashlib.sha256(authorization[7:].strip()).digest()
+        ok = False
+        for digest in digests:  # every one, whichever matches: the time does not say which, or whether
+            ok |= hmac.compare_digest(presented, digest)
+        return ok
+
+    def describe(self) -> str:
+        """One line for the start-up log: on or off, how many keys, from where; never a key."""
+        if self.digests is None:
+            if self.source:  # a keys file with no key in it
+                return f"API keys off: {self.source} holds no key; inference is open to whoever reaches the port"
+            return "API keys off (FUSEDSERVE_API_KEY and FUSEDSERVE_API_KEYS_FILE unset): inference is open"
+        n = len(self.digests)
+        return f"API keys on: {n} key{'s' if n != 1 else ''} from {self.source}; inference needs Authorization: Bearer"
+
+
+def describe_access(settings: Settings, keys: ApiKeys) -> str:
+    """The start-up log's one line on who may call what: keys (on or off, how many, never one), TLS, restricted
+    routes, the metrics port, the docs."""
+    parts = [keys.describe()]
+    if settings.tls:
+        parts.append("TLS on" + (" (client certificates required)" if settings.tls_client_ca else ""))
+    else:
+        parts.append("TLS off")
+    restricted = sorted(settings.restrictions())
+    if restricted:
+        parts.append(f"restricted to a header: {', '.join(restricted)}")
+    if settings.metrics_port is not None:
+        parts.append(f"/metrics on port {settings.metrics_port} only")
+    parts.append("docs on" if settings.docs else "docs off")
+    return "; ".join(parts)
+
+
+# ------------------------------------------------------------------ restricted routes
+
+
+def api_of_path(path: str) -> str | None:
+    """The restrictable API a request path belongs to, or None (inference, health, metadata: never restricted).
+    /v2 paths by shape: a last segment `stats` is the statistics extension, `config` the model configuration."""
+    if path.startswith("/v2/"):
+        segments = [s for s in path.split("/") if s]
+        if len(segments) >= 3 and segments[1] == "models":
+            if segments[-1] == "stats":
+                return "statistics"
+            if segments[-1] == "config" and len(segments) >= 4:
+                return "model-config"
+        return None
+    if path == "/metrics" or path == "/metrics/":
+        return "metrics"
+    if path == "/model" or path == "/model/":
+        return "model"
+    if path in _DOCS_PATHS:
+        return "docs"
+    return None
+
+
+class Restrictions:
+    """FUSEDSERVE_RESTRICTED_API's rules: each API's header name and the sha256 of its value."""
+
+    def __init__(self, rules: dict[str, tuple[str, bytes]]):
+        self.rules = rules
+
+    def __bool__(self) -> bool:
+        return bool(self.rules)
+
+    def header_for(self, api: str | None) -> str | None:
+        rule = self.rules.get(api) if api is not None else None
+        return rule[0] if rule else None
+
+    def allows(self, api: str | None, value: bytes | str | None) -> bool:
+        """Whether a request to `api` with its header's `value` (None: absent) may pass."""
+        rule = self.rules.get(api) if api is not None else None
+        if rule is None:
+            return True
+        if value is None:
+            return False
+        if isinstance(value, str):
+            value = value.encode("latin-1", "replace")
+        return hmac.compare_digest(hashlib.sha256(value.strip()).digest(), rule[1])
+
+    def refusal(self, api: str) -> str:
+        return f"{api} is restricted: send the {self.rules[api][0]} header with its value"
+
+
+def grpc_interceptor(restrictions: Restrictions):
+    """A grpc.aio server interceptor that refuses the restricted RPCs (GRPC_APIS) without their metadata, with
+    PERMISSION_DENIED; None where no gRPC API is restricted (no interceptor, no cost per RPC)."""
+    if not any(api in restrictions.rules for api in GRPC_APIS.values()):
+        return None
+    import grpc
+
+    class Restricted(grpc.aio.ServerInterceptor):
+        async def intercept_service(self, continuation, details):
+            api = GRPC_APIS.get(details.method)
+            header = restrictions.header_for(api)
+            if header is None:
+                return await continuation(details)
+            value = next((v for k, v in details.invocation_metadata or () if k == header), None)
+            if restrictions.allows(api, value):
+                return await continuation(details)
+            message = restrictions.refusal(api)
+
+            async def deny(request, context):
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+
+            return grpc.unary_unary_rpc_method_handler(deny)
+
+    return Restricted()
+
+
+# ------------------------------------------------------------------ TLS
+
+
+def check_tls(settings: Settings) -> ssl.SSLContext | None:
+    """The server's TLS context, built from the files as the front ends will (None without TLS): every file read
+    now, so that one unreadable or not PEM stops the start with a SecurityFileError naming it, before any process
+    starts."""
+    if not settings.tls:
+        return None
+    files = {"TLS_CERT": settings.tls_cert, "TLS_KEY": settings.tls_key, "TLS_CLIENT_CA": settings.tls_client_ca}
+    for name, path in files.items():
+        if path is None:
+            continue
+        try:
+            Path(path).read_bytes()
+        except OSError as e:
+            raise SecurityFileError(f"{ENV_PREFIX}{name}={path}: cannot read it: {e.strerror or e}") from None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
+    except (ssl.SSLError, ValueError) as e:
+        raise SecurityFileError(
+            f"{ENV_PREFIX}TLS_CERT={settings.tls_cert} with {ENV_PREFIX}TLS_KEY={settings.tls_key}: not a PEM "
+            f"certificate and its private key ({e})"
+        ) from None
+    if settings.tls_client_ca is not None:
+        try:
+            ctx.load_verify_locations(settings.tls_client_ca)
+        except (ssl.SSLError, ValueError) as e:
+            raise SecurityFileError(
+                f"{ENV_PREFIX}TLS_CLIENT_CA={settings.tls_client_ca}: not PEM certificates ({e})"
+            ) from None
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def grpc_credentials(settings: Settings):
+    """grpc.ssl_server_credentials for the gRPC port (client certificates required with TLS_CLIENT_CA)."""
+    import grpc
+
+    ca = Path(settings.tls_client_ca).read_bytes() if settings.tls_client_ca is not None else None
+    pair = (Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes())
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def uvicorn_tls(settings: Settings) -> dict:
+    """uvicorn.Config's ssl_* arguments (empty without TLS). uvicorn wraps the sockets it is given with them too
+    (Server.startup passes config.ssl to loop.create_server for each socket)."""
+    if not settings.tls:
+        return {}
+    out = {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)}
+    if settings.tls_client_ca is not None:
+        out |= {"ssl_ca_certs": str(settings.tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return out
