@@ -417,8 +417,8 @@ def _wire(steps: list[Step], input_name: str) -> list[Wiring]:
 def channels_last_outputs(steps: list[Step]) -> list[bool]:
     """Per step: whether the fused executor has it write channels_last (NHWC). A conv (groups 1) or pool step whose
     output only image steps read (convs, pools, adds, concats) does: the next conv then gathers each pixel's
-    channels as one contiguous run, 2x faster than NCHW at 256 images of 64 -> 64 channels at 32x32 on an H100
-    (bench/results/h100/probe_conv_h100.txt). Every other step keeps NCHW, so the model reads NCHW rows and its
+    channels as one contiguous run, 2x faster than NCHW at 256 images of 64 -> 64 channels at 32x32
+    (docs/performance.md). Every other step keeps NCHW, so the model reads NCHW rows and its
     flatten (a view) sees torch's feature order; the first conv reads NCHW and writes NHWC in the same kernel."""
     image_steps = (Conv2dStep, Pool2dStep, AddStep, ConcatStep)
     if not steps or not steps[0].inputs:  # no graph fields (made in a test): a chain

@@ -1,8 +1,8 @@
 """One CUDA graph per batch bucket: a forward is one replay instead of one Python launch per kernel.
 
-Measured on an H200 before this (bench/results/h200/launch_overhead_float32_h200.txt): a Triton launch
-from Python costs 40-65 us, while the digits MLP's GPU work is a few us, so the fused path was
-launch-bound. A graph replays every kernel of the forward for ~2-3 us of host time.
+A Triton launch from Python costs 40-65 us, while the digits MLP's GPU work is a few us, so a forward
+launched step by step is launch-bound; a graph replays every kernel of the forward for ~2-3 us of host time
+(docs/performance.md).
 
 Batches are padded up to the bucket (powers of two up to max_batch_size, and max_batch_size itself):
 rows of an MLP are independent, and so are the images of a CNN (conv and pool never mix them), so pad
@@ -17,8 +17,7 @@ to the GPU, each waited on in turn. Those copies move whole buckets (at most twi
 
 With `timed` (host_io only), each bucket also gets a second graph whose steps are bracketed by CUDA event-record
 nodes (StepTimer with external events): a batch whose kernels are timed replays it instead, for about the host
-cost of any other batch, where launching its steps from Python cost 112-775 us (bench/results/
-probe_engine_forward_h100.txt).
+cost of any other batch, where launching its steps from Python cost 112-775 us (docs/performance.md).
 """
 
 from __future__ import annotations
