@@ -100,6 +100,7 @@ KINDS = {
     "gpu": rf"^(?:{_ENV}bash bench/gpu_session\.sh.*|{FUSEDSERVE} bench (?:kernels|serve|pool|soak)"
     r"(?! --device cpu).*)$",
     "probe": r"^\.venv/bin/python -m bench\.probes\.\w+(?: --out \S+)?$",
+    "gpu-suite": r"^bash tests/gpu_suite\.sh (?:PART|kernels-a|kernels-b|service|two-gpu|all|record \S+.*)$",
     "report": r"^\.venv/bin/python -m bench\.kernels\.report \S+$",
     "docker": r"^docker compose (?:--profile \w+ )?up --build$",
     "git": r"^git show [0-9a-f]{7,40}:\S+$",
@@ -367,6 +368,17 @@ def test_gpu_commands_name_what_exists():
             with pytest.raises(SystemExit) as e:
                 main([*words[words.index(FUSEDSERVE) + 1 :], "--help"])
             assert e.value.code == 0, cmd
+
+
+def test_gpu_suite_commands_name_its_parts():
+    """tests/gpu_suite.sh parses, and every part a doc names is one it runs (PART: each of them)."""
+    script = (REPO / "tests" / "gpu_suite.sh").read_text()
+    assert _run(["bash", "-n", "tests/gpu_suite.sh"], REPO).returncode == 0
+    for cmd in _commands("gpu-suite"):
+        part = shlex.split(cmd)[2]
+        parts = ["kernels-a", "kernels-b", "service", "two-gpu"] if part == "PART" else [part]
+        for name in parts:
+            assert f"{name})" in script or f"{name} " in script, f"{cmd}: gpu_suite.sh has no part {name}"
 
 
 def test_probe_commands_name_importable_probes():
