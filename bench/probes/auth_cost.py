@@ -40,7 +40,8 @@ class _Server:
         # The caller's FUSEDSERVE_* settings (FUSEDSERVE_TUNING_CACHE, ...) pass, but for the ones this probe decides.
         mine = ("FUSEDSERVE_API_KEY", "FUSEDSERVE_API_KEYS_FILE", "FUSEDSERVE_PORT", "FUSEDSERVE_HOST")
         full = {k: v for k, v in os.environ.items() if k not in mine}
-        full |= {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), "FUSEDSERVE_PORT": str(self.port)}
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the GPU host's wheels too
+        full |= {"PYTHONUNBUFFERED": "1", "PYTHONPATH": path, "FUSEDSERVE_PORT": str(self.port)}
         full |= {"FUSEDSERVE_HOST": "127.0.0.1", **env}
         self._log = log.open("wb")
         self.proc = subprocess.Popen(

@@ -59,7 +59,7 @@ class Service:
     """`python -m service.cli serve` on a free loopback port, its output in a log file, its process group stopped."""
 
     def __init__(self, name: str, args: argparse.Namespace, log_dir: Path, extra: list[str], env: dict | None = None):
-        from .local_server import free_port
+        from ..local_server import free_port
 
         self.name = name
         self.port = free_port()
@@ -77,7 +77,7 @@ class Service:
                                      stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
     def wait_ready(self, timeout_s: float) -> None:
-        from .local_server import get
+        from ..local_server import get
 
         end = time.monotonic() + timeout_s
         while True:
