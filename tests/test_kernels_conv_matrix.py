@@ -26,6 +26,7 @@ import kernels.conv as conv_mod
 from kernels import reference
 from kernels.conv import fused_conv2d
 from kernels.tuning import LaunchConfig
+from tests.test_kernels_conv import _inputs
 from tests.tolerances import RTOL, assert_close_to
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -59,14 +60,8 @@ def flat_k(request, monkeypatch):
 
 
 def _run(case, dtype, bias, channels_last, pool=None, activation="gelu_tanh", device=DEVICE):
-    N, C, H, W, OC, k, s, p, d = case
-    kh, kw = (k, k) if isinstance(k, int) else k
-    # Scaled so outputs are O(1) whatever C * KH * KW is: the activation sees both signs.
-    x = torch.randn(N, C, H, W, device=device).to(dtype)
-    w = (torch.randn(OC, C, kh, kw, device=device) / (C * kh * kw) ** 0.5).to(dtype)
-    b = torch.randn(OC, device=device).to(dtype) if bias else None
-    if channels_last:
-        x = x.to(memory_format=torch.channels_last)
+    _, C, *_, s, p, d = case
+    x, w, b = _inputs(case, dtype, device, bias=bias, channels_last=channels_last)
     want = reference.conv2d(
         x.double(), w.double(), b.double() if b is not None else None, activation, stride=s, padding=p, dilation=d
     )

@@ -53,6 +53,7 @@ import sklearn
 import torch
 from torch import nn
 from train_digits import BATCH, N_EXAMPLES, PIXEL_MAX, accuracy, load_split
+from train_digits_cnn import shift
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -97,12 +98,6 @@ class ResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.blocks(self.stem(x))
         return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
-
-
-def shift(x: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
-    """x (B, 1, 8, 8) moved by (dy, dx) pixels, zeros coming in."""
-    padded = nn.functional.pad(x, (1, 1, 1, 1))
-    return padded[:, :, 1 - dy : 9 - dy, 1 - dx : 9 - dx]
 
 
 def export_onnx(model: nn.Module, path: Path, labels: list[str], description: str) -> None:
