@@ -143,21 +143,15 @@ class RequestMetrics:
             )
         return child
 
-    def _request_child(self, protocol: str, mode: str):
-        child = self._request.get((protocol, mode))
+    def _seconds_child(self, metric, children: dict, protocol: str, mode: str):
+        """`metric`'s child for (protocol, mode), kept in `children`: request_seconds's or failed_seconds's."""
+        child = children.get((protocol, mode))
         if child is None:
-            child = self._request[protocol, mode] = self.request_seconds.labels(
-                model=self._model, mode=mode, protocol=protocol
-            )
+            child = children[protocol, mode] = metric.labels(model=self._model, mode=mode, protocol=protocol)
         return child
 
-    def _failed_child(self, protocol: str, mode: str):
-        child = self._failed.get((protocol, mode))
-        if child is None:
-            child = self._failed[protocol, mode] = self.failed_seconds.labels(
-                model=self._model, mode=mode, protocol=protocol
-            )
-        return child
+    def _request_child(self, protocol: str, mode: str):
+        return self._seconds_child(self.request_seconds, self._request, protocol, mode)
 
     def observe_request(
         self, outcome: str, seconds: float | None = None, protocol: str = "predict", mode: str | None = None
@@ -172,7 +166,7 @@ class RequestMetrics:
                 child = self._request.get((protocol, mode))
                 (child or self._request_child(protocol, mode)).observe(seconds)
             else:
-                self._failed_child(protocol, mode).inc(seconds)
+                self._seconds_child(self.failed_seconds, self._failed, protocol, mode).inc(seconds)
 
     def render(self) -> bytes:
         return render(self.registry)
