@@ -873,3 +873,37 @@ def test_every_graph_cell_and_only_those_get_a_hot_time(monkeypatch):
     plain_only = run(Prepared(lambda: torch.ones(2, 2), plain_only=True))  # ours-eager
     assert set(plain_only) == {"plain"} and "hot_us" not in plain_only["plain"]
     assert len(hot_calls) == 2
+
+
+def test_resnets_are_imported_from_onnx_and_their_anchors_run_the_torch_module(tmp_path, monkeypatch):
+    """ResNet-18 on 3x32x32 images (the same layers as at 224x224, smaller maps; bench/resnets.py): the ONNX
+    file imported as a user's, its dims and flops, and every anchor (the module NCHW, channels_last, with BN
+    folded) and ours-eager (the fused Executor, interpreted) against the module in float64."""
+    from bench import resnets
+    from bench.kernels.models import ModelProviders, NotAvailable, bytes_and_flops, load_with_module, model_dims
+    from bench.kernels.timing import normwise_error
+    from kernels.runtime import interpreting
+
+    monkeypatch.setattr(resnets, "IMAGE", (3, 32, 32))
+    model, module = load_with_module("resnet18", tmp_path, 0)
+    dims = model_dims(model)
+    # the stem conv halves 32 to 16, its max pool to 8; stages of 64, 128, 256, 512 channels at 8, 4, 2, 1
+    assert dims[:3] == [[3, 32, 32], [64, 16, 16], [64, 8, 8]] and dims[-3:] == [[512, 1, 1], [512, 1, 1], 1000]
+    assert len(dims) == 1 + 20 + 2 + 1  # input, 20 convs (17 + 3 shortcuts), 2 pools, the linear head
+    convs = [t for k, t in model.tensors.items() if t.dim() == 4]
+    macs = sum(t.numel() * s * s for t, s in zip(convs, [16] + [8] * 4 + [4] * 5 + [2] * 5 + [1] * 5, strict=True))
+    assert bytes_and_flops(model, 2, "float16")[1] == 2 * 2 * (macs + 512 * 1000)
+    cpu = torch.device("cpu")
+    providers = ModelProviders(model, cpu, torch.float32, max_batch_size=2, module=module)
+    x = torch.randn((2, *model.input_shape), generator=torch.Generator().manual_seed(3))
+    ref = providers.reference(x)
+    assert ref.dtype == torch.float64 and ref.shape == (2, 1000) and ref.std() > 0.05
+    names = ("eager", "eager-cl", "eager-folded") + (("ours-eager",) if interpreting() else ())
+    for name in names:
+        err, finite = normwise_error(providers.prepare(name, x).fn(), ref)
+        assert finite and err < 1e-5, (name, err)
+    with pytest.raises(NotAvailable):
+        providers.prepare("linear", x)
+    plain = ModelProviders(load_with_module("digits", tmp_path, 0)[0], cpu, torch.float32, max_batch_size=2)
+    with pytest.raises(NotAvailable):
+        plain.prepare("eager-folded", torch.randn(2, 64))

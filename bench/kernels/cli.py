@@ -34,15 +34,22 @@ SHAPES = ((64, 256, 128), (128, 256, 256), (1024, 1024, 1024), (1, 4096, 4096), 
 BATCHES = (1, 8, 32, 256, 4096)
 # Mirrors of providers.LAYER_PROVIDERS / models.MODEL_PROVIDERS / MODELS (those import torch).
 LAYER_PROVIDERS = ("eager", "linear", "cublaslt", "compile", "compile-max", "ours")
-MODEL_PROVIDERS = ("eager", "linear", "compile", "compile-max", "ours-unfused-graph", "ours-eager", "ours")
-MODELS = ("digits", "wide", "digits-cnn", "wide-cnn")
+MODEL_PROVIDERS = (
+    "eager", "eager-cl", "eager-folded", "linear", "compile", "compile-max", "ours-unfused-graph", "ours-eager", "ours",
+)  # fmt: skip
+MODELS = ("digits", "wide", "digits-cnn", "wide-cnn", "mlp-768", "mlp-1000", "resnet18", "resnet50")
+# Run when --models is not given (the ResNets and the odd-width MLPs by name: a ResNet-50 case costs minutes).
+DEFAULT_MODELS = ("digits", "wide", "digits-cnn", "wide-cnn")
 CONV_PROVIDERS = ("cudnn", "cudnn-fused", "compile", "ours")  # mirror of convs.CONV_PROVIDERS
 # Issue 19 judges the digits MLP in fp16 and bf16: by default it runs in both, the other models in fp16.
-EXTRA_MODEL_DTYPES = {"digits": ("bfloat16",)}
+# Issue 34 judges the ResNets in fp16 and bf16 too.
+EXTRA_MODEL_DTYPES = {"digits": ("bfloat16",), "resnet18": ("bfloat16",), "resnet50": ("bfloat16",)}
 CONV_BATCHES = (1, 32, 256)  # the wider CNN's conv layers alone (bench/probes/conv.py's batches)
 # The wider CNN's whole forward carries no target (its convs do, in the convs section) and costs the most
 # per case (at 4096: 560 GFLOP, ~1-5 ms a call, a float64 reference of GBs): by default the convs' batches.
-MODEL_BATCHES = {"wide-cnn": CONV_BATCHES}
+# The ResNets at issue 34's batches (224x224 images: batch 256 is 77 MB of fp16 input, 1 TFLOP for ResNet-50).
+RESNET_BATCHES = (1, 8, 32, 128, 256)
+MODEL_BATCHES = {"wide-cnn": CONV_BATCHES, "resnet18": RESNET_BATCHES, "resnet50": RESNET_BATCHES}
 N_CONV_LAYERS = 4  # len(convs.wide_cnn_convs())
 QUICK_SHAPE = (64, 256, 128)
 TIMING = (10, 50, 0.02)  # do_bench warmup ms, rep ms; seconds per wall-time run
@@ -136,12 +143,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"keep only these of {', '.join(all_providers)} [all; --quick: no compile-max]",
     )
     p.add_argument(
-        "--models", type=_names(MODELS, "model"), help="digits,wide,digits-cnn,wide-cnn [all; --quick: digits]"
+        "--models",
+        type=_names(MODELS, "model"),
+        help=f"{','.join(MODELS)} [{','.join(DEFAULT_MODELS)}; --quick: digits]",
     )
     p.add_argument(
         "--batches",
         type=_batches,
-        help="model batch sizes, every model [1,8,32,256,4096, the wider CNN 1,32,256; --quick: 1,32]",
+        help="model batch sizes, every model [1,8,32,256,4096, the wider CNN 1,32,256, the ResNets 1,8,32,128,256; "
+        "--quick: 1,32]",
     )
     p.add_argument("--conv-batches", type=_batches, help="batch sizes of the convs section [1,32,256; --quick: 1]")
     p.add_argument(
@@ -182,7 +192,7 @@ def resolve(args: argparse.Namespace) -> Plan:
         if cpu:
             drop |= {"compile", "compile-max"}  # inductor on the CPU builds C++ (minutes); ask for it by name
         providers = tuple(p for p in dict.fromkeys(LAYER_PROVIDERS + MODEL_PROVIDERS + CONV_PROVIDERS) if p not in drop)
-    models = args.models or (("digits",) if quick else MODELS)
+    models = args.models or (("digits",) if quick else DEFAULT_MODELS)
     if args.model_dtypes:
         model_dtypes = tuple(dict.fromkeys(d for group in args.model_dtypes for d in group))
         pairs = [(m, d) for m in models for d in model_dtypes]

@@ -14,11 +14,22 @@ provider runs them.
     ours-eager          Executor(model, "fused").forward: one launch per step from Python, no graph
     ours-unfused-graph  Executor(model, "unfused") under GraphedExecutor: the service's A/B baseline
 
+The ResNets (bench/resnets.py) come as torch modules, and their anchors are the module as a user runs it:
+
+    eager               the module, NCHW (cuDNN convs, BatchNorm and the residual adds as kernels of their own)
+    eager-cl            the module and its input in channels_last (NHWC: cuDNN's fastest tensor-core layout)
+    eager-folded        channels_last with every BatchNorm folded into its conv by hand (fuse_conv_bn_eval)
+    compile             torch.compile of eager-folded, default mode, dynamic=False, per batch size
+    compile-max         the same, mode="max-autotune-no-cudagraphs"
+
+and `linear` does not apply. Ours imports the module's ONNX file, as a user's file is served.
+
 Every provider except ours-* also runs under a CUDA graph captured here (timing.measure).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from pathlib import Path
@@ -29,15 +40,17 @@ from torch import nn
 
 from kernels import reference
 from kernels.activations import torch_activation
-from kernels.conv import conv_output_size
 from service.model.loader import Model, load_model
 from service.model.planner import ActivationStep, Conv2dStep, FlattenStep, LinearStep, Pool2dStep, plan
 
 from .providers import COMPILE_MODES, NotAvailable, compiled
 from .timing import ELEMENT_BYTES, Prepared, describe, synchronize
 
-MODEL_PROVIDERS = ("eager", "linear", "compile", "compile-max", "ours-unfused-graph", "ours-eager", "ours")
-MODELS = ("digits", "wide", "digits-cnn", "wide-cnn")
+MODEL_PROVIDERS = (
+    "eager", "eager-cl", "eager-folded", "linear", "compile", "compile-max", "ours-unfused-graph", "ours-eager", "ours",
+)  # fmt: skip
+MODULE_ONLY = ("eager-cl", "eager-folded")  # anchors of the models built as torch modules (the ResNets)
+MODELS = ("digits", "wide", "digits-cnn", "wide-cnn", "mlp-768", "mlp-1000", "resnet18", "resnet50")
 WEIGHTS = Path(__file__).resolve().parents[2] / "model_weights"
 DIGITS_DIR = WEIGHTS / "digits-mlp"
 # conv16 (1 -> 16, 8x8) - conv16 (16 -> 16) - maxpool 2 - fc64 - fc10, ReLU; 3 kernels fused (the pool rides
@@ -46,6 +59,9 @@ DIGITS_CNN_DIR = WEIGHTS / "digits-cnn"
 # The wide MLP's dims; ReLU after each hidden layer, none after the last (as digits-mlp: logits out).
 # At batch 1 it reads 50 MB of fp16 weights: 11.8 us at 4.25 TB/s.
 WIDE_DIMS = (1024, 4096, 4096, 1024)
+# MLPs whose widths are not multiples of 64 (issue 34): a transformer's feed-forward block (768 -> 3072 -> 768,
+# exact GELU between) and a classifier head (1000 -> 2000 -> 500 -> 10, ReLU after each hidden layer).
+ODD_MLPS = {"mlp-768": ((768, 3072, 768), nn.GELU), "mlp-1000": ((1000, 2000, 500, 10), nn.ReLU)}
 # The wider CNN: 3x32x32 in; (out channels, max pool 2 after) per 3x3 conv (padding 1, ReLU); then
 # 128 * 4 * 4 = 2048 -> 256 (ReLU) -> 10. Its convs are bench/probes/conv.py's WIDER layers (64 at 32x32 to
 # 64, 64 at 16x16 to 128, 128 at 8x8 to 128) behind a 3 -> 64 stem: 137 MFLOP per image (55% in the 64 -> 64
@@ -58,7 +74,24 @@ WIDE_CNN_HIDDEN = 256
 
 def load_named(name: str, tmpdir: Path, seed: int) -> Model:
     """The shipped models ("digits", "digits-cnn"), or a random one written to tmpdir first ("wide",
-    "wide-cnn"): each loaded by the service's loader, so every executor runs it as the service would."""
+    "wide-cnn", the odd-width MLPs, the ResNets): each loaded by the service's loader, so every executor runs it
+    as the service would."""
+    return load_with_module(name, tmpdir, seed)[0]
+
+
+def load_with_module(name: str, tmpdir: Path, seed: int) -> tuple[Model, nn.Module | None]:
+    """load_named's model, and for the ResNets the torch module (eval mode, float32, CPU) its ONNX file came from."""
+    if name in ("resnet18", "resnet50"):
+        from bench import resnets
+
+        path, module = resnets.write(name, Path(tmpdir) / name, seed)
+        return load_model(path.parent), module
+    return _load_named(name, tmpdir, seed), None
+
+
+def _load_named(name: str, tmpdir: Path, seed: int) -> Model:
+    if name in ODD_MLPS:
+        return build_mlp(tmpdir, seed, name, *ODD_MLPS[name])
     if name == "digits":
         return load_model(DIGITS_DIR)
     if name == "digits-cnn":
@@ -72,22 +105,29 @@ def load_named(name: str, tmpdir: Path, seed: int) -> Model:
 
 def build_wide(tmpdir: Path, seed: int) -> Model:
     """A random 1024-4096-4096-1024 ReLU MLP, exported to the model format and loaded like any other."""
+    return build_mlp(tmpdir, seed, "wide-mlp", WIDE_DIMS, nn.ReLU)
+
+
+def build_mlp(tmpdir: Path, seed: int, name: str, dims: tuple[int, ...], act: type[nn.Module]) -> Model:
+    """A random MLP of these widths, `act` after each hidden layer (none after the last: logits out), exported
+    to the model format and loaded like any other."""
     from service.model.export import export_sequential
 
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
-    for i, (k, n) in enumerate(zip(WIDE_DIMS[:-1], WIDE_DIMS[1:], strict=True)):
+    for i, (k, n) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
         lin = nn.Linear(k, n)
         # He init (std sqrt(2/K)) keeps ReLU activations O(1) from layer to layer; nn.Linear's default
         # (std 1/sqrt(3K)) would shrink them ~2.4x per layer.
         nn.init.normal_(lin.weight, std=math.sqrt(2.0 / k))
         nn.init.normal_(lin.bias, std=0.1)
         layers.append(lin)
-        if i < len(WIDE_DIMS) - 2:
-            layers.append(nn.ReLU())
+        if i < len(dims) - 2:
+            layers.append(act())
+    widths = "-".join(map(str, dims))
     out = export_sequential(
-        nn.Sequential(*layers), Path(tmpdir) / "wide-mlp", input_shape=[WIDE_DIMS[0]], name="wide-mlp",
-        description="random 1024-4096-4096-1024 ReLU MLP for `fusedserve bench kernels`",
+        nn.Sequential(*layers), Path(tmpdir) / name, input_shape=[dims[0]], name=name,
+        description=f"random {widths} {act.__name__} MLP for `fusedserve bench kernels`",
     )  # fmt: skip
     return load_model(out)
 
@@ -119,34 +159,10 @@ def build_wide_cnn(tmpdir: Path, seed: int) -> Model:
 
 
 def _walk(model: Model) -> list[tuple[object, tuple[int, ...], tuple[int, ...]]]:
-    """(step, input shape, output shape) per layer step of the per-layer plan, one image (no batch dim)."""
-    shape: tuple[int, ...] = tuple(model.input_shape)
-    out = []
-    for s in _per_layer(plan(model.ops)):
-        if isinstance(s, FlattenStep):
-            new = (math.prod(shape),)
-        elif isinstance(s, LinearStep):
-            new = (model.tensors[s.weight].shape[0],)
-        elif isinstance(s, Conv2dStep):
-            oc, _, kh, kw = model.tensors[s.weight].shape
-            size = conv_output_size
-            new = (oc, *(size(shape[1 + i], (kh, kw)[i], s.stride[i], s.padding[i], s.dilation[i]) for i in (0, 1)))
-        elif isinstance(s, Pool2dStep):
-            new = (shape[0], *(_pooled(shape[1 + i], s, i) for i in (0, 1)))
-        else:
-            new = shape
-        out.append((s, shape, new))
-        shape = new
-    return out
-
-
-def _pooled(size: int, s: Pool2dStep, i: int) -> int:
-    k, st, p = s.kernel_size[i], s.stride[i], s.padding[i]
-    span = size + 2 * p - k
-    n = (-(-span // st) if s.ceil_mode else span // st) + 1
-    if s.ceil_mode and (n - 1) * st >= size + p:  # torch: the last window must start inside the input
-        n -= 1
-    return n
+    """(step, input shape, output shape) per layer step of the per-layer plan, one image (no batch dim), from the
+    loader's shape of every tensor of the graph (a ResNet's shortcut conv reads its block's input, not the
+    step before it)."""
+    return [(s, tuple(model.shapes[s.inputs[0]]), tuple(model.shapes[s.output])) for s in _per_layer(plan(model.ops))]
 
 
 def model_dims(model: Model) -> list:
@@ -246,11 +262,20 @@ def reference_forward(steps: list[tuple], x: torch.Tensor) -> torch.Tensor:
 class ModelProviders:
     """One model's providers on one device and dtype. Executors and graphed executors are built once,
     at first use, and shared by every batch size (ours and ours-eager share one fused Executor, so its
-    kernels are tuned once)."""
+    kernels are tuned once). With `module` (the ResNets) the anchors run that torch module."""
 
-    def __init__(self, model: Model, device: torch.device, dtype: torch.dtype, max_batch_size: int):
+    def __init__(
+        self,
+        model: Model,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_batch_size: int,
+        module: nn.Module | None = None,
+    ):
         self.model, self.device, self.dtype, self.max_batch_size = model, device, dtype, max_batch_size
-        self.steps = bound_steps(model, device, dtype)
+        self.module = module
+        self.steps = None if module is not None else bound_steps(model, device, dtype)
+        self._modules: dict[str, nn.Module] = {}  # "eager" (NCHW), "cl", "folded": the module as each anchor runs it
         self._executors: dict[str, object] = {}
         self._graphed: dict[str, object] = {}  # mode -> GraphedExecutor, or the NotAvailable/exception it raised
 
@@ -283,7 +308,42 @@ class ModelProviders:
             raise NotAvailable(f"service.model.graphs: {describe(e)}") from None
         return GraphedExecutor(self._executor(mode), max_batch_size=self.max_batch_size)
 
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """float64 forward from the same dtype-cast input and weights."""
+        if self.module is None:
+            return reference_forward(self.steps, x)
+        with torch.no_grad():
+            return copy.deepcopy(self.module).to(self.device, self.dtype).double()(x.double())
+
+    def _module_as(self, kind: str) -> nn.Module:
+        """The module in this dtype on this device: "eager" as it is (NCHW), "cl" in channels_last, "folded" in
+        channels_last with each BatchNorm folded into its conv (torch.fx's conv-BN fusion, as a user would)."""
+        if kind not in self._modules:
+            m = copy.deepcopy(self.module).eval()
+            if kind == "folded":
+                from torch.fx.experimental.optimization import fuse
+
+                m = fuse(m)
+            m = m.to(self.device, self.dtype)
+            self._modules[kind] = m if kind == "eager" else m.to(memory_format=torch.channels_last)
+        return self._modules[kind]
+
+    def _prepare_module(self, name: str, x: torch.Tensor) -> Prepared:
+        if name == "linear":
+            raise NotAvailable("a torch module's anchors are eager, eager-cl, eager-folded and torch.compile")
+        kind = {"eager": "eager", "eager-cl": "cl"}.get(name, "folded")
+        m = self._module_as(kind)
+        if kind != "eager":  # the input converted once, outside the timing, as a channels_last pipeline has it
+            x = x.contiguous(memory_format=torch.channels_last)
+        if name in COMPILE_MODES:
+            return compiled(torch.no_grad()(m), name, (x,), self.device)
+        return Prepared(torch.no_grad()(lambda: m(x)))
+
     def prepare(self, name: str, x: torch.Tensor) -> Prepared:
+        if self.module is not None and name not in ("ours", "ours-unfused-graph", "ours-eager"):
+            return self._prepare_module(name, x)
+        if name in MODULE_ONLY:
+            raise NotAvailable("only for the models built as torch modules (the ResNets)")
         if name == "eager":
             return Prepared(lambda: forward(self.steps, x, "eager"))
         if name == "linear":

@@ -5,7 +5,8 @@ time is printed. Shared by the report (report.py), the targets (targets.py) and 
 
 from __future__ import annotations
 
-ANCHORS = ("eager", "linear", "compile", "compile-max")  # what a user could run instead of ours
+# What a user could run instead of ours (eager-cl and eager-folded: the ResNets' torch modules, bench/kernels/models.py)
+ANCHORS = ("eager", "eager-cl", "eager-folded", "linear", "compile", "compile-max")
 CUDNN = ("cudnn", "cudnn-fused")  # the conv rows' yardstick: the faster of cuDNN's two ways
 
 

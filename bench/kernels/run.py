@@ -198,7 +198,7 @@ def _layers(ctx: _Ctx, out: list) -> None:
 
 def _models(ctx: _Ctx, out: list) -> None:
     # Imported here: the models need the service's loader (pydantic, safetensors), the layers only torch.
-    from .models import ModelProviders, load_named
+    from .models import ModelProviders, load_with_module
 
     plan, device = ctx.plan, ctx.device
     total = sum(len(b) for _, _, b in plan.model_runs)
@@ -206,8 +206,8 @@ def _models(ctx: _Ctx, out: list) -> None:
     with tempfile.TemporaryDirectory(prefix="fusedserve-bench-") as tmp:
         for name, dtype, batches in plan.model_runs:
             try:
-                model = load_named(name, Path(tmp), plan.seed)
-                providers = ModelProviders(model, device, DTYPES[dtype], max(batches))
+                model, module = load_with_module(name, Path(tmp), plan.seed)
+                providers = ModelProviders(model, device, DTYPES[dtype], max(batches), module)
             except Exception as e:  # every batch of this model reports it; the other models still run
                 model, providers, failure = None, None, describe(e)
             for batch in batches:
@@ -263,7 +263,7 @@ def _convs(ctx: _Ctx, out: list) -> None:
 
 
 def _model_case(ctx: _Ctx, providers: ModelProviders, batch: int, dtype: str, seed: int, cases_after: int) -> dict:
-    from .models import bytes_and_flops, model_dims, reference_forward
+    from .models import bytes_and_flops, model_dims
 
     plan, device = ctx.plan, ctx.device
     model = providers.model
@@ -278,7 +278,7 @@ def _model_case(ctx: _Ctx, providers: ModelProviders, batch: int, dtype: str, se
         return case
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn((batch, *model.input_shape), device=device, generator=gen).to(DTYPES[dtype])
-    ref = reference_forward(providers.steps, x)
+    ref = providers.reference(x)
     prepare = functools.partial(providers.prepare, x=x)
     _run_case(ctx, case, plan.model_providers, prepare, ref, cases_after)
     return case
