@@ -153,7 +153,7 @@ def image_targets(results: dict) -> list[dict]:
         out.append({"target": target, "measured": measured, "met": met})
 
     label = (f"{model['name']}, {images}-image binary requests at 64 connections: fused >= {IMAGE_SPEEDUP}x unfused "
-             f"images/s at {n} workers, nothing lost")  # fmt: skip
+             f"images/s at {n} worker{'s' if n > 1 else ''}, nothing lost")  # fmt: skip
     pair = next(
         ((f, u) for f, u in fused_unfused_pairs(results) if f[0]["workers"] == n and f[0]["connections"] == 64
          and f[0]["rows"] == images and f[0]["protocol"] == "v2_binary"), None,
@@ -168,8 +168,8 @@ def image_targets(results: dict) -> list[dict]:
         add(label, text, x >= IMAGE_SPEEDUP and clean)
     else:
         add(label, "not measured (needs fused and unfused at N workers, 64 connections, binary)", None)
-    label = (f"{images}-image UINT8 binary requests reach the engines at >= {IMAGE_RATE:,} images/s (fused, {n} "
-             "workers), the clients not the limit")  # fmt: skip
+    label = (f"{images}-image UINT8 binary requests reach the engines at >= {IMAGE_RATE:,} images/s (fused@{n}), "
+             "the clients not the limit")  # fmt: skip
     b = best([r for r in closed(results, f"fused@{n}", images, protocol="v2_binary") if r["ok"]], "rows_per_s")
     if b is None:
         add(label, "no clean phase", None)
@@ -520,7 +520,7 @@ def plot(results: dict, path: Path) -> Path | None:
         return None
     phases = [r for r in results["phases"] if r["kind"] == "closed" and r.get("protocol", "predict") == "predict"]
     if not phases:
-        return None
+        return plot_v2(results, path, plt)
     systems = list(dict.fromkeys(r["system"] for r in phases))
     colors = {"empty": "tab:gray", "eager": "tab:orange", "fused": "tab:red", "unfused": "tab:blue"}
     fig, axes = plt.subplots(2, 2, figsize=(12, 9))
@@ -580,6 +580,53 @@ def plot(results: dict, path: Path) -> Path | None:
     fig.suptitle(
         f"fusedserve bench serve: {m['gpu'] or 'CPU'}, {m['cores']} cores, N={m['workers']}, {m['dtype']}", fontsize=11
     )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_v2(results: dict, path: Path, plt) -> Path | None:
+    """An image model's run (no /predict phase): per system and protocol against connections, images (rows) a
+    second, p50 and p99, how busy the GPU was, and the clients' cores used."""
+    phases = [r for r in results["phases"] if r["kind"] == "closed"]
+    if not phases:
+        return None
+    unit = "images" if image_model(results) else "rows"
+    colors = {"fused": "tab:red", "unfused": "tab:blue", "empty_grpc": "tab:gray"}
+    series = list(dict.fromkeys((r["system"], r["protocol"]) for r in phases))
+    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+    panels = (
+        (axes[0][0], lambda r: r["rows_per_s"], f"{unit}/s"),
+        (axes[0][1], lambda r: r["latency_ms"]["p50"], "latency ms: p50 (solid), p99 (dotted)"),
+        (axes[1][0], lambda r: (r.get("gpu_util") or {}).get("mean"), "GPU busy % (nvidia-smi)"),
+        (axes[1][1], lambda r: (r.get("client_cpu") or {}).get("cores_used"), "client cores used"),
+    )
+    for ax, value, label in panels:
+        for system, protocol in series:
+            mine = [r for r in phases if r["system"] == system and r["protocol"] == protocol]
+            pts = sorted((r["connections"], value(r)) for r in mine if value(r) is not None)
+            color = colors.get(system.split("@")[0], "k")
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", color=color, label=f"{system} {protocol}")
+            if ax is axes[0][1]:
+                p99 = sorted((r["connections"], r["latency_ms"]["p99"]) for r in mine if r["latency_ms"]["p99"])
+                if p99:
+                    ax.plot(*zip(*p99, strict=True), marker="x", linestyle=":", color=color)
+        ax.set_xscale("log", base=2)
+        if ax is axes[0][1] and ax.lines:
+            ax.set_yscale("log")
+        ax.set_xlabel("connections (closed loop)")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not measured (n/a)", ha="center", transform=ax.transAxes)
+    m = results["meta"]
+    model = (m.get("model") or {}).get("name", "digits-mlp")
+    fig.suptitle(f"fusedserve bench serve: {model}, {m['v2_rows']} {unit} a request ({m.get('input_dtype', 'FP32')}), "
+                 f"{m['gpu'] or 'CPU'}, {m['cores']} cores, N={m['workers']}", fontsize=11)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
