@@ -5,14 +5,17 @@ real perf_analyzer runs (the GPU host: its wheel needs glibc 2.38), a real run a
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 from bench.serve import perf_analyzer as pa
 
-from .server import free_port, running_servers
+from .server import REPO, free_port, running_servers
 
 # `perf_analyzer ... -i http -b 1 --concurrency-range 1:4:3 ... -f` against fusedserve unfused on a loaded CPU host.
 CSV = """\
@@ -200,3 +203,139 @@ def test_real_perf_analyzer_against_the_service(tmp_path):
     for r in results["runs"]:
         assert r["server"]["failed"] == 0 and r["server"]["requests"] > 0, r
         assert r["status"] in ("ok", "unstable"), r  # unstable: perf_analyzer's own verdict on a busy host
+
+
+# ------------------------------------------------------------------------------------ unstable levels, bench serve
+
+# A stand-in perf_analyzer that answers --version, sends its requests to the real server (binary v2, zero-filled, as
+# the real one does with --input-data zero) and reports them as perf_analyzer does: -f CSV and the summary on stdout.
+# A level of concurrency 4 is "unstable" in windows under 4000 requests (4x bench serve's 1000), so the runner's
+# retry is what measures it.
+FAKE_SERVING = """\
+#!{python}
+import json, sys, urllib.request
+args = sys.argv[1:]
+if args == ["--version"]:
+    print("Perf Analyzer Version 9.9.9 (fake)")
+    sys.exit(0)
+flag = lambda name: args[args.index(name) + 1]
+model, url, rows, conc = flag("-m"), flag("-u"), int(flag("-b")), int(flag("--concurrency-range"))
+count = int(flag("--measurement-request-count"))
+with open({log!r}, "a") as f:
+    f.write(json.dumps(args) + "\\n")
+if conc == 4 and count < 4000:
+    print("Request concurrency: 4")
+    print("Failed to obtain stable measurement within 10 measurement windows for concurrency 4. Please try to "
+          "increase the --measurement-request-count.")
+    sys.exit(1)
+meta = json.load(urllib.request.urlopen(f"http://{{url}}/v2/models/{{model}}"))
+shape = [rows, *meta["inputs"][0]["shape"][1:]]
+size = 4
+for d in shape:
+    size *= d
+head = json.dumps({{"inputs": [{{"name": "input", "datatype": "FP32", "shape": shape,
+                                  "parameters": {{"binary_data_size": size}}}}]}}).encode()
+sent = 3
+for _ in range(sent):
+    req = urllib.request.Request(f"http://{{url}}/v2/models/{{model}}/infer", data=head + bytes(size),
+                                 headers={{"Inference-Header-Content-Length": str(len(head))}})
+    assert urllib.request.urlopen(req).status == 200
+csv = f"Concurrency,Inferences/Second,p50 latency,p99 latency\\n{{conc}},{{sent * rows}},800,900\\n"
+open(flag("-f"), "w").write(csv)
+print(f"Request concurrency: {{conc}}\\n  Client: \\n    Request count: {{sent}}\\n  Server: \\n"
+      f"    Inference count: {{sent * rows}}\\n    Successful request count: {{sent}}\\n")
+"""
+
+
+def _fake_serving(folder, log) -> str:
+    folder.mkdir(exist_ok=True)
+    path = folder / "perf_analyzer"
+    path.write_text(FAKE_SERVING.format(python=sys.executable, log=str(log)))
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_an_unstable_level_is_measured_again_in_longer_windows(tmp_path, monkeypatch):
+    reads = iter(range(100))
+
+    def stats(http, model=pa.MODEL):
+        n = next(reads) * 3
+        return _stat(n, 0, n, n)
+
+    monkeypatch.setattr(pa, "server_stats", stats)
+    monkeypatch.setattr(pa, "server_config", lambda http, model=pa.MODEL: {"max_batch_size": 8})
+    calls = []
+
+    def run_one(binary, http, url, protocol, rows, conc, work, model, count, timeout_s, extra, tag=""):
+        calls.append((conc, count, extra, tag))
+        unstable = conc == 4 and (count < 200 or "-r" not in extra)
+        return {"protocol": protocol, "rows": rows, "concurrency": conc, "command": f"pa {count}", "seconds": 1.0,
+                "window": {}, "csv": None if unstable else {"req_per_s": 1.0},
+                "server": {"requests": 3, "failed": 0, "rows": 3, "batches": 3},
+                "status": "unstable" if unstable else "ok", "problems": []}  # fmt: skip
+
+    monkeypatch.setattr(pa, "run_one", run_one)
+    results = pa.run("h:1", None, tmp_path, _fake(tmp_path), rows=(1,), concurrency=(1, 4), request_count=100)
+    assert calls == [(1, 100, (), ""), (4, 100, (), ""), (4, 400, ("-r", "20"), "_retry")]
+    one, four = results["runs"]
+    assert "attempts" not in one and four["status"] == "ok" and four["attempts"][0]["status"] == "unstable"
+    assert "again in 400-request windows" in four["retry"]
+    assert any("retried in longer windows" in line for line in pa.markdown(results))
+    # No time for a 4x retry: reported unstable, and why.
+    calls.clear()
+    late = pa.retry_unstable({**four, "status": "unstable", "seconds": 10.0}, "pa", "h:1", "h:1", tmp_path,
+                             pa.MODEL, 100, time.monotonic() + 5.0, ())  # fmt: skip
+    assert late["status"] == "unstable" and "not retried" in late["retry"] and calls == []
+
+
+def test_candidates_prefer_one_that_runs(tmp_path, monkeypatch):
+    """A venv's perf_analyzer whose binary does not run here (glibc) yields to a working one on the PATH."""
+    broken = tmp_path / "venv" / "perf_analyzer"
+    broken.parent.mkdir()
+    broken.write_text("#!/bin/sh\nexit 1\n")
+    broken.chmod(0o755)
+    working = _fake(tmp_path)
+    monkeypatch.setattr(pa, "candidates", lambda: [str(broken), working])
+    assert pa.find() == working
+    monkeypatch.setattr(pa, "candidates", lambda: [str(broken)])
+    assert pa.find() == str(broken)  # none runs: the first, so the report says it does not run
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("how", ["path", "flag"])
+def test_bench_serve_runs_perf_analyzer_phases(tmp_path, how):
+    """`bench serve` with a (stand-in) perf_analyzer found on the PATH, or given with --perf-analyzer: it runs against
+    the server the run started (unfused@1 in this smoke run: fused@N where the run has it), once per level, the level
+    that did not settle again in longer windows, and its rows go into serve_cpu.md beside the server's counts, which
+    agree with what the stand-in sent."""
+    log = tmp_path / "pa_calls.jsonl"
+    binary = _fake_serving(tmp_path / "bin", log)
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+    argv = [sys.executable, "-m", "bench.serve", "--quick", "--device", "cpu", "--out", str(tmp_path / "out"),
+            "--systems", "unfused@1", "--v2", "binary", "--v2-rows", "4", "--connections", "1,4", "--no-open",
+            "--duration", "0.3", "--warmup", "0.1", "--time-budget", "120"]  # fmt: skip
+    if how == "flag":
+        argv += ["--perf-analyzer", binary]
+        env["PATH"] = os.environ.get("PATH", "")
+    else:
+        # The venv's own perf_analyzer (beside this Python) needs glibc 2.38: skipped for the one that runs.
+        assert pa.find() != binary
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=140)
+    out = proc.stdout + proc.stderr
+    results = json.loads((tmp_path / "out" / "serve_cpu.json").read_text())
+    got = results["perf_analyzer"]
+    assert got["version"] == "Perf Analyzer Version 9.9.9 (fake)" and got["system"] == "unfused@1", out
+    levels = [(r["protocol"], r["rows"], r["concurrency"], r["status"]) for r in got["runs"]]
+    assert levels == [("http", b, c, "ok") for b in (1, 4) for c in (1, 4)], out
+    for r in got["runs"]:
+        assert r["server"]["requests"] == 3 == r["window"]["client_requests"] and r["server"]["failed"] == 0, r
+        assert r["server"]["rows"] == 3 * r["rows"] and r["problems"] == [], r
+        assert ("attempts" in r) == (r["concurrency"] == 4)
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 6 and all(c[c.index("-m") + 1] == "digits-mlp" for c in calls)
+    assert sum("-r" in c for c in calls) == 2  # the retries of the two levels at concurrency 4
+    md = (tmp_path / "out" / "serve_cpu.md").read_text()
+    assert "## perf_analyzer" in md and "(unfused@1, `bench serve`'s)" in md
+    assert "| http | 4 | 4 | 3 | 12 |" in md and "| 3 / 3 | 3, 0, 4.0 |" in md and "retried in longer windows" in md
+    assert got["problems"] == [] and not [p for p in results["problems"] if "perf_analyzer" in p], results["problems"]

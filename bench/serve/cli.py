@@ -20,6 +20,19 @@ requests sent = answers by status + connection errors, no connection error, no u
 server's counters agree; a SIGTERM in the middle of a fused phase must leave every request on an open
 connection answered. The run exits 1 if any phase lost anything.
 
+An image model (`--model digits-cnn`, or the path of any model directory or .onnx file whose input is C x H x W):
+fused and unfused at N workers through binary REST (`--v2 binary`), `--images` images a request (32) in
+`--input-dtype` (FP32; FP16; UINT8 where the model declares uint8 input), closed loop at each --connections
+(16,64,256), the pair taking turns; the JSON /predict, open-loop and comparison-app phases, which know only the
+digits MLP's rows, are skipped and listed. Each phase reports images/s, MB/s of request bytes, p50/p99, how busy
+the GPU was (nvidia-smi sampled every 100 ms over the window; n/a without one) and the client processes' CPU
+(cores used of those given; a phase whose clients were above 85% of theirs is flagged client-bound).
+
+perf_analyzer (NVIDIA's, unmodified) runs against fused@N when its binary runs here (--perf-analyzer PATH, else
+beside this Python, in its wheel or on the PATH; `none` skips it): HTTP and gRPC as --v2 has them, batch 1 and
+--v2-rows/--images, concurrency --connections; its rows, with the server's statistics against its own counts, go
+into the same report (bench/serve/perf_analyzer.py).
+
 Writes serve_<gpu>.md (tables, targets), .json (every number) and .png under --out (bench/results/<gpu>);
 prints a summary last.
 """
@@ -35,6 +48,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from . import model as served
 from .plan import SYSTEMS, Plan, System
 
 # The gRPC ceiling before fusedserve, so that a run short of time keeps it with fused@N's gRPC phases; dropped from
@@ -42,6 +56,11 @@ from .plan import SYSTEMS, Plan, System
 DEFAULT_SYSTEMS = "empty@1,empty@N,empty_grpc@1,empty_grpc@N,fused@1,fused@N,unfused@1,unfused@N,eager@N,eager@1"
 QUICK_SYSTEMS = "empty@1,empty_grpc@1,unfused@1"
 DEFAULT_OPEN = "empty@N,fused@N,unfused@N"
+IMAGE_SYSTEMS = "fused@N,unfused@N"  # the comparison apps know only the digits MLP
+QUICK_IMAGE_SYSTEMS = "fused@1,unfused@1"
+IMAGE_CONNECTIONS = (16, 64, 256)
+IMAGES = 32  # a request's images: issue 34's case (32-image binary requests at 64 connections)
+DATATYPES = ("FP32", "FP16", "UINT8")
 
 
 def host_cores() -> int:
@@ -111,6 +130,29 @@ def parse_systems(text: str, workers: int) -> tuple[System, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, help="output directory [bench/results/<gpu>, e.g. bench/results/h100]")
+    p.add_argument(
+        "--model",
+        help="what fusedserve serves: a name under model_weights/ (digits-mlp, digits-cnn, digits-resnet) or the "
+        "path of a model directory or .onnx file; an image model (input C x H x W) runs the image phases [digits-mlp]",
+    )
+    p.add_argument(
+        "--images",
+        type=int,
+        help=f"images per request of an image model's v2 phases (the same as --v2-rows for it) [{IMAGES}]",
+    )
+    p.add_argument(
+        "--input-dtype",
+        type=str.upper,
+        choices=DATATYPES,
+        default="FP32",
+        help="datatype of the v2 tensors sent: FP32, FP16, or UINT8 (only a model whose config.json declares "
+        "uint8 input) [FP32]",
+    )
+    p.add_argument(
+        "--perf-analyzer",
+        metavar="PATH",
+        help="perf_analyzer's binary, or none to skip its phases [beside this Python, in its wheel, else on the PATH]",
+    )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (default) or cpu (smoke runs)")
     p.add_argument(
         "--dtype", choices=("float16", "bfloat16", "float32"), help="fusedserve and eager dtype [float16; cpu: float32]"
@@ -118,11 +160,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--systems",
         help=f"NAME@W list, NAME in {','.join(SYSTEMS)}, W a count or N; a bare NAME runs at 1 and N "
-        f"[{DEFAULT_SYSTEMS}; --quick: {QUICK_SYSTEMS}]",
+        f"[{DEFAULT_SYSTEMS}; --quick: {QUICK_SYSTEMS}; an image model: {IMAGE_SYSTEMS}, --quick: "
+        f"{QUICK_IMAGE_SYSTEMS}]",
     )
     p.add_argument("--workers", type=int, help="N: worker processes of the N-worker systems [min(8, cores-2)]")
-    p.add_argument("--connections", type=_ints, help="closed-loop connection counts [1,4,64,256; --quick: 1,4]")
-    p.add_argument("--rows", type=_ints, help="rows per request [1,64; --quick: 1]")
+    p.add_argument(
+        "--connections",
+        type=_ints,
+        help="closed-loop connection counts [1,4,64,256; an image model: 16,64,256; --quick: 1,4]",
+    )
+    p.add_argument("--rows", type=_ints, help="rows per JSON /predict request [1,64; --quick: 1; an image model: none]")
     p.add_argument("--duration", type=float, help="seconds measured per phase [2.5; --quick: 0.5]")
     p.add_argument("--warmup", type=float, help="seconds of load before each phase, not measured [0.75; --quick: 0.2]")
     p.add_argument(
@@ -170,11 +217,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--v2",
         type=_protocols,
-        default="binary,grpc",
         help="Open Inference Protocol phases of fusedserve: binary REST and/or gRPC, or none; without grpc the "
-        "default systems leave out empty_grpc [binary,grpc]",
+        "default systems leave out empty_grpc [binary,grpc; an image model: binary]",
     )
-    p.add_argument("--v2-rows", type=int, default=256, help="rows per request of the v2 phases (gRPC: and 1) [256]")
+    p.add_argument(
+        "--v2-rows", type=int, help=f"rows per request of the v2 phases (gRPC: and 1) [256; an image model: {IMAGES}]"
+    )
     p.add_argument(
         "--rounds",
         type=int,
@@ -186,21 +234,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the request bodies [0]")
 
 
+def resolve_model(args: argparse.Namespace) -> tuple[served.ModelInfo, int, tuple[str, ...]]:
+    """(the model, rows per v2 request, the v2 protocols), or SystemExit saying what does not fit."""
+    try:
+        model = served.resolve(args.model)
+        model.check_datatype(args.input_dtype)
+    except served.ModelError as e:
+        raise SystemExit(f"fusedserve bench serve: {e}") from None
+    if not model.image and args.images:
+        raise SystemExit(f"fusedserve bench serve: --images: {model.name} takes rows of {model.input_shape}, not "
+                         "images; --v2-rows sets its rows per request")  # fmt: skip
+    if args.images and args.v2_rows and args.images != args.v2_rows:
+        raise SystemExit("fusedserve bench serve: --images and --v2-rows differ; give one")
+    v2_rows = args.images or args.v2_rows or (IMAGES if model.image else 256)
+    v2 = args.v2 if args.v2 is not None else (_protocols("binary") if model.image else _protocols("binary,grpc"))
+    if model.image and not v2:
+        raise SystemExit("fusedserve bench serve: an image model runs only the v2 phases: give --v2 binary or grpc")
+    return model, v2_rows, v2
+
+
 def resolve(args: argparse.Namespace) -> Plan:
     cores = host_cores()
     quick = args.quick
     workers = args.workers or default_workers(cores)
+    model, v2_rows, v2 = resolve_model(args)
+    if model.image:
+        default_systems, default_open = (QUICK_IMAGE_SYSTEMS if quick else IMAGE_SYSTEMS), ""
+    else:
+        default_systems = QUICK_SYSTEMS if quick else DEFAULT_SYSTEMS
+        default_open = QUICK_SYSTEMS if quick else DEFAULT_OPEN
     try:
-        systems = parse_systems(args.systems or (QUICK_SYSTEMS if quick else DEFAULT_SYSTEMS), workers)
-        open_text = args.open_systems or (QUICK_SYSTEMS if quick else DEFAULT_OPEN)
-        open_systems = parse_systems(open_text, workers) if args.open_loop else ()
+        systems = parse_systems(args.systems or default_systems, workers)
+        open_text = args.open_systems or default_open
+        open_systems = parse_systems(open_text, workers) if args.open_loop and open_text else ()
     except argparse.ArgumentTypeError as e:
         raise SystemExit(f"fusedserve bench serve: {e}") from None
-    if "v2_grpc" not in args.v2:
+    if "v2_grpc" not in v2:
         if args.systems and any(s.grpc_only for s in systems):
             raise SystemExit("fusedserve bench serve: empty_grpc runs only gRPC phases: give --v2 with grpc")
         systems = tuple(s for s in systems if not s.grpc_only)
-    open_systems = tuple(s for s in open_systems if s in systems and not s.grpc_only)
+    open_systems = tuple(s for s in open_systems if s in systems and not s.grpc_only and not model.image)
     rates = args.rates
     if quick and rates is None:
         rates = (40.0,)
@@ -210,8 +283,8 @@ def resolve(args: argparse.Namespace) -> Plan:
         dtype=args.dtype or ("float32" if args.device == "cpu" else "float16"),
         systems=systems,
         workers=workers,
-        connections=args.connections or ((1, 4) if quick else (1, 4, 64, 256)),
-        rows=args.rows or ((1,) if quick else (1, 64)),
+        connections=args.connections or ((1, 4) if quick else IMAGE_CONNECTIONS if model.image else (1, 4, 64, 256)),
+        rows=() if model.image else args.rows or ((1,) if quick else (1, 64)),
         duration_s=args.duration if args.duration is not None else (0.5 if quick else 2.5),
         warmup_s=args.warmup if args.warmup is not None else (0.2 if quick else 0.75),
         rates=rates,
@@ -224,12 +297,15 @@ def resolve(args: argparse.Namespace) -> Plan:
         drain_timeout_s=args.drain_timeout,
         ready_timeout_s=args.ready_timeout,
         tuning_cache=args.tuning_cache,
-        v2=args.v2,
-        v2_rows=args.v2_rows,
+        v2=v2,
+        v2_rows=v2_rows,
         rounds=max(1, args.rounds),
         quick=quick,
         seed=args.seed,
         out=args.out,
+        model=model,
+        input_dtype=args.input_dtype,
+        perf_analyzer="" if (args.perf_analyzer or "").lower() == "none" else args.perf_analyzer,
     )
 
 

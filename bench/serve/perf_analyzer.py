@@ -6,7 +6,8 @@ counts agreeing with the client's.
 
 needs a fusedserve serving the model on both ports (`fusedserve serve --grpc-port 8001`) and perf_analyzer on the
 PATH (or beside this Python); its wheel's binary needs glibc 2.38 or newer, so it runs on the GPU host, not in CI.
-`bench serve` runs the same against its fused@N server when the binary runs (bench/serve_run.py).
+`bench serve` runs the same against its fused@N server when the binary runs (bench/serve/run.py), with the model it
+serves (an image model: batch 1 and its --images).
 
 For each protocol (http, grpc), rows per request (1, 256) and concurrency (1, 4, 64, 256: bench serve's connection
 counts, so the rows compare with its own), one run:
@@ -22,9 +23,10 @@ One run per concurrency: a --concurrency-range's steps are linear, bench serve's
 Each run gives perf_analyzer's CSV row (throughput, client-side latency percentiles, and its split of the server's
 time from the statistics: queue, compute input, compute infer, compute output, and the rest as network+server
 send/recv), the client's and the server's request counts over its last windows (its stdout), and the server's
-statistics over the whole run. A run fails its checks when the server failed any request, when the server's rows are
-not its requests times the rows per request, or when the window counts differ by more than the requests in flight
-(the concurrency) or 1%.
+statistics over the whole run. A level perf_analyzer reports unstable is run once more with 4x the requests a
+window and -r 20 before it is reported unstable. A run fails its checks when the server failed any request, when the
+server's rows are not its requests times the rows per request, or when the window counts differ by more than the
+requests in flight (the concurrency) or 1%.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ CONCURRENCY = (1, 4, 64, 256)
 REQUEST_COUNT = 1000  # per measurement window (perf_analyzer's windows last at least 1 s in count_windows mode)
 RUN_TIMEOUT_S = 120.0
 UNSTABLE = "Failed to obtain stable measurement"
+# A level perf_analyzer could not measure stably is measured once more over windows this many times longer and with
+# twice its trials (-r 20), before the report calls it unstable: a GPU run's gRPC batch-256 level at 64 in flight
+# did not settle in 1000-request windows.
+RETRY_WINDOW = 4
+RETRY_ARGS = ("-r", "20")
 # perf_analyzer's CSV columns (-f, without --verbose-csv) -> this report's keys; times in microseconds.
 COLUMNS = {
     "Concurrency": "concurrency",
@@ -66,19 +73,24 @@ COLUMNS = {
 }
 
 
-def find() -> str | None:
-    """perf_analyzer beside the running interpreter (a venv used without activating it), else the binary inside the
+def candidates() -> list[str]:
+    """perf_analyzer beside the running interpreter (a venv used without activating it), the binary inside the
     perf_analyzer wheel's package where Python imports it from (its console script is a wrapper that exits 0
-    whatever the binary did), else on the PATH."""
-    beside = Path(sys.executable).with_name(BINARY)
-    candidates = [beside]
+    whatever the binary did), and the one on the PATH: those that exist, in that order."""
+    paths = [Path(sys.executable).with_name(BINARY)]
     spec = importlib.util.find_spec(BINARY)
     if spec is not None and spec.origin:
-        candidates.append(Path(spec.origin).parent / "bin" / BINARY)
-    for path in candidates:
-        if path.is_file() and os.access(path, os.X_OK):
-            return str(path)
-    return shutil.which(BINARY)
+        paths.append(Path(spec.origin).parent / "bin" / BINARY)
+    found = [str(p) for p in paths if p.is_file() and os.access(p, os.X_OK)]
+    on_path = shutil.which(BINARY)
+    return list(dict.fromkeys([*found, *([on_path] if on_path else [])]))
+
+
+def find() -> str | None:
+    """The first of candidates() that runs here (a venv's wheel whose binary needs a newer glibc does not, while one
+    on the PATH may), else the first that exists (so the report says which did not run), else None."""
+    found = candidates()
+    return next((b for b in found if version(b)), found[0] if found else None)
 
 
 def version(binary: str) -> str | None:
@@ -209,10 +221,11 @@ def check(run: dict) -> list[str]:
 def run_one(
     binary: str, http: str, url: str, protocol: str, rows: int, concurrency: int, work: Path,
     model: str = MODEL, request_count: int = REQUEST_COUNT, timeout_s: float = RUN_TIMEOUT_S,
-    extra: tuple[str, ...] = (),
+    extra: tuple[str, ...] = (), tag: str = "",
 ) -> dict:  # fmt: skip
-    """One perf_analyzer run with the server's statistics read before and after it."""
-    name = f"pa_{protocol}_b{rows}_c{concurrency}"
+    """One perf_analyzer run with the server's statistics read before and after it (its CSV and log named by the
+    level, and `tag`)."""
+    name = f"pa_{protocol}_b{rows}_c{concurrency}{tag}"
     csv_path = work / f"{name}.csv"
     argv = command(binary, url, protocol, rows, concurrency, csv_path, model, request_count, extra)
     out = {"protocol": protocol, "rows": rows, "concurrency": concurrency, "command": shlex.join(argv)}
@@ -277,11 +290,35 @@ def run(http: str, grpc: str | None, work: Path, binary: str | None = None, mode
                 else:
                     timeout_s = RUN_TIMEOUT_S if end is None else min(RUN_TIMEOUT_S, end - time.monotonic())
                     r = run_one(binary, http, url, protocol, b, c, work, model, request_count, timeout_s, extra)
+                    if r["status"] == "unstable":
+                        r = retry_unstable(r, binary, http, url, work, model, request_count, end, extra)
                     results["runs"].append(r)
                     results["problems"] += [f"perf_analyzer {what}: {p}" for p in r["problems"]]
                     per_run = sum(x["seconds"] for x in results["runs"]) / len(results["runs"])
                     print(describe(r), flush=True)
     return results
+
+
+def retry_unstable(
+    first: dict, binary: str, http: str, url: str, work: Path, model: str, request_count: int,
+    end: float | None, extra: tuple[str, ...],
+) -> dict:  # fmt: skip
+    """The level again with RETRY_WINDOW times the requests a window and RETRY_ARGS, when the time budget holds it
+    (the first try's seconds times RETRY_WINDOW); the retry's result, with the first try's kept under "attempts"."""
+    need = first["seconds"] * RETRY_WINDOW
+    protocol, rows, conc = first["protocol"], first["rows"], first["concurrency"]
+    if end is not None and time.monotonic() + need > end:
+        first["retry"] = f"not retried: the time budget does not hold {RETRY_WINDOW}x longer windows"
+        return first
+    timeout_s = RUN_TIMEOUT_S * RETRY_WINDOW
+    if end is not None:
+        timeout_s = min(timeout_s, end - time.monotonic())
+    count = request_count * RETRY_WINDOW
+    again = run_one(binary, http, url, protocol, rows, conc, work, model, count, timeout_s, (*extra, *RETRY_ARGS),
+                    tag="_retry")  # fmt: skip
+    again["attempts"] = [{k: first[k] for k in ("status", "command", "seconds", "window", "csv", "server")}]
+    again["retry"] = f"unstable in {request_count}-request windows; again in {count}-request windows, -r 20"
+    return again
 
 
 def _f(v, fmt: str = ".0f") -> str:
@@ -304,28 +341,32 @@ def markdown(results: dict | None) -> list[str]:
     if not results["runs"]:
         return lines + [f"Not run: {'; '.join(results['skipped']) or 'nothing planned'}."]
     lines += [
-        f"{results['version']}, against the server's HTTP and gRPC ports, closed loop (`--async`, the concurrency in "
+        f"{results['version']}, against the server's HTTP and gRPC ports"
+        + (f" ({results['system']}, `bench serve`'s)" if results.get("system") else "")
+        + ", closed loop (`--async`, the concurrency in "
         "flight), `count_windows` of at least 1 s; zero-filled FP32 inputs. Latency is perf_analyzer's, client-side; "
         "queue and compute are the server's means per request from Triton's statistics over the run's last "
         "windows, as perf_analyzer reports them (compute: input + infer + output). Requests, client / server: its "
-        "last windows' counts. Server over the run: the statistics' difference across the whole run "
-        "(failures, rows per batch).",
+        "last windows' counts (perf_analyzer's, and the server's statistics over the same windows). Server over the "
+        "run: the statistics' difference across the whole run, read by this benchmark (requests answered, "
+        "failures, rows per batch).",
         "",
         "| protocol | rows | conc | req/s | rows/s | p50 ms | p99 ms | queue µs | compute µs | network+server µs | "
-        "requests, client / server | server: failed, rows/batch | status |",
+        "requests, client / server | server over the run: requests, failed, rows/batch | status |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results["runs"]:
         c, s, w = r.get("csv") or {}, r["server"], r["window"]
         compute = [c.get(k) for k in ("server_compute_input_us", "server_compute_infer_us", "server_compute_output_us")]
         per_batch = s["rows"] / s["batches"] if s["batches"] else None
-        status = r["status"] + ("" if not r["problems"] else ": " + "; ".join(r["problems"]))
+        status = r["status"] + (" (retried in longer windows)" if r.get("attempts") else "")
+        status += "" if not r["problems"] else ": " + "; ".join(r["problems"])
         lines.append(
             f"| {r['protocol']} | {r['rows']} | {r['concurrency']} | {_f(c.get('req_per_s'))} | "
             f"{_f(c.get('infer_per_s'))} | {_f(_ms(c.get('p50_us')), '.2f')} | {_f(_ms(c.get('p99_us')), '.2f')} | "
             f"{_f(c.get('server_queue_us'))} | {_f(None if None in compute else sum(compute))} | "
             f"{_f(c.get('network_us'))} | {w.get('client_requests', '-')} / {w.get('server_requests', '-')} | "
-            f"{s['failed']}, {_f(per_batch, '.1f')} | {status} |"
+            f"{s['requests']}, {s['failed']}, {_f(per_batch, '.1f')} | {status} |"
         )
     if results["skipped"]:
         lines += ["", *[f"- skipped: {s}" for s in results["skipped"]]]

@@ -3,8 +3,10 @@ builds and run.py executes (both import this module; neither imports the other b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from .model import ModelInfo, resolve
 
 SYSTEMS = ("empty", "empty_grpc", "eager", "fused", "unfused")
 FUSEDSERVE = ("fused", "unfused")
@@ -27,6 +29,12 @@ class System:
     @property
     def grpc_only(self) -> bool:
         return self.name in GRPC_ONLY
+
+    def cannot_serve(self, model: ModelInfo) -> str | None:
+        """Why this system cannot serve `model` (None: it can): the comparison apps answer for the digits MLP only."""
+        if self.fusedserve or model.shipped_mlp:
+            return None
+        return f"{self.name} answers only for the digits MLP's 64-value rows, not {model.name}'s {model.input_shape}"
 
 
 @dataclass(frozen=True)
@@ -57,3 +65,6 @@ class Plan:
     quick: bool
     seed: int
     out: Path | None  # None: bench/results/<gpu>
+    model: ModelInfo = field(default_factory=lambda: resolve(None))  # what fusedserve serves (the digits MLP)
+    input_dtype: str = "FP32"  # the v2 tensors' datatype: FP32, FP16, or UINT8 (a model that declares uint8 input)
+    perf_analyzer: str | None = None  # its binary; None: the first that runs of perf_analyzer.candidates(); "": none

@@ -12,10 +12,13 @@ import sys
 from pathlib import Path
 
 from . import perf_analyzer
+from .gpu_busy import text as gpu_text
 
 CDF_POINTS = (*range(0, 100), 99.5, 99.9, 99.99, 100)  # percentiles of each phase's latency CDF
 
 UNFUSED_NOISE = 0.02  # fused counts as "at least as fast" within 2% (run-to-run noise when both hit the HTTP ceiling)
+IMAGE_SPEEDUP = 1.25  # issue 34: fused at least 1.25x unfused images/s, 32-image binary requests at 64 connections
+IMAGE_RATE = 25_000  # issue 34: 32-image UINT8 224x224 binary requests reach the engines at 25,000 images/s or more
 
 
 def _f(v, fmt: str = ".2f", dash: str = "-") -> str:
@@ -42,8 +45,17 @@ def best(phases: list[dict], key: str = "req_per_s") -> dict | None:
 # ------------------------------------------------------------------------------------------- targets
 
 
+def image_model(results: dict) -> dict | None:
+    """The run's model where it is an image model (meta's "model"), else None (the digits MLP, or an older run)."""
+    model = results["meta"].get("model")
+    return model if model and model.get("image") else None
+
+
 def targets(results: dict) -> list[dict]:
-    """Issue 18's targets, each {"target", "measured", "met": True | False | None (not measured)}."""
+    """Issue 18's targets (issue 34's for an image model), each {"target", "measured", "met": True | False | None
+    (not measured)}."""
+    if image_model(results):
+        return image_targets(results)
     n = results["meta"]["workers"]
     out = []
 
@@ -122,6 +134,67 @@ def targets(results: dict) -> list[dict]:
     add("nothing lost in any phase, a SIGTERM in the middle of one included", text,
         (False if bad else (True if sig else None)) if phases else None)  # fmt: skip
     return out
+
+
+def _client_note(r: dict) -> str:
+    cpu = r.get("client_cpu") or {}
+    return "; CLIENT-BOUND: the clients may be the limit" if cpu.get("bound") else ""
+
+
+def image_targets(results: dict) -> list[dict]:
+    """Issue 34's end-to-end targets for an image model: fused >= 1.25x unfused images/s with N-image binary requests
+    at 64 connections (N: --images), and images/s into the engines in UINT8 with the clients shown not to be the
+    limit; nothing lost anywhere."""
+    m = results["meta"]
+    n, images, model, dtype = m["workers"], m["v2_rows"], image_model(results), m.get("input_dtype", "FP32")
+    out = []
+
+    def add(target: str, measured: str, met: bool | None) -> None:
+        out.append({"target": target, "measured": measured, "met": met})
+
+    label = (f"{model['name']}, {images}-image binary requests at 64 connections: fused >= {IMAGE_SPEEDUP}x unfused "
+             f"images/s at {n} worker{'s' if n > 1 else ''}, nothing lost")  # fmt: skip
+    pair = next(
+        ((f, u) for f, u in fused_unfused_pairs(results) if f[0]["workers"] == n and f[0]["connections"] == 64
+         and f[0]["rows"] == images and f[0]["protocol"] == "v2_binary"), None,
+    )  # fmt: skip
+    if pair:
+        x, each = pair_ratio(*pair)
+        f, u = pair
+        clean = all(r["ok"] for r in (*f, *u))
+        text = (f"{x:.2f}x: {_n(statistics.median(r['rows_per_s'] for r in f))} against "
+                f"{_n(statistics.median(r['rows_per_s'] for r in u))} images/s ({dtype})"
+                + ("" if clean else "; LOST requests") + _client_note(f[0]) + _client_note(u[0]))  # fmt: skip
+        add(label, text, x >= IMAGE_SPEEDUP and clean)
+    else:
+        add(label, "not measured (needs fused and unfused at N workers, 64 connections, binary)", None)
+    label = (f"{images}-image UINT8 binary requests reach the engines at >= {IMAGE_RATE:,} images/s (fused@{n}), "
+             "the clients not the limit")  # fmt: skip
+    b = best([r for r in closed(results, f"fused@{n}", images, protocol="v2_binary") if r["ok"]], "rows_per_s")
+    if b is None:
+        add(label, "no clean phase", None)
+    else:
+        text = (f"{_n(b['rows_per_s'])} images/s, {_f(b.get('request_mb_per_s'), ',.0f')} MB/s of requests in {dtype} "
+                f"at {b['connections']} connections; clients {_cores(b)}" + _client_note(b))  # fmt: skip
+        bound = (b.get("client_cpu") or {}).get("bound")
+        met = None if dtype != "UINT8" else (b["rows_per_s"] >= IMAGE_RATE and bound is False)
+        add(label, text + ("" if dtype == "UINT8" else " (the target is for UINT8: --input-dtype UINT8)"), met)
+    phases = results["phases"]
+    bad = [r for r in phases if not r["ok"]]
+    sig = [r for r in phases if r["kind"] == "sigterm"]
+    text = f"{len(phases) - len(bad)} of {len(phases)} phases clean"
+    text += ("; SIGTERM phase " + ("clean" if sig[0]["ok"] else "LOST")) if sig else "; no SIGTERM phase"
+    add("nothing lost in any phase, a SIGTERM in the middle of one included", text,
+        (False if bad else (True if sig else None)) if phases else None)  # fmt: skip
+    return out
+
+
+def _cores(r: dict) -> str:
+    """The clients' CPU over a phase, as a cell: '1.23 of 4 cores', or '-' (an older run)."""
+    cpu = r.get("client_cpu") or {}
+    if cpu.get("cores_used") is None:
+        return "-"
+    return f"{cpu['cores_used']:.2f} of {cpu['cores_given']}" + (" **client-bound**" if cpu.get("bound") else "")
 
 
 def v2_targets(results: dict, fused_n: str, add) -> None:
@@ -248,10 +321,27 @@ def _closed_row(r: dict, name: str) -> str:
     )
 
 
+def _v2_row(r: dict, name: str) -> str:
+    """_closed_row's columns with MB/s after rows/s, and GPU busy and client cores before lost."""
+    cells = _closed_row(r, name).split(" | ")
+    cells.insert(6, _f(r.get("request_mb_per_s"), ",.1f"))
+    cells[-1:-1] = [gpu_text(r.get("gpu_util")), _cores(r)]
+    return " | ".join(cells)
+
+
 def markdown(results: dict) -> str:
     m = results["meta"]
     v = m["versions"]
     gpu = m["gpu"] or "none (CPU run)"
+    image = image_model(results)
+    model_name = (m.get("model") or {}).get("name", "digits-mlp")
+    shape = " x ".join(map(str, (m.get("model") or {}).get("input_shape", [64])))
+    dtype = m.get("input_dtype", "FP32")
+    bodies = (
+        f"{m['v2_rows']} images of {shape} a request ({dtype}), seeded random values, 8 or 16 different bodies"
+        if image
+        else 'Bodies: 16 different `{"inputs": [[64 pixel values 0..16], ...]}`'
+    )
     lines = [
         f"# fusedserve bench serve: {gpu}",
         "",
@@ -265,8 +355,8 @@ def markdown(results: dict) -> str:
         f"Every system ran as a real server on loopback; N = {m['workers']} workers; fusedserve and the eager app in "
         f"{m['dtype']}. Load: {m['clients']} client processes ({m['client']} client, {m['client_loop']}), closed loop "
         f"(each connection sends when its last request was answered) for {m['duration_s']:g} s after "
-        f'{m["warmup_s"]:g} s of warm-up on the same connections. Bodies: 16 different `{{"inputs": [[64 pixel '
-        "values 0..16], ...]}`. Throughput counts every answer from the window's start to the last answer; "
+        f"{m['warmup_s']:g} s of warm-up on the same connections. {bodies}. Throughput counts every answer from the "
+        "window's start to the last answer; "
         "latency is client-side, request written to answer read. Server split from /metrics deltas over the "
         "window: mean queue wait per request, mean forward per batch, mean rows per batch. `lost`: requests "
         "sent but not answered, connection errors, unexplained statuses, and disagreements with the server's "
@@ -274,18 +364,30 @@ def markdown(results: dict) -> str:
         "",
         "## Closed loop",
         "",
-        "| system | workers | rows | conns | req/s | rows/s | p50 ms | p90 ms | p99 ms | queue wait ms | "
-        "forward µs/batch | rows/batch | lost |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    lines += [_closed_row(r, r["name"]) for r in by_system(results["phases"], "predict")]
+    predict = by_system(results["phases"], "predict")
+    if predict or not image:
+        lines += [
+            "| system | workers | rows | conns | req/s | rows/s | p50 ms | p90 ms | p99 ms | queue wait ms | "
+            "forward µs/batch | rows/batch | lost |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            *[_closed_row(r, r["name"]) for r in predict],
+        ]
+    else:
+        lines.append(f"No JSON /predict phase: {image['name']} is an image model; its load is the Open Inference "
+                     "Protocol's, below.")  # fmt: skip
     v2 = by_system([r for r in results["phases"] if r.get("protocol", "predict") != "predict"], None)
     if v2:
+        unit = "images" if image else "rows"
         lines += [
             "", "## Open Inference Protocol (closed loop)", "",
-            "`v2_binary`: POST /v2/models/digits-mlp/infer with Triton's binary tensor extension (FP32 rows in, "
-            "binary logits and labels out); `v2_grpc`: ModelInfer over gRPC with raw_input_contents, one HTTP/2 "
-            "connection per client connection.", "",
+            f"`v2_binary`: POST /v2/models/{model_name}/infer with Triton's binary tensor extension ({dtype} "
+            f"{unit} of {shape} in, binary logits and labels out); `v2_grpc`: ModelInfer over gRPC with "
+            "raw_input_contents, one HTTP/2 connection per client connection. MB/s: request bytes (header and "
+            "tensor) answered per second. GPU busy: nvidia-smi's utilization.gpu, sampled every 100 ms over the "
+            "window, mean % (per GPU in brackets; n/a: no GPU). Client cores: the client processes' CPU seconds over "
+            "the window and drain, in cores, of the cores given (one event loop a process); **client-bound** above "
+            "85% of them, where the load, not the server, may be the limit.", "",
             *([
                 "`empty_grpc` (no target): grpcio's asyncio server with fusedserve's gRPC service and server options, "
                 "its worker processes sharing one port as fusedserve's front ends do, and no model "
@@ -293,11 +395,18 @@ def markdown(results: dict) -> str:
                 "so its single-row req/s is the most a grpc.aio server answers on this host: the gRPC counterpart of "
                 "the `empty` route.", "",
             ] if any(r["name"] == "empty_grpc" for r in v2) else []),
-            "| system (protocol) | workers | rows | conns | req/s | rows/s | p50 ms | p90 ms | p99 ms | "
-            "queue wait ms | forward µs/batch | rows/batch | lost |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            f"| system (protocol) | workers | {unit} | conns | req/s | {unit}/s | MB/s | p50 ms | p90 ms | p99 ms | "
+            f"queue wait ms | forward µs/batch | {unit}/batch | GPU busy % | client cores | lost |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]  # fmt: skip
-        lines += [_closed_row(r, f"{r['name']} ({r['protocol']})") for r in v2]
+        lines += [_v2_row(r, f"{r['name']} ({r['protocol']})") for r in v2]
+        bound = [r for r in results["phases"] if (r.get("client_cpu") or {}).get("bound")]
+        if bound:
+            lines += ["", "Client-bound phases (their numbers may be the client's limit, not the server's): "
+                      + "; ".join(_phase_name(r) for r in bound) + "."]  # fmt: skip
+        elif any(r.get("client_cpu", {}).get("busiest") is not None for r in v2):
+            top = max((r["client_cpu"]["busiest"] for r in v2 if r.get("client_cpu", {}).get("busiest")), default=0)
+            lines += ["", f"No phase was client-bound: the busiest client process used {top:.0%} of its core."]
     lines += fused_unfused_table(results)
     opens = [r for r in results["phases"] if r["kind"] == "open"]
     lines += ["", "## Open loop (fixed rate, single-row)", ""]
@@ -328,8 +437,9 @@ def markdown(results: dict) -> str:
     if sig:
         r = sig[0]
         ex = r.get("exit") or {}
+        what = "single-row" if r.get("protocol", "predict") == "predict" else f"{r['rows']}-row {r['protocol']}"
         lines += [
-            f"{r['system']}, single-row, {r['connections']} connections, closed loop; SIGTERM "
+            f"{r['system']}, {what}, {r['connections']} connections, closed loop; SIGTERM "
             f"{_f(r.get('sigterm_after_s'), '.2f')} s into the {r['duration_s']:g} s window. Sent {r['sent']:,}; "
             f"answers by status {r['status']}; connection errors {r['errors'] or 'none'}; new connections refused "
             f"after the SIGTERM (expected, not lost): {r.get('refused_after_sigterm', 0)}. Server exit: status "
@@ -341,7 +451,7 @@ def markdown(results: dict) -> str:
         ]
     else:
         lines.append("No SIGTERM phase ran.")
-    lines += ["", "## Targets (issue 18)", "", "| target | measured | met |", "|---|---|---|"]
+    lines += ["", f"## Targets (issue {34 if image else 18})", "", "| target | measured | met |", "|---|---|---|"]
     for t in results["targets"]:
         met = {True: "met", False: "**not met**", None: "n/a"}[t["met"]]
         lines.append(f"| {t['target']} | {t['measured']} | {met} |")
@@ -388,6 +498,8 @@ def summary(results: dict, paths: list[Path]) -> str:
     for x in t:
         rows.append(f"[{ {True: 'met', False: 'NOT MET', None: 'n/a'}[x['met']]:>7}] {x['target']}: {x['measured']}")
     rows.append("")
+    bound = [_phase_name(r) for r in results["phases"] if (r.get("client_cpu") or {}).get("bound")]
+    rows.append("client-bound: " + ("; ".join(bound) or "no phase"))
     rows.append("skipped: " + (", ".join(f"{s['system']} {s['what']}" for s in results["skipped"]) or "nothing"))
     rows.append("problems: " + ("; ".join(results["problems"]) or "none, nothing lost"))
     rows.append("wrote " + ", ".join(str(p) for p in paths))
@@ -408,7 +520,7 @@ def plot(results: dict, path: Path) -> Path | None:
         return None
     phases = [r for r in results["phases"] if r["kind"] == "closed" and r.get("protocol", "predict") == "predict"]
     if not phases:
-        return None
+        return plot_v2(results, path, plt)
     systems = list(dict.fromkeys(r["system"] for r in phases))
     colors = {"empty": "tab:gray", "eager": "tab:orange", "fused": "tab:red", "unfused": "tab:blue"}
     fig, axes = plt.subplots(2, 2, figsize=(12, 9))
@@ -468,6 +580,53 @@ def plot(results: dict, path: Path) -> Path | None:
     fig.suptitle(
         f"fusedserve bench serve: {m['gpu'] or 'CPU'}, {m['cores']} cores, N={m['workers']}, {m['dtype']}", fontsize=11
     )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_v2(results: dict, path: Path, plt) -> Path | None:
+    """An image model's run (no /predict phase): per system and protocol against connections, images (rows) a
+    second, p50 and p99, how busy the GPU was, and the clients' cores used."""
+    phases = [r for r in results["phases"] if r["kind"] == "closed"]
+    if not phases:
+        return None
+    unit = "images" if image_model(results) else "rows"
+    colors = {"fused": "tab:red", "unfused": "tab:blue", "empty_grpc": "tab:gray"}
+    series = list(dict.fromkeys((r["system"], r["protocol"]) for r in phases))
+    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+    panels = (
+        (axes[0][0], lambda r: r["rows_per_s"], f"{unit}/s"),
+        (axes[0][1], lambda r: r["latency_ms"]["p50"], "latency ms: p50 (solid), p99 (dotted)"),
+        (axes[1][0], lambda r: (r.get("gpu_util") or {}).get("mean"), "GPU busy % (nvidia-smi)"),
+        (axes[1][1], lambda r: (r.get("client_cpu") or {}).get("cores_used"), "client cores used"),
+    )
+    for ax, value, label in panels:
+        for system, protocol in series:
+            mine = [r for r in phases if r["system"] == system and r["protocol"] == protocol]
+            pts = sorted((r["connections"], value(r)) for r in mine if value(r) is not None)
+            color = colors.get(system.split("@")[0], "k")
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", color=color, label=f"{system} {protocol}")
+            if ax is axes[0][1]:
+                p99 = sorted((r["connections"], r["latency_ms"]["p99"]) for r in mine if r["latency_ms"]["p99"])
+                if p99:
+                    ax.plot(*zip(*p99, strict=True), marker="x", linestyle=":", color=color)
+        ax.set_xscale("log", base=2)
+        if ax is axes[0][1] and ax.lines:
+            ax.set_yscale("log")
+        ax.set_xlabel("connections (closed loop)")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not measured (n/a)", ha="center", transform=ax.transAxes)
+    m = results["meta"]
+    model = (m.get("model") or {}).get("name", "digits-mlp")
+    fig.suptitle(f"fusedserve bench serve: {model}, {m['v2_rows']} {unit} a request ({m.get('input_dtype', 'FP32')}), "
+                 f"{m['gpu'] or 'CPU'}, {m['cores']} cores, N={m['workers']}", fontsize=11)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

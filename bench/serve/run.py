@@ -37,6 +37,7 @@ from ..gpu import gpu_name, results_dir, slug_of
 from ..local_server import free_port
 from . import v2
 from .accounting import account, delta, scrape, server_split
+from .gpu_busy import GpuSampler
 from .loadgen import ClientPool, PhaseSpec, make_bodies, percentiles
 from .plan import Plan, System
 from .report import CDF_POINTS
@@ -101,7 +102,7 @@ class Server:
             return [
                 sys.executable, "-m", "service.cli", "serve", *host, "--mode", s.name, "--workers", str(s.workers),
                 "--dtype", p.dtype, "--device", p.device, "--tuning-cache", str(self.tuning_cache),
-                "--log-level", "info", "--grpc-port", str(self.grpc_port),
+                "--log-level", "info", "--grpc-port", str(self.grpc_port), "--model", p.model.path,
             ]  # fmt: skip
         if s.grpc_only:
             return [sys.executable, "-m", f"bench.serve.apps.{s.name}", "--host", "127.0.0.1", "--port",
@@ -240,6 +241,8 @@ class Server:
 def phase_list(system: System, plan: Plan, sigterm_system: System | None) -> list[dict]:
     """The phases of one system, in order, each with a priority: 1 essential (the targets need it: kept while any
     time is left), 2 optional (run when the essential phases still to come fit after it; eager@1's are marked 3)."""
+    if system.cannot_serve(plan.model):
+        return []
     if system.grpc_only:
         return grpc_ceiling_phases(system, plan)
     essential_system = system.name != "eager"
@@ -255,13 +258,19 @@ def phase_list(system: System, plan: Plan, sigterm_system: System | None) -> lis
     if system in plan.open_systems:
         out.append({"kind": "open", "rows": 1, "connections": plan.open_connections, "priority": 2})
     if plan.sigterm and system == sigterm_system:
-        out.append({"kind": "sigterm", "rows": 1, "connections": max(plan.connections), "priority": 1})
+        if plan.model.image:  # its only traffic: the v2 phases' requests
+            out.append({"kind": "sigterm", "protocol": plan.v2[0], "rows": plan.v2_rows,
+                        "connections": max(plan.connections), "priority": 1})  # fmt: skip
+        else:
+            out.append({"kind": "sigterm", "rows": 1, "connections": max(plan.connections), "priority": 1})
     return out
 
 
 def v2_connections(plan: Plan) -> list[int]:
     """The connection counts of the Open Inference Protocol phases: the run's of 64 and more (its largest, in a run
-    without any)."""
+    without any); an image model's, every one (its only phases)."""
+    if plan.model.image:
+        return list(plan.connections)
     return [c for c in plan.connections if c >= 64] or [max(plan.connections)]
 
 
@@ -271,11 +280,15 @@ def v2_phases(system: System, plan: Plan) -> list[dict]:
     Essential for fused@N, the targets' system; optional elsewhere (6 phases of ~4 s each per system in the full
     run)."""
     conns = v2_connections(plan)
-    prio = 1 if system.name == "fused" and system.workers == plan.workers else 2
+    # An image model's targets compare fused with unfused at N: both essential there.
+    targeted = ("fused", "unfused") if plan.model.image else ("fused",)
+    prio = 1 if system.name in targeted and system.workers == plan.workers else 2
     out = []
     for protocol in plan.v2:
-        # gRPC: v2_rows rows and 1 row (once with --v2-rows 1, a run narrowed to the single-row phases)
-        rows = tuple(dict.fromkeys((plan.v2_rows, 1))) if protocol == "v2_grpc" else (plan.v2_rows,)
+        # gRPC: v2_rows rows and 1 row (once with --v2-rows 1, a run narrowed to the single-row phases); an image
+        # model's: its images a request only
+        single = protocol == "v2_grpc" and not plan.model.image
+        rows = tuple(dict.fromkeys((plan.v2_rows, 1))) if single else (plan.v2_rows,)
         for r in rows:
             out += [
                 {"kind": "closed", "protocol": protocol, "rows": r, "connections": c, "priority": prio} for c in conns
@@ -350,6 +363,13 @@ def pick_sigterm_system(plan: Plan) -> System | None:
     return max(fused or fs, key=lambda s: s.workers)
 
 
+def pick_perf_analyzer_system(plan: Plan) -> System | None:
+    """The server perf_analyzer runs against: fused at N workers, the system the targets read; in a run without it (a
+    smoke run), the SIGTERM system, before its SIGTERM phase."""
+    fused_n = System("fused", plan.workers)
+    return fused_n if fused_n in plan.systems else pick_sigterm_system(plan)
+
+
 class Budget:
     def __init__(self, plan: Plan) -> None:
         self.t0 = time.monotonic()
@@ -400,7 +420,8 @@ def run_phase(pool: ClientPool, server: Server, system: System, phase: dict, pla
     protocol = phase.get("protocol", "predict")
     port, path, headers = server.port, "/predict", b""
     if protocol == "v2_binary":
-        path, headers = v2.REST_PATH, v2.binary_bodies(phase["rows"], 1, plan.seed)[1]
+        head = v2.binary_header(phase["rows"], plan.model.input_shape, plan.input_dtype)
+        path, headers = v2.rest_path(plan.model.name), f"Inference-Header-Content-Length: {len(head)}\r\n".encode()
     elif protocol == "v2_grpc":
         port, path = server.grpc_port, v2.GRPC_METHOD
     spec = PhaseSpec(
@@ -411,8 +432,11 @@ def run_phase(pool: ClientPool, server: Server, system: System, phase: dict, pla
     readings: dict = {}
     sig: dict = {}
     timer: list[threading.Timer] = []
+    gpu = GpuSampler() if plan.device == "cuda" else None
 
     def on_ready() -> None:
+        if gpu is not None:
+            gpu.start()  # ~0.2 s before the window: nvidia-smi's first line is out by then
         if system.fusedserve:
             readings["before"] = scrape(server.url)
 
@@ -432,7 +456,11 @@ def run_phase(pool: ClientPool, server: Server, system: System, phase: dict, pla
         t.start()
         timer.append(t)
 
-    client = pool.run(spec, on_ready=on_ready, on_start=on_start)
+    try:
+        client = pool.run(spec, on_ready=on_ready, on_start=on_start)
+    finally:
+        if gpu is not None:
+            gpu.stop()
     for t in timer:
         t.join()
     exit_info = None
@@ -451,6 +479,7 @@ def run_phase(pool: ClientPool, server: Server, system: System, phase: dict, pla
     if exit_info is not None and not exit_info["graceful"]:
         acc["problems"].append(f"server did not exit cleanly after SIGTERM: {exit_info['why']}")
     rows = phase["rows"]
+    sent_bytes = sum(len(b) for b in spec.bodies) / len(spec.bodies)
     result = {
         "system": system.key,
         "name": system.name,
@@ -471,6 +500,10 @@ def run_phase(pool: ClientPool, server: Server, system: System, phase: dict, pla
         "error_reasons": client.get("why", {}),
         "req_per_s": client["req_per_s"],
         "rows_per_s": client["req_per_s"] * rows,
+        "request_bytes": round(sent_bytes),
+        "request_mb_per_s": client["req_per_s"] * sent_bytes / 1e6,
+        "gpu_util": gpu.window(client["start_at"], client["start_at"] + client["elapsed_s"]) if gpu else None,
+        "client_cpu": client["client_cpu"],
         "latency_ms": _latency_block(client["latency"]),
         "server": server_split(server_delta),
         "accounting": acc,
@@ -554,6 +587,14 @@ def meta(plan: Plan, command: str, gpu: str | None) -> dict:
         "rows": list(plan.rows),
         "v2": list(plan.v2),
         "v2_rows": plan.v2_rows,
+        "model": {
+            "name": plan.model.name,
+            "path": plan.model.path,
+            "input_shape": list(plan.model.input_shape),
+            "input_dtype": plan.model.input_dtype,
+            "image": plan.model.image,
+        },
+        "input_dtype": plan.input_dtype,
         "open_connections": plan.open_connections,
         "quick": plan.quick,
     }
@@ -597,21 +638,28 @@ class _Run:
         self.tuning_cache = plan.tuning_cache or self.tmp / "tuning.json"
         self.results["meta"]["logs"] = str(self.tmp)
         self.bodies = {("predict", rows): make_bodies(rows, 16, plan.seed) for rows in plan.rows}
+        model, dt = plan.model, plan.input_dtype
         if any(s.fusedserve or s.grpc_only for s in plan.systems):
-            for rows in {plan.v2_rows, 1}:
+            for rows in {plan.v2_rows} if model.image else {plan.v2_rows, 1}:
+                n = v2.body_count(rows, model.input_shape, dt)
                 if "v2_binary" in plan.v2:
-                    self.bodies["v2_binary", rows] = v2.binary_bodies(rows, 16, plan.seed)[0]
+                    self.bodies["v2_binary", rows] = v2.binary_bodies(rows, n, plan.seed, model.input_shape, dt)[0]
                 if "v2_grpc" in plan.v2:
-                    self.bodies["v2_grpc", rows] = v2.grpc_bodies(rows, 16, plan.seed)
+                    self.bodies["v2_grpc", rows] = v2.grpc_bodies(rows, n, plan.seed, model.input_shape, dt, model.name)
+        if model.image:
+            why = f"{model.name} is an image model {model.input_shape}: its requests go through the v2 phases"
+            self.skip("every system", "JSON /predict and open-loop phases", why)
         sigterm_system = pick_sigterm_system(plan)
+        self.perf_analyzer_system = pick_perf_analyzer_system(plan)
         self.work = pair_up([(s, phase_list(s, plan, sigterm_system)) for s in plan.systems])
         self.peaks: dict[str, float] = {}
         self.live: list[Server] = []
         self.pool: ClientPool | None = None
         self.interrupted = False
 
-    def skip(self, system: System, what: str, why: str) -> None:
-        self.results["skipped"].append({"system": system.key, "what": what, "why": why})
+    def skip(self, system: System | str, what: str, why: str) -> None:
+        key = system if isinstance(system, str) else system.key
+        self.results["skipped"].append({"system": key, "what": what, "why": why})
 
     def all(self) -> None:
         plan = self.plan
@@ -647,8 +695,9 @@ class _Run:
         budget = self.budget
         live: dict[System, tuple[Server, dict]] = {}  # member order
         for k, (system, phases) in enumerate(members):
-            if not phases:  # empty_grpc in a run without gRPC phases (bench.serve.cli refuses that plan)
-                self.skip(system, "every phase", "no phase of this system in the run")
+            if not phases:  # an MLP-only app with an image model; empty_grpc without gRPC phases (cli refuses that)
+                why = system.cannot_serve(self.plan.model) or "no phase of this system in the run"
+                self.skip(system, "every phase", why)
                 continue
             cheapest = min(budget.phase_cost(p) for p in phases)
             essential = any(p["priority"] == 1 for p in phases)
@@ -705,23 +754,26 @@ class _Run:
             self._stop(server, info)
 
     def _perf_analyzer(self, system: System, server: Server, seconds: float) -> None:
-        """perf_analyzer against fused@N (perf_analyzer.py), once, where its binary runs: before that server's SIGTERM
-        phase, or after its phases in a run without one; within `seconds`."""
+        """perf_analyzer against fused@N (pick_perf_analyzer_system(); perf_analyzer.py), once, where its binary runs:
+        before that server's SIGTERM phase, or after its phases in a run without one; within `seconds`."""
         plan = self.plan
-        if system.key != f"fused@{plan.workers}" or "perf_analyzer" in self.results or server.proc.poll() is not None:
+        if system != self.perf_analyzer_system or "perf_analyzer" in self.results or server.proc.poll() is not None:
             return
         from . import perf_analyzer
 
         protocols = tuple(p for p, v2 in (("http", "v2_binary"), ("grpc", "v2_grpc")) if v2 in plan.v2)
-        if self.interrupted or seconds < 20 or not protocols:
-            why = "interrupted" if self.interrupted else "no --v2 protocol" if not protocols else "time budget"
+        if self.interrupted or seconds < 20 or not protocols or plan.perf_analyzer == "":
+            why = ("interrupted" if self.interrupted else "--perf-analyzer none" if plan.perf_analyzer == ""
+                   else "no --v2 protocol" if not protocols else "time budget")  # fmt: skip
             self.results["perf_analyzer"] = {"version": None, "runs": [], "skipped": [f"every run: {why}"],
                                              "problems": []}  # fmt: skip
             return
         http, grpc = server.url.removeprefix("http://"), f"127.0.0.1:{server.grpc_port}"
         rows = tuple(dict.fromkeys((1, plan.v2_rows)))
-        pa = perf_analyzer.run(http, grpc, self.tmp / "perf_analyzer", protocols=protocols, rows=rows,
-                               concurrency=plan.connections, time_budget_s=seconds)  # fmt: skip
+        pa = perf_analyzer.run(http, grpc, self.tmp / "perf_analyzer", binary=plan.perf_analyzer, model=plan.model.name,
+                               protocols=protocols, rows=rows, concurrency=plan.connections,
+                               time_budget_s=seconds)  # fmt: skip
+        pa["system"] = system.key
         self.results["perf_analyzer"] = pa
         self.results["problems"] += pa["problems"]
 
