@@ -20,6 +20,12 @@ requests sent = answers by status + connection errors, no connection error, no u
 server's counters agree; a SIGTERM in the middle of a fused phase must leave every request on an open
 connection answered. The run exits 1 if any phase lost anything.
 
+API keys: the fusedserve servers get this environment, FUSEDSERVE_* included, so FUSEDSERVE_API_KEY (or
+FUSEDSERVE_API_KEYS_FILE) turns their keys on; BENCH_API_KEY=KEY then makes every request carry
+`Authorization: Bearer KEY` (gRPC: metadata `authorization`), on every system. Without it, such a server answers
+401 (gRPC UNAUTHENTICATED, recorded as 401), and every phase of it fails as an unexpected status.
+    FUSEDSERVE_API_KEY=$K BENCH_API_KEY=$K fusedserve bench serve     # K=$(openssl rand -hex 16): keys on
+
 Writes serve_<gpu>.md (tables, targets), .json (every number) and .png under --out (bench/results/<gpu>);
 prints a summary last.
 """
