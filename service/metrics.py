@@ -108,7 +108,7 @@ class RequestMetrics:
         self.failed_seconds = Counter(
             "fusedserve_failed_request_seconds",
             "Time from the request reaching the handler to its error answer, summed over requests answered with an "
-            "error (any outcome but ok)",
+            "error (any outcome but ok); one refused before any work (unauthorized, an unknown model) adds no time",
             lm, registry=r,
         )  # fmt: skip
         self._model = model

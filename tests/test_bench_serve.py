@@ -16,7 +16,7 @@ import pytest
 
 from bench.serve import cli as serve_cli
 from bench.serve import report as serve_report
-from bench.serve.accounting import account, delta, parse_metrics, server_split
+from bench.serve.accounting import OUTCOMES, account, delta, parse_metrics, server_split
 from bench.serve.loadgen import ClientPool, PhaseSpec, make_bodies, merge, percentiles
 from bench.serve.report import targets
 
@@ -289,6 +289,46 @@ def test_quick_end_to_end_run_on_the_cpu(tmp_path):
     assert "## Open Inference Protocol (closed loop)" in md and "| unfused (v2_binary) | 1 | 256 |" in md
     assert proc.returncode == (1 if results["problems"] else 0), out
     assert all(p.startswith("unfused@1 sigterm") for p in results["problems"]), results["problems"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_api_key_reaches_a_server_with_keys_on(tmp_path):
+    """fusedserve unfused@1 started with FUSEDSERVE_API_KEY (passed on from the bench's environment), its /predict,
+    binary v2 and gRPC phases at one connection: with BENCH_API_KEY every request is answered 200; without it every
+    one is refused 401 (gRPC UNAUTHENTICATED), the server counts them unauthorized, and the run fails."""
+    key = "bench-key-5d1f0c2a"
+    has_grpc = importlib.util.find_spec("grpc") is not None
+    argv = [sys.executable, "-m", "bench.serve", "--quick", "--device", "cpu", "--systems", "unfused@1",
+            "--connections", "1", "--no-open", "--no-sigterm", "--duration", "0.3", "--warmup", "0.1",
+            "--time-budget", "40", "--v2", "binary,grpc" if has_grpc else "binary"]  # fmt: skip
+    base = {k: v for k, v in service_env().items() if k not in ("BENCH_API_KEY", "FUSEDSERVE_API_KEYS_FILE")}
+    runs = {}
+    for name, extra in (("with", {"BENCH_API_KEY": key}), ("without", {})):
+        out = tmp_path / name
+        env = {**base, "FUSEDSERVE_API_KEY": key, **extra}
+        proc = subprocess.run([*argv, "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=55)  # fmt: skip
+        assert (out / "serve_cpu.json").is_file(), proc.stdout + proc.stderr
+        runs[name] = (proc, json.loads((out / "serve_cpu.json").read_text())["phases"])
+    protocols = {"predict", "v2_binary", "v2_grpc"} if has_grpc else {"predict", "v2_binary"}
+    proc, phases = runs["with"]
+    assert proc.returncode == 0 and {r["protocol"] for r in phases} == protocols, proc.stdout + proc.stderr
+    for r in phases:
+        assert r["ok"] and r["sent"] == r["status"]["200"] == r["server"]["outcomes"]["ok"] > 0, r["accounting"]
+    proc, phases = runs["without"]
+    assert proc.returncode == 1 and {r["protocol"] for r in phases} == protocols, proc.stdout + proc.stderr
+    for r in phases:
+        assert not r["ok"] and r["sent"] == r["status"]["401"] > 0 and "200" not in r["status"], r["status"]
+        assert r["server"]["outcomes"]["unauthorized"] == r["sent"], r["server"]["outcomes"]
+
+
+def test_the_accounting_reads_every_outcome_the_service_counts():
+    """bench/serve/accounting.py keeps its own copy of service/metrics.py's outcomes: a phase fails on any but ok and
+    overloaded only if it sees them."""
+    from service.metrics import OUTCOMES as SERVICE_OUTCOMES
+
+    assert set(OUTCOMES) == set(SERVICE_OUTCOMES)
 
 
 def test_phase_plan_and_open_loop_rates():

@@ -11,7 +11,9 @@ metric names and types from service/metrics.py, the model format from service/mo
 
 from __future__ import annotations
 
+import base64
 import functools
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -25,6 +27,7 @@ from kubernetes_validate.utils import latest_version, schema_contents
 from service.config import ENV_PREFIX, Settings, unknown_variables
 from service.frontend import routes
 from service.frontend.app import DRAIN_MAX_S
+from service.frontend.auth import read_keys
 from service.metrics import EngineMetrics, RequestMetrics
 from service.model.loader import load_model
 from service.model.spec import FORMAT, FORMAT_V2
@@ -37,8 +40,12 @@ K8S = REPO / "deploy" / "k8s"
 KSERVE = REPO / "deploy" / "kserve"
 BASE = K8S / "base"
 OVERLAYS = {p.name: p for p in sorted((K8S / "overlays").iterdir()) if (p / "kustomization.yaml").is_file()}
-KUSTOMIZATIONS = sorted(p.parent for p in (REPO / "deploy").rglob("kustomization.yaml"))
-GPU_VARIANTS = ("base", "monitoring", "hpa", "keda")
+# Components (kind: Component) render only inside a kustomization that uses them.
+COMPONENTS = {p.parent.name: p.parent for p in (K8S / "components").glob("*/kustomization.yaml")}
+KUSTOMIZATIONS = sorted(
+    p.parent for p in (REPO / "deploy").rglob("kustomization.yaml") if p.parent not in COMPONENTS.values()
+)
+GPU_VARIANTS = ("base", "monitoring", "hpa", "keda", "api-keys")
 AUTOSCALED = ("hpa", "keda")
 
 # The oldest Kubernetes the manifests claim (autoscaling/v2, appProtocol, exec preStop: all GA well before it)
@@ -103,7 +110,8 @@ def kustomize_argv() -> list[str]:
 @functools.cache
 def render(directory: Path) -> tuple[dict, ...]:
     res = subprocess.run([*kustomize_argv(), str(directory)], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, f"{directory.relative_to(REPO)} does not render:\n{res.stderr}"
+    where = directory.relative_to(REPO) if directory.is_relative_to(REPO) else directory
+    assert res.returncode == 0, f"{where} does not render:\n{res.stderr}"
     return tuple(d for d in yaml.safe_load_all(res.stdout) if d)
 
 
@@ -352,6 +360,117 @@ def test_pod_runs_as_the_images_user_and_version(name):
     assert sc["runAsNonRoot"] is True
     version = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
     assert container["image"] == f"fusedserve:{version}", "tag the image with the project's version"
+
+
+# --------------------------------------------------------------------------- API keys from a Secret
+
+
+def with_component(tmp_path: Path, variant_name: str, keys_text: str) -> tuple[dict, ...]:
+    """Render an overlay of one's own, as the component's comment and docs/kubernetes.md show it: a variant, the
+    api-keys component, and the Secret generated from a keys file holding `keys_text`."""
+    here = tmp_path / f"with-{variant_name}"
+    here.mkdir()
+    directory = BASE if variant_name == "base" else OVERLAYS[variant_name]
+    (here / "my-api-keys").write_text(keys_text)
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "fusedserve",
+        "resources": [os.path.relpath(directory, here)], "components": [os.path.relpath(COMPONENTS["api-keys"], here)],
+        "secretGenerator": [{"name": "fusedserve-api-keys", "files": ["api-keys=my-api-keys"]}],
+    }  # fmt: skip
+    (here / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return render(here)
+
+
+def keys_file_of(objects, tmp_path: Path) -> Path:
+    """Where the pod reads its API keys (FUSEDSERVE_API_KEYS_FILE, as Settings parses it), checked against the volume
+    that puts a Secret's key there; the file that key's contents would make, written under tmp_path."""
+    _, pod, container, settings = deployment_parts(objects)
+    env = container_env(objects, container)
+    assert f"{ENV_PREFIX}API_KEY" not in env, "a key in the environment is seen by whoever can read it"
+    path = settings.api_keys_file
+    assert path is not None, f"{ENV_PREFIX}API_KEYS_FILE is unset: {sorted(env)}"
+    path = Path(str(path))
+    mounts = [m for m in container["volumeMounts"] if path.parent == Path(m["mountPath"])]
+    assert len(mounts) == 1, f"{path} is in no mounted directory, or in several: {container['volumeMounts']}"
+    assert "subPath" not in mounts[0], "a subPath mount is never updated when the Secret changes"
+    assert mounts[0].get("readOnly") is True
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == mounts[0]["name"])
+    source = volume["secret"]
+    assert not source.get("optional"), "a pod meant to need keys must not start without them"
+    assert "items" not in source, "the file is the Secret's key of the same name"
+    # Readable by the image's group, through fsGroup (test_pod_runs_as_the_images_user_and_version); by no one else.
+    assert source["defaultMode"] & 0o040 and not source["defaultMode"] & 0o007, oct(source["defaultMode"])
+    assert pod["spec"]["securityContext"]["fsGroup"] == pod["spec"]["securityContext"]["runAsGroup"]
+    secret = the(objects, "Secret", source["secretName"])
+    data = {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
+    data |= secret.get("stringData", {})
+    assert path.name in data, f"the Secret has no key {path.name}: {sorted(data)}"
+    out = tmp_path / path.name
+    out.write_text(data[path.name])
+    return out
+
+
+def test_the_api_keys_setting_is_the_one_the_component_sets():
+    """The component names the variable by the Settings field the service reads it from."""
+    assert "api_keys_file" in Settings.model_fields
+    text = (COMPONENTS["api-keys"] / "kustomization.yaml").read_text()
+    assert f"name: {ENV_PREFIX}API_KEYS_FILE" in text
+
+
+MY_KEYS = "k1-0123456789abcdef\nsha256:" + "ab" * 32 + "\n"  # a key and a key's hash
+
+
+@pytest.mark.parametrize("name", ["base", *(o for o in OVERLAYS if o != "api-keys")])
+def test_api_keys_component_fits_every_variant(name, tmp_path):
+    """Every variant, with the component and a keys file of one's own, validates and reads those keys from the
+    Secret; without the component, no pod needs a Secret (the base and the shipped overlays start where none
+    exists)."""
+    assert not any(v.get("secret") for v in deployment_parts(variant(name))[1]["spec"].get("volumes", []))
+    objects = with_component(tmp_path, name, MY_KEYS)
+    for obj in objects:
+        if obj["apiVersion"] in CORE_API_VERSIONS:
+            validate_core(obj)
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"].get("namespace") == "fusedserve", f"{obj['kind']} is not namespaced"
+    mounted = keys_file_of(objects, tmp_path)
+    assert mounted.read_text() == MY_KEYS
+    digests, _ = read_keys(Settings(_env_file=None, api_keys_file=mounted))
+    assert digests is not None and len(digests) == 2
+
+
+def test_api_keys_overlay_ships_no_key(tmp_path):
+    """The shipped example Secret holds no key (inference open, and the start-up log says so), and new keys change
+    its generated name, which rolls the pods: they read the file at start."""
+    shipped = keys_file_of(variant("api-keys"), tmp_path)
+    assert shipped.read_text() == (OVERLAYS["api-keys"] / "api-keys").read_text()
+    assert read_keys(Settings(_env_file=None, api_keys_file=shipped))[0] is None
+    (tmp_path / "mine").mkdir()
+    secret_names = [[o["metadata"]["name"] for o in objects if o["kind"] == "Secret"] for objects in
+                    (variant("api-keys"), with_component(tmp_path / "mine", "base", MY_KEYS))]  # fmt: skip
+    assert secret_names[0] != secret_names[1] and all(n[0].startswith("fusedserve-api-keys-") for n in secret_names)
+
+
+def test_docs_show_the_api_keys_wiring_the_manifests_have(tmp_path):
+    """docs/security.md and docs/kubernetes.md name the file, the directory and the Secret the component uses, and
+    their example overlays are the one tested above (test_api_keys_component_fits_every_variant)."""
+    objects = variant("api-keys")
+    _, pod, container, settings = deployment_parts(objects)
+    path = Path(str(settings.api_keys_file))
+    (secret_volume,) = [v["secret"] for v in pod["spec"]["volumes"] if "secret" in v]
+    component = yaml.safe_load((COMPONENTS["api-keys"] / "kustomization.yaml").read_text())
+    (patch,) = [yaml.safe_load(p["patch"]) for p in component["patches"]]
+    (wanted_secret,) = [v["secret"]["secretName"] for v in patch["spec"]["template"]["spec"]["volumes"]]
+    assert secret_volume["secretName"].startswith(wanted_secret + "-")
+    for doc in ("security.md", "kubernetes.md"):
+        text = (REPO / "docs" / doc).read_text()
+        assert f"{ENV_PREFIX}API_KEYS_FILE={path}`" in text and f"`{path.parent}`" in text, doc
+        assert f"`{wanted_secret}`" in text and f"fsGroup: {pod['spec']['securityContext']['fsGroup']}" in text, doc
+        examples = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "components" in b]
+        assert examples, f"docs/{doc} shows no overlay with the component"
+        for example in examples:
+            assert [c.split("deploy/", 1)[1] for c in example["components"]] == ["k8s/components/api-keys"], doc
+            (generator,) = example["secretGenerator"]
+            assert generator["name"] == wanted_secret and generator["files"][0].split("=")[0] == path.name, doc
 
 
 # --------------------------------------------------------------------------- monitoring and autoscaling

@@ -10,6 +10,7 @@ unmodified. Certificates are made at test time (tests/tlscerts.py). Three server
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import re
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 
 from service.config import ENV_PREFIX, SettingsError, load_settings, parse_restricted
@@ -142,6 +144,62 @@ def test_bearer_keys_are_checked_and_a_reload_tightens_but_never_opens(tmp_path,
     assert not off.on and off.allows(None) and "open" in off.describe()
     path.write_text(f"{KEY}\n")
     assert off.reload(_settings(monkeypatch, api_keys_file=path)) == 1 and not off.allows(None)  # off -> on
+
+
+def test_many_keys_are_one_lookup_and_each_still_counts(tmp_path, monkeypatch):
+    """1,000 keys (half as sha256 lines) are held as one set of digests: each one passes, near misses do not."""
+    keys = [f"key-{i:04d}-{i * 7919 % 10007:05d}" for i in range(1000)]
+    lines = [k if i % 2 else "sha256:" + hashlib.sha256(k.encode()).hexdigest() for i, k in enumerate(keys)]
+    path = tmp_path / "keys"
+    path.write_text("\n".join(lines) + "\n")
+    api_keys = ApiKeys(_settings(monkeypatch, api_keys_file=path))
+    assert isinstance(api_keys.digests, frozenset) and len(api_keys.digests) == 1000
+    assert all(api_keys.allows(f"Bearer {k}") for k in keys)
+    assert not any(api_keys.allows(f"Bearer {k[:-1]}") or api_keys.allows(f"Bearer {k}0") for k in keys[::50])
+
+
+def test_a_401_is_answered_before_the_body_and_counted_without_time(tmp_path, monkeypatch):
+    """In process, through the ASGI app a front end serves: a request without a valid key is refused before anything
+    else (its body never read, the engines never asked), carries its request id and the challenge, and closes the
+    connection only when its body is large; counted `unauthorized` with no time, like the 404 of an unknown model."""
+    from service.frontend.fastpath import PredictFastPath
+    from service.frontend.state import FrontendState, ModelInfo
+    from service.metrics import RequestMetrics
+
+    metrics = RequestMetrics(MODEL, "unfused")
+    state = FrontendState(
+        _settings(monkeypatch, api_key=ENV_KEY), ModelInfo(MODEL, None, (64,), 10, None), None, metrics, tmp_path
+    )  # fmt: skip  (engines None: touching them would raise)
+    app = PredictFastPath(None, state)
+
+    async def receive():
+        raise AssertionError("the body of a request without a valid key was read")
+
+    def call(path: str, headers: list[tuple[bytes, bytes]]) -> tuple[int, dict, bytes]:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": path, "headers": headers, "query_string": b""}
+        asyncio.run(app(scope, receive, send))
+        return sent[0]["status"], dict(sent[0]["headers"]), sent[1]["body"]
+
+    for path, error_key, protocol in (
+        ("/predict", "detail", "predict"),
+        (f"/v2/models/{MODEL}/infer", "error", "v2_rest"),
+    ):
+        for auth in ([], [(b"authorization", b"Bearer wrong")], [(b"authorization", ENV_KEY.encode())]):
+            status, headers, body = call(path, [(b"content-length", b"300"), (b"x-request-id", b"rid-9"), *auth])
+            assert status == 401 and headers[b"www-authenticate"] == b"Bearer" and headers[b"x-request-id"] == b"rid-9"
+            assert "API key" in orjson.loads(body)[error_key] and b"connection" not in headers
+            assert int(headers[b"content-length"]) == len(body)
+        status, headers, _ = call(path, [(b"content-length", b"200000000")])
+        assert status == 401 and headers[b"connection"] == b"close" and len(headers[b"x-request-id"]) == 16
+        assert call(path, [(b"transfer-encoding", b"chunked")])[1][b"connection"] == b"close"
+        text = metrics.render().decode()
+        assert _metric(text, protocol, "unauthorized") == 5
+        assert not re.search(rf'^fusedserve_failed_request_seconds_total{{[^}}]*protocol="{protocol}"', text, re.M)
 
 
 def test_which_api_a_path_is():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import urllib.request
 
 # fusedserve_requests_total{outcome}: every outcome the service counts (service/metrics.py OUTCOMES).
-OUTCOMES = ("ok", "invalid", "too_large", "overloaded", "timeout", "cancelled", "error")
+OUTCOMES = ("ok", "invalid", "too_large", "overloaded", "timeout", "cancelled", "error", "unauthorized")
 HISTOGRAMS = ("queue_wait_seconds", "forward_seconds", "batch_rows", "request_seconds")
 
 

@@ -33,6 +33,12 @@ beside this Python, in its wheel or on the PATH; `none` skips it): HTTP and gRPC
 --v2-rows/--images, concurrency --connections; its rows, with the server's statistics against its own counts, go
 into the same report (bench/serve/perf_analyzer.py).
 
+API keys: the fusedserve servers get this environment, FUSEDSERVE_* included, so FUSEDSERVE_API_KEY (or
+FUSEDSERVE_API_KEYS_FILE) turns their keys on; BENCH_API_KEY=KEY then makes every request carry
+`Authorization: Bearer KEY` (gRPC: metadata `authorization`), on every system. Without it, such a server answers
+401 (gRPC UNAUTHENTICATED, recorded as 401), and every phase of it fails as an unexpected status.
+    FUSEDSERVE_API_KEY=$K BENCH_API_KEY=$K fusedserve bench serve     # K=$(openssl rand -hex 16): keys on
+
 Writes serve_<gpu>.md (tables, targets), .json (every number) and .png under --out (bench/results/<gpu>);
 prints a summary last.
 """

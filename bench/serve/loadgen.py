@@ -79,6 +79,9 @@ class PhaseSpec:
     seed: int = 0
     protocol: str = "predict"  # predict | v2_binary (HTTP, like predict) | v2_grpc (path: the gRPC method)
     headers: bytes = b""  # extra HTTP header lines, each ending in \r\n
+    # Sent with every request (`Authorization: Bearer KEY`; gRPC: metadata `authorization`), for a server with API
+    # keys on: bench/serve/run.py passes BENCH_API_KEY's value. None: no such header.
+    api_key: str | None = None
 
 
 @dataclass
@@ -234,8 +237,11 @@ class AiohttpConnection:
 
     session = None
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, api_key: str | None = None) -> None:
         self.url = url
+        self.headers = {"content-type": "application/json"}
+        if api_key:
+            self.headers["authorization"] = f"Bearer {api_key}"
 
     async def connect(self) -> None:
         pass
@@ -245,7 +251,7 @@ class AiohttpConnection:
 
         rec.sent += 1
         try:
-            async with self.session.post(self.url, data=body, headers={"content-type": "application/json"}) as r:
+            async with self.session.post(self.url, data=body, headers=self.headers) as r:
                 await r.read()
                 return r.status
         except aiohttp.ClientConnectorError as e:
@@ -263,7 +269,7 @@ class AiohttpConnection:
 # gRPC statuses recorded as the HTTP status of the same meaning (the accounting reads HTTP statuses).
 _GRPC_AS_HTTP = {
     "OK": 200, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "RESOURCE_EXHAUSTED": 413, "INVALID_ARGUMENT": 400,
-    "NOT_FOUND": 404,
+    "NOT_FOUND": 404, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403,
 }  # fmt: skip
 # UNAVAILABLE is also how grpcio reports a broken connection; the server's own refusals say why in these words.
 _SERVER_UNAVAILABLE = ("overloaded", "not ready", "shutting down", "engine unavailable")
@@ -272,8 +278,9 @@ _SERVER_UNAVAILABLE = ("overloaded", "not ready", "shutting down", "engine unava
 class GrpcConnection:
     """One gRPC channel (its own HTTP/2 connection: no subchannel sharing) calling one unary method with bytes."""
 
-    def __init__(self, host: str, port: int, method: str) -> None:
+    def __init__(self, host: str, port: int, method: str, api_key: str | None = None) -> None:
         self.target, self.method = f"{host}:{port}", method
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self.channel = None
         self.call = None
 
@@ -298,7 +305,7 @@ class GrpcConnection:
             await self.connect()
         rec.sent += 1
         try:
-            await self.call(body)
+            await self.call(body, metadata=self.metadata)
             return 200
         except grpc.aio.AioRpcError as e:
             code = e.code().name
@@ -421,7 +428,7 @@ async def _load(spec: PhaseSpec, conns: list, rec: Recorder, start_at: float, en
 
 async def _phase(spec: PhaseSpec, pipe) -> dict:
     if spec.protocol == "v2_grpc":
-        conns = [GrpcConnection(spec.host, spec.port, spec.path) for _ in range(spec.connections)]
+        conns = [GrpcConnection(spec.host, spec.port, spec.path, spec.api_key) for _ in range(spec.connections)]
     elif spec.client == "aiohttp" and spec.protocol == "predict":  # binary v2 needs its header: the raw client
         import aiohttp
 
@@ -431,12 +438,13 @@ async def _phase(spec: PhaseSpec, pipe) -> dict:
             skip_auto_headers=("User-Agent",),
         )
         url = f"http://{spec.host}:{spec.port}{spec.path}"
-        conns = [AiohttpConnection(url) for _ in range(spec.connections)]
+        conns = [AiohttpConnection(url, spec.api_key) for _ in range(spec.connections)]
     else:
         ctype = "application/octet-stream" if spec.protocol == "v2_binary" else "application/json"
         head = (
             (f"POST {spec.path} HTTP/1.1\r\nHost: {spec.host}:{spec.port}\r\nContent-Type: {ctype}\r\n").encode()
             + spec.headers
+            + (f"Authorization: Bearer {spec.api_key}\r\n".encode() if spec.api_key else b"")
             + b"Content-Length: "
         )
         conns = [RawConnection(spec.host, spec.port, head) for _ in range(spec.connections)]

@@ -49,6 +49,10 @@ STOP_WAIT_S = SHUTDOWN_GRACE_S + 15.0
 START_GUESS_S = {"empty": 3.0, "empty_grpc": 3.0, "eager": 12.0, "fused": 20.0, "unfused": 12.0}
 FIRST_FUSED_GPU_START_S = 120.0  # kernel tuning of every batch bucket, once per run (about 100 s seen on an H200)
 ESSENTIAL_CONNECTIONS = (1, 64, 256)
+# The API key every request carries, for a fusedserve started with keys on (its FUSEDSERVE_API_KEY or
+# FUSEDSERVE_API_KEYS_FILE, passed on from this environment): from the environment, not a flag, so that it shows in
+# no command line, results file or log. The other systems ignore the header.
+API_KEY_ENV = "BENCH_API_KEY"
 OPEN_FRACTIONS = (0.25, 0.5, 0.75)
 
 
@@ -428,6 +432,7 @@ def run_phase(pool: ClientPool, server: Server, system: System, phase: dict, pla
         host="127.0.0.1", port=port, path=path, bodies=tuple(bodies[protocol, phase["rows"]]),
         connections=phase["connections"], warmup_s=plan.warmup_s, duration_s=plan.duration_s, rate=rate,
         client=plan.client, drain_timeout_s=drain, seed=plan.seed, protocol=protocol, headers=headers,
+        api_key=os.environ.get(API_KEY_ENV) or None,
     )  # fmt: skip
     readings: dict = {}
     sig: dict = {}

@@ -14,7 +14,7 @@ import orjson
 from . import requestid
 from .asgi import CLOSE, JSON, MODE_HEADER, Answer
 from .inputs import InputError, parse_rows
-from .serving import Refused, read_request, run_rows
+from .serving import Refused, read_request, run_rows, unauthorized
 from .state import FrontendState
 
 
@@ -30,6 +30,9 @@ def _error(status: int, message: str, *extra: tuple[bytes, bytes]) -> Answer:
 async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
     """{"inputs": [[...], ...]} -> {"outputs", "predictions", "model", "mode"}, as (status, body, headers); "mode"
     (and the X-Fusedserve-Mode header) is the executor that computed the outputs, fused or unfused."""
+    refused = unauthorized(state, scope, "detail", "predict")  # before anything else: a 401 costs what a 404 does
+    if refused is not None:
+        return refused
     started = time.perf_counter()
     metrics = state.metrics
     ident = (requestid.HEADER, requestid.of_scope(scope))  # the client's X-Request-Id, or a new one

@@ -1,5 +1,6 @@
-"""The steps every inference route of a front end takes, whatever its protocol: admit the request (ready, size) and
-read its body (`read_request`), then hand its rows to an engine and await the outputs (`run_rows`). `/predict`
+"""The steps every inference route of a front end takes, whatever its protocol: refuse it without a valid API key
+(`unauthorized`), admit it (ready, size) and read its body (`read_request`), then hand its rows to an engine and
+await the outputs (`run_rows`). `/predict`
 (service/frontend/predict.py), the Open Inference Protocol's REST infer (service/v2/rest.py) and its gRPC ModelInfer
 (service/v2/grpc_server.py) each call these and answer in their own format."""
 
@@ -9,9 +10,11 @@ import asyncio
 import logging
 
 import numpy as np
+import orjson
 
 from ..link import wire
-from .asgi import CLOSE, RETRY, ClientGone, content_length, header, read_body, watch_disconnect
+from . import requestid
+from .asgi import CLOSE, JSON, RETRY, Answer, ClientGone, content_length, header, read_body, watch_disconnect
 from .auth import CHALLENGE
 from .engine_client import EngineError, EngineGone
 from .inputs import InputError
@@ -27,6 +30,7 @@ WATCH_AFTER_S = 0.05
 # one that announces more, or a chunked one, has its connection closed, so that no body of an unauthenticated client
 # is read.
 UNAUTHORIZED_KEEP_BYTES = 64 * 1024
+UNAUTHORIZED_MESSAGE = "a valid API key is needed: Authorization: Bearer <key>"
 _STATUS_OF = {
     wire.OVERLOADED: (503, "overloaded", "server overloaded: "),
     wire.TIMEOUT: (504, "timeout", "request waited longer than its timeout in the queue: "),
@@ -48,25 +52,47 @@ class Refused(Exception):
 
     @property
     def headers(self) -> tuple[tuple[bytes, bytes], ...]:
-        """Retry-After on a 503 (not ready, overloaded, shutting down); WWW-Authenticate: Bearer on a 401; Connection:
-        close where `close`."""
-        extra = (RETRY,) if self.status == 503 else (CHALLENGE,) if self.status == 401 else ()
+        """Retry-After on a 503 (not ready, overloaded, shutting down); Connection: close where `close`."""
+        extra = (RETRY,) if self.status == 503 else ()
         return extra + ((CLOSE,) if self.close else ())
 
 
+def _unauthorized_answer(error_key: str) -> tuple[bytes, tuple[tuple[bytes, bytes], ...]]:
+    body = orjson.dumps({error_key: UNAUTHORIZED_MESSAGE})
+    return body, (JSON, (b"content-length", str(len(body)).encode()), CHALLENGE)
+
+
+# The 401's body and headers, encoded once per error format: {"detail"} for /predict, {"error"} for the v2 routes.
+_UNAUTHORIZED = {key: _unauthorized_answer(key) for key in ("detail", "error")}
+
+
+def unauthorized(state: FrontendState, scope: dict, error_key: str, protocol: str) -> Answer | None:
+    """None when the request may run inference (keys off, or a valid key); else its 401 answer, counted
+    `unauthorized`, the body unread. Made of bytes encoded at import, as cheap as a 404 (issue 38's target): no
+    exception raised and caught, no JSON encoded, no clock read (counted without seconds, as gRPC's and every refusal
+    made before a handler's work are). It carries the request id, and closes the connection when the body announced
+    is over UNAUTHORIZED_KEEP_BYTES or unknown (chunked), so that no large body of an unauthenticated client is read.
+    """
+    keys = state.api_keys
+    if keys.digests is None or keys.allows(header(scope, b"authorization")):
+        return None
+    state.metrics.observe_request("unauthorized", protocol=protocol)
+    body, headers = _UNAUTHORIZED[error_key]
+    rid = (requestid.HEADER, requestid.of_scope(scope))
+    length = content_length(scope)
+    if length is None or length > UNAUTHORIZED_KEEP_BYTES:
+        return 401, body, [*headers, rid, CLOSE]
+    return 401, body, [*headers, rid]
+
+
 async def read_request(state: FrontendState, scope: dict, receive, identity_only: bool = False) -> bytes:
-    """The body of an inference request, or Refused: 401 without a valid API key when keys are on (service/frontend/
-    auth.py; before anything else, the body unread), 503 while the model is not ready, 413 past the size limit
-    (counted while the bytes arrive), 499 when the client left, and with `identity_only` 400 for a compressed body.
+    """The body of an inference request (whose API key `unauthorized` has checked), or Refused: 503 while the model
+    is not ready, 413 past the size limit (counted while the bytes arrive), 499 when the client left, and with
+    `identity_only` 400 for a compressed body.
 
     A body refused before it is all read closes its connection (`Refused.close`): uvicorn then reads no more of it
     (it would otherwise read and discard the rest, 200 MB of it if the client says so, to keep the connection).
     """
-    keys = state.api_keys
-    if keys.digests is not None and not keys.allows(header(scope, b"authorization")):
-        length = content_length(scope)
-        close = length is None or length > UNAUTHORIZED_KEEP_BYTES
-        raise Refused(401, "unauthorized", "a valid API key is needed: Authorization: Bearer <key>", close=close)
     if not state.engines.ready():
         raise Refused(503, "overloaded", f"model is not ready ({state.status}); retry shortly")
     limit = state.max_body_bytes

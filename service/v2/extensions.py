@@ -106,7 +106,7 @@ def statistics(state: FrontendState) -> dict:
     - fail: requests answered with an error, by every protocol and for every reason (fusedserve_requests_total's
       outcomes but ok: invalid, too large, overloaded, timed out, cancelled, failed), each timed from its handler to
       its error answer (fusedserve_failed_request_seconds; no time for the refusals no handler saw, past
-      MAX_CONNECTIONS).
+      MAX_CONNECTIONS, nor for those refused before any work: without a valid API key, or for an unknown model).
     - queue, compute_input, compute_infer, compute_output: the four back-to-back parts of each answered request's
       time in its engine, counted by the engine as it answers (service/engine/core.py, Engine._answered, says which
       interval each is; a batch's compute time counts once per request in it, as in Triton). One count for all four,

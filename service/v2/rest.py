@@ -25,7 +25,7 @@ import orjson
 from ..frontend import requestid
 from ..frontend.asgi import CLOSE, JSON, MODE_HEADER, Answer, header
 from ..frontend.inputs import InputError
-from ..frontend.serving import Refused, read_request, run_rows
+from ..frontend.serving import Refused, read_request, run_rows, unauthorized
 from ..frontend.state import FrontendState
 from . import extensions
 from . import tensors as t
@@ -110,6 +110,9 @@ def _allowed(parts: list[str]) -> str | None:
 
 
 async def handle_infer(state: FrontendState, scope: dict, receive) -> Answer:
+    refused = unauthorized(state, scope, "error", PROTOCOL)  # before anything else: a 401 costs what a 404 does
+    if refused is not None:
+        return refused
     started = time.perf_counter()
     metrics = state.metrics
     # The request id (service/frontend/requestid.py): X-Request-Id, else the body's `id`, else a new one; in the
