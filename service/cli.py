@@ -71,14 +71,18 @@ def describe_model(model) -> str:
     """check-model's report: a summary line, the fused plan's kernels on one line, then the graph (format 2) and
     each step: the ops it runs, what it reads, and what the fused mode runs as torch ops instead of a kernel."""
     from .model.executors import kernel_support, torch_parts
-    from .model.planner import FlattenStep, fused_steps, kernel_names, step_ops
+    from .model.planner import Conv2dStep, FlattenStep, fused_steps, kernel_names, step_ops
 
-    steps = fused_steps(model.ops, model.tensors)  # what the executors run
+    steps = fused_steps(model.ops, model.tensors, normalize=model.normalize)  # what the executors run
     kernels = kernel_names(steps)
     lines = [
-        f"{model.name}: input {model.input_shape} -> {model.output_features} outputs; {len(model.ops)} ops",
+        f"{model.name}: input {model.input_shape}{' uint8' if model.spec.input.dtype == 'uint8' else ''} -> "
+        f"{model.output_features} outputs; {len(model.ops)} ops",
         f"fused plan ({len(kernels)} kernel{'s' if len(kernels) != 1 else ''}): {', '.join(kernels)}",
     ]
+    if model.normalize is not None:
+        norm = model.normalize
+        lines.append(f"input normalized: (x - mean) / std per channel, mean {list(norm.mean)}, std {list(norm.std)}")
     if model.spec.format != "fusedserve-model/1":
         if model.spec.source:
             lines.append(f"source: {model.spec.source}")
@@ -98,7 +102,8 @@ def describe_model(model) -> str:
         else:
             slow = torch_parts(s, support)
             how = f"fused mode: {', '.join(slow)} as torch ops" if slow else "fused mode: one kernel"
-        lines.append(f"  {s.name}: {ops} ({how}) <- {reads}")
+        normalizes = ", normalizing the input as it loads it" if isinstance(s, Conv2dStep) and s.normalize else ""
+        lines.append(f"  {s.name}: {ops} ({how}{normalizes}) <- {reads}")
     if model.spec.format != "fusedserve-model/1":
         lacking = [k for k, ok in (("conv", support.conv_residual), ("linear", support.linear_residual)) if not ok]
         missing = sorted({"relu6", "hardswish"} - support.activations)
