@@ -117,6 +117,16 @@ def describe_model(model) -> str:
     return "\n".join(lines)
 
 
+def _numbers(text: str) -> list[float]:
+    """`--mean 123.675,116.28,103.53`: comma-separated numbers."""
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers (123.675,116.28,103.53); got {text!r}"
+        ) from None
+
+
 def _import(args: argparse.Namespace) -> int:
     from .model.onnx_import import read_labels
     from .model.spec import ModelFormatError
@@ -124,7 +134,8 @@ def _import(args: argparse.Namespace) -> int:
 
     try:
         labels = read_labels(args.labels) if args.labels else None
-        out = import_to_dir(Path(args.model), Path(args.out_dir), name=args.name, labels=labels)
+        out = import_to_dir(Path(args.model), Path(args.out_dir), name=args.name, labels=labels,
+                            input_dtype=args.input_dtype, mean=args.mean, std=args.std)  # fmt: skip
         from .model.loader import load_model
 
         model = load_model(out)
@@ -164,6 +175,12 @@ def main(argv: list[str] | None = None, extend=None) -> int:
     imp.add_argument("out_dir", help="the model directory to write")
     imp.add_argument("--name", help="the model's name (default: the directory's name)")
     imp.add_argument("--labels", help="a file of output labels: a JSON list or one per line")
+    imp.add_argument("--input-dtype", choices=["float32", "uint8"], default="float32",
+                     help="what clients send: float32, or uint8 pixels 0-255 (a quarter of the bytes)")  # fmt: skip
+    for stat, other in (("mean", "std"), ("std", "mean")):
+        imp.add_argument(f"--{stat}", type=_numbers, metavar="A,B,C",
+                         help=f"the input's {stat}, one per channel (with --{other}): the model computes on "
+                         "(x - mean) / std, normalized as its first conv loads x")  # fmt: skip
     imp.set_defaults(func=_import)
     from . import ab_report
 

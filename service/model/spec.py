@@ -261,6 +261,17 @@ class Normalize(BaseModel):
         return self
 
 
+def input_fields(dtype: str = "float32", mean: list[float] | None = None, std: list[float] | None = None) -> dict:
+    """The `input` fields an importer adds for what the user declared: the dtype clients send, and a normalization
+    (mean and std, both or neither). The loader checks them as it checks a hand-written config."""
+    if (mean is None) != (std is None):
+        raise ModelFormatError("input.normalize: give both mean and std (one value of each per channel), or neither")
+    fields: dict = {"dtype": dtype}
+    if mean is not None:
+        fields["normalize"] = {"mean": list(mean), "std": list(std)}
+    return fields
+
+
 class InputSpec(BaseModel):
     """The model's input: its per-row shape and the dtype clients send it in. `uint8` (pixels 0-255): a quarter of
     float32's bytes from the client to the GPU; the first conv (or a normalization step) turns them into the
