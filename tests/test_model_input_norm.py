@@ -159,3 +159,38 @@ def test_input_read_by_two_ops_is_normalized_once(tmp_path):
     x = _pixels(2)
     fused, unfused = (_forward(model, mode, x, torch.float32) for mode in ("fused", "unfused"))
     assert_close_to(fused, unfused.double(), RTOL_VS_UNFUSED[torch.float32], "fused vs unfused")
+
+
+# ---- the runner: uint8 rows in, copied to the device as uint8 ----
+
+
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+def test_runner_takes_uint8_rows(tmp_path, mode):
+    from service.model.runner import ModelRunner
+
+    d = write_pixel_model(tmp_path / "m", seed=9)
+    runner = ModelRunner(load_model(d), mode, DEVICE, "float32", max_batch_size=4)
+    assert runner.executor.input_dtype == torch.uint8
+    x = _pixels(3)
+    got = runner.run(x.numpy())
+    assert_close_to(torch.from_numpy(got), _reference(d, x, torch.float32), 3 * RTOL[torch.float32], mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+def test_gpu_graphs_stage_uint8_pixels(tmp_path, mode, dtype):
+    """On CUDA the graphs' pinned input and static input are uint8 (a quarter of fp32's bytes cross to the GPU), and
+    a replayed batch answers as the float64 reference does."""
+    from service.model.runner import DTYPES as RUNNER_DTYPES
+    from service.model.runner import ModelRunner
+
+    d = write_pixel_model(tmp_path / "m", seed=10)
+    runner = ModelRunner(load_model(d), mode, torch.device("cuda"), dtype, max_batch_size=8)
+    runner.warmup(8)
+    assert runner.graphs.host_in.dtype == torch.uint8
+    x = _pixels(5)
+    got = torch.from_numpy(runner.run(x.numpy()))
+    rtol = 3 * (RTOL if mode == "fused" else RTOL_VS_UNFUSED)[RUNNER_DTYPES[dtype]]
+    rtol = max(rtol, 5e-3) if dtype == "float32" else rtol  # TF32 convs on the GPU by torch's default
+    assert_close_to(got, _reference(d, x, RUNNER_DTYPES[dtype]), rtol, f"{mode} {dtype}")

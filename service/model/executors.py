@@ -241,6 +241,14 @@ class Executor:
         self.input_dtype = model.input_dtype if model.input_dtype == torch.uint8 else dtype
         self._cast_input = self.input_dtype != dtype and model.normalize is None
 
+    def example_input(self, rows: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Random rows as forward takes them, on the device: pixels 0-255 for a uint8 input, else N(0, 1) in the
+        compute dtype (warm-ups and graph captures)."""
+        shape = (rows, *self.model.input_shape)
+        if self.input_dtype == torch.uint8:
+            return torch.randint(0, 256, shape, generator=generator, device=self.device, dtype=torch.uint8)
+        return torch.randn(shape, generator=generator, device=self.device).to(self.dtype)
+
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype).contiguous()
 
