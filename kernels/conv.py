@@ -20,6 +20,12 @@ Two ways through K (a meta-parameter the tuner picks between):
 - taps: one (kh, kw) tap at a time, BLOCK_K channels per step, so the row addresses and their padding masks
   are computed once per step, and with channels_last x the BLOCK_K channels are contiguous (16-byte loads).
 
+Input normalization (a model's first conv, whose input is the image as the client sent it): with
+`input_norm=(scale, shift)` each gathered element of A is x * scale[c] + shift[c] in fp32 where it lies inside the
+image and exactly 0 in the padding (torch's conv2d((x - mean) / std, padding=p): the padding comes after the
+normalization), then rounded to the weights' dtype for tl.dot. x may then be uint8 (a pixel as sent: a quarter of
+fp32's bytes from the client to the GPU) or any float dtype; y takes the weights' dtype.
+
 Layouts: x in torch's contiguous NCHW or channels_last (NHWC) memory format, any strides in fact; y comes
 back in x's memory format. With channels_last both the gathers (along C) and the store (along OC) are
 contiguous: a model should convert its input to channels_last once and stay there (the weights may stay
@@ -57,6 +63,7 @@ from .tiles import (
 from .tuning import LaunchConfig, scope_for, tune
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+NORM_X_DTYPES = (torch.uint8, *SUPPORTED_DTYPES)  # x's dtypes with input_norm (pixels as sent)
 POOL_KERNELS = (_pool_rows_kernel, _pool_channels_kernel)  # in the tuning scope: APART candidates run them
 
 
@@ -83,11 +90,26 @@ def _y_tile(base, n, rows, out_h, out_w, cols, stride_yn, stride_yc, stride_yh, 
     return y_rows[:, None] + (cols * stride_yc)[None, :]  # unclamped cols: contiguous along O for NHWC y
 
 
+@triton.jit
+def _normalized(a, a_ok, scale_ptr, shift_ptr, c, c_ok, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """A gathered (BLOCK_M, BLOCK_K) tile of x at channels `c` (valid where `c_ok`) as the conv's operand: x * scale[c]
+    + shift[c] in fp32 where `a_ok` (inside the image), 0 in the padding, rounded once to DTYPE. ROUND_BF16: to
+    nearest by hand (the interpreter's cast truncates, and 147 truncations of the stem's K, all toward zero, moved
+    outputs by 2e-2)."""
+    scale = tl.load(scale_ptr + c, mask=c_ok, other=0.0)
+    shift = tl.load(shift_ptr + c, mask=c_ok, other=0.0)
+    value = tl.where(a_ok, a.to(tl.float32) * scale[None, :] + shift[None, :], 0.0)
+    if ROUND_BF16:
+        value = round_to_bf16(value)
+    return value.to(DTYPE)
+
+
 @triton.jit(do_not_specialize=["NB"])
 def _conv2d_kernel(
     # pointers (r_ptr: the residual, with y's strides; unused without HAS_RESIDUAL)
     x_ptr, w_ptr, b_ptr, y_ptr, r_ptr,
     ws_ptr, cnt_ptr,  # split-K partial tiles and per-tile arrival counters (tiles.split_k_sum); unused at SPLIT_K 1
+    xs_ptr, xb_ptr,  # fp32 per-channel scale and shift of x (HAS_INPUT_NORM only; else any pointer, never read)
     # sizes (the batch NB is the only run-time one; the GEMM's M = NB * OH * OW)
     NB, OC,
     # strides
@@ -117,6 +139,7 @@ def _conv2d_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,  # programs per output tile, each over 1/SPLIT_K of the K steps; only with POOL "none"
+    HAS_INPUT_NORM: tl.constexpr = False,  # A = x * scale[c] + shift[c] inside the image, 0 in the padding
 ):  # fmt: skip
     tl.static_assert(POOL == "none" or not HAS_RESIDUAL, "a residual is added to the conv's output, never pooled")
     if PDL:  # the next layer may start; this one waits for the previous layer (below) before reading x
@@ -179,6 +202,8 @@ def _conv2d_kernel(
                 a_ok = (m_ok[:, None] & k_ok[None, :]) & ((ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))
                 x_k = c * stride_xc + (kh * DH) * stride_xh + (kw * DW) * stride_xw
                 a = tl.load(x_corner[:, None] + x_k[None, :], mask=a_ok, other=0.0)
+                if HAS_INPUT_NORM:
+                    a = _normalized(a, a_ok, xs_ptr, xb_ptr, c, k_ok, w_ptr.dtype.element_ty, ROUND_BF16)
                 w_k = c * stride_wc + kh * stride_wh + kw * stride_ww
                 b = tl.load(w_cols[None, :] + w_k[:, None], mask=k_ok[:, None], other=0.0)
                 if UPCAST_DOT:
@@ -201,7 +226,10 @@ def _conv2d_kernel(
                 row_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
                 c_ok = offs_k < C - c0  # `arange < scalar`: constant over runs, so loads stay vectorised
                 x_step = c0 * stride_xc + (kh * DH) * stride_xh + (kw * DW) * stride_xw
-                a = tl.load(a_tile + x_step, mask=row_ok[:, None] & c_ok[None, :], other=0.0)
+                a_ok = row_ok[:, None] & c_ok[None, :]
+                a = tl.load(a_tile + x_step, mask=a_ok, other=0.0)
+                if HAS_INPUT_NORM:
+                    a = _normalized(a, a_ok, xs_ptr, xb_ptr, c0 + offs_k, c_ok, w_ptr.dtype.element_ty, ROUND_BF16)
                 b = tl.load(b_tile + (c0 * stride_wc + kh * stride_wh + kw * stride_ww), mask=c_ok[:, None], other=0.0)
                 if UPCAST_DOT:
                     a = a.to(tl.float32)
@@ -251,7 +279,9 @@ def m_bucket(m: int) -> int:
     return min(1 << max(m - 1, 0).bit_length(), 1 << 20)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> None:
+def _check(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, input_norm: tuple | None = None
+) -> None:
     check_activation(activation)
     if x.dim() != 4:
         raise ValueError(f"x must be 4-D (N, C, H, W); got shape {tuple(x.shape)}")
@@ -264,20 +294,43 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
             f"x has C={x.shape[1]} channels but weight (OC, C, KH, KW) has C={weight.shape[1]} (groups=1 only)"
         )
     for t, name in ((x, "x"), (weight, "weight")):
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; fused_conv2d supports float32, float16, bfloat16")
+        if t.dtype not in SUPPORTED_DTYPES and not (t is x and input_norm is not None and t.dtype in NORM_X_DTYPES):
+            also = " (and uint8 x with input_norm)" if t is x else ""
+            raise TypeError(f"{name} has dtype {t.dtype}; fused_conv2d supports float32, float16, bfloat16{also}")
         if t.numel() >= 2**31:
             raise ValueError(f"{name} has {t.numel()} elements; the kernel indexes with int32 (< 2**31)")
         check_device(t, name)
-    if weight.dtype != x.dtype:
+    if input_norm is not None:
+        _check_input_norm(input_norm, x)
+    elif weight.dtype != x.dtype:
         raise TypeError(f"x has dtype {x.dtype} but weight has {weight.dtype}; cast them to one dtype")
     if weight.device != x.device:
         raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
     if bias is not None:
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias must have shape ({weight.shape[0]},) to match weight; got {tuple(bias.shape)}")
-        if bias.dtype != x.dtype or bias.device != x.device:
-            raise TypeError(f"bias has dtype {bias.dtype} on {bias.device}; want {x.dtype} on {x.device}")
+        if bias.dtype != weight.dtype or bias.device != x.device:
+            raise TypeError(f"bias has dtype {bias.dtype} on {bias.device}; want {weight.dtype} on {x.device}")
+
+
+def _check_input_norm(input_norm: tuple, x: torch.Tensor) -> None:
+    if not isinstance(input_norm, (tuple, list)) or len(input_norm) != 2:
+        raise ValueError(f"input_norm must be (scale, shift), two fp32 tensors of x's channels; got {input_norm!r}")
+    for t, name in zip(input_norm, ("scale", "shift"), strict=True):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (x.shape[1],):
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
+            raise ValueError(f"input_norm's {name} must be a float32 tensor of shape ({x.shape[1]},); got {got}")
+        if t.device != x.device or not t.is_contiguous():
+            raise ValueError(f"input_norm's {name} must be contiguous on {x.device}; got one on {t.device}")
+
+
+def input_norm_of(mean, std, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, shift) = (1 / std, -mean / std) per channel, computed in float64 and stored as float32: the
+    `input_norm` that makes the conv see (x - mean) / std."""
+    mean = torch.as_tensor(mean, dtype=torch.float64)
+    std = torch.as_tensor(std, dtype=torch.float64)
+    scale, shift = 1.0 / std, -mean / std
+    return scale.to(device=device, dtype=torch.float32), shift.to(device=device, dtype=torch.float32)
 
 
 _configs: dict[tuple, LaunchConfig] = {}  # per (layer signature, M bucket): the tuned config
@@ -313,6 +366,7 @@ def fused_conv2d(
     memory_format: torch.memory_format | None = None,
     out: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    input_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """act(conv2d(x, weight, bias) [+ residual]); x (N, C, H, W) contiguous NCHW (or channels_last), weight
     (OC, C, KH, KW); returns (N, OC, OH, OW) in x's dtype, channels_last if x or weight is (as torch does), else
@@ -335,8 +389,15 @@ def fused_conv2d(
     ResNet block's relu(conv(x) + identity), its BatchNorm folded into weight and bias) and read once in the
     epilogue. Read at the output's offsets: one in another layout than the output's (NCHW for an NHWC output, or
     the reverse) is copied into it first, one more kernel. Not with `pool` (ValueError), nor in `out`'s memory.
+
+    input_norm: None, or (scale, shift), float32 tensors of shape (C,) on x's device (`input_norm_of(mean, std)`):
+    the conv reads x * scale[c] + shift[c] inside the image and 0 in the padding, i.e. conv2d((x - mean) / std)
+    with the padding after the normalization. x may then be uint8 or any float dtype, and y (and the bias and the
+    residual) take the weight's dtype. Never the TMA kernel (it copies x's boxes as they are).
     """
-    _check(x, weight, bias, activation)
+    _check(x, weight, bias, activation, input_norm)
+    dtype = weight.dtype  # the compute dtype: x's, or with input_norm the weight's (x may be uint8)
+    has_norm = input_norm is not None
     s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
     if min(s) < 1 or min(d) < 1 or min(p) < 0:
         raise ValueError(f"stride and dilation must be >= 1 and padding >= 0; got {s}, {d}, {p}")
@@ -366,9 +427,9 @@ def fused_conv2d(
     channels_last = _channels_last(x)
     fmt = torch.channels_last if channels_last or _channels_last(weight) else torch.contiguous_format
     if out is None:
-        out = torch.empty((N, OC, OH, OW), device=x.device, dtype=x.dtype, memory_format=memory_format or fmt)
-    elif out.shape != (N, OC, OH, OW) or out.dtype != x.dtype or out.device != x.device:
-        want = f"({N}, {OC}, {OH}, {OW}) {x.dtype} tensor on {x.device}"
+        out = torch.empty((N, OC, OH, OW), device=x.device, dtype=dtype, memory_format=memory_format or fmt)
+    elif out.shape != (N, OC, OH, OW) or out.dtype != dtype or out.device != x.device:
+        want = f"({N}, {OC}, {OH}, {OW}) {dtype} tensor on {x.device}"
         raise ValueError(f"out must be a {want}; got {tuple(out.shape)} {out.dtype} on {out.device}")
     has_residual = residual is not None
     if has_residual:
@@ -382,9 +443,10 @@ def fused_conv2d(
         allow_tf32 = torch.backends.cudnn.allow_tf32
     if bias is None and not interpreting():
         bias = _zeros_for(weight)  # see _zeros_for: never the HAS_BIAS=False variant on a GPU
-    fixed = gemm_flags(bias is not None, activation, x.dtype, allow_tf32, x.device)
+    fixed = gemm_flags(bias is not None, activation, dtype, allow_tf32, x.device)
     geometry = dict(C=C, H=H, W=W, KH=KH, KW=KW, SH=s[0], SW=s[1], PH=p[0], PW=p[1], DH=d[0], DW=d[1])
     K = C * KH * KW
+    norm = tuple(input_norm) if has_norm else (weight, weight)  # without: pointers never read
     workspace = _workspaces.get(x.device)
     if workspace is None:
         workspace = _workspaces[x.device] = SplitKWorkspace(x.device)
@@ -401,18 +463,18 @@ def fused_conv2d(
         tiles = triton.cdiv(N * oh * ow, meta["BLOCK_M"]) * triton.cdiv(OC, meta["BLOCK_N"])
         ws, cnt = workspace.get(tiles, meta["BLOCK_M"] * meta["BLOCK_N"], meta["SPLIT_K"])
         return _conv2d_kernel[(tiles * meta["SPLIT_K"],)](
-            x, weight, bias if bias is not None else weight, y, residual if has_residual else y, ws, cnt,
+            x, weight, bias if bias is not None else weight, y, residual if has_residual else y, ws, cnt, *norm,
             N, OC,
             *x.stride(), *weight.stride(), *y.stride(),
             float(negative_slope),
             **geometry, OH=oh, OW=ow, **window, HAS_RESIDUAL=has_residual, **fixed, CHANNELS_LAST=channels_last,
-            Y_PLANES=y.stride()[1:] == (oh * ow, ow, 1), **meta, **launch_options(fixed),
+            Y_PLANES=y.stride()[1:] == (oh * ow, ow, 1), HAS_INPUT_NORM=has_norm, **meta, **launch_options(fixed),
         )  # fmt: skip
 
     # The TMA kernel (conv_tma.py) where it can run: stride 1, x and weight channels_last, 16-byte rows; with a
     # residual too (read with pointers at y's offsets, so any layout of y).
     tma_pool = None if POOL == "none" else (POOL, (PKH, PKW), (PSH, PSW))
-    tma = conv_tma.eligible(x, weight, s, tma_pool, out)
+    tma = not has_norm and conv_tma.eligible(x, weight, s, tma_pool, out)
     tma_geometry = dict(geometry, OH=CH, OW=CW)
     del tma_geometry["SH"], tma_geometry["SW"]
 
@@ -425,7 +487,7 @@ def fused_conv2d(
         if not meta.pop("APART", 0):
             return launch(out, meta, POOL != "none")
         # The pool apart: the conv (+ bias + act) to its full-size output, then one fused_pool2d kernel.
-        conv_out = torch.empty((N, OC, CH, CW), device=x.device, dtype=x.dtype, memory_format=fmt)
+        conv_out = torch.empty((N, OC, CH, CW), device=x.device, dtype=dtype, memory_format=fmt)
         launch(conv_out, meta, False)
         return fused_pool2d(conv_out, POOL, (PKH, PKW), (PSH, PSW), out=out)
 
@@ -438,11 +500,11 @@ def fused_conv2d(
     bucket = m_bucket(M)
     signature = (tuple(weight.shape), weight.stride(), x.shape[1:], x.stride()[1:], x.dtype, s, p, d, activation,
                  bias is not None, fixed["INPUT_PRECISION"], channels_last, y_planes, bucket, POOL, PKH, PKW, PSH, PSW,
-                 tma, has_residual)  # fmt: skip
+                 tma, has_residual, dtype, has_norm)  # fmt: skip
     config = _configs.get(signature)
     if config is None:
         key = (
-            f"OC{OC}|C{C}|H{H}|W{W}|k{KH}x{KW}|s{s}|p{p}|d{d}|{x.dtype}|{activation}|bias={bias is not None}"
+            f"OC{OC}|C{C}|H{H}|W{W}|k{KH}x{KW}|s{s}|p{p}|d{d}|{dtype}|{activation}|bias={bias is not None}"
             f"|{fixed['INPUT_PRECISION']}|{'nhwc' if channels_last else 'nchw'}|y={'nchw' if y_planes else 'nhwc'}"
             f"|m{bucket}"
         )
@@ -450,11 +512,14 @@ def fused_conv2d(
             key += "|tma"
         if has_residual:  # one more read in the epilogue: timed apart
             key += "|residual"
+        if has_norm:  # another kernel variant (HAS_INPUT_NORM), gathering x in its own dtype (uint8: 1 byte)
+            key += f"|norm|x={x.dtype}"
         if POOL != "none":
             key += f"|pool={POOL}{PKH}x{PKW}s{PSH}x{PSW}"
         scope = scope_for(
             "conv2d",
             _conv2d_kernel,
+            _normalized,
             _split_range,
             _y_tile,
             grouped_tile,
@@ -465,19 +530,19 @@ def fused_conv2d(
             conv_tma._pool_tile,
             conv_tma._box_offsets,
         )
-        fma = x.dtype == torch.float32 and fixed["INPUT_PRECISION"] == "ieee"
+        fma = dtype == torch.float32 and fixed["INPUT_PRECISION"] == "ieee"
         sms = device_limits(x.device)[0]
-        candidates = cuda_configs(bucket, OC, C, K, fma, POOL != "none", sms, x.element_size())
+        candidates = cuda_configs(bucket, OC, C, K, fma, POOL != "none", sms, weight.element_size(), has_norm)
         if POOL != "none" and triton.cdiv(bucket, 64) * triton.cdiv(OC, _fit(OC, 16, 128)) < sms:
             # Pooled, the kernel runs PKH * PKW K loops per tile over a quarter of the tiles (2x2): where that
             # leaves SMs idle, the conv apart at full size (split-K allowed) and then the pool may win.
-            unpooled = cuda_configs(m_bucket(N * CH * CW), OC, C, K, fma, False, sms, x.element_size())
+            unpooled = cuda_configs(m_bucket(N * CH * CW), OC, C, K, fma, False, sms, weight.element_size(), has_norm)
             candidates += [LaunchConfig(c.kwargs + (("APART", 1),), c.num_warps, c.num_stages) for c in unpooled]
             # The pool's own tuning runs here, once, not inside the tuner's CUDA-graph capture of a candidate.
-            fused_pool2d(torch.empty((N, OC, CH, CW), device=x.device, dtype=x.dtype, memory_format=fmt),
+            fused_pool2d(torch.empty((N, OC, CH, CW), device=x.device, dtype=dtype, memory_format=fmt),
                          POOL, (PKH, PKW), (PSH, PSW))  # fmt: skip
         if tma:  # (PKH, PKW) is (1, 1) without a pool
-            candidates += conv_tma.cuda_configs(m_bucket(N * CH * CW), OC, C, CH, CW, (PKH, PKW), x.element_size())
+            candidates += conv_tma.cuda_configs(m_bucket(N * CH * CW), OC, C, CH, CW, (PKH, PKW), weight.element_size())
         config = tune(scope, key, candidates, run)
         _configs[signature] = config
     run(config)
@@ -500,6 +565,7 @@ def cuda_configs(
     pooled: bool = False,
     sms: int = 132,
     element_size: int = 2,
+    norm: bool = False,
 ) -> list[LaunchConfig]:
     """Candidates the tuner times for one layer and M bucket. The GEMM is tall and thin (M up to millions,
     OC 16-128, K = C * KH * KW 9-1152): BLOCK_N covers all of OC when it can, BLOCK_K no wider than K (few
@@ -534,7 +600,9 @@ def cuda_configs(
     def cfg(warps, stages, bm, bn, bk, flat, split=1):
         return LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLAT_K=flat, SPLIT_K=split)
 
-    tiles = [(64, 4, 4), (128, 8, 3)] + ([(128, 4, 3)] if bn <= 64 and not pooled else [])
+    # `norm` (input_norm: the gathered tile normalized in fp32 before the dot): 128x64x32 on 4 warps spilled 16
+    # bytes (fp16, the 7x7/2 stem at 224x224, uint8 NCHW x), so 128-row tiles run on 8 warps there too.
+    tiles = [(64, 4, 4), (128, 8, 3)] + ([(128, 4, 3)] if bn <= 64 and not pooled and not norm else [])
     out = []
     for flat in flats:
         for bk in ks:

@@ -53,14 +53,31 @@ def conv2d(
     dilation=(1, 1),
     negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
     residual: torch.Tensor | None = None,
+    normalize: tuple | None = None,
 ) -> torch.Tensor:
     """act(conv2d(x, weight) + bias [+ residual]) as eager torch runs it: F.conv2d with the bias (cuDNN adds it
     in the conv kernel, or as its own add), the residual (the conv's output shape) as its own add, as a ResNet
-    block's relu(bn(conv(x)) + identity) runs, then the activation as its own kernel. groups=1."""
+    block's relu(bn(conv(x)) + identity) runs, then the activation as its own kernel. groups=1.
+
+    normalize: None, or (mean, std) per input channel: x (uint8 pixels or any float dtype) becomes (x - mean) / std
+    in the weight's dtype first (`normalize_input`, two more kernels), and the conv pads that with zeros, as
+    conv2d((x - mean) / std, padding=p) does."""
+    if normalize is not None:
+        x = normalize_input(x, *normalize, dtype=weight.dtype)
     y = F.conv2d(x, weight, bias, stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation))
     if residual is not None:
         y = y + residual
     return torch_activation(y, activation, negative_slope)
+
+
+def normalize_input(x: torch.Tensor, mean, std, *, dtype: torch.dtype) -> torch.Tensor:
+    """(x - mean[c]) / std[c] per channel (dim 1) in dtype: computed in fp32 (float64 for a float64 dtype) from x
+    as given (uint8 pixels or floats), then rounded once to dtype, as the fused conv rounds its normalized operand."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    mean = torch.as_tensor(mean, dtype=work, device=x.device).reshape(shape)
+    std = torch.as_tensor(std, dtype=work, device=x.device).reshape(shape)
+    return ((x.to(work) - mean) / std).to(dtype)
 
 
 def pool2d(

@@ -71,14 +71,18 @@ def describe_model(model) -> str:
     """check-model's report: a summary line, the fused plan's kernels on one line, then the graph (format 2) and
     each step: the ops it runs, what it reads, and what the fused mode runs as torch ops instead of a kernel."""
     from .model.executors import kernel_support, torch_parts
-    from .model.planner import FlattenStep, fused_steps, kernel_names, step_ops
+    from .model.planner import Conv2dStep, FlattenStep, fused_steps, kernel_names, step_ops
 
-    steps = fused_steps(model.ops, model.tensors)  # what the executors run
+    steps = fused_steps(model.ops, model.tensors, normalize=model.normalize)  # what the executors run
     kernels = kernel_names(steps)
     lines = [
-        f"{model.name}: input {model.input_shape} -> {model.output_features} outputs; {len(model.ops)} ops",
+        f"{model.name}: input {model.input_shape}{' uint8' if model.spec.input.dtype == 'uint8' else ''} -> "
+        f"{model.output_features} outputs; {len(model.ops)} ops",
         f"fused plan ({len(kernels)} kernel{'s' if len(kernels) != 1 else ''}): {', '.join(kernels)}",
     ]
+    if model.normalize is not None:
+        norm = model.normalize
+        lines.append(f"input normalized: (x - mean) / std per channel, mean {list(norm.mean)}, std {list(norm.std)}")
     if model.spec.format != "fusedserve-model/1":
         if model.spec.source:
             lines.append(f"source: {model.spec.source}")
@@ -98,7 +102,8 @@ def describe_model(model) -> str:
         else:
             slow = torch_parts(s, support)
             how = f"fused mode: {', '.join(slow)} as torch ops" if slow else "fused mode: one kernel"
-        lines.append(f"  {s.name}: {ops} ({how}) <- {reads}")
+        normalizes = ", normalizing the input as it loads it" if isinstance(s, Conv2dStep) and s.normalize else ""
+        lines.append(f"  {s.name}: {ops} ({how}{normalizes}) <- {reads}")
     if model.spec.format != "fusedserve-model/1":
         lacking = [k for k, ok in (("conv", support.conv_residual), ("linear", support.linear_residual)) if not ok]
         missing = sorted({"relu6", "hardswish"} - support.activations)
@@ -112,6 +117,16 @@ def describe_model(model) -> str:
     return "\n".join(lines)
 
 
+def _numbers(text: str) -> list[float]:
+    """`--mean 123.675,116.28,103.53`: comma-separated numbers."""
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers (123.675,116.28,103.53); got {text!r}"
+        ) from None
+
+
 def _import(args: argparse.Namespace) -> int:
     from .model.onnx_import import read_labels
     from .model.spec import ModelFormatError
@@ -119,7 +134,8 @@ def _import(args: argparse.Namespace) -> int:
 
     try:
         labels = read_labels(args.labels) if args.labels else None
-        out = import_to_dir(Path(args.model), Path(args.out_dir), name=args.name, labels=labels)
+        out = import_to_dir(Path(args.model), Path(args.out_dir), name=args.name, labels=labels,
+                            input_dtype=args.input_dtype, mean=args.mean, std=args.std)  # fmt: skip
         from .model.loader import load_model
 
         model = load_model(out)
@@ -159,6 +175,12 @@ def main(argv: list[str] | None = None, extend=None) -> int:
     imp.add_argument("out_dir", help="the model directory to write")
     imp.add_argument("--name", help="the model's name (default: the directory's name)")
     imp.add_argument("--labels", help="a file of output labels: a JSON list or one per line")
+    imp.add_argument("--input-dtype", choices=["float32", "uint8"], default="float32",
+                     help="what clients send: float32, or uint8 pixels 0-255 (a quarter of the bytes)")  # fmt: skip
+    for stat, other in (("mean", "std"), ("std", "mean")):
+        imp.add_argument(f"--{stat}", type=_numbers, metavar="A,B,C",
+                         help=f"the input's {stat}, one per channel (with --{other}): the model computes on "
+                         "(x - mean) / std, normalized as its first conv loads x")  # fmt: skip
     imp.set_defaults(func=_import)
     from . import ab_report
 

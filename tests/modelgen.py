@@ -311,3 +311,35 @@ def cnn_spec_id(spec: dict) -> str:
         else:
             parts[-1] += "." + _act_label(layer)
     return "-".join(parts)
+
+
+# ImageNet's mean and std in 0-255 pixels (torchvision's), for 3-channel image models that normalize their input
+IMAGENET_MEAN = [123.675, 116.28, 103.53]
+IMAGENET_STD = [58.395, 57.12, 57.375]
+# a ResNet-like stem on a small image: conv 7x7/2 padding 3 (3x16x16 -> 8x16x8x8) + relu, a global average pool, a
+# linear head of 10
+STEM_CNN = [
+    {"op": "conv2d", "out": 8, "kernel": 7, "stride": 2, "padding": 3}, {"op": "relu"},
+    {"op": "avgpool2d", "kernel_size": 8}, {"op": "flatten"}, {"op": "linear", "out": 10},
+]  # fmt: skip
+
+
+def write_pixel_model(
+    dir: Path | str,
+    layers: list[dict] = STEM_CNN,
+    input_shape: list[int] = (3, 16, 16),
+    seed: int = 0,
+    *,
+    dtype: str = "uint8",
+    mean: list[float] | None = IMAGENET_MEAN,
+    std: list[float] | None = IMAGENET_STD,
+    name: str = "pixel-cnn",
+) -> Path:
+    """write_cnn_model whose input is `dtype` pixels ("uint8" or "float32"), normalized by mean and std (None: not)."""
+    dir = write_cnn_model(dir, list(input_shape), layers, seed, name=name)
+    config = json.loads((dir / "config.json").read_text())
+    config["input"]["dtype"] = dtype
+    if mean is not None:
+        config["input"]["normalize"] = {"mean": list(mean), "std": list(std)}
+    (dir / "config.json").write_text(json.dumps(config, indent=1))
+    return dir

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -347,6 +348,48 @@ def test_broadcasting_add_of_two_tensors(tmp_path):
     add = helper.make_node("Add", ["c", "g"], ["y"], name="bcast")
     path = _conv_file(tmp_path / "b.onnx", [pool, add], ["N", 4, 8, 8])
     _refused(path, "node 'bcast' (Add): adds per-row shapes (4, 8, 8) and (4, 1, 1); only tensors of one shape")
+
+
+def test_import_cli_declares_uint8_pixels_and_their_normalization(exported, tmp_path, capsys):
+    """--input-dtype uint8 --mean --std: the config says so, and the model served on uint8 pixels is the imported
+    graph on (x - mean) / std."""
+    src = exported["resnet", "torchscript"]
+    out = tmp_path / "pixels"
+    mean, std = "123.675,116.28,103.53", "58.395,57.12,57.375"
+    assert main(["import", str(src), str(out), "--input-dtype", "uint8", "--mean", mean, "--std", std]) == 0
+    assert "input (3, 8, 8) uint8 -> 10 outputs" in capsys.readouterr().out
+    cfg = json.loads((out / "config.json").read_text())
+    stats = {"mean": [123.675, 116.28, 103.53], "std": [58.395, 57.12, 57.375]}
+    assert cfg["input"]["dtype"] == "uint8" and cfg["input"]["normalize"] == stats
+    x = torch.randint(0, 256, (3, 3, 8, 8), dtype=torch.uint8)
+    normalized = (x.float() - torch.tensor(stats["mean"]).reshape(1, 3, 1, 1)) / torch.tensor(stats["std"]).reshape(
+        1, 3, 1, 1
+    )
+    with torch.inference_mode():
+        a = Executor(load_model(out), "unfused", torch.device("cpu"), torch.float32).forward(x)
+        b = Executor(load_onnx(src), "unfused", torch.device("cpu"), torch.float32).forward(normalized)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--mean", "1,2,3"], "cannot import: input.normalize: give both mean and std"),
+        (["--mean", "1,2", "--std", "1,2"], "input.normalize: 2 mean and std values but the input has 3 channels"),
+        (["--mean", "1,2,3", "--std", "1,0,2"], r"input.normalize: std\[1\] is 0.0; each std must be > 0"),
+    ],
+    ids=["mean-alone", "count", "std-zero"],
+)
+def test_import_cli_refuses_a_bad_normalization(exported, tmp_path, capsys, args, message):
+    out = tmp_path / "bad"
+    assert main(["import", str(exported["resnet", "torchscript"]), str(out), *args]) == 1
+    assert re.search(message, capsys.readouterr().err) and not out.exists()
+
+
+def test_import_cli_refuses_what_is_not_numbers(exported, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["import", str(exported["resnet", "torchscript"]), str(tmp_path / "o"), "--mean", "a,b,c"])
+    assert "expected comma-separated numbers (123.675,116.28,103.53); got 'a,b,c'" in capsys.readouterr().err
 
 
 def test_check_model_cli_refuses_with_the_node(tmp_path, capsys):

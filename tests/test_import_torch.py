@@ -111,3 +111,21 @@ def test_a_module_of_two_inputs(tmp_path):
 
         program = torch.export.export(module, (torch.randn(2, 3), torch.randn(2, 3)))
         _Exporter(program).run()
+
+
+def test_export_declares_uint8_pixels_and_their_normalization(tmp_path):
+    """input_dtype, mean, std: the served model takes uint8 pixels and runs the module on (x - mean) / std."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 5 * 6, 7))
+    mean, std = [120.0, 110.0, 100.0], [60.0, 55.0, 50.0]
+    out = export_module(module, torch.randn(2, 3, 5, 6), tmp_path / "m", input_dtype="uint8", mean=mean, std=std)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["input"]["dtype"] == "uint8" and cfg["input"]["normalize"] == {"mean": mean, "std": std}
+    model = load_model(out)
+    x = torch.randint(0, 256, (3, 3, 5, 6), dtype=torch.uint8)
+    want = module((x.float() - torch.tensor(mean).reshape(1, 3, 1, 1)) / torch.tensor(std).reshape(1, 3, 1, 1))
+    with torch.inference_mode():
+        got = Executor(model, "unfused", torch.device("cpu"), torch.float32).forward(x)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ModelFormatError, match=r"input\.normalize: 2 mean and std values but the input has 3"):
+        export_module(module, torch.randn(2, 3, 5, 6), tmp_path / "bad", mean=[1.0, 2.0], std=[1.0, 2.0])

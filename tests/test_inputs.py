@@ -101,3 +101,38 @@ def test_flat_models_keep_their_messages():
     assert refused([[*range(9), [1, 2], *range(54)]], (64,)).startswith("inputs[0][9] is a list; every value")
     assert refused([list(range(64)), 3], (64,)) == "inputs[1] is 3; each row must be a list of 64 numbers"
     assert refused([PIXELS.tolist()], (64,)).startswith("inputs[0][0] is a list; every value must be a number")
+
+
+# ---- a model of uint8 pixels: integers 0-255, as uint8 ----
+
+
+def test_uint8_rows_in_every_layout():
+    image = np.random.default_rng(1).integers(0, 256, (3, 4, 5))
+    for row in (image.tolist(), image.reshape(-1).tolist(), image.astype(float).tolist()):
+        got = parse_rows(orjson.dumps({"inputs": [row, row]}), (3, 4, 5), 8, "uint8")
+        assert got.dtype == np.uint8 and got.shape == (2, 3, 4, 5) and (got == image).all()
+    mixed = parse_rows(orjson.dumps({"inputs": [image.tolist(), image.reshape(-1).tolist()]}), (3, 4, 5), 8, "uint8")
+    assert (mixed == image).all()
+
+
+@pytest.mark.parametrize(
+    "value,shown",
+    [(256, "256"), (-1, "-1"), (2.5, "2.5"), (255.5, "255.5"), (1e300, "1e+300"), (2**70, "1.1805916207174113e+21")],
+)
+def test_uint8_refusal_names_the_pixel(value, shown):
+    rows = [[0] * 20, [1] * 7 + [value] + [2] * 12]
+    with pytest.raises(InputError) as info:
+        parse_rows(orjson.dumps({"inputs": rows}) if value != 2**70 else _big(rows), (1, 4, 5), 8, "uint8")
+    assert info.value.status == 422
+    assert info.value.message == f"inputs[1][7] is {shown}; this model takes uint8 pixels: integers 0-255"
+
+
+def _big(rows) -> bytes:
+    return ("{" + f'"inputs": {rows}' + "}").encode()  # orjson writes no integer beyond 64 bits
+
+
+@pytest.mark.parametrize("body,message", [(b'{"inputs": [[1, true, 3, 4]]}', "a boolean"),
+                                          (b'{"inputs": [[1, NaN, 3, 4]]}', "every value must be finite")])  # fmt: skip
+def test_uint8_rows_keep_the_general_refusals(body, message):
+    with pytest.raises(InputError, match=message):
+        parse_rows(body, (4,), 8, "uint8")

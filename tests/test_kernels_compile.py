@@ -242,13 +242,14 @@ print(json.dumps({"kernel": "linear", "config": cfg.meta(), "widest_n": max(c["B
 # conv.py's kernel on the wider CNN's 64 -> 128 layer at 32x32, NHWC, 4096 images
 strides = ["stride_xn", "stride_xh", "stride_xw", "stride_wo", "stride_wh", "stride_ww", "stride_yn", "stride_yh",
            "stride_yw"]
-runtime = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, y_ptr=ptr, r_ptr=ptr, ws_ptr="*fp32", cnt_ptr="*i32", NB="i32",
-               OC="i32", negative_slope="fp32", **{s: "i32" for s in strides})
+runtime = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, y_ptr=ptr, r_ptr=ptr, ws_ptr="*fp32", cnt_ptr="*i32", xs_ptr=ptr,
+               xb_ptr=ptr, NB="i32", OC="i32", negative_slope="fp32", **{s: "i32" for s in strides})
 fma = size == 4 and fixed["INPUT_PRECISION"] == "ieee"
 cfg = heaviest(conv.cuda_configs(conv.m_bucket(4096 * 32 * 32), 128, 64, 576, fma, element_size=size),
                lambda c: c["BLOCK_M"])
 meta = dict(C=64, H=32, W=32, OH=32, OW=32, KH=3, KW=3, SH=1, SW=1, PH=1, PW=1, DH=1, DW=1, POOL="none", PKH=1, PKW=1,
-            PSH=1, PSW=1, CHANNELS_LAST=True, Y_PLANES=False, stride_xc=1, stride_yc=1, stride_wc=1, **fixed,
+            PSH=1, PSW=1, CHANNELS_LAST=True, Y_PLANES=False, HAS_INPUT_NORM=False, stride_xc=1, stride_yc=1,
+            stride_wc=1, **fixed,
             **dict(cfg.kwargs))
 divisible = ("OC", "stride_xn", "stride_xh", "stride_xw", "stride_yn", "stride_yh", "stride_yw", "stride_ww")
 _, usage = compile_sm90(conv._conv2d_kernel, runtime, meta, 5, cfg.num_warps, cfg.num_stages, divisible)

@@ -395,7 +395,7 @@ for C, H, W, O, nhwc, pool, images in layers:
     pk = 2 if pool != "none" else 1
     units = ["stride_xc", "stride_yc", "stride_wc"] if nhwc else ["stride_xw", "stride_yw", "stride_ww"]
     runtime = {"x_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "y_ptr": ptr, "r_ptr": ptr, "ws_ptr": "*fp32"}
-    runtime["cnt_ptr"] = "*i32"
+    runtime.update({"cnt_ptr": "*i32", "xs_ptr": ptr, "xb_ptr": ptr})  # input norm's: the weight, never read
     runtime.update({"NB": "i32", "OC": "i32"})
     runtime["negative_slope"] = "fp32"
     runtime.update({s: "i32" for s in strides if s not in units})
@@ -405,7 +405,8 @@ for C, H, W, O, nhwc, pool, images in layers:
         meta = dict(C=C, H=H, W=W, OH=H // pk, OW=W // pk, KH=3, KW=3, SH=1, SW=1, PH=1, PW=1, DH=1, DW=1,
                     POOL=pool, PKH=pk, PKW=pk, PSH=pk, PSW=pk, HAS_BIAS=True, HAS_RESIDUAL=False,
                     ACTIVATION="relu", INPUT_PRECISION=precision, UPCAST_DOT=False, ROUND_BF16=False, PDL=True,
-                    CHANNELS_LAST=nhwc, Y_PLANES=not nhwc, **{u: 1 for u in units}, **dict(cfg.kwargs))
+                    CHANNELS_LAST=nhwc, Y_PLANES=not nhwc, HAS_INPUT_NORM=False, **{u: 1 for u in units},
+                    **dict(cfg.kwargs))
         odd = ("stride_wo", "stride_wh")  # 9 * C and 3 * C (NHWC weight), 9 * C and 3 (NCHW): not multiples of 16
         divisible = ("OC",) + tuple(s for s in runtime if s.startswith("stride") and s not in odd)
         ptx, usage = compile_sm90(conv._conv2d_kernel, runtime, meta, 5, cfg.num_warps, cfg.num_stages, divisible)

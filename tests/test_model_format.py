@@ -729,3 +729,88 @@ def test_check_model_cli_on_shipped_cnn(capsys):
     assert "digits-cnn: input (1, 8, 8) -> 10 outputs; 9 ops" in out
     # the plan the executors run: the max pool rides in the second conv's kernel, the MLP tail is one kernel
     assert "fused plan (3 kernels): conv2d_0_relu, conv2d_1_relu_maxpool2d_0, mlp_0_1" in out
+
+
+# ---- the input: uint8 pixels and a per-channel normalization ----
+
+
+def _normalize(cfg: dict, mean=(120.0, 60.0), std=(50.0, 25.0), dtype="uint8") -> None:
+    cfg["input"].update(dtype=dtype, normalize={"mean": list(mean), "std": list(std)})
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+def test_uint8_and_normalized_inputs_load(cnn_dir, dtype):
+    _edit_config(cnn_dir, lambda c: _normalize(c, dtype=dtype))
+    model = load_model(cnn_dir)
+    assert model.input_dtype == (torch.uint8 if dtype == "uint8" else torch.float32)
+    assert model.normalize.mean == (120.0, 60.0) and model.normalize.std == (50.0, 25.0)
+    # the stem conv (the input's only reader) normalizes as it loads: same steps, same names
+    steps = fused_steps(model.ops, model.tensors, normalize=model.normalize)
+    assert kernel_names(steps) == kernel_names(fused_steps(model.ops, model.tensors))
+    assert steps[0].normalize == model.normalize and all(getattr(s, "normalize", None) is None for s in steps[1:])
+
+
+def test_uint8_without_normalization_loads(model_dir):
+    _edit_config(model_dir, lambda c: c["input"].update(dtype="uint8"))
+    model = load_model(model_dir)
+    assert model.input_dtype == torch.uint8 and model.normalize is None
+
+
+BAD_INPUTS = [
+    ("dtype", lambda c: c["input"].update(dtype="int8"), r"input\.dtype: Input should be 'float32' or 'uint8'"),
+    ("std zero", lambda c: _normalize(c, std=(50.0, 0.0)), r"input\.normalize: std\[1\] is 0\.0; each std must be > 0"),
+    ("std negative", lambda c: _normalize(c, std=(-1.0, 2.0)), r"input\.normalize: std\[0\] is -1\.0; each std must"),
+    (
+        "mean and std counts",
+        lambda c: _normalize(c, mean=(1.0, 2.0, 3.0)),
+        r"input\.normalize: mean has 3 values and std 2; one of each per channel",
+    ),
+    (
+        "one per channel",
+        lambda c: _normalize(c, mean=(1.0, 2.0, 3.0), std=(1.0, 2.0, 3.0)),
+        r"input\.normalize: 3 mean and std values but the input has 2 channels \(shape \(2, 9, 7\)\); one of each",
+    ),
+    ("unknown field", lambda c: c["input"].update(normalize={"mean": [1], "std": [1], "scale": 2}), "scale: Extra"),
+    ("mean missing", lambda c: c["input"].update(normalize={"std": [1.0, 2.0]}), r"input\.normalize\.mean: Field"),
+    ("empty", lambda c: _normalize(c, mean=(), std=()), r"input\.normalize\.mean: List should have at least 1 item"),
+]
+
+
+@pytest.mark.parametrize("edit,message", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_named(cnn_dir, edit, message):
+    _edit_config(cnn_dir, edit)
+    with pytest.raises(ModelFormatError, match=message) as info:
+        load_model(cnn_dir)
+    assert str(info.value).startswith(str(cnn_dir / "config.json") + ": "), str(info.value)
+
+
+def test_non_finite_statistics_from_an_importer_are_named(cnn_dir):
+    """JSON holds no inf or NaN; an importer's config (a dict) can."""
+    from service.model.spec import parse_spec
+
+    cfg = _config(cnn_dir)
+    _normalize(cfg, mean=(1.0, float("nan")), std=(float("inf"), 2.0))
+    with pytest.raises(
+        ModelFormatError, match=r"^import: input\.normalize: mean\[1\] is nan; each mean must be finite"
+    ):
+        parse_spec(cfg, "import")
+    _normalize(cfg, std=(float("inf"), 2.0))
+    with pytest.raises(ModelFormatError, match=r"input\.normalize: std\[0\] is inf; each std must be > 0 and finite"):
+        parse_spec(cfg, "import")
+
+
+def test_normalizing_a_vector_input_is_refused(model_dir):
+    _edit_config(model_dir, lambda c: _normalize(c, mean=[0.0] * 64, std=[1.0] * 64))
+    with pytest.raises(ModelFormatError, match=r"config\.json: input\.normalize: the input has shape \(64,\) per row; "
+                       r"normalization is per channel of an image \(channels, height, width\)"):  # fmt: skip
+        load_model(model_dir)
+
+
+def test_check_model_cli_names_the_normalization(cnn_dir, capsys):
+    _edit_config(cnn_dir, _normalize)
+    assert main(["check-model", str(cnn_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "input (2, 9, 7) uint8 -> 10 outputs" in out
+    assert "input normalized: (x - mean) / std per channel, mean [120.0, 60.0], std [50.0, 25.0]" in out
+    stem = "conv2d_0_relu_maxpool2d_0: conv2d + relu + maxpool2d"
+    assert f"{stem} (fused mode: one kernel, normalizing the input as it loads it)" in out

@@ -158,7 +158,8 @@ class EngineClient:
     # ------------------------------------------------------------------ requests
 
     def submit(self, rows: np.ndarray, deadline: float, arrival: float) -> tuple[int, asyncio.Future]:
-        """Send `rows` ((n, *input_shape) float32) to the least-loaded ready engine, cast to its wire dtype here, on
+        """Send `rows` ((n, *input_shape) float32, or uint8 for a uint8 model) to the least-loaded ready engine, float
+        rows cast to its wire dtype here, on
         this front end's core rather than the engine's one thread; `deadline` and `arrival` are time.monotonic()
         values. The future resolves to (the (n, output_features) float32 outputs, the mode that computed them:
         fused or unfused), or raises EngineError."""
@@ -187,7 +188,9 @@ class EngineClient:
         load[best] += 1
         headers, frames = self._outbox[best]
         code = self._wire[best]
-        if code is None:
+        if rows.dtype == np.uint8:  # a uint8 model's pixels: as they are (service/link/wire.py)
+            code = wire.UINT8
+        elif code is None:
             code = wire.FLOAT32
         dtype = wire.DTYPES[code]
         arena = self._arenas[best]

@@ -1,4 +1,4 @@
-"""Validate a /predict body into one float32 array before it can join a batch.
+"""Validate a /predict body into one float32 array (uint8 for a model of uint8 pixels) before it can join a batch.
 
 Parsing must not dominate a microsecond-scale forward. A well-formed body takes the fast path: simdjson
 parses it and hands the numbers over as one flat float64 buffer, no Python object per value, and the
@@ -33,14 +33,16 @@ class InputError(Exception):
         self.outcome = outcome
 
 
-def parse_rows(body: bytes, input_shape: tuple[int, ...], max_rows: int) -> np.ndarray:
-    """body -> (rows, *input_shape) float32, every value finite, 1 <= rows <= max_rows.
+def parse_rows(body: bytes, input_shape: tuple[int, ...], max_rows: int, dtype: str = "float32") -> np.ndarray:
+    """body -> (rows, *input_shape) float32, every value finite, 1 <= rows <= max_rows. dtype "uint8" (a model of
+    uint8 pixels): uint8, every value an integer 0-255 (255.0 is one; 2.5, -1 and 256 are refused).
 
     A row may come in any layout of `row_layouts(input_shape)`: for an image model of shape (1, 8, 8) as
     [1][8][8], [8][8] or 64 flat values; one request may mix them."""
+    convert = _to_uint8 if dtype == "uint8" else _to_float32
     fast = _fast_rows(body, tuple(input_shape), max_rows)
     if fast is not None:
-        return _to_float32(fast, [fast.shape[1:]] * fast.shape[0], input_shape)
+        return convert(fast, [fast.shape[1:]] * fast.shape[0], input_shape)
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as e:
@@ -86,7 +88,7 @@ def parse_rows(body: bytes, input_shape: tuple[int, ...], max_rows: int) -> np.n
         # (or of integers too large for int64) are converted one at a time.
         shapes = [_check_row(row, i, layouts, features) for i, row in enumerate(rows)]
         arr = np.stack([np.asarray(row, dtype=np.float64).reshape(-1) for row in rows])
-    return _to_float32(arr, shapes, input_shape)
+    return convert(arr, shapes, input_shape)
 
 
 def _to_float32(arr: np.ndarray, shapes: list[tuple[int, ...]], input_shape: tuple[int, ...]) -> np.ndarray:
@@ -102,6 +104,24 @@ def _to_float32(arr: np.ndarray, shapes: list[tuple[int, ...]], input_shape: tup
             422, f"inputs[{i}]{place} is out of float32 range (|x| <= {FLOAT32_MAX:.4g}); values must be finite"
         )
     return out
+
+
+def _to_uint8(arr: np.ndarray, shapes: list[tuple[int, ...]], input_shape: tuple[int, ...]) -> np.ndarray:
+    """arr (rows first, each row in the layout `shapes[i]`) as (rows, *input_shape) uint8, or the InputError naming
+    the first value that is not an integer 0-255."""
+    n = arr.shape[0]
+    flat = arr.reshape(n, -1)
+    with np.errstate(invalid="ignore"):
+        bad = ~((flat >= 0) & (flat <= 255) & (flat == np.floor(flat))) if flat.dtype.kind == "f" else (
+            (flat < 0) | (flat > 255))  # fmt: skip
+    if bad.any():
+        i, at = np.argwhere(bad)[0]
+        place = "".join(f"[{j}]" for j in np.unravel_index(at, shapes[i]))
+        value = flat[i, at]
+        whole = flat.dtype.kind in "iu" or (float(value).is_integer() and abs(value) < 2**53)
+        shown = int(value) if whole else float(value)
+        raise InputError(422, f"inputs[{i}]{place} is {shown!r}; this model takes uint8 pixels: integers 0-255")
+    return flat.astype(np.uint8).reshape(n, *input_shape)
 
 
 # What the fast path deletes from a body before comparing what is left with the expected skeleton: every

@@ -40,7 +40,8 @@ async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
     extra = (ident, CLOSE) if state.draining else (ident,)
     try:
         body = await read_request(state, scope, receive)
-        rows = parse_rows(body, state.model.input_shape, state.settings.max_rows_per_request)
+        model = state.model
+        rows = parse_rows(body, model.input_shape, state.settings.max_rows_per_request, model.input_dtype)
         arrival = time.monotonic()
         deadline = arrival + state.settings.request_timeout_ms / 1e3
         outputs, mode = await run_rows(state, rows, arrival, deadline, receive, ident[1])

@@ -36,11 +36,13 @@ class ModelInfo:
     input_shape: tuple[int, ...]
     output_features: int
     labels: list[str] | None
+    input_dtype: str = "float32"  # what clients send: "float32", or "uint8" pixels (integers 0-255)
 
     @classmethod
     def of(cls, model) -> ModelInfo:
         spec = model.spec
-        return cls(model.name, spec.description, tuple(model.input_shape), model.output_features, spec.labels)
+        return cls(model.name, spec.description, tuple(model.input_shape), model.output_features, spec.labels,
+                   spec.input.dtype)  # fmt: skip
 
     @property
     def input_features(self) -> int:

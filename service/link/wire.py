@@ -20,7 +20,8 @@ The wire dtype is the engine's serving dtype where numpy has it (float16; float3
 front end casts its rows to it before sending and widens the outputs to float32 after, so the engine's one thread
 receives half the bytes of float32 and copies them into the graph's pinned input with no cast (service/model/
 runner.py). Until a front end has the HELLO it sends float32, which an engine always takes: each request says its
-dtype.
+dtype. A uint8 model's rows (pixels) travel as uint8 whatever the HELLO says, and the engine copies them to the GPU as
+they are.
 
 No JSON, msgpack or pickle on this path: headers are struct-packed and the rows travel as the bytes numpy
 already holds, joined into one buffer, so a message is one write.
@@ -45,8 +46,11 @@ SUBMIT = 1
 CANCEL = 2
 SUBMIT_SHARED = 3
 
-DTYPES = (np.dtype("<f4"), np.dtype("<f2"))  # a request's rows, a HELLO's wire dtype: by index
+# a request's rows, a HELLO's wire dtype: by index. uint8: a uint8 model's pixels, sent as they are whatever the
+# HELLO says (a quarter of float32's bytes); a HELLO never names it (outputs are float).
+DTYPES = (np.dtype("<f4"), np.dtype("<f2"), np.dtype("u1"))
 FLOAT32 = 0
+UINT8 = 2
 HELLO = struct.Struct("<4sB")  # magic, wire dtype
 MAGIC = b"FSE2"  # FSE2: REPLY carries the mode
 
@@ -93,7 +97,7 @@ def read_hello(message) -> int:
     if len(message) != HELLO.size:
         raise ValueError(f"expected the engine's HELLO ({HELLO.size} bytes), got {len(message)} bytes")
     magic, code = HELLO.unpack(message)
-    if magic != MAGIC or code >= len(DTYPES):
+    if magic != MAGIC or code >= UINT8:
         raise ValueError(f"the engine's HELLO is {bytes(message)!r}; this front end speaks {MAGIC!r}")
     return code
 

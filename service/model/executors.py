@@ -9,6 +9,11 @@
              [then its pool, as a Pool2dStep], Pool2dStep -> F.avg_pool2d / F.max_pool2d, then the activation,
              ActivationStep -> torch. A batch norm runs as F.batch_norm after its conv or linear, and a
              residual as its own add, as the eager model runs them.
+    input:   a declared normalization ((x - mean) / std per channel) runs in the conv that reads the input (fused:
+             the conv kernel's input_norm, applied as it gathers x, uint8 or float; unfused: torch's (x.float() -
+             mean) / std cast to the compute dtype, then F.conv2d, timed as the same step), or as a NormalizeStep
+             (torch ops in both modes: one multiply-add fused, a subtract and a divide unfused). A uint8 input with
+             no normalization is cast to the compute dtype before the first step.
     both:    AddStep (torch add, then the activation: in the fused mode by the activation kernel),
              BatchNormStep (fused: one multiply-add with the folded scale and shift; unfused: F.batch_norm),
              ConcatStep (torch.cat), SoftmaxStep (torch.softmax), and a Conv2dStep with groups > 1 (torch's
@@ -51,6 +56,7 @@ from .planner import (
     FlattenStep,
     LinearStep,
     MLPStep,
+    NormalizeStep,
     Pool2dStep,
     SoftmaxStep,
     Step,
@@ -94,7 +100,7 @@ def torch_parts(step: Step, support: KernelSupport | None = None) -> list[str]:
         return parts if not parts else ["the whole-MLP kernel (its layers run one by one)", *parts]
     if isinstance(step, (AddStep,)):
         return ["add"] + ([step.activation] if step.activation not in support.activations else [])
-    if isinstance(step, (BatchNormStep, ConcatStep, SoftmaxStep)):
+    if isinstance(step, (BatchNormStep, ConcatStep, SoftmaxStep, NormalizeStep)):
         return [type(step).__name__.removesuffix("Step").lower()]
     if isinstance(step, Conv2dStep) and step.groups > 1:
         return [f"conv2d (groups {step.groups})", *(["add"] if step.residual else []),
@@ -216,7 +222,9 @@ class Executor:
         self.dtype = dtype
         self.support = kernel_support()
         # Both modes run one plan, so their per-step timings line up under the same names.
-        self.steps: list[Step] = fused_steps(model.ops, model.tensors, whole_mlp=whole_mlp, conv_pool=conv_pool)
+        self.steps: list[Step] = fused_steps(
+            model.ops, model.tensors, whole_mlp=whole_mlp, conv_pool=conv_pool, normalize=model.normalize
+        )
         # Weights are cast and placed once, contiguous, as the kernels require.
         self.tensors = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in model.tensors.items()}
         # Fused, a conv or pool step whose output only image steps read writes channels_last (channels_last_outputs).
@@ -228,6 +236,18 @@ class Executor:
         self.input_name = model.input_name if self.steps[0].inputs else "input"
         self.output_name = self.steps[-1].output
         self.wiring = _wire(self.steps, self.input_name)
+        # The dtype forward takes: the model's uint8 pixels, else the compute dtype. A normalizing step reads them as
+        # sent; without one, forward casts them first.
+        self.input_dtype = model.input_dtype if model.input_dtype == torch.uint8 else dtype
+        self._cast_input = self.input_dtype != dtype and model.normalize is None
+
+    def example_input(self, rows: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Random rows as forward takes them, on the device: pixels 0-255 for a uint8 input, else N(0, 1) in the
+        compute dtype (warm-ups and graph captures)."""
+        shape = (rows, *self.model.input_shape)
+        if self.input_dtype == torch.uint8:
+            return torch.randint(0, 256, shape, generator=generator, device=self.device, dtype=torch.uint8)
+        return torch.randn(shape, generator=generator, device=self.device).to(self.dtype)
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype).contiguous()
@@ -316,6 +336,15 @@ class Executor:
                 scale, shift = scale_shift(step.batchnorm, self.model.tensors)
                 return step.name, functools.partial(_scale_shift, scale=self._cast(scale), shift=self._cast(shift))
             return step.name, self._batch_norm(step.batchnorm)
+        if isinstance(step, NormalizeStep):
+            norm = step.normalize
+            if fused:
+                from kernels.conv import input_norm_of
+
+                scale, shift = input_norm_of(norm.mean, norm.std, self.device)
+                return step.name, functools.partial(_normalize_fused, scale=scale, shift=shift, dtype=self.dtype)
+            return step.name, functools.partial(reference.normalize_input, mean=self._stat(norm.mean),
+                                                std=self._stat(norm.std), dtype=self.dtype)  # fmt: skip
         if isinstance(step, ConcatStep):
             return step.name, _concat
         if isinstance(step, SoftmaxStep):
@@ -330,7 +359,22 @@ class Executor:
         return functools.partial(_batch_norm, weight=t[bn.weight], bias=t[bn.bias], mean=t[bn.mean], var=t[bn.var],
                                  eps=bn.eps)  # fmt: skip
 
+    def _stat(self, values: tuple[float, ...]) -> torch.Tensor:
+        """A normalization's mean or std as the unfused mode's torch ops take it: fp32 on the device."""
+        return torch.tensor(values, dtype=torch.float32, device=self.device)
+
     def _bind_conv(self, step: Conv2dStep, channels_last: bool) -> Layer:
+        layer = self._bind_conv_itself(step, channels_last)
+        norm = step.normalize
+        if norm is None or (self.mode == "fused" and step.groups == 1):  # fused: the kernel normalizes as it loads
+            return layer
+        from kernels import reference
+
+        first = functools.partial(reference.normalize_input, mean=self._stat(norm.mean), std=self._stat(norm.std),
+                                  dtype=self.dtype)  # fmt: skip
+        return functools.partial(_normalized_then, normalize=first, layer=layer)
+
+    def _bind_conv_itself(self, step: Conv2dStep, channels_last: bool) -> Layer:
         from kernels import reference
 
         w, b = self._weights(step)
@@ -351,12 +395,17 @@ class Executor:
             bn = self._batch_norm(step.batchnorm) if self.mode == "unfused" else None
             tail = functools.partial(_unfused_tail, first=conv, bn=bn, **act)
             return tail if pool is None else functools.partial(_chain_first, first=tail, then=self._bind(pool)[1])
-        from kernels.conv import fused_conv2d
+        from kernels.conv import fused_conv2d, input_norm_of
         from kernels.conv_tma import weight_for
 
         support = self.support
-        w = weight_for(w, step.stride)  # channels_last where the TMA kernel can run the layer
         fmt = _memory_format(channels_last)
+        if step.normalize is not None:  # x as sent (uint8 or float), normalized as the kernel gathers it
+            fused_conv2d = functools.partial(
+                fused_conv2d, input_norm=input_norm_of(step.normalize.mean, step.normalize.std, self.device)
+            )
+        else:
+            w = weight_for(w, step.stride)  # channels_last where the TMA kernel can run the layer (never normalizing)
         kernel_act = step.activation in support.activations
         kernel_residual = step.residual is not None and support.conv_residual
         if pool is not None and kernel_act:  # group_conv_pools checked that the kernel can: floor mode, no padding
@@ -381,7 +430,9 @@ class Executor:
         return functools.partial(_chain_first, first=layer, then=self._bind(pool, channels_last)[1])
 
     def forward(self, x: torch.Tensor, timer: StepTimer | None = None) -> torch.Tensor:
-        """x: (rows, *input_shape) on the executor's device and dtype -> (rows, output_features)."""
+        """x: (rows, *input_shape) on the executor's device, in `input_dtype` -> (rows, output_features)."""
+        if self._cast_input:
+            x = x.to(self.dtype)
         live = {self.input_name: x}
         for (name, layer), wiring in zip(self.layers, self.wiring, strict=True):
             args = [live[t] for t in wiring.reads]
@@ -529,6 +580,17 @@ def _scale_shift(x, *, scale, shift):
     """x * scale + shift per channel (dim 1) in one kernel (addcmul)."""
     shape = (-1,) + (1,) * (x.dim() - 2)
     return torch.addcmul(shift.reshape(shape), x, scale.reshape(shape))
+
+
+def _normalized_then(x, *rest, normalize, layer):
+    """The unfused mode's normalizing conv: normalize x (torch ops), then the conv step as it runs unnormalized."""
+    return layer(normalize(x), *rest)
+
+
+def _normalize_fused(x, *, scale, shift, dtype):
+    """(x - mean) / std as x * scale + shift in fp32 (one multiply-add from x as sent), rounded once to dtype."""
+    shape = (-1,) + (1,) * (x.dim() - 2)
+    return torch.addcmul(shift.reshape(shape), x.float(), scale.reshape(shape)).to(dtype)
 
 
 def _concat(*xs):

@@ -58,7 +58,9 @@ class GraphedExecutor:
         self.host_out: torch.Tensor | None = None
         if host_io:
             model, dt = executor.model, executor.dtype
-            self.host_in = torch.zeros((max_batch_size, *model.input_shape), dtype=dt, pin_memory=True)
+            # in the executor's input dtype: a uint8 model's pixels cross to the GPU as uint8 (a quarter of fp32's)
+            self.host_in = torch.zeros((max_batch_size, *model.input_shape), dtype=executor.input_dtype,
+                                       pin_memory=True)  # fmt: skip
             self.host_out = torch.empty((max_batch_size, model.output_features), dtype=dt, pin_memory=True)
 
     @property
@@ -79,7 +81,7 @@ class GraphedExecutor:
             return
         ex = self.executor
         gen = torch.Generator(device=ex.device).manual_seed(rows)
-        static_in = torch.randn((rows, *ex.model.input_shape), generator=gen, device=ex.device).to(ex.dtype)
+        static_in = ex.example_input(rows, gen)
         if self.host_in is None:
 
             def step():
@@ -117,7 +119,7 @@ class GraphedExecutor:
     @torch.inference_mode()
     def stage(self, x: torch.Tensor, non_blocking: bool = False) -> int:
         """Copy x into its bucket's graph input and return its row count. One copy: from the host it is the
-        batch's H2D transfer itself (x already in the executor's dtype, cast on the host), on the device a
+        batch's H2D transfer itself (x already in the executor's input dtype, cast on the host), on the device a
         copy kernel that also casts. The graph then holds only the model's kernels: for the digits MLP a
         single launch, where a copy kernel inside or before it would double the forward's device time."""
         if self.host_in is not None:

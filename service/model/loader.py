@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .planner import InputNorm
 from .shapes import conv_out, pool_out
 from .spec import (
     AddOp,
@@ -69,6 +70,17 @@ class Model:
     def input_name(self) -> str:
         return self.spec.input.name
 
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """The dtype clients send the input in: torch.uint8 (pixels) or torch.float32."""
+        return torch.uint8 if self.spec.input.dtype == "uint8" else torch.float32
+
+    @property
+    def normalize(self) -> InputNorm | None:
+        """The input's normalization as the planner takes it, or None."""
+        norm = self.spec.input.normalize
+        return None if norm is None else InputNorm(tuple(norm.mean), tuple(norm.std))
+
 
 def load_model(path: Path | str) -> Model:
     """Read and validate a model; raise ModelFormatError saying exactly what is wrong. `path`: a model directory
@@ -110,6 +122,7 @@ def model_from_config(config: dict, tensors: dict[str, torch.Tensor], path: Path
 
 def model_from(spec: ModelSpec, ops: list[Op], tensors: dict[str, torch.Tensor], path: Path, where: object) -> Model:
     try:
+        _check_input(spec)
         shapes = _check_ops(ops, tensors, spec.input.name, tuple(spec.input.shape))
     except ModelFormatError as e:
         raise ModelFormatError(f"{where}: {e}") from None
@@ -131,6 +144,23 @@ def model_from(spec: ModelSpec, ops: list[Op], tensors: dict[str, torch.Tensor],
         output_features=shape[0],
         shapes=shapes,
     )
+
+
+def _check_input(spec: ModelSpec) -> None:
+    """The input's normalization: an image input, one mean and std per channel."""
+    norm, shape = spec.input.normalize, tuple(spec.input.shape)
+    if norm is None:
+        return
+    if len(shape) != 3:
+        raise ModelFormatError(
+            f"input.normalize: the input has shape {shape} per row; normalization is per channel of an image "
+            f"(channels, height, width)"
+        )
+    if len(norm.mean) != shape[0]:
+        raise ModelFormatError(
+            f"input.normalize: {len(norm.mean)} mean and std values but the input has {shape[0]} channel"
+            f"{'s' if shape[0] != 1 else ''} (shape {shape}); one of each per channel"
+        )
 
 
 def tensor_names(op: Op) -> list[str]:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from .shapes import conv_out, pool_out
-from .spec import FORMAT_V2, ModelFormatError
+from .spec import FORMAT_V2, ModelFormatError, input_fields
 
 MIN_OPSET = 13
 # Every op type the importer maps (the patterns' parts included), for the refusal message.
@@ -111,12 +111,21 @@ def _node_label(node, index: int) -> str:
 
 
 def import_onnx(
-    path: Path | str, *, name: str | None = None, labels: list[str] | None = None, description: str | None = None
+    path: Path | str,
+    *,
+    name: str | None = None,
+    labels: list[str] | None = None,
+    description: str | None = None,
+    input_dtype: str = "float32",
+    mean: list[float] | None = None,
+    std: list[float] | None = None,
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config, tensors) of the model format for the ONNX file at `path`; ModelFormatError saying what is wrong.
 
     name: the model's name (default: the file's stem); labels: one per output (default: the file's metadata
-    `labels`, a JSON list, if it has one)."""
+    `labels`, a JSON list, if it has one); input_dtype, mean, std: what clients send ("uint8" pixels) and the
+    input's per-channel normalization, which the ONNX graph does not hold (spec.input_fields)."""
+    declared = input_fields(input_dtype, mean, std)
     path = Path(path)
     onnx = _onnx()
     model = _read(onnx, path)
@@ -142,7 +151,7 @@ def import_onnx(
         "description": description if description is not None else meta.get("description", graph.doc_string or ""),
         "source": f"onnx: {path.name} (opset {opset}, sha256 {sha}...), {model.producer_name or 'unknown'} "
         f"{model.producer_version}".strip(),
-        "input": {"name": importer.input_name, "shape": list(importer.input_shape), "dtype": "float32"},
+        "input": {"name": importer.input_name, "shape": list(importer.input_shape), **declared},
         "output": g.ops[-1]["output"],
         **({"labels": labels} if labels is not None else {}),
         "ops": g.ops,

@@ -10,6 +10,11 @@
     flatten             -> FlattenStep (a view: no kernel, no copy)
     concat, softmax     -> ConcatStep, SoftmaxStep (torch ops in both modes)
 
+An input that declares a normalization (spec.Normalize: (x - mean[c]) / std[c]) has it applied by the conv step
+that reads it, when that conv (groups 1) is the input's only reader: the kernel normalizes x as it gathers it
+(`Conv2dStep.normalize`; the step keeps its name). Otherwise (the first op is not such a conv, or several ops read
+the input) a NormalizeStep `normalize_0` runs first and its readers read its output (`attach_normalization`).
+
 A step takes the op after it only where the tensor between them has no other reader: a conv output read by
 both an add and a later op stays materialised, and the add becomes its own step. An add whose two inputs both
 come from convs rides in the first input's conv (torch's `y + shortcut`: the main branch); the other input is
@@ -55,6 +60,15 @@ from .spec import (
     activation_of,
     wire,
 )
+
+
+@dataclass(frozen=True)
+class InputNorm:
+    """The model input's normalization, (x - mean[c]) / std[c] per channel."""
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
 
 # Graph fields of a step: the tensors it reads (the residual apart) and the one it writes. Left out of equality
 # so that a plan compares by what each step computes.
@@ -115,6 +129,7 @@ class Conv2dStep:
     batchnorm: BatchNorm | None = None  # folded into weight and bias by the fused executor
     residual: str | None = None  # tensor added before the activation (read in the conv's epilogue)
     groups: int = 1  # > 1: torch's grouped conv in both modes (the conv kernel has no groups)
+    normalize: InputNorm | None = None  # applied to x (the model's input) as the conv reads it
     inputs: tuple[str, ...] = _Inputs
     output: str = _Output
 
@@ -165,6 +180,17 @@ class BatchNormStep:
 
 
 @dataclass(frozen=True)
+class NormalizeStep:
+    """The model input's normalization where no conv can take it as it reads x: (x - mean) / std in the compute
+    dtype, from x as sent (uint8 or float)."""
+
+    name: str
+    normalize: InputNorm
+    inputs: tuple[str, ...] = _Inputs
+    output: str = _Output
+
+
+@dataclass(frozen=True)
 class ConcatStep:
     name: str
     inputs: tuple[str, ...] = _Inputs
@@ -180,7 +206,7 @@ class SoftmaxStep:
 
 Step = (
     LinearStep | Conv2dStep | Pool2dStep | ActivationStep | FlattenStep | MLPStep | AddStep | BatchNormStep
-    | ConcatStep | SoftmaxStep
+    | ConcatStep | SoftmaxStep | NormalizeStep
 )  # fmt: skip
 
 
@@ -414,13 +440,43 @@ def _chain(steps: list[Step]) -> list[Step]:
     return out
 
 
+def attach_normalization(steps: list[Step], norm: InputNorm, input_name: str) -> list[Step]:
+    """The input's normalization in the plan: in the conv step that reads the input, where it is a conv (groups 1)
+    and the input's only reader (the usual image model: one stem conv); else a NormalizeStep `normalize_0` first,
+    whose output the input's readers read instead."""
+    readers = [s for s in steps if input_name in reads(s)]
+    if len(readers) == 1 and list(reads(readers[0])).count(input_name) == 1:
+        conv = readers[0]
+        if isinstance(conv, Conv2dStep) and conv.groups == 1 and conv.inputs == (input_name,):
+            return [dataclasses.replace(s, normalize=norm) if s is conv else s for s in steps]
+    normalized = f"{input_name}:normalized"
+
+    def rewired(s: Step) -> Step:
+        if input_name not in reads(s):
+            return s
+        inputs = tuple(normalized if t == input_name else t for t in s.inputs)
+        if getattr(s, "residual", None) == input_name:
+            return dataclasses.replace(s, inputs=inputs, residual=normalized)
+        return dataclasses.replace(s, inputs=inputs)
+
+    first = NormalizeStep("normalize_0", norm, inputs=(input_name,), output=normalized)
+    return [first, *(rewired(s) for s in steps)]
+
+
 def fused_steps(
-    ops: list[Op], tensors: Mapping[str, torch.Tensor], *, whole_mlp: bool = True, conv_pool: bool = True
+    ops: list[Op],
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    whole_mlp: bool = True,
+    conv_pool: bool = True,
+    normalize: InputNorm | None = None,
 ) -> list[Step]:
-    """The plan both executors run: `plan`, then the whole-MLP and conv + pool groupings."""
+    """The plan both executors run: `plan`, then the whole-MLP and conv + pool groupings, and the input's
+    normalization (`attach_normalization`; the ops must be wired, as a loaded model's are)."""
     steps = plan(ops)
     steps = group_mlps(steps, tensors) if whole_mlp else steps
-    return group_conv_pools(steps) if conv_pool else steps
+    steps = group_conv_pools(steps) if conv_pool else steps
+    return steps if normalize is None else attach_normalization(steps, normalize, ops[0].inputs[0])
 
 
 def kernel_names(steps: list[Step]) -> list[str]:
@@ -443,7 +499,7 @@ def step_ops(step: Step) -> list[str]:
         parts.append(f"{step.kind}pool2d")
     elif isinstance(step, AddStep):
         parts.append("add")
-    elif isinstance(step, (BatchNormStep, ConcatStep, SoftmaxStep, FlattenStep)):
+    elif isinstance(step, (BatchNormStep, ConcatStep, SoftmaxStep, FlattenStep, NormalizeStep)):
         parts.append(type(step).__name__.removesuffix("Step").lower())
     activation = getattr(step, "activation", "none")
     if activation != "none":
@@ -463,12 +519,16 @@ def step_extras(step: LinearStep | Conv2dStep) -> dict:
         out["residual"] = step.residual
     if getattr(step, "groups", 1) != 1:
         out["groups"] = step.groups
+    if getattr(step, "normalize", None) is not None:  # the model's input, normalized as the conv loads it
+        out["normalize"] = {"mean": list(step.normalize.mean), "std": list(step.normalize.std)}
     return out
 
 
 def describe_step(step: Step) -> dict:
-    """A step of the graph-only kinds (add, batchnorm, concat, softmax) for `GET /model`'s plan."""
+    """A step of the graph-only kinds (add, batchnorm, concat, softmax, normalize) for `GET /model`'s plan."""
     doc: dict = {"op": step_ops(step)[0], "inputs": list(step.inputs)}
     if isinstance(step, AddStep):
         doc["activation"] = step.activation
+    if isinstance(step, NormalizeStep):
+        doc.update(mean=list(step.normalize.mean), std=list(step.normalize.std))
     return doc

@@ -21,7 +21,11 @@ from .loader import Model
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16)}
+NUMPY_DTYPES = {
+    torch.float32: np.dtype(np.float32),
+    torch.float16: np.dtype(np.float16),
+    torch.uint8: np.dtype(np.uint8),
+}
 WIRE_TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
 
 
@@ -95,15 +99,16 @@ class ModelRunner:
         self._timer = StepTimer(device)
         self._batches = 0
         # numpy views of the graphs' pinned staging, where numpy has their dtype (not bfloat16).
-        numpy_staging = self.graphs is not None and self.executor.dtype in NUMPY_DTYPES
-        self._host_in_np = self.graphs.host_in.numpy() if numpy_staging else None
-        self._host_out_np = self.graphs.host_out.numpy() if numpy_staging else None
+        graphs = self.graphs
+        self._host_in_np = graphs.host_in.numpy() if graphs and self.executor.input_dtype in NUMPY_DTYPES else None
+        self._host_out_np = graphs.host_out.numpy() if graphs and self.executor.dtype in NUMPY_DTYPES else None
         self._staging: np.ndarray | None = None  # float32 rows on their way to a float16/bfloat16 input
 
     @property
     def wire_dtype(self) -> np.dtype:
         """The dtype `launch` takes rows in without a cast and `collect` gives outputs in: the serving dtype where
-        numpy has one (float16), else float32 (float32, and bfloat16, which numpy lacks)."""
+        numpy has one (float16), else float32 (float32, and bfloat16, which numpy lacks). A uint8 model takes its rows
+        as uint8 instead (`Executor.input_dtype`: front ends send them so, service/link/wire.py)."""
         return NUMPY_DTYPES.get(self.executor.dtype, NUMPY_DTYPES[torch.float32])
 
     def run(self, batch: np.ndarray) -> np.ndarray:
@@ -184,7 +189,7 @@ class ModelRunner:
     def _run_launched(self, batch: np.ndarray, timer: StepTimer | None) -> np.ndarray:
         if not batch.flags.writeable:
             batch = batch.copy()  # torch wants writable memory; a message's bytes are not
-        x = torch.from_numpy(batch).to(self.executor.dtype)
+        x = torch.from_numpy(batch).to(self.executor.input_dtype)
         y = self.executor.forward(x.to(self.device), timer)
         # .cpu() synchronises with the stream: the batch's one sync, after which the events are ready.
         return y.cpu().to(WIRE_TORCH[self.wire_dtype]).numpy()
@@ -193,11 +198,10 @@ class ModelRunner:
     def warmup(self, max_batch_size: int) -> list[int]:
         """Compile, tune and (on CUDA) capture every batch bucket so no request pays for it; returns the sizes run."""
         sizes = warmup_sizes(max_batch_size, self.device)
-        gen = np.random.default_rng(0)
+        gen = torch.Generator(device=self.device).manual_seed(0)
         for n in sizes:
             t = time.perf_counter()
-            x = gen.standard_normal((n, *self.model.input_shape), dtype=np.float32)
-            y = self.executor.forward(torch.from_numpy(x).to(self.device).to(self.executor.dtype))
+            y = self.executor.forward(self.executor.example_input(n, gen))
             if self.graphs is not None:
                 self.graphs.capture(self.graphs.bucket_for(n))
             if not torch.isfinite(y).all():

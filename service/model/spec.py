@@ -16,6 +16,11 @@ avg count_include_pad, as torch defines them), `flatten`, and activations: `relu
 shape (channels, height, width): `"input": {"shape": [1, 8, 8]}`. Every problem is reported with its
 place (`ops[3]`) and what was expected.
 
+The input may declare `"dtype": "uint8"` (pixels 0-255 as clients send them; default "float32") and, for an image
+input, `"normalize": {"mean": [...], "std": [...]}` with one value per channel: the model then computes on
+(x - mean[c]) / std[c], with the first conv's zero padding after that normalization (torch's
+conv2d((x - mean) / std, padding=p)). Both formats take them.
+
 `fusedserve-model/2`, a graph: the same ops, each of which may name its input tensors and its output, so
 residual adds and channel concats can be written, and these ops besides:
 
@@ -40,11 +45,12 @@ torch_import.py); the loader follows every tensor's shape through the graph.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Literal
 
 import orjson
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 FORMAT = "fusedserve-model/1"  # what export_sequential writes: a sequence of ops
 FORMAT_V2 = "fusedserve-model/2"  # a graph of ops: what the importers write
@@ -235,11 +241,47 @@ def activation_of(op: Op) -> tuple[str, float] | None:
     return None
 
 
+class Normalize(BaseModel):
+    """An image input's normalization: the model computes on (x - mean[c]) / std[c], x the pixel as sent (uint8
+    0-255, or a float). One value per channel; std > 0, every value finite (the loader checks the count)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    mean: Annotated[list[float], Field(min_length=1)]
+    std: Annotated[list[float], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _check(self) -> Normalize:
+        for field in ("mean", "std"):
+            for i, v in enumerate(getattr(self, field)):
+                if not math.isfinite(v) or (field == "std" and v <= 0):
+                    want = "> 0 and finite" if field == "std" else "finite"
+                    raise ValueError(f"{field}[{i}] is {v!r}; each {field} must be {want}")
+        if len(self.mean) != len(self.std):
+            raise ValueError(f"mean has {len(self.mean)} values and std {len(self.std)}; one of each per channel")
+        return self
+
+
+def input_fields(dtype: str = "float32", mean: list[float] | None = None, std: list[float] | None = None) -> dict:
+    """The `input` fields an importer adds for what the user declared: the dtype clients send, and a normalization
+    (mean and std, both or neither). The loader checks them as it checks a hand-written config."""
+    if (mean is None) != (std is None):
+        raise ModelFormatError("input.normalize: give both mean and std (one value of each per channel), or neither")
+    fields: dict = {"dtype": dtype}
+    if mean is not None:
+        fields["normalize"] = {"mean": list(mean), "std": list(std)}
+    return fields
+
+
 class InputSpec(BaseModel):
+    """The model's input: its per-row shape and the dtype clients send it in. `uint8` (pixels 0-255): a quarter of
+    float32's bytes from the client to the GPU; the first conv (or a normalization step) turns them into the
+    compute dtype. `normalize` (image inputs): per-channel mean and std applied as the first conv loads x."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: Annotated[str, Field(min_length=1)] = "input"  # the input tensor's name in a format-2 graph
     shape: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1, max_length=4)]
-    dtype: Literal["float32"] = "float32"
+    dtype: Literal["float32", "uint8"] = "float32"
+    normalize: Normalize | None = None
 
 
 class ModelSpec(BaseModel):

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .onnx_import import GraphBuilder
-from .spec import FORMAT_V2, ModelFormatError
+from .spec import FORMAT_V2, ModelFormatError, input_fields
 
 # ATen op -> the _Exporter method that maps it
 HANDLERS = {
@@ -401,8 +401,14 @@ def import_module(
     name: str,
     labels: list[str] | None = None,
     description: str = "",
+    input_dtype: str = "float32",
+    mean: list[float] | None = None,
+    std: list[float] | None = None,
 ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config, tensors) of the model format for `module` on inputs shaped like `example_input` (any batch)."""
+    """(config, tensors) of the model format for `module` on inputs shaped like `example_input` (any batch).
+    input_dtype, mean, std: what clients send ("uint8" pixels) and the per-channel normalization the served model
+    applies before `module` (spec.input_fields); `module` itself takes the normalized float input."""
+    declared = input_fields(input_dtype, mean, std)
     module = module.eval()
     x = example_input.detach().to("cpu", torch.float32)
     if x.dim() not in (2, 4):
@@ -425,7 +431,7 @@ def import_module(
         "name": name,
         "description": description,
         "source": f"torch.export of {type(module).__name__}, torch {torch.__version__}",
-        "input": {"name": exporter.input_name, "shape": list(x.shape[1:]), "dtype": "float32"},
+        "input": {"name": exporter.input_name, "shape": list(x.shape[1:]), **declared},
         "output": exporter.output,
         **({"labels": list(labels)} if labels is not None else {}),
         "ops": g.ops,
@@ -441,14 +447,19 @@ def export_module(
     name: str | None = None,
     labels: list[str] | None = None,
     description: str = "",
+    input_dtype: str = "float32",
+    mean: list[float] | None = None,
+    std: list[float] | None = None,
 ) -> Path:
-    """Write config.json + model.safetensors for `module` (checked by loading them back); returns out_dir."""
+    """Write config.json + model.safetensors for `module` (checked by loading them back); returns out_dir.
+    input_dtype, mean, std: as import_module takes them."""
     from .loader import load_model, model_from_config
     from .writer import write_model
 
     out = Path(out_dir)
     config, tensors = import_module(module, example_input, name=name or out.name, labels=labels,
-                                    description=description)  # fmt: skip
+                                    description=description, input_dtype=input_dtype, mean=mean,
+                                    std=std)  # fmt: skip
     model_from_config(config, tensors, out, f"export of {type(module).__name__}")  # refuse before writing
     write_model(out, config, tensors)
     load_model(out)

@@ -42,7 +42,8 @@ def model_config(state: FrontendState) -> dict:
         "backend": BACKEND,
         "max_batch_size": s.max_rows_per_request,
         "input": [{
-            "name": t.INPUT, "data_type": "TYPE_FP32", "format": "FORMAT_NONE", "dims": list(model.input_shape),
+            "name": t.INPUT, "data_type": f"TYPE_{t.input_datatype(model)}", "format": "FORMAT_NONE",
+            "dims": list(model.input_shape),
             "is_shape_tensor": False, "allow_ragged_batch": False, "optional": False,
         }],
         "output": [

@@ -27,12 +27,18 @@ PLATFORM = "fusedserve"
 DTYPES = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "FP64": np.dtype("<f8"), "UINT8": np.dtype("u1")}
 
 
+def input_datatype(model: ModelInfo) -> str:
+    """The input's datatype as the protocol names it: UINT8 for a model of uint8 pixels (which takes only that: its
+    rows travel to the GPU as uint8), else FP32 (which also takes FP16, FP64 and UINT8, converted)."""
+    return "UINT8" if model.input_dtype == "uint8" else "FP32"
+
+
 def model_metadata(model: ModelInfo) -> dict:
     return {
         "name": model.name,
         "versions": [VERSION],
         "platform": PLATFORM,
-        "inputs": [{"name": INPUT, "datatype": "FP32", "shape": [-1, *model.input_shape]}],
+        "inputs": [{"name": INPUT, "datatype": input_datatype(model), "shape": [-1, *model.input_shape]}],
         "outputs": [
             {"name": LOGITS, "datatype": "FP32", "shape": [-1, model.output_features]},
             {"name": LABEL, "datatype": "BYTES", "shape": [-1]},
@@ -55,6 +61,8 @@ def check_input(model: ModelInfo, name: str, datatype: str, shape: object, max_r
     dtype = DTYPES.get(datatype) if isinstance(datatype, str) else None  # a JSON object is not hashable: 400, not 500
     if dtype is None:
         raise InputError(400, f"input {name!r} has datatype {datatype!r}; it takes FP32, FP16 or FP64, or UINT8")
+    if model.input_dtype == "uint8" and datatype != "UINT8":
+        raise InputError(400, f"input {name!r} has datatype {datatype!r}; this model takes UINT8 pixels (0..255)")
     if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
         raise InputError(400, f"input {name!r} has shape {shape!r}; a shape is a list of integers")
     layouts = row_layouts(tuple(model.input_shape))
@@ -106,6 +114,10 @@ def rows_from_json(model: ModelInfo, data: object, dtype: np.dtype, shape: list[
 
 
 def finite_rows(model: ModelInfo, values: np.ndarray, rows: int, name: str) -> np.ndarray:
+    """(rows, *input_shape) float32, or uint8 for a model of uint8 pixels (whose values check_input and the JSON
+    check have held to UINT8's 0..255: kept as they are, a quarter of float32's bytes to the GPU)."""
+    if model.input_dtype == "uint8":
+        return values.astype(np.uint8, copy=False).reshape(rows, *model.input_shape)
     with np.errstate(over="ignore"):
         out = values.astype(np.float32, copy=False).reshape(rows, *model.input_shape)
     if not np.isfinite(out).all():
