@@ -22,7 +22,9 @@ def test_metadata_names_the_batch_dimension_minus_one():
 
 @pytest.mark.parametrize("shape", [[2, 1, 8, 8], [2, 8, 8], [2, 64]])
 @pytest.mark.parametrize("datatype", ["FP32", "FP16", "FP64"])
-def test_every_layout_and_datatype_becomes_the_same_float32_rows(shape, datatype):
+def test_every_layout_and_datatype_becomes_the_same_rows(shape, datatype):
+    """Every layout gives the same (2, 1, 8, 8) rows: float32, except FP16, kept as sent (the engine's fp16 wire
+    takes it with one copy)."""
     values = np.arange(128, dtype=np.float64).reshape(shape) / 8  # exact in FP16 too
     dtype, rows = t.check_input(CNN, "input", datatype, shape, 16)
     assert rows == 2
@@ -30,8 +32,8 @@ def test_every_layout_and_datatype_becomes_the_same_float32_rows(shape, datatype
     from_json = t.rows_from_json(CNN, values.tolist(), dtype, shape)
     flat_json = t.rows_from_json(CNN, values.reshape(-1).tolist(), dtype, shape)
     for got in (from_raw, from_json, flat_json):
-        assert got.dtype == np.float32 and got.shape == (2, 1, 8, 8)
-        np.testing.assert_array_equal(got.reshape(-1), values.reshape(-1).astype(np.float32))
+        assert got.dtype == (np.float16 if datatype == "FP16" else np.float32) and got.shape == (2, 1, 8, 8)
+        np.testing.assert_array_equal(got.reshape(-1).astype(np.float32), values.reshape(-1).astype(np.float32))
 
 
 @pytest.mark.parametrize(
@@ -58,6 +60,10 @@ def test_bad_data_names_what_is_wrong():
         t.rows_from_buffer(MLP, b"\0" * 255, f4, [1, 64])
     with pytest.raises(InputError, match="element 3 is NaN"):
         t.rows_from_buffer(MLP, np.array([0, 0, 0, np.nan] + [0] * 60, "<f4").tobytes(), f4, [1, 64])
+    f2 = t.DTYPES["FP16"]
+    for bad in (np.inf, -np.inf, np.nan):  # FP16 rows are checked as they are, without a cast to float32
+        with pytest.raises(InputError, match="element 5 is NaN"):
+            t.rows_from_buffer(MLP, np.array([1] * 5 + [bad] + [0] * 58, "<f2").tobytes(), f2, [1, 64])
     with pytest.raises(InputError, match="beyond float32"):
         t.rows_from_json(MLP, [1e300] * 64, np.dtype("<f8"), [1, 64])
     with pytest.raises(InputError, match="ragged"):
