@@ -194,3 +194,22 @@ def test_gpu_runner_copies_inside_the_graph_serve_every_dtype(tmp_path, mode, dt
             np.testing.assert_array_equal(out.astype(np.float32), got, err_msg=f"{model.name} {mode} {dtype} parts")
         for got, kept in answers:  # later batches reused the pinned buffer; earlier answers are their own memory
             np.testing.assert_array_equal(got, kept)
+
+
+def test_large_batches_are_staged_in_pieces_by_several_threads_and_every_row_lands_in_place():
+    """ModelRunner._copy_in_pieces (the copy into the graphs' pinned input of a batch past PARALLEL_COPY_BYTES): the
+    parts one after the other, split in pieces of whole rows, every element written, nothing past the batch."""
+    from types import SimpleNamespace
+
+    from service.model import runner
+
+    gen = np.random.default_rng(11)
+    row = (3, 40, 41)  # 4,920 bytes a row in uint8: 213 rows a 1 MB piece
+    parts = [gen.integers(0, 256, (n, *row), dtype=np.uint8) for n in (1, 700, 213, 5)]
+    host = np.zeros((1024, *row), dtype=np.uint8)
+    fake = SimpleNamespace(_copier=None)
+    runner.ModelRunner._copy_in_pieces(fake, parts, host)
+    assert fake._copier is not None and fake._copier._max_workers == runner.COPY_THREADS
+    np.testing.assert_array_equal(host[:919], np.concatenate(parts))
+    assert not host[919:].any()
+    fake._copier.shutdown()
