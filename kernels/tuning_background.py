@@ -138,6 +138,11 @@ class Queue:
     def pending(self) -> int:
         return len(self.jobs)
 
+    def pending_buckets(self) -> set[int]:
+        """The graph buckets that still run an untimed pick."""
+        with self._lock:
+            return {b for job in self.jobs.values() for b in job.buckets}
+
     def _next_job(self) -> Job | None:
         """The key to time next: the most used bucket's first, then the order they were deferred in (warm-up
         defers the smallest bucket first)."""
