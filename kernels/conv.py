@@ -61,6 +61,7 @@ from .tiles import (
     split_k_sum,
 )
 from .tuning import LaunchConfig, scope_for, tune
+from .tuning_background import on_new_picks
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 NORM_X_DTYPES = (torch.uint8, *SUPPORTED_DTYPES)  # x's dtypes with input_norm (pixels as sent)
@@ -334,6 +335,7 @@ def input_norm_of(mean, std, device: torch.device | str | None = None) -> tuple[
 
 
 _configs: dict[tuple, LaunchConfig] = {}  # per (layer signature, M bucket): the tuned config
+on_new_picks(_configs.clear)  # a pick timed in the background replaces an untimed one: ask tune() again
 _zero_bias: dict[tuple, torch.Tensor] = {}  # per (OC, dtype, device): the bias of a layer without one
 # Split-K partials and counters, one workspace per device for every conv layer: launches on one stream never
 # overlap in it (under PDL a layer touches it only after gdc_wait, once the layer before has finished).

@@ -37,6 +37,7 @@ from .tiles import (
     split_k_sum,
 )
 from .tuning import LaunchConfig, scope_for, tune
+from .tuning_background import on_new_picks
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_FAST_BATCH_SIZES = 4096  # distinct batch sizes whose launch records a layer keeps
@@ -234,6 +235,14 @@ class FusedLinear:
         # (__call__'s fast path).
         self._fast: dict[tuple[int, bool], LaunchRecord] = {}
         self._bias_arg = bias if bias is not None else weight  # any pointer when HAS_BIAS is off; never read
+        on_new_picks(self.forget_picks)
+
+    def forget_picks(self) -> None:
+        """Drop the remembered configs and their compiled kernels: the next call of each bucket asks the tuner again
+        (a pick timed in the background replaced an untimed one, kernels/tuning_background.py)."""
+        self.configs.clear()
+        self.direct.clear()
+        self._fast.clear()
 
     def __call__(
         self, x: torch.Tensor, out: torch.Tensor | None = None, *, residual: torch.Tensor | None = None

@@ -57,6 +57,7 @@ from .prefetch import prefetch_l2, prefetch_lines
 from .runtime import bf16_on_interpreter, check_device, interpreting
 from .tiles import SplitKWorkspace
 from .tuning import LaunchConfig, scope_for, tune
+from .tuning_background import on_new_picks
 
 MAX_LAYERS = 8
 MAX_WIDTH = 256  # padded; the (BLOCK_M, P) fp32 accumulator is 32 registers per thread at 16 x 256
@@ -370,6 +371,14 @@ class FusedMLP:
         # LEAD configs need a first layer small enough to multiply whole (_dense) and a layer after it
         lead_bytes = self.padded[0] * self.padded[1] * first.element_size()
         self._lead_hidden = self.padded[2] if len(layers) >= 2 and lead_bytes <= LEAD_MAX_BYTES else 0
+        on_new_picks(self.forget_picks)
+
+    def forget_picks(self) -> None:
+        """Drop the remembered configs and their compiled kernels: the next call of each bucket asks the tuner again
+        (a pick timed in the background replaced an untimed one, kernels/tuning_background.py)."""
+        self._configs.clear()
+        self._direct.clear()
+        self._fast.clear()
 
     def _pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         P = self.padded

@@ -34,6 +34,7 @@ from .interpreter import InterpreterSwitches
 from .pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from .runtime import bf16_on_interpreter, check_device, interpreting
 from .tuning import LaunchConfig, scope_for, tune
+from .tuning_background import on_new_picks
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 KINDS = ("avg", "max")
@@ -251,6 +252,7 @@ def _memory_format(x: torch.Tensor) -> torch.memory_format:
 
 
 _configs: dict[tuple, LaunchConfig] = {}  # per call signature: the tuned config, without re-keying the tuner
+on_new_picks(_configs.clear)  # a pick timed in the background replaces an untimed one: ask tune() again
 
 
 def fused_pool2d(

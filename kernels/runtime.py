@@ -43,16 +43,19 @@ def choose_backend() -> None:
 
 
 class EnvSwitch:
-    """A process-wide on/off setting of this package: the environment variable `name` (on unless it says
-    0, false, no or off), read at first use, unless set() said otherwise (the service passes its settings)."""
+    """A process-wide on/off setting of this package: the environment variable `name` (`default` when unset; set,
+    on unless it says 0, false, no or off), read at first use, unless set() said otherwise (the service passes its
+    settings)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, default: bool = True):
         self.name = name
+        self.default = default
         self._on: bool | None = None
 
     def __call__(self) -> bool:
         if self._on is None:
-            self._on = os.environ.get(self.name, "true").strip().lower() not in ("0", "false", "no", "off")
+            value = os.environ.get(self.name)
+            self._on = self.default if value is None else value.strip().lower() not in ("0", "false", "no", "off")
         return self._on
 
     def set(self, on: bool | None) -> None:

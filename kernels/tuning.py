@@ -135,6 +135,16 @@ class TuningCache:
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
 
+    def configs(self, scope: str) -> dict[str, LaunchConfig]:
+        """Every config recorded in `scope`, by entry key (whatever list of candidates it was picked from)."""
+        out = {}
+        for key, entry in list(self._data.get(scope, {}).items()):
+            try:
+                out[key] = LaunchConfig.from_json(entry)
+            except (KeyError, TypeError, ValueError, AttributeError):
+                continue
+        return out
+
     def put(self, scope: str, key: str, config: LaunchConfig, times: Times, offered: str) -> None:
         """Record the chosen config with its cold and hot time (us), and the candidates it was picked from."""
         times_us = {"cold_us": round(times.cold_us, 3), "hot_us": round(times.hot_us, 3)}
@@ -238,25 +248,39 @@ def time_candidates(
     """{candidate: its (cold us, hot us) by `measure`}, in candidate order (default `_graph_times`).
 
     A candidate that fails to compile or launch (too much shared memory, say), or whose timing is not a
-    number, is left out; if all are, the last error is raised, since no config can run this shape.
+    number, is left out (`time_one`); if all are, the last error is raised, since no config can run this shape.
     """
-    measure = measure or _graph_times
     timings: dict[LaunchConfig, Times] = {}
     last_error: Exception | None = None
     for config in candidates:
-        try:
-            cold, hot = measure(lambda config=config: run(config))
-        except Exception as e:  # noqa: BLE001 - triton raises several types (OutOfResources, CompilationError)
-            last_error = e
-            log.debug("tuning %s: %s skipped (%s)", label, config, e)
-            continue
-        if not (math.isfinite(cold) and math.isfinite(hot)):
-            log.debug("tuning %s: %s skipped (cold %s us, hot %s us)", label, config, cold, hot)
-            continue
-        timings[config] = Times(float(cold), float(hot))
+        times = time_one(config, run, measure, label)
+        if isinstance(times, Times):
+            timings[config] = times
+        elif times is not None:
+            last_error = times
     if not timings:
         raise RuntimeError(f"no launch config runs {label}") from last_error
     return timings
+
+
+def time_one(
+    config: LaunchConfig,
+    run: Callable[[LaunchConfig], None],
+    measure: Callable[[Callable[[], None]], tuple[float, float]] | None = None,
+    label: str = "",
+) -> Times | Exception | None:
+    """One candidate's (cold us, hot us) by `measure` (default `_graph_times`); the error where it fails to compile
+    or launch, None where its timing is not a number."""
+    measure = measure or _graph_times
+    try:
+        cold, hot = measure(lambda: run(config))
+    except Exception as e:  # noqa: BLE001 - triton raises several types (OutOfResources, CompilationError)
+        log.debug("tuning %s: %s skipped (%s)", label, config, e)
+        return e
+    if not (math.isfinite(cold) and math.isfinite(hot)):
+        log.debug("tuning %s: %s skipped (cold %s us, hot %s us)", label, config, cold, hot)
+        return None
+    return Times(float(cold), float(hot))
 
 
 def tune(
@@ -270,7 +294,9 @@ def tune(
     one's (cold us, hot us) by `measure` (see `time_candidates`), then cached with both times.
 
     The policy (`policy_label`) is part of the entry's key and the candidates' `offered_hash` is stored with
-    it: a pick made for another policy, or from another list, is never reused.
+    it: a pick made for another policy, or from another list, is never reused. With background tuning on
+    (kernels/tuning_background.py) a key missing from the cache is not timed here: it gets an untimed pick at
+    once and is queued, to be timed while the server is idle.
     """
     candidates = list(candidates)
     policy = timing_policy()
@@ -282,14 +308,26 @@ def tune(
         return hit
     if not enabled():
         return candidates[0]
+    if background():
+        from . import tuning_background
+
+        return tuning_background.defer(scope, key, candidates, run, measure)
     timings = time_candidates(candidates, run, measure, f"{scope} {key}")
+    return store_pick(scope, key, candidates, timings, policy)
+
+
+def store_pick(
+    scope: str, key: str, candidates: list[LaunchConfig], timings: Mapping[LaunchConfig, Times], policy: str, how=""
+) -> LaunchConfig:
+    """The candidate `policy` picks from `timings`, recorded in the cache under (scope, key) and logged (`how`: how
+    it was timed, for the log line)."""
     best = pick(timings, policy)
     times = timings[best]
-    store.put(scope, entry, best, times, offered)
+    cache().put(scope, f"{key}|timing={policy_label(policy)}", best, times, offered_hash(candidates))
     cold, hot = regret(times, best_times(timings))
     log.info(
-        "tuned %s %s: %s (cold %.1f us, hot %.1f us: %.2fx and %.2fx the best of %d candidates; timing %s)",
-        scope, key, best.meta(), times.cold_us, times.hot_us, cold, hot, len(timings), policy,
+        "tuned%s %s %s: %s (cold %.1f us, hot %.1f us: %.2fx and %.2fx the best of %d candidates; timing %s)",
+        how, scope, key, best.meta(), times.cold_us, times.hot_us, cold, hot, len(timings), policy,
     )  # fmt: skip
     return best
 
@@ -322,6 +360,11 @@ def _graph_times(fn: Callable[[], None]) -> Times:
 switch = EnvSwitch("FUSEDSERVE_TUNING")
 enabled = switch
 set_enabled = switch.set
+
+# Whether a key missing from the cache is timed later, while the server is idle, rather than at once
+# (kernels/tuning_background.py): FUSEDSERVE_TUNING_BACKGROUND, off unless set (the service passes its setting).
+background = EnvSwitch("FUSEDSERVE_TUNING_BACKGROUND", default=False)
+set_background = background.set
 
 
 # Which timing picks a candidate (`pick`): FUSEDSERVE_TUNING_TIMING (both, cold or hot; default both), unless

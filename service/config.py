@@ -114,6 +114,16 @@ class Settings(BaseSettings):
     tuning: bool = Field(
         True, description="time candidate kernel configs per batch bucket at warm-up (false: first candidate, untimed)"
     )
+    # ResNet-50 has ~50 keys per batch bucket, ~1.5 s each to time with Triton's cache warm: tuning them all holds a
+    # start for minutes, where the untimed picks serve at once (kernels/tuning_background.py).
+    tuning_background: bool = Field(
+        False,
+        description="with tuning on, report ready without timing: each kernel config missing from the tuning cache "
+        "gets an untimed pick (the cached pick of the nearest batch bucket, else the first candidate), and the "
+        "engine times them while no request waits, one candidate at a time, the buckets traffic uses first, "
+        "caching each pick and swapping it in between batches (progress: fusedserve_tuning_pending_keys, "
+        "GET /model's tuning)",
+    )
     # both: a config that wins cold but loses back to back is the wrong pick for a loaded server, and the
     # reverse for the first batch after an idle spell (kernels/tuning.py, pick).
     tuning_timing: Literal["both", "cold", "hot"] = Field(

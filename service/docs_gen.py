@@ -136,6 +136,8 @@ LABELS = {
     "`queue` (front end's arrival to the batch leaving the queue), `compute_input` (to the forward starting), "
     "`compute_infer` (to the outputs in host memory), `compute_output` (to the answers packed); "
     "service/v2/extensions.py serves them as `GET /v2/models/{name}/stats`",
+    "changed": "`true`: the timed pick replaced the untimed config the engine became ready on (its bucket's CUDA graph "
+    "is captured again); `false`: the untimed config was the pick",
     "kind": "`oom`: the forward ran out of GPU memory; the batch is retried in halves, down to single requests, "
     "and the service keeps serving. `sticky`: a CUDA error that breaks the context (an illegal memory access, a "
     "launch failure, a device-side assert); the engine answers 503 to what it holds and exits, and so does the "

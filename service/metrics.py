@@ -257,12 +257,34 @@ class EngineMetrics:
         self.shadow_batches = Counter(
             "fusedserve_shadow_batches", "Batches run in both modes and compared", le, registry=r
         )
+        # Background tuning (FUSEDSERVE_TUNING_BACKGROUND, kernels/tuning_background.py): how far it has come.
+        self.tuning_pending_keys = Gauge(
+            "fusedserve_tuning_pending_keys",
+            "Kernel tuning keys (kernel, shape, batch bucket) running an untimed config, queued to be timed while the "
+            "engine is idle",
+            le, registry=r, multiprocess_mode="livesum",
+        )  # fmt: skip
+        self.tuning_background_keys = Counter(
+            "fusedserve_tuning_background_keys",
+            "Kernel tuning keys timed in the background, by whether the timed pick replaced the untimed one",
+            [*le, "changed"], registry=r,
+        )  # fmt: skip
+        self.graph_recaptures = Counter(
+            "fusedserve_graph_recaptures", "CUDA graphs of a batch bucket captured again to run new kernel picks",
+            le, registry=r,
+        )  # fmt: skip
         self._model, self._engine, self._device, self._dtype = model, engine, device, dtype
         shadow_labels = {"model": model, "engine": engine}
         self._shadow = (
             self.shadow_error.labels(**shadow_labels),
             self.shadow_mismatches.labels(**shadow_labels),
             self.shadow_batches.labels(**shadow_labels),
+        )
+        tuning_labels = {"model": model, "engine": engine}
+        self._tuning = (
+            self.tuning_pending_keys.labels(**tuning_labels),
+            {c: self.tuning_background_keys.labels(**tuning_labels, changed=str(c).lower()) for c in (True, False)},
+            self.graph_recaptures.labels(**tuning_labels),
         )
         self._modes: dict[str, _ModeMetrics] = {}
         self.mode = mode
@@ -367,6 +389,16 @@ class EngineMetrics:
         if mismatches:
             mismatch.inc(mismatches)
         batches.inc()
+
+    def tuning(self, pending: int, tuned: bool | None = None, recaptured: int = 0) -> None:
+        """Background tuning: the keys still queued; `tuned`: one key was timed (True: its pick changed); graphs
+        captured again."""
+        pending_keys, tuned_keys, recaptures = self._tuning
+        pending_keys.set(pending)
+        if tuned is not None:
+            tuned_keys[tuned].inc()
+        if recaptured:
+            recaptures.inc(recaptured)
 
     def render(self) -> bytes:
         return render(self.registry)

@@ -63,6 +63,7 @@ def test_defaults():
     assert s.cuda_graphs is True
     assert s.tuning_cache is None
     assert s.tuning is True
+    assert s.tuning_background is False  # every key timed before ready, as before the setting existed
     assert s.tuning_timing == "both"
     assert s.pdl is True
     assert s.warmup is True
@@ -78,7 +79,8 @@ def test_defaults():
         "mode", "ab_unfused_percent", "shadow_every", "config_file", "device", "model", "model_dir", "dtype",
         "allow_tf32", "max_batch_size", "max_delay_ms",
         "engine_spin_ms", "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "kernel_timing_every",
-        "cuda_graphs", "tuning", "tuning_timing", "tuning_cache", "pdl", "warmup", "workers", "engines",
+        "cuda_graphs", "tuning", "tuning_background", "tuning_timing", "tuning_cache", "pdl", "warmup", "workers",
+        "engines",
         "shutdown_grace_s", "max_connections", "header_timeout_s", "body_timeout_s",
         "host", "port", "grpc_port", "log_level",
         "api_key", "api_keys_file", "restricted_api", "metrics_port", "docs", "tls_cert", "tls_key", "tls_client_ca",
@@ -361,10 +363,12 @@ def test_the_engine_passes_the_tuning_settings_to_the_kernels(monkeypatch, tmp_p
 
     monkeypatch.setattr(tuning, "_cache", [])
     monkeypatch.setattr(tuning.switch, "_on", None)
+    monkeypatch.setattr(tuning.background, "_on", None)
     monkeypatch.setattr(tuning.timing_policy, "_value", None)
     monkeypatch.setattr(pdl.switch, "_on", None)
     monkeypatch.setattr(service.model.runner, "ModelRunner", lambda *a, **k: "runner")
-    settings = Settings(tuning=False, tuning_timing="hot", tuning_cache=tmp_path / "t.json", pdl=False)
+    settings = Settings(tuning=False, tuning_background=True, tuning_timing="hot", tuning_cache=tmp_path / "t.json",
+                        pdl=False)  # fmt: skip
     metrics = types.SimpleNamespace(observe_kernel=None, observe_forward=None)
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # build_runner sets both
     try:
@@ -372,6 +376,7 @@ def test_the_engine_passes_the_tuning_settings_to_the_kernels(monkeypatch, tmp_p
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     assert tuning.timing_policy() == "hot" and tuning.enabled() is False and pdl.enabled() is False
+    assert tuning.background() is True
     assert tuning.cache().path == tmp_path / "t.json"
 
 

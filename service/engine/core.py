@@ -29,6 +29,7 @@ from ..link.live import read_live
 from ..processes import child_setup, configure_logging, set_log_level
 from . import faults
 from .ab import LiveMode, Modes, Shadow, captures_ignore_other_threads, needed_modes
+from .background_tuning import BackgroundTuning
 from .batching import BatchQueue, Pending
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class Engine:
         self.config_generation = None
         self.config_seen = 0
         self.run_dir: Path | None = None
+        # FUSEDSERVE_TUNING_BACKGROUND: the tuning keys start-up left untimed, timed while no request waits.
+        self.tuning: BackgroundTuning | None = None
 
     # ------------------------------------------------------------------ loop
 
@@ -104,6 +107,14 @@ class Engine:
                     self._receive(0)
                     if not len(self.queue):
                         shadow.run_one(modes.runners)
+                    continue
+                elif self.tuning is not None and self.tuning.pending:
+                    # One slice (one candidate timed, or one graph captured again) only while nobody waits: a
+                    # request that comes meanwhile waits for that slice at most.
+                    self._receive(0)
+                    if not len(self.queue):
+                        self.metrics.write_answered()  # as _idle does: an idle engine's counts are exact
+                        self.tuning.run_one()
                     continue
                 else:
                     self._idle()
@@ -237,6 +248,8 @@ class Engine:
                 waits.append(now - req.enqueued_at)
                 rows += req.rows.shape[0]
             mode = self.modes.pick(rows)
+            if self.tuning is not None and self.tuning.pending:
+                self.tuning.used(rows)
             self.metrics.queue_waits(waits, mode)
             self.metrics.batch(rows, mode)
             self.metrics.queue_depth(len(self.queue))
@@ -438,6 +451,7 @@ def build_runner(settings: Settings, device, dtype: str, model, metrics, mode: s
     torch.backends.cudnn.allow_tf32 = settings.allow_tf32
     tuning.use_cache(settings.tuning_cache or tuning.default_cache_path())
     tuning.set_enabled(settings.tuning)
+    tuning.set_background(settings.tuning_background)
     tuning.set_timing_policy(settings.tuning_timing)
     pdl.set_enabled(settings.pdl)
     mode = mode or settings.mode
@@ -543,6 +557,17 @@ def engine_main(
                     "engine %d warm: %s on %s, %s, batch sizes %s in %.1f s",
                     index, mode, device, dtype, sizes, time.perf_counter() - t,
                 )  # fmt: skip
+        if settings.tuning and settings.tuning_background and device.type == "cuda":
+            from kernels import tuning_background
+
+            from ..link.tuning_progress import write_tuning
+
+            def publish(pending: int, done: int) -> None:
+                write_tuning(Path(run_dir), index, pending, done)
+
+            engine.tuning = BackgroundTuning(lambda: engine.modes.runners, metrics, publish)
+            left = tuning_background.queue().pending()
+            log.info("engine %d: %d tuning keys left untimed, to be timed while idle", index, left)
         # Everything allocated so far lives as long as the process: out of the collector's view, so a full GC
         # pass (100-200 ms seen on an event loop holding the model) has less to walk.
         gc.freeze()

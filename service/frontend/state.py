@@ -12,6 +12,7 @@ import numpy as np
 from ..config import Settings
 from ..link import wire
 from ..link.plan import read_plan
+from ..link.tuning_progress import read_tuning
 from ..metrics import RequestMetrics
 from .auth import ApiKeys, Restrictions
 from .engine_client import EngineClient
@@ -150,5 +151,7 @@ class FrontendState:
             "max_batch_size": s.max_batch_size,
             "max_rows_per_request": s.max_rows_per_request,
             "plan": plan.get("plan"),
+            # background tuning (FUSEDSERVE_TUNING_BACKGROUND): keys still on an untimed config, and those timed since
+            "tuning": {"background": s.tuning and s.tuning_background, **read_tuning(self.run_dir)},
             "status": self.status,
         }

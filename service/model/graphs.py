@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import tuning_background
 from kernels.graph_capture import capture
 
 from .executors import Executor, StepTimer
@@ -96,14 +97,26 @@ class GraphedExecutor:
                 host_out.copy_(out, non_blocking=True)
                 return out
 
-        # 2 warm-ups: they compile, tune (or read the tuning cache) and allocate workspaces
-        graph, static_out = capture(step, warmups=2, device=ex.device, pool=self._pool)
-        self._graphs[rows] = (graph, static_in, static_out)
+        # 2 warm-ups: they compile, tune (or read the tuning cache) and allocate workspaces. A key tuning leaves for
+        # later (kernels/tuning_background.py) is this bucket's: a new pick for it means capturing this bucket again.
+        with tuning_background.queue().for_bucket(rows):
+            graph, static_out = capture(step, warmups=2, device=ex.device, pool=self._pool)
+            self._graphs[rows] = (graph, static_in, static_out)
+            if self._timed is not None:
+                # The same steps on the same static input, each between two event-record nodes of its own timer.
+                timer = StepTimer(ex.device, external=True)
+                timed_graph, _ = capture(lambda: step(timer), warmups=1, device=ex.device, pool=self._pool)
+                self._timed[rows] = (timed_graph, timer)
+
+    def recapture(self, rows: int) -> bool:
+        """Capture the bucket `rows` again, if it was captured: its kernels' launchers now pick other configs (a pick
+        timed in the background). Between batches only: the old graph is dropped here. Whether it was captured."""
+        if self._graphs.pop(rows, None) is None:
+            return False
         if self._timed is not None:
-            # The same steps on the same static input, each between two event-record nodes of its own timer.
-            timer = StepTimer(ex.device, external=True)
-            timed_graph, _ = capture(lambda: step(timer), warmups=1, device=ex.device, pool=self._pool)
-            self._timed[rows] = (timed_graph, timer)
+            self._timed.pop(rows, None)
+        self.capture(rows)
+        return True
 
     def capture_all(self) -> None:
         for b in self.buckets:

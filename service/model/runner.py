@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels import tuning_background
+
 from .executors import Executor, Mode, StepTimer
 from .graphs import GraphedExecutor, graph_buckets
 from .loader import Model
@@ -227,7 +229,8 @@ class ModelRunner:
         gen = torch.Generator(device=self.device).manual_seed(0)
         for n in sizes:
             t = time.perf_counter()
-            y = self.executor.forward(self.executor.example_input(n, gen))
+            with tuning_background.queue().for_bucket(n):  # keys left for later belong to this bucket's graph
+                y = self.executor.forward(self.executor.example_input(n, gen))
             if self.graphs is not None:
                 self.graphs.capture(self.graphs.bucket_for(n))
             if not torch.isfinite(y).all():
