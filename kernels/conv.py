@@ -602,9 +602,13 @@ def cuda_configs(
     def cfg(warps, stages, bm, bn, bk, flat, split=1):
         return LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLAT_K=flat, SPLIT_K=split)
 
-    # `norm` (input_norm: the gathered tile normalized in fp32 before the dot): 128x64x32 on 4 warps spilled 16
-    # bytes (fp16, the 7x7/2 stem at 224x224, uint8 NCHW x), so 128-row tiles run on 8 warps there too.
-    tiles = [(64, 4, 4), (128, 8, 3)] + ([(128, 4, 3)] if bn <= 64 and not pooled and not norm else [])
+    # `norm` (input_norm: the gathered tile normalized in fp32 before the dot): on the 7x7/2 stem at 224x224 (uint8
+    # NCHW x) 128x64x32 on 4 warps spilled 16 bytes (Triton 3.9), and 64-row tiles on 4 warps at 4 stages spilled
+    # 352 bytes (fp16, BLOCK_K 64) and 200 (fp32, 32) on Triton 3.6, so there every tile runs on 8 warps, 3 stages.
+    if norm:
+        tiles = [(64, 8, 3), (128, 8, 3)]
+    else:
+        tiles = [(64, 4, 4), (128, 8, 3)] + ([(128, 4, 3)] if bn <= 64 and not pooled else [])
     out = []
     for flat in flats:
         for bk in ks:

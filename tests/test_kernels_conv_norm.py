@@ -16,6 +16,7 @@ import torch
 import kernels.conv as conv_mod
 from kernels import reference
 from kernels.conv import fused_conv2d, input_norm_of
+from kernels.runtime import interpreting
 from tests.tolerances import RTOL, assert_close_to
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -131,10 +132,12 @@ def test_padding_is_zero_after_normalization():
     too; had the padding been normalized (0 -> -mean / std) the border pixels would differ. (Powers of two for std:
     x * scale + shift is then exact, with or without a fused multiply-add.)"""
     mean, std = [96.0, 48.0, 160.0], [8.0, 16.0, 32.0]
+    device = "cpu" if interpreting() else "cuda"
     x = torch.tensor(mean, dtype=torch.float32).reshape(1, 3, 1, 1).expand(2, 3, 9, 11).to(torch.uint8).contiguous()
     w = torch.randn(4, 3, 7, 7)
     b = torch.randn(4)
-    y = fused_conv2d(x, w, b, stride=2, padding=3, allow_tf32=False, input_norm=input_norm_of(mean, std))
+    x, w, b = x.to(device), w.to(device), b.to(device)
+    y = fused_conv2d(x, w, b, stride=2, padding=3, allow_tf32=False, input_norm=input_norm_of(mean, std, device))
     assert torch.equal(y, b.reshape(1, 4, 1, 1).expand_as(y))
 
 

@@ -58,13 +58,15 @@ def test_gpu_ready_untimed_then_tuned_while_idle_with_the_same_outputs(backgroun
         t = time.perf_counter()
         bt.run_one()
         slices.append(time.perf_counter() - t)
-    assert queue.pending() == 0 and queue.done == keys and published[-1] == (0, keys)
+    # Keys first met while timing or capturing again join the queue and are timed too (a conv's APART candidate runs
+    # the pool kernel apart, under a key of its own): on an H100 16 keys at ready, 20 timed in all.
+    assert queue.pending() == 0 and queue.done >= keys and published[-1] == (0, queue.done)
     recaptured = metrics.registry.get_sample_value("fusedserve_graph_recaptures_total",
                                                    {"model": model.name, "engine": "0"})  # fmt: skip
     changed = metrics.registry.get_sample_value("fusedserve_tuning_background_keys_total",
                                                 {"model": model.name, "engine": "0", "changed": "true"})  # fmt: skip
     assert (recaptured > 0) == (changed > 0)
-    print(f"{keys} keys, {len(slices)} slices, longest {max(slices) * 1e3:.0f} ms, median "
+    print(f"{keys} keys at ready, {queue.done} timed, {len(slices)} slices, longest {max(slices) * 1e3:.0f} ms, median "
           f"{sorted(slices)[len(slices) // 2] * 1e3:.0f} ms, {recaptured:.0f} graphs captured again")  # fmt: skip
     after = runner.run(x)
     np.testing.assert_allclose(after, before, rtol=1e-2, atol=1e-2 * float(np.abs(before).max()))
