@@ -200,7 +200,8 @@ def test_get_model_shows_the_progress(tmp_path, background):
 
     engines = SimpleNamespace(states=lambda: [wire.READY, wire.READY])
     model = ModelInfo("m", None, (4,), 2, None)
-    state = FrontendState(Settings(tuning_background=background), model, engines, None, tmp_path)
+    # tuning on explicitly: the GPU suite runs with FUSEDSERVE_TUNING=false, which turns background tuning off
+    state = FrontendState(Settings(tuning=True, tuning_background=background), model, engines, None, tmp_path)
     if background:
         write_tuning(tmp_path, 0, 3, 4)
         write_tuning(tmp_path, 1, 0, 7)
