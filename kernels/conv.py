@@ -602,18 +602,20 @@ def cuda_configs(
     def cfg(warps, stages, bm, bn, bk, flat, split=1):
         return LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLAT_K=flat, SPLIT_K=split)
 
-    # `norm` (input_norm: the gathered tile normalized in fp32 before the dot): on the 7x7/2 stem at 224x224 (uint8
-    # NCHW x) 128x64x32 on 4 warps spilled 16 bytes (Triton 3.9), and 64-row tiles on 4 warps at 4 stages spilled
-    # 352 bytes (fp16, BLOCK_K 64) and 200 (fp32, 32) on Triton 3.6, so there every tile runs on 8 warps, 3 stages.
+    # `norm` (input_norm: the gathered tile normalized in fp32 before the dot). Compiled for the 7x7/2 stem at 224x224
+    # (uint8 NCHW x) on Triton 3.6, every tile, depth and warp count: on 4 warps 64x64 spilled 104-352 bytes (fp16,
+    # bf16) and 64x32 96-200 (fp32), 128-row tiles 8-1120; on 8 warps none spilled at 64 rows and 3 stages, nor at 128
+    # rows and 2 stages in fp16/bf16 (3 stages: 16 bytes at BLOCK_K 64), while fp32 (on the CUDA cores) spilled at
+    # 128 rows but for BLOCK_K 16 at 3 stages.
     if norm:
-        tiles = [(64, 8, 3), (128, 8, 3)]
+        tiles = [(64, 8, 3), (128, 8, 3 if fma else 2)]
     else:
         tiles = [(64, 4, 4), (128, 8, 3)] + ([(128, 4, 3)] if bn <= 64 and not pooled else [])
     out = []
     for flat in flats:
         for bk in ks:
             for bm, warps, stages in tiles:
-                if bm > 64 and bucket <= 64:
+                if (bm > 64 and bucket <= 64) or (norm and fma and bm > 64 and bk > 16):
                     continue
                 # 64x128x64 on 4 warps spilled (224 bytes, fp16, taps, NCHW x: 128 -> 128 at 8x8); on 8 it did not
                 out.append(cfg(8 if (bm, bn, bk) == (64, 128, 64) else warps, stages, bm, bn, bk, flat))
