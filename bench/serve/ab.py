@@ -36,6 +36,8 @@ import threading
 import time
 from pathlib import Path
 
+from bench.gpu import slug_of
+
 REPO = Path(__file__).resolve().parents[2]
 # fusedserve's systems: the options each is served with (beside host, port, workers, device, dtype, cache). bench
 # serve's Server.argv can take them from serve_args(), so that its --systems accept ab and ab_shadow too.
@@ -325,6 +327,7 @@ def report(doc: dict) -> str:
 
 
 def _gpu_name(device: str) -> str:
+    """The results' GPU slug (bench.gpu.slug_of: 'NVIDIA H100 80GB HBM3' -> 'h100'), 'cpu' without CUDA."""
     if device != "cuda":
         return "cpu"
     try:
@@ -332,7 +335,7 @@ def _gpu_name(device: str) -> str:
                               text=True, timeout=30).stdout.splitlines()[0]  # fmt: skip
     except (OSError, IndexError, subprocess.SubprocessError):
         return "gpu"
-    return "".join(c for c in name.lower().split()[-1] if c.isalnum()) or "gpu"
+    return slug_of(name)
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -562,11 +562,16 @@ def meta(plan: Plan, command: str, gpu: str | None) -> dict:
 
     from .loadgen import loop_name
 
-    commit = None
+    # COMMIT names it where the tree's .git is absent or stale (the lent GPU host's copy; tests/gpu_suite.sh reads
+    # it too)
+    commit = os.environ.get("COMMIT")
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
+        commit = (
+            commit
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        )
     dists = ("torch", "triton", "fastapi", "starlette", "uvicorn", "orjson", "numpy", "uvloop", "httptools", "aiohttp")
     return {
         "command": command,
