@@ -333,7 +333,9 @@ def test_the_l2_flush_reads_every_byte_and_writes_none():
 def test_cold_timing_reads_from_memory_where_a_busy_wait_instead_of_the_flush_reads_from_l2():
     # The same 24 MB sum (half an H200's L2), timed after the flush and after a busy wait of about the same
     # length that touches no memory: the first reads HBM (at most 4.8 TB/s on an H200, 6e12 bounds it), the
-    # second finds the tensor in L2, so the flush must cost it time.
+    # second finds the tensor in L2, so the flush must cost it time: at least a quarter of the tensor's read at
+    # 4.8 TB/s (1.3 us). A ratio missed on the H200, whose fast HBM leaves the sum's fixed ~10 us to dominate: cold
+    # 14.9-15.2 against warm 12.8-13.0 us, 1.16-1.19x, and 2.1-2.3 us apart; a flush that evicts nothing: ~0 apart.
     import torch
 
     from kernels.cold_timing import cold_us
@@ -347,4 +349,6 @@ def test_cold_timing_reads_from_memory_where_a_busy_wait_instead_of_the_flush_re
     cold = cold_us(read_all, warmup_ms=2, rep_ms=10)
     warm = cold_us(read_all, warmup_ms=2, rep_ms=10, flush=lambda: torch.cuda._sleep(100_000))
     assert cold >= src.numel() * 4 / 6e12 * 1e6, f"{cold:.2f} us: faster than HBM, so not timed cold"
-    assert cold > 1.2 * warm, f"cold {cold:.2f} us, L2-warm {warm:.2f} us: the flush did not evict the tensor"
+    read_us = src.numel() * 4 / 4.8e12 * 1e6
+    evicted = cold - warm > 0.25 * read_us
+    assert evicted, f"cold {cold:.2f} us, L2-warm {warm:.2f} us: the flush did not evict the tensor"
