@@ -167,6 +167,26 @@ def test_gpu_every_dtype_and_activation(shape, dtype, activation):
     _check(*shape, dtype, activation, "cuda")
 
 
+# Widths that are not multiples of 64 (issue 34's MLPs: 784 in, 1000 classes, 1536 and 3072 hidden): (N, K) pairs.
+ODD_WIDTHS = [(1000, 784), (1536, 1000), (3072, 1536), (784, 3072)]
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("widths", ODD_WIDTHS, ids=lambda s: "x".join(map(str, s)))
+def test_widths_not_multiples_of_64(widths, activation):
+    """Every activation at the odd widths, three rows, fp32 (the interpreter's default tile crosses each edge)."""
+    _check(3, *widths, torch.float32, activation, DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 7, 33, 256, 1000, 4096])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("widths", ODD_WIDTHS, ids=lambda s: "x".join(map(str, s)))
+def test_gpu_widths_not_multiples_of_64_at_every_batch(widths, dtype, M):
+    for activation in ACTIVATIONS:
+        _check(M, *widths, dtype, activation, "cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(64, 256, 128), (1024, 1024, 1024), (16, 4096, 4096)], ids=str)
 def test_gpu_tf32(shape):
