@@ -1,9 +1,11 @@
 """What the benchmarks that start the real service on loopback share: a free port, a GET that returns the
-status of an error too, and the service's processes as /proc shows them."""
+status of an error too, the service's processes as /proc shows them, and a stop as an orchestrator's."""
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -39,3 +41,13 @@ def children(pid: int) -> dict[str, int]:
         if ppid == pid and comm.startswith("fs-"):
             out[comm] = int(entry.name)
     return out
+
+
+def stop(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the service, as an orchestrator would; SIGKILL it if it has not exited after grace_s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.local_server import children, free_port, get
+from bench.local_server import children, free_port, get, stop
 
 
 def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen) -> float:
@@ -141,11 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             result = {"model": args.model, "mode": args.mode, "cold_start_s": round(cold_s, 1)}
             result.update(asyncio.run(scenario(url, proc, args)))
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc, 60)
             log.close()
     bad = {k: v for k, v in result["answers"].items() if k not in ("200", "503")}
     result["only_200_and_503"] = not bad

@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.local_server import free_port
+from bench.local_server import free_port, stop
 from bench.probes.engine_restart import wait_ready
 
 RUNS = (("fused", "empty caches"), ("fused", "warm caches"), ("unfused", "-"))
@@ -47,12 +46,7 @@ def start(model: Path, mode: str, env_extra: dict, log: Path, timeout_s: float) 
         try:
             return wait_ready(f"http://127.0.0.1:{port}", timeout_s, proc)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc, 30)
 
 
 def main(argv: list[str] | None = None) -> int:
