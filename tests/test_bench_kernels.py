@@ -907,3 +907,29 @@ def test_resnets_are_imported_from_onnx_and_their_anchors_run_the_torch_module(t
     plain = ModelProviders(load_with_module("digits", tmp_path, 0)[0], cpu, torch.float32, max_batch_size=2)
     with pytest.raises(NotAvailable):
         plain.prepare("eager-folded", torch.randn(2, 64))
+
+
+def test_a_resnets_steps_are_timed_fused_against_unfused_under_the_same_names(tmp_path, monkeypatch):
+    """ModelProviders.step_times on ResNet-18 at 3x32x32 (the CPU: wall time around each step of an eager forward):
+    one row per step of the plan, named as the service's `kernel` label, both modes timed; and the report's table."""
+    from bench import resnets
+    from bench.kernels.models import ModelProviders, load_with_module
+    from bench.kernels.report import _step_tables
+    from kernels.runtime import interpreting
+
+    if not interpreting():
+        pytest.skip("the CPU path of step_times; the GPU's runs in bench kernels")
+    monkeypatch.setattr(resnets, "IMAGE", (3, 32, 32))
+    model, module = load_with_module("resnet18", tmp_path, 0)
+    providers = ModelProviders(model, torch.device("cpu"), torch.float32, max_batch_size=1, module=module)
+    rows = providers.step_times(torch.randn(1, *model.input_shape), reps=1)
+    names = [r["step"] for r in rows]
+    assert names[0] == "conv2d_0_bn_relu" and "conv2d_2_bn_add_relu" in names and names[-1] == "linear_0"
+    # every step that launches work: 20 convs, 2 pools, the linear head (the flatten is a view, not timed)
+    assert len(names) == 23 and "flatten_0" not in names
+    assert all(r["fused_us"] > 0 and r["unfused_us"] > 0 for r in rows)
+    case = {"model": "resnet18", "dtype": "float32", "batch": 1, "steps": rows}
+    lines = _step_tables([case, {**case, "batch": 4}], cuda=False)
+    assert lines[0] == "## Models: each fused step"
+    assert sum(line.startswith("resnet18, float32, batch") for line in lines) == 2
+    assert sum(line.startswith("| conv2d_2_bn_add_relu |") for line in lines) == 2

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -50,6 +52,7 @@ MODEL_PROVIDERS = (
     "eager", "eager-cl", "eager-folded", "linear", "compile", "compile-max", "ours-unfused-graph", "ours-eager", "ours",
 )  # fmt: skip
 MODULE_ONLY = ("eager-cl", "eager-folded")  # anchors of the models built as torch modules (the ResNets)
+STEP_REPS = 20  # replays of the timed graph per mode behind each step's median (ModelProviders.step_times)
 MODELS = ("digits", "wide", "digits-cnn", "wide-cnn", "mlp-768", "mlp-1000", "resnet18", "resnet50")
 WEIGHTS = Path(__file__).resolve().parents[2] / "model_weights"
 DIGITS_DIR = WEIGHTS / "digits-mlp"
@@ -314,6 +317,41 @@ class ModelProviders:
             return reference_forward(self.steps, x)
         with torch.no_grad():
             return copy.deepcopy(self.module).to(self.device, self.dtype).double()(x.double())
+
+    def step_times(self, x: torch.Tensor, reps: int = STEP_REPS) -> list[dict]:
+        """Each step of the plan, fused against unfused (both executors run the same steps under the same names):
+        µs per step, the median of `reps` replays of the service's timed graph for x's batch (CUDA-event nodes around
+        each step, as the service times its kernels: GraphedExecutor(timed=True)); on the CPU, wall time around each
+        step of an eager forward."""
+        times = {}
+        for mode in ("fused", "unfused"):
+            timed_forward = self._timed_forward(self._executor(mode), x)
+            samples: dict[str, list[float]] = defaultdict(list)
+            for _ in range(reps):
+                timer = timed_forward()
+                synchronize(self.device)
+                for name, seconds in timer.results():
+                    samples[name].append(seconds)
+            times[mode] = {name: statistics.median(v) * 1e6 for name, v in samples.items()}
+        return [{"step": n, "fused_us": t, "unfused_us": times["unfused"].get(n)} for n, t in times["fused"].items()]
+
+    def _timed_forward(self, ex, x: torch.Tensor):
+        """A function that runs one forward of x with its steps timed and returns their StepTimer."""
+        if self.device.type == "cuda":
+            from service.model.graphs import GraphedExecutor
+
+            g = GraphedExecutor(ex, max_batch_size=len(x), host_io=True, timed=True)
+            g.host_in[: len(x)].copy_(x.to(g.host_in.dtype).cpu())
+            return lambda: g.replay_host_timed(len(x))[1]
+        from service.model.executors import StepTimer
+
+        timer = StepTimer(self.device)
+
+        def run():
+            ex.forward(x, timer)
+            return timer
+
+        return run
 
     def _module_as(self, kind: str) -> nn.Module:
         """The module in this dtype on this device: "eager" as it is (NCHW), "cl" in channels_last, "folded" in

@@ -178,6 +178,8 @@ def markdown(results: dict) -> str:
         lines += ["", *_layer_table(results["layers"], cuda, notes, with_hot)]
     if results["models"]:
         lines += ["", *_model_tables(results["models"], cuda, notes, meta.get("model_dtype", ""), with_hot)]
+        steps = _step_tables(results["models"], cuda)
+        lines += ["", *steps] if steps else []
     if results.get("convs"):
         lines += ["", *_conv_table(results["convs"], cuda, notes)]
     if notes.items:
@@ -281,6 +283,35 @@ def _model_tables(cases: list[dict], cuda: bool, notes: _Notes, default_dtype: s
         group = [c for c in cases if c.get("dtype", default_dtype) == dtype]
         lines += ([""] if lines else []) + _model_table(group, cuda, notes, dtype, with_hot)
     return lines
+
+
+def _step_tables(cases: list[dict], cuda: bool) -> list[str]:
+    """Each fused step against the same step unfused, for the cases that timed their steps (the ResNets): per model
+    and dtype, the smallest and the largest batch."""
+    timed = [c for c in cases if c.get("steps")]
+    if not timed:
+        return []
+    how = ("device µs per step, the median of 20 replays of the service's timed graph (CUDA events around each step)"
+           if cuda else "wall µs around each step of an eager forward")  # fmt: skip
+    lines = ["## Models: each fused step", "", f"Fused against unfused, step by step ({how}); the unfused step runs "
+             "the same ops one torch kernel at a time (conv, BatchNorm, add, activation).", ""]  # fmt: skip
+    for key in dict.fromkeys((c["model"], c["dtype"]) for c in timed):
+        group = [c for c in timed if (c["model"], c["dtype"]) == key]
+        for case in sorted({id(c): c for c in (min(group, key=_batch), max(group, key=_batch))}.values(), key=_batch):
+            fused = sum(r["fused_us"] for r in case["steps"])
+            unfused = sum(r["unfused_us"] or 0.0 for r in case["steps"])
+            lines += [f"{key[0]}, {key[1]}, batch {case['batch']}: {len(case['steps'])} steps, {us(fused)} µs fused "
+                      f"against {us(unfused)} unfused ({_ratio(unfused, fused)})", "",
+                      "| step | fused µs | unfused µs | unfused / fused |", "|---|---:|---:|---:|"]  # fmt: skip
+            for r in case["steps"]:
+                f, u = r["fused_us"], r["unfused_us"]
+                lines.append(f"| {r['step']} | {us(f)} | {us(u)} | {_ratio(u, f)} |")
+            lines.append("")
+    return lines[:-1]
+
+
+def _batch(case: dict) -> int:
+    return case["batch"]
 
 
 def _conv_table(cases: list[dict], cuda: bool, notes: _Notes) -> list[str]:

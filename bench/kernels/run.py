@@ -281,6 +281,11 @@ def _model_case(ctx: _Ctx, providers: ModelProviders, batch: int, dtype: str, se
     ref = providers.reference(x)
     prepare = functools.partial(providers.prepare, x=x)
     _run_case(ctx, case, plan.model_providers, prepare, ref, cases_after)
+    if providers.module is not None and not ctx.budget.expired():  # the ResNets: each fused step against unfused
+        try:
+            case["steps"] = providers.step_times(x)
+        except Exception as e:  # the forward's own cells stand; the step table says why it is missing
+            case["steps_error"] = describe(e)
     return case
 
 
