@@ -137,11 +137,9 @@ def test_gpu_cnn_replay_matches_launching_each_step(tmp_path, mode, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["fused", "unfused"])
 def test_gpu_cnn_runner_warms_replays_and_times_steps(mode):
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    from .digits import held_out_split
 
-    X, y = load_digits(return_X_y=True)
-    _, x_test, _, y_test = train_test_split(X, y, test_size=0.2, random_state=0, stratify=y)
+    x_test, y_test = held_out_split()
     model = load_model(SHIPPED_CNN)
     kernels = []
     runner = ModelRunner(

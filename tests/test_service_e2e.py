@@ -22,9 +22,8 @@ import numpy as np
 import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
+from .digits import held_out_split
 from .server import free_port, running_servers, service_env
 
 pytestmark = pytest.mark.slow
@@ -81,8 +80,7 @@ def url(servers, mode) -> str:
 @pytest.fixture(scope="module")
 def digits() -> tuple[np.ndarray, np.ndarray]:
     """The 360 held-out rows of sklearn's digits (raw pixels 0..16) and their labels."""
-    X, y = load_digits(return_X_y=True)
-    _, X_test, _, y_test = train_test_split(X, y, test_size=0.2, random_state=0, stratify=y)
+    X_test, y_test = held_out_split()
     assert X_test.shape == (360, FEATURES)
     return X_test, y_test
 

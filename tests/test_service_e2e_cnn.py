@@ -14,9 +14,8 @@ import numpy as np
 import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
+from .digits import held_out_split
 from .server import REPO, running_servers
 
 pytestmark = pytest.mark.slow
@@ -45,8 +44,7 @@ def servers(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def digits() -> tuple[np.ndarray, np.ndarray]:
     """The 360 held-out digits (the MLP's split) as (360, 8, 8) raw pixels 0..16, and their labels."""
-    X, y = load_digits(return_X_y=True)
-    _, X_test, _, y_test = train_test_split(X, y, test_size=0.2, random_state=0, stratify=y)
+    X_test, y_test = held_out_split()
     return X_test.reshape(-1, 8, 8), y_test
 
 

@@ -20,9 +20,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 from prometheus_client.parser import text_string_to_metric_families
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
+from .digits import held_out_split
 from .server import REPO, free_port, running_servers, service_env
 
 tgrpc = pytest.importorskip("tritonclient.grpc")
@@ -57,8 +56,7 @@ def servers(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def digits() -> tuple[np.ndarray, np.ndarray]:
     """The 360 held-out digits (the split of every digits model) as (360, 8, 8) raw pixels 0..16, and labels."""
-    X, y = load_digits(return_X_y=True)
-    _, X_test, _, y_test = train_test_split(X, y, test_size=0.2, random_state=0, stratify=y)
+    X_test, y_test = held_out_split()
     return X_test.reshape(-1, 8, 8), y_test
 
 
