@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.gpu import slug_of
+from bench.gpu import gpu_name, slug_of
 
 REPO = Path(__file__).resolve().parents[2]
 # fusedserve's systems: the options each is served with (beside host, port, workers, device, dtype, cache). bench
@@ -327,15 +327,11 @@ def report(doc: dict) -> str:
 
 
 def _gpu_name(device: str) -> str:
-    """The results' GPU slug (bench.gpu.slug_of: 'NVIDIA H100 80GB HBM3' -> 'h100'), 'cpu' without CUDA."""
+    """The results' GPU slug (bench.gpu: 'NVIDIA H100 80GB HBM3' -> 'h100'), 'cpu' without CUDA, 'gpu' when unnamed."""
     if device != "cuda":
         return "cpu"
-    try:
-        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30).stdout.splitlines()[0]  # fmt: skip
-    except (OSError, IndexError, subprocess.SubprocessError):
-        return "gpu"
-    return slug_of(name)
+    name = gpu_name()
+    return slug_of(name) if name else "gpu"
 
 
 def _ints(text: str) -> tuple[int, ...]:
