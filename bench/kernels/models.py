@@ -278,7 +278,8 @@ class ModelProviders:
         self.model, self.device, self.dtype, self.max_batch_size = model, device, dtype, max_batch_size
         self.module = module
         self.steps = None if module is not None else bound_steps(model, device, dtype)
-        self._modules: dict[str, nn.Module] = {}  # "eager" (NCHW), "cl", "folded": the module as each anchor runs it
+        # "eager" (NCHW), "cl", "folded": the module as each anchor runs it; "float64": the reference's
+        self._modules: dict[str, nn.Module] = {}
         self._executors: dict[str, object] = {}
         self._graphed: dict[str, object] = {}  # mode -> GraphedExecutor, or the NotAvailable/exception it raised
 
@@ -316,7 +317,7 @@ class ModelProviders:
         if self.module is None:
             return reference_forward(self.steps, x)
         with torch.no_grad():
-            return copy.deepcopy(self.module).to(self.device, self.dtype).double()(x.double())
+            return self._module_as("float64")(x.double())
 
     def step_times(self, x: torch.Tensor, reps: int = STEP_REPS) -> list[dict]:
         """Each step of the plan, fused against unfused (both executors run the same steps under the same names):
@@ -355,7 +356,8 @@ class ModelProviders:
 
     def _module_as(self, kind: str) -> nn.Module:
         """The module in this dtype on this device: "eager" as it is (NCHW), "cl" in channels_last, "folded" in
-        channels_last with each BatchNorm folded into its conv (torch.fx's conv-BN fusion, as a user would)."""
+        channels_last with each BatchNorm folded into its conv (torch.fx's conv-BN fusion, as a user would);
+        "float64": its weights cast to this dtype, then computed in float64 (the reference)."""
         if kind not in self._modules:
             m = copy.deepcopy(self.module).eval()
             if kind == "folded":
@@ -363,7 +365,9 @@ class ModelProviders:
 
                 m = fuse(m)
             m = m.to(self.device, self.dtype)
-            self._modules[kind] = m if kind == "eager" else m.to(memory_format=torch.channels_last)
+            if kind == "float64":
+                m = m.double()
+            self._modules[kind] = m if kind in ("eager", "float64") else m.to(memory_format=torch.channels_last)
         return self._modules[kind]
 
     def _prepare_module(self, name: str, x: torch.Tensor) -> Prepared:
