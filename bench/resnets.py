@@ -25,9 +25,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-NAMES = ("resnet18", "resnet50")
-# (block, blocks per stage): torchvision's resnet18 and resnet50
-LAYOUTS = {"resnet18": ("basic", (2, 2, 2, 2)), "resnet50": ("bottleneck", (3, 4, 6, 3))}
+NAMES = ("resnet18", "resnet50", "resnet-stem")
+# (block, blocks per stage): torchvision's resnet18 and resnet50; resnet-stem: the stem (7x7/2 conv, BN, ReLU, max
+# pool), the global average pool and the classifier with no stage between them. It takes the same 224x224 images
+# for well under a ms of GPU time per 256 of them, so `bench serve` on it measures what bytes in cost: the client,
+# the front ends, the arena and the copies to the GPU, with no network to hide behind.
+LAYOUTS = {
+    "resnet18": ("basic", (2, 2, 2, 2)),
+    "resnet50": ("bottleneck", (3, 4, 6, 3)),
+    "resnet-stem": ("basic", ()),
+}
 IMAGE = (3, 224, 224)
 CLASSES = 1000
 OPSET = 17
@@ -92,12 +99,13 @@ class ResNet(nn.Module):
         self.conv1, self.bn1, self.relu = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False), _bn(64), nn.ReLU()
         self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
         stages, cin = [], 64
-        for i, (planes, n) in enumerate(zip((64, 128, 256, 512), blocks, strict=True)):
+        for i, (planes, n) in enumerate(zip((64, 128, 256, 512)[: len(blocks)], blocks, strict=True)):
             layer = []
             for j in range(n):
                 layer.append(kind(cin, planes, 2 if (i > 0 and j == 0) else 1))
                 cin = planes * kind.expansion
             stages.append(nn.Sequential(*layer))
+        stages += [nn.Identity()] * (4 - len(stages))  # resnet-stem: no stages
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(cin, classes)

@@ -7,6 +7,10 @@ sends the Open Inference Protocol's binary tensors (the empty route does not spe
 
     python -m bench.probes.profile_serve --out /tmp/profile      # on the GPU host, py-spy on PATH
     python -m bench.probes.profile_serve --systems fused,unfused --workers 1 --rows 64 --conns 1
+
+`--model DIR --images 32 --input-dtype UINT8` serves an image model instead (a model directory or .onnx file, as
+`bench serve --model` takes it) and sends it 32-image binary requests: where a front end and the engine spend their
+time on MB-sized bodies.
 """
 
 from __future__ import annotations
@@ -112,12 +116,15 @@ def profile(name: str, argv: list[str], port: int, pick, out: Path, a, spec_args
         for _, p in samplers:
             p.wait(30)
         p50 = float(np.median(result["latency"])) * 1e3 if len(result["latency"]) else float("nan")
-        print(f"== {name}: {result['req_per_s']:.0f} req/s, p50 {p50:.3f} ms, statuses {result['status']}", flush=True)
+        rows = f" ({result['req_per_s'] * a.images:,.0f} images/s)" if a.model else ""
+        print(f"== {name}: {result['req_per_s']:.0f} req/s{rows}, p50 {p50:.3f} ms, statuses {result['status']}, "
+              f"client cores {result.get('client_cpu', {})}", flush=True)  # fmt: skip
         if before is not None:
             split = server_split(delta(before, scrape(url)))
             if split["batches"]:
                 print(f"   engine: {split['forward_us']:.1f} us forward per batch, {split['batch_rows']:.1f} rows per "
-                      f"batch, {split['batches']} batches")  # fmt: skip
+                      f"batch, {split['batches']} batches, queue wait "
+                      f"{split['queue_wait_ms']:.2f} ms")  # fmt: skip
         for path, _ in samplers:
             if path.is_file():
                 print(_summary(path), flush=True)
@@ -140,10 +147,25 @@ def main() -> int:
     ap.add_argument("--conns", type=int, default=256, help="connections [256]")
     ap.add_argument("--protocol", default="predict", choices=("predict", "v2_binary"))
     ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--model", help="an image model to serve (directory or .onnx): binary requests of --images images")
+    ap.add_argument("--images", type=int, default=32, help="images per request with --model [32]")
+    ap.add_argument("--input-dtype", default="UINT8", choices=("FP32", "FP16", "UINT8"), help="with --model [UINT8]")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    if a.protocol == "v2_binary":
+    model_args: list[str] = []
+    if a.model:
+        from bench.serve import model as served
+        from bench.serve import v2
+
+        info = served.resolve(a.model)
+        count = v2.body_count(a.images, info.input_shape, a.input_dtype)
+        bodies, headers = v2.binary_bodies(a.images, count, shape=info.input_shape, datatype=a.input_dtype)
+        spec_args = {"path": v2.rest_path(info.name), "bodies": tuple(bodies), "protocol": "v2_binary",
+                     "headers": headers}  # fmt: skip
+        model_args = ["--model", info.path]
+        a.systems = ",".join(s for s in a.systems.split(",") if s != "empty")  # the empty route takes no images
+    elif a.protocol == "v2_binary":
         from bench.serve import v2
 
         bodies, headers = v2.binary_bodies(a.rows)
@@ -167,7 +189,7 @@ def main() -> int:
             profile(name, [*argv, "--log-level", "warning", "--no-access-log"], port, a_worker, a.out, a, spec_args)
             continue
         argv = [py, "-m", "service.cli", "serve", "--port", str(port), "--workers", str(a.workers), "--mode", name]
-        argv += ["--dtype", a.dtype, "--log-level", "warning"]
+        argv += ["--dtype", a.dtype, "--log-level", "warning", *model_args]
         profile(name, argv, port, front_and_engine, a.out, a, spec_args)
     return 0
 
