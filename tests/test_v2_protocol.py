@@ -701,3 +701,32 @@ def test_grpc_typed_contents_from_the_repositorys_own_stubs(servers, digits):
     assert out["fp16"][0] == "INVALID_ARGUMENT" and "FP16 travels only in raw_input_contents" in out["fp16"][1]
     assert out["empty"][0] == "INVALID_ARGUMENT" and "no fp32_contents" in out["empty"][1]
     assert out["two raw"][0] == "INVALID_ARGUMENT" and "raw_input_contents has 2 entries" in out["two raw"][1]
+
+
+# In a process of its own, as above: service.v2.grpc_server imports the repository's protobuf modules.
+HUGE_LIMIT_SERVER = """
+import asyncio
+from service.frontend.state import body_limit
+from service.v2.grpc_server import GRPC_MAX_MESSAGE, new_server
+
+async def main():
+    limit = body_limit(1024, 3 * 224 * 224)  # the default max rows of 224x224 images, as JSON: past a C int
+    assert limit > 2**31, limit
+    server = new_server(limit, 64)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await server.stop(None)
+    print(port > 0, GRPC_MAX_MESSAGE)
+
+asyncio.run(main())
+"""
+
+
+def test_grpc_server_starts_when_the_body_limit_passes_a_c_int():
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", HUGE_LIMIT_SERVER], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["True", str(2**31 - 1)]

@@ -213,6 +213,11 @@ def address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+# grpcio takes a message size as a C int: a larger one fails the server's construction (OverflowError), as the
+# JSON-sized limit of 1,024 images of 224x224 (3.7 GB) did. gRPC messages stop at 2 GB anyway (protobuf's limit).
+GRPC_MAX_MESSAGE = 2**31 - 1
+
+
 def new_server(max_receive_bytes: int, max_calls: int, interceptors=()) -> grpc.aio.Server:
     """A grpc.aio server with a front end's options, not yet bound. bench/serve/apps/empty_grpc.py builds its
     no-model server (the benchmark's gRPC ceiling) with it too, so that both run grpcio with the same options."""
@@ -220,7 +225,7 @@ def new_server(max_receive_bytes: int, max_calls: int, interceptors=()) -> grpc.
         interceptors=list(interceptors) or None,
         options=[
             ("grpc.so_reuseport", 1),
-            ("grpc.max_receive_message_length", max_receive_bytes),
+            ("grpc.max_receive_message_length", min(max_receive_bytes, GRPC_MAX_MESSAGE)),
             ("grpc.max_send_message_length", -1),
         ],
         # The HTTP side's cap on open connections (frontend/guard.py), as calls in flight: past it grpcio answers
