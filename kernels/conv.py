@@ -92,14 +92,18 @@ def _y_tile(base, n, rows, out_h, out_w, cols, stride_yn, stride_yc, stride_yh, 
 
 
 @triton.jit
-def _normalized(a, a_ok, scale_ptr, shift_ptr, c, c_ok, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """A gathered (BLOCK_M, BLOCK_K) tile of x at channels `c` (valid where `c_ok`) as the conv's operand: x * scale[c]
-    + shift[c] in fp32 where `a_ok` (inside the image), 0 in the padding, rounded once to DTYPE. ROUND_BF16: to
-    nearest by hand (the interpreter's cast truncates, and 147 truncations of the stem's K, all toward zero, moved
-    outputs by 2e-2)."""
+def _normalized(a, a_ok, scale_ptr, shift_ptr, c, c_ok, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr,
+                K_AXIS: tl.constexpr = 1):  # fmt: skip
+    """A gathered (BLOCK_M, BLOCK_K) tile of x at channels `c` (valid where `c_ok`) as the conv's operand (K_AXIS 0:
+    the (BLOCK_K, BLOCK_M) tile): x * scale[c] + shift[c] in fp32 where `a_ok` (inside the image), 0 in the padding,
+    rounded once to DTYPE. ROUND_BF16: to nearest by hand (the interpreter's cast truncates, and 147 truncations of
+    the stem's K, all toward zero, moved outputs by 2e-2)."""
     scale = tl.load(scale_ptr + c, mask=c_ok, other=0.0)
     shift = tl.load(shift_ptr + c, mask=c_ok, other=0.0)
-    value = tl.where(a_ok, a.to(tl.float32) * scale[None, :] + shift[None, :], 0.0)
+    if K_AXIS == 1:
+        value = tl.where(a_ok, a.to(tl.float32) * scale[None, :] + shift[None, :], 0.0)
+    else:
+        value = tl.where(a_ok, a.to(tl.float32) * scale[:, None] + shift[:, None], 0.0)
     if ROUND_BF16:
         value = round_to_bf16(value)
     return value.to(DTYPE)
@@ -189,22 +193,35 @@ def _conv2d_kernel(
             # 16 bytes (fp32 on the CUDA cores, 16 -> 32 channels, 64x32x16)
             for k0 in range(first * BLOCK_K, end * BLOCK_K, BLOCK_K):
                 k = k0 + offs_k
+                k_ok = offs_k < K - k0
                 if CHANNELS_LAST:
                     c = k % C
                     kh = k // (KW * C)
                     kw = (k // C) % KW
+                    ih = h0[:, None] + (kh * DH)[None, :]
+                    iw = w0[:, None] + (kw * DW)[None, :]
+                    a_ok = (m_ok[:, None] & k_ok[None, :]) & ((ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))
+                    x_k = c * stride_xc + (kh * DH) * stride_xh + (kw * DW) * stride_xw
+                    a = tl.load(x_corner[:, None] + x_k[None, :], mask=a_ok, other=0.0)
+                    if HAS_INPUT_NORM:
+                        a = _normalized(a, a_ok, xs_ptr, xb_ptr, c, k_ok, w_ptr.dtype.element_ty, ROUND_BF16)
                 else:
+                    # NCHW x: along K an element's neighbours lie KW apart at best (runs of 7 for the stem), along M
+                    # SW apart (the next output pixel). Gathered as a (BLOCK_K, BLOCK_M) tile, whose default layout
+                    # lays a warp's threads along M: one load instruction reads 32 pixels of one image row, 1-2
+                    # cache lines, where threads along K touched up to 32 (the ResNet stem at 256 images of
+                    # 224x224: 1,571 us, 36% of ResNet-18's forward, H200). Transposed for the dot.
                     c = k // (KH * KW)
                     kh = (k // KW) % KH
                     kw = k % KW
-                ih = h0[:, None] + (kh * DH)[None, :]
-                iw = w0[:, None] + (kw * DW)[None, :]
-                k_ok = offs_k < K - k0
-                a_ok = (m_ok[:, None] & k_ok[None, :]) & ((ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))
-                x_k = c * stride_xc + (kh * DH) * stride_xh + (kw * DW) * stride_xw
-                a = tl.load(x_corner[:, None] + x_k[None, :], mask=a_ok, other=0.0)
-                if HAS_INPUT_NORM:
-                    a = _normalized(a, a_ok, xs_ptr, xb_ptr, c, k_ok, w_ptr.dtype.element_ty, ROUND_BF16)
+                    ih = (kh * DH)[:, None] + h0[None, :]
+                    iw = (kw * DW)[:, None] + w0[None, :]
+                    a_ok = (k_ok[:, None] & m_ok[None, :]) & ((ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))
+                    x_k = c * stride_xc + (kh * DH) * stride_xh + (kw * DW) * stride_xw
+                    a = tl.load(x_corner[None, :] + x_k[:, None], mask=a_ok, other=0.0)
+                    if HAS_INPUT_NORM:
+                        a = _normalized(a, a_ok, xs_ptr, xb_ptr, c, k_ok, w_ptr.dtype.element_ty, ROUND_BF16, 0)
+                    a = tl.trans(a)
                 w_k = c * stride_wc + kh * stride_wh + kw * stride_ww
                 b = tl.load(w_cols[None, :] + w_k[:, None], mask=k_ok[:, None], other=0.0)
                 if UPCAST_DOT:
