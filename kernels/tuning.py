@@ -29,6 +29,7 @@ import math
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -295,8 +296,9 @@ def tune(
 
     The policy (`policy_label`) is part of the entry's key and the candidates' `offered_hash` is stored with
     it: a pick made for another policy, or from another list, is never reused. With background tuning on
-    (kernels/tuning_background.py) a key missing from the cache is not timed here: it gets an untimed pick at
-    once and is queued, to be timed while the server is idle.
+    (kernels/tuning_background.py), or once this process has spent its timing budget (`timing_budget`), a key
+    missing from the cache is not timed here: it gets an untimed pick at once and is queued, to be timed while
+    the server is idle.
     """
     candidates = list(candidates)
     policy = timing_policy()
@@ -308,11 +310,13 @@ def tune(
         return hit
     if not enabled():
         return candidates[0]
-    if background():
+    if background() or timing_budget.spent():
         from . import tuning_background
 
         return tuning_background.defer(scope, key, candidates, run, measure)
+    started = time.perf_counter()
     timings = time_candidates(candidates, run, measure, f"{scope} {key}")
+    timing_budget.charge(time.perf_counter() - started)
     return store_pick(scope, key, candidates, timings, policy)
 
 
@@ -365,6 +369,32 @@ set_enabled = switch.set
 # (kernels/tuning_background.py): FUSEDSERVE_TUNING_BACKGROUND, off unless set (the service passes its setting).
 background = EnvSwitch("FUSEDSERVE_TUNING_BACKGROUND", default=False)
 set_background = background.set
+
+
+class TimingBudget:
+    """Seconds of candidate timing `tune` may spend in this process before it defers the keys still missing from the
+    cache, as background tuning does (kernels/tuning_background.py). None: no limit (what a benchmark or a library
+    caller gets). The service sets FUSEDSERVE_TUNING_STARTUP_S: timing every key of every bucket held a ResNet-50's
+    start for minutes (bucket 1 alone took 217 s with empty caches on an H100), so past the budget it becomes ready
+    on untimed picks and times the rest while idle. The key being timed when the budget runs out is finished."""
+
+    def __init__(self) -> None:
+        self.seconds: float | None = None
+        self.used = 0.0
+
+    def set(self, seconds: float | None) -> None:
+        """A new budget, with nothing spent yet."""
+        self.seconds = seconds
+        self.used = 0.0
+
+    def charge(self, seconds: float) -> None:
+        self.used += seconds
+
+    def spent(self) -> bool:
+        return self.seconds is not None and self.used >= self.seconds
+
+
+timing_budget = TimingBudget()
 
 
 # Which timing picks a candidate (`pick`): FUSEDSERVE_TUNING_TIMING (both, cold or hot; default both), unless

@@ -124,6 +124,15 @@ class Settings(BaseSettings):
         "caching each pick and swapping it in between batches (progress: fusedserve_tuning_pending_keys, "
         "GET /model's tuning)",
     )
+    # ResNet-50's bucket 1 alone took 217 s to time with empty caches (H100); issue 34 asks a start within 3 minutes
+    # with an empty tuning cache. Small models never reach the budget (the digits MLP times its keys in seconds).
+    tuning_startup_s: float = Field(
+        60.0,
+        ge=0,
+        description="with tuning on, seconds of kernel timing a start may spend: past them, the configs still "
+        "missing from the tuning cache get untimed picks and are timed while no request waits, as with "
+        "tuning_background (which is this at 0). inf: time every config before ready",
+    )
     # both: a config that wins cold but loses back to back is the wrong pick for a loaded server, and the
     # reverse for the first batch after an idle spell (kernels/tuning.py, pick).
     tuning_timing: Literal["both", "cold", "hot"] = Field(

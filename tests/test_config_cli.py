@@ -63,7 +63,8 @@ def test_defaults():
     assert s.cuda_graphs is True
     assert s.tuning_cache is None
     assert s.tuning is True
-    assert s.tuning_background is False  # every key timed before ready, as before the setting existed
+    assert s.tuning_background is False
+    assert s.tuning_startup_s == 60.0  # keys timed before ready for a minute at most, then while idle
     assert s.tuning_timing == "both"
     assert s.pdl is True
     assert s.warmup is True
@@ -79,8 +80,8 @@ def test_defaults():
         "mode", "ab_unfused_percent", "shadow_every", "config_file", "device", "model", "model_dir", "dtype",
         "allow_tf32", "max_batch_size", "max_delay_ms",
         "engine_spin_ms", "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "kernel_timing_every",
-        "cuda_graphs", "tuning", "tuning_background", "tuning_timing", "tuning_cache", "pdl", "warmup", "workers",
-        "engines",
+        "cuda_graphs", "tuning", "tuning_background", "tuning_startup_s", "tuning_timing", "tuning_cache", "pdl",
+        "warmup", "workers", "engines",
         "shutdown_grace_s", "max_connections", "header_timeout_s", "body_timeout_s",
         "host", "port", "grpc_port", "log_level",
         "api_key", "api_keys_file", "restricted_api", "metrics_port", "docs", "tls_cert", "tls_key", "tls_client_ca",
@@ -100,6 +101,8 @@ ENV_VALUES = [
     ("ALLOW_TF32", "true", "allow_tf32", True),
     ("PDL", "false", "pdl", False),
     ("TUNING_TIMING", "cold", "tuning_timing", "cold"),
+    ("TUNING_STARTUP_S", "90", "tuning_startup_s", 90.0),
+    ("TUNING_STARTUP_S", "inf", "tuning_startup_s", float("inf")),
     ("WARMUP", "0", "warmup", False),
     ("MAX_BATCH_SIZE", "37", "max_batch_size", 37),
     ("MAX_DELAY_MS", "0.5", "max_delay_ms", 0.5),
@@ -149,6 +152,7 @@ INVALID = [
     ("FUSEDSERVE_DTYPE", "float64", r"FUSEDSERVE_DTYPE: Input should be 'auto', 'float32', 'float16' or 'bfloat16'"),
     ("FUSEDSERVE_KERNEL_TIMING_EVERY", "-2", r"FUSEDSERVE_KERNEL_TIMING_EVERY: Input should be greater than or equal"),
     ("FUSEDSERVE_TUNING_TIMING", "warm", r"FUSEDSERVE_TUNING_TIMING: Input should be 'both', 'cold' or 'hot'"),
+    ("FUSEDSERVE_TUNING_STARTUP_S", "-5", r"FUSEDSERVE_TUNING_STARTUP_S: Input should be greater than or equal to 0"),
 ]
 
 
@@ -366,9 +370,10 @@ def test_the_engine_passes_the_tuning_settings_to_the_kernels(monkeypatch, tmp_p
     monkeypatch.setattr(tuning.background, "_on", None)
     monkeypatch.setattr(tuning.timing_policy, "_value", None)
     monkeypatch.setattr(pdl.switch, "_on", None)
+    monkeypatch.setattr(tuning, "timing_budget", tuning.TimingBudget())
     monkeypatch.setattr(service.model.runner, "ModelRunner", lambda *a, **k: "runner")
     settings = Settings(tuning=False, tuning_background=True, tuning_timing="hot", tuning_cache=tmp_path / "t.json",
-                        pdl=False)  # fmt: skip
+                        pdl=False, tuning_startup_s=45)  # fmt: skip
     metrics = types.SimpleNamespace(observe_kernel=None, observe_forward=None)
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # build_runner sets both
     try:
@@ -376,8 +381,14 @@ def test_the_engine_passes_the_tuning_settings_to_the_kernels(monkeypatch, tmp_p
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     assert tuning.timing_policy() == "hot" and tuning.enabled() is False and pdl.enabled() is False
-    assert tuning.background() is True
+    assert tuning.background() is True and tuning.timing_budget.seconds == 45.0
     assert tuning.cache().path == tmp_path / "t.json"
+    try:
+        build_runner(settings.model_copy(update={"tuning_startup_s": float("inf")}), torch.device("cpu"), "float32",
+                     None, metrics)  # fmt: skip
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    assert tuning.timing_budget.seconds is None  # inf: no budget
 
 
 def test_default_workers_follow_the_cores_and_the_engines():

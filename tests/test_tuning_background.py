@@ -224,3 +224,38 @@ def test_tuning_off_takes_the_first_candidate_even_with_background_on(cache_file
         assert tuning_background.queue().pending() == 0
     finally:
         tuning.set_enabled(None)
+
+
+@pytest.fixture
+def budget(cache_file, monkeypatch):
+    """Background tuning off, and a fresh timing budget that the test sets."""
+    monkeypatch.setattr(tuning.background, "_on", False)
+    monkeypatch.setattr(tuning, "timing_budget", tuning.TimingBudget())
+    return tuning.timing_budget
+
+
+def test_keys_are_timed_at_once_until_the_timing_budget_is_spent_then_deferred(budget):
+    """FUSEDSERVE_TUNING_STARTUP_S: a start times keys until it has spent the budget; the next missing key gets an
+    untimed pick (the nearest bucket's, just timed) and is queued for the idle engine, as with background on."""
+    budget.set(10.0)
+    calls: list[LaunchConfig] = []
+    times = {A: 3.0, B: 1.0, C: 2.0}
+    assert tune(SCOPE, key(8), [A, B, C], calls.append, timed_by(times, calls)) == B
+    assert calls == [A, B, C] and tuning_background.queue().pending() == 0
+    assert 0 < budget.used < 10.0 and not budget.spent()  # the timing's own seconds were charged
+    budget.charge(10.0)
+    calls.clear()
+    assert tune(SCOPE, key(16), [A, B, C], calls.append, timed_by(times, calls)) == B
+    assert calls == [] and tuning_background.queue().pending() == 1
+    assert tune(SCOPE, key(8), [A, B, C], calls.append, timed_by(times, calls)) == B  # a cached key: still a hit
+
+
+def test_a_zero_budget_defers_every_key_and_none_times_every_key(budget):
+    calls: list[LaunchConfig] = []
+    budget.set(0.0)
+    assert tune(SCOPE, key(8), [A, B, C], calls.append, timed_by({A: 3.0, B: 1.0, C: 2.0}, calls)) == A
+    assert calls == [] and tuning_background.queue().pending() == 1
+    budget.set(None)
+    budget.charge(1e9)
+    assert tune(SCOPE, key(32), [A, B, C], calls.append, timed_by({A: 3.0, B: 1.0, C: 2.0}, calls)) == B
+    assert calls == [A, B, C]

@@ -5,7 +5,8 @@ empty one.
 Starts `fusedserve serve` (one front end, one engine) three times on the same model: fused with an empty tuning
 cache and an empty Triton kernel cache (a fresh machine), fused again with both as the first start left them (a
 restart), and unfused. Each is timed from the process start to /health/ready 200, and the engine's log is kept
-(its tuning lines say where the time went).
+(its tuning lines say where the time went). The caller's FUSEDSERVE_* settings pass: FUSEDSERVE_TUNING_STARTUP_S (60 s
+by default) bounds the timing a start does before it defers the rest, `inf` times every key first, 0 none.
 
     python -m bench.probes.startup --out DIR [--model resnet50] [--max-batch-size 256]
 """

@@ -467,6 +467,7 @@ def build_runner(settings: Settings, device, dtype: str, model, metrics, mode: s
     tuning.use_cache(settings.tuning_cache or tuning.default_cache_path())
     tuning.set_enabled(settings.tuning)
     tuning.set_background(settings.tuning_background)
+    tuning.timing_budget.set(None if math.isinf(settings.tuning_startup_s) else settings.tuning_startup_s)
     tuning.set_timing_policy(settings.tuning_timing)
     pdl.set_enabled(settings.pdl)
     mode = mode or settings.mode
@@ -572,17 +573,23 @@ def engine_main(
                     "engine %d warm: %s on %s, %s, batch sizes %s in %.1f s",
                     index, mode, device, dtype, sizes, time.perf_counter() - t,
                 )  # fmt: skip
-        if settings.tuning and settings.tuning_background and device.type == "cuda":
+        if settings.tuning and device.type == "cuda":
             from kernels import tuning_background
 
             from ..link.tuning_progress import write_tuning
 
-            def publish(pending: int, done: int) -> None:
-                write_tuning(Path(run_dir), index, pending, done)
-
-            engine.tuning = BackgroundTuning(lambda: engine.modes.runners, metrics, publish)
             left = tuning_background.queue().pending()
-            log.info("engine %d: %d tuning keys left untimed, to be timed while idle", index, left)
+            # Keys are left untimed with background tuning on, or where the start spent its timing budget
+            # (FUSEDSERVE_TUNING_STARTUP_S): either way they are timed while idle.
+            if settings.tuning_background or left:
+
+                def publish(pending: int, done: int) -> None:
+                    write_tuning(Path(run_dir), index, pending, done)
+
+                engine.tuning = BackgroundTuning(lambda: engine.modes.runners, metrics, publish)
+                why = "background tuning" if settings.tuning_background else (
+                    f"the start-up's {settings.tuning_startup_s:g} s of kernel timing spent")  # fmt: skip
+                log.info("engine %d: %d tuning keys left untimed (%s), to be timed while idle", index, left, why)
         # Everything allocated so far lives as long as the process: out of the collector's view, so a full GC
         # pass (100-200 ms seen on an event loop holding the model) has less to walk.
         gc.freeze()
