@@ -309,3 +309,30 @@ def test_requests_that_find_the_arena_full_travel_inside_their_message(tmp_path,
         outs = asyncio.run(scenario())
     for r, (out, _) in zip(x, outs, strict=True):
         np.testing.assert_array_equal(out, (r.reshape(60, -1)[:, :OUT].astype(np.float16) * 2).astype(np.float32))
+
+
+def test_the_arena_is_sized_for_two_full_batches_of_the_models_rows():
+    """16 MB held three 32-image UINT8 224x224 requests: the rest went through the engine's socket."""
+    image = 3 * 224 * 224
+    assert engine_client.arena_bytes(1024, 64 * 4) == engine_client.ARENA_BYTES  # the digits MLP: the floor
+    assert engine_client.arena_bytes(256, image) == 2 * 256 * image  # a ResNet's uint8 pixels: 77 MB
+    assert engine_client.arena_bytes(1024, image * 4) == engine_client.ARENA_MAX_BYTES  # float32 rows: capped
+
+
+def test_the_client_maps_an_arena_of_the_size_it_is_given(tmp_path):
+    path = str(tmp_path / "engine.sock")
+    size = 3 << 20
+
+    async def scenario():
+        client = EngineClient([path], ready_states(), OUT, size)
+        client.start()
+        await wait_until(lambda: client._wire[0] is not None)
+        x = np.ones((2, *SHAPE), np.float32)
+        out, _ = await asyncio.wait_for(client.submit(x, time.monotonic() + 5, time.monotonic())[1], 5)
+        arena = client._arenas[0].size
+        client.close()
+        return out, arena
+
+    with EngineThread(path, StubRunner("float32")):
+        out, arena = asyncio.run(scenario())
+    assert arena == size and out.shape == (2, OUT)

@@ -118,10 +118,12 @@ def frontend_main(
     import uvicorn
 
     from .auth import uvicorn_tls
-    from .engine_client import EngineClient
+    from .engine_client import EngineClient, arena_bytes
     from .guard import guarded_protocol
 
-    engines = EngineClient(endpoints, states, model.output_features)
+    # A row on the wire: uint8 pixels as sent, floats as float32 at most (float16 to a float16 engine).
+    row_bytes = model.input_features * (1 if model.input_dtype == "uint8" else 4)
+    engines = EngineClient(endpoints, states, model.output_features, arena_bytes(settings.max_batch_size, row_bytes))
     app = create_app(settings, model, engines, Path(run_dir))
     from .fastpath import PredictFastPath
 

@@ -28,9 +28,20 @@ STATE_POLL_S = 0.025  # how often engine states are read, and engines not yet re
 # each): without a cap the first of them would wait for the last to be parsed before the engine saw any. Sending
 # every 16 keeps the engine working while the rest are parsed, at one socket write per 16 requests.
 FLUSH_EVERY = 16
-# Shared memory per engine for rows on their way (service/link/arena.py): 512 requests of 256 float16 rows at once.
-# Pages are only touched as slots are used; a request that finds no room goes inside its message.
+# Shared memory per engine for rows on their way (service/link/arena.py): at least 512 requests of 256 float16 rows
+# of the digits MLP at once, and for a larger model room for two full batches (`arena_bytes`). Pages are only
+# touched as slots are used; a request that finds no room goes inside its message, through the engine's socket.
 ARENA_BYTES = 16 << 20
+ARENA_MAX_BYTES = 1 << 30
+
+
+def arena_bytes(max_batch_size: int, row_bytes: int) -> int:
+    """A front end's arena for one engine: two full batches of rows of `row_bytes` each on the wire, between
+    ARENA_BYTES and ARENA_MAX_BYTES. At 16 MB, three 32-image UINT8 224x224 requests fit (4.8 MB each) and one FP16
+    one, so at 8 requests in flight per front end (64 connections, 8 workers) most went through the socket, copied
+    into the kernel and out again on the engine's one thread; two batches of 256 such images take 77 MB. Virtual
+    until used: the ring's pages become resident as the bytes in flight reach them."""
+    return max(ARENA_BYTES, min(ARENA_MAX_BYTES, 2 * max_batch_size * row_bytes))
 
 
 class EngineError(Exception):
@@ -54,8 +65,9 @@ class EngineGone(EngineError):
 class EngineClient:
     """A front end's side of the link: one connection per engine, requests out, answers matched back to futures."""
 
-    def __init__(self, endpoints: list[str], states: list, output_features: int):
+    def __init__(self, endpoints: list[str], states: list, output_features: int, arena_size: int | None = None):
         self._endpoints = endpoints
+        self._arena_size = arena_size  # bytes of each engine's arena (`arena_bytes`); None: ARENA_BYTES
         self._socks: list = [None] * len(endpoints)  # connected once the engine listens
         self._readers = [stream.Reader() for _ in endpoints]
         self._unsent = [bytearray() for _ in endpoints]
@@ -104,7 +116,7 @@ class EngineClient:
             return
         arena = None
         try:
-            arena = Arena(ARENA_BYTES)
+            arena = Arena(self._arena_size or ARENA_BYTES)
         except (OSError, AttributeError) as e:  # no memfd (not Linux): every request's rows go inside its message
             log.warning("no shared memory for rows (%s); they travel through the socket", e)
         # The first bytes on the connection: an empty message, the arena's descriptor attached.
