@@ -32,15 +32,16 @@ FLUSH_EVERY = 16
 # of the digits MLP at once, and for a larger model room for two full batches (`arena_bytes`). Pages are only
 # touched as slots are used; a request that finds no room goes inside its message, through the engine's socket.
 ARENA_BYTES = 16 << 20
-ARENA_MAX_BYTES = 1 << 30
+ARENA_MAX_BYTES = 256 << 20
 
 
 def arena_bytes(max_batch_size: int, row_bytes: int) -> int:
     """A front end's arena for one engine: two full batches of rows of `row_bytes` each on the wire, between
     ARENA_BYTES and ARENA_MAX_BYTES. At 16 MB, three 32-image UINT8 224x224 requests fit (4.8 MB each) and one FP16
     one, so at 8 requests in flight per front end (64 connections, 8 workers) most went through the socket, copied
-    into the kernel and out again on the engine's one thread; two batches of 256 such images take 77 MB. Virtual
-    until used: the ring's pages become resident as the bytes in flight reach them."""
+    into the kernel and out again on the engine's one thread; two batches of 256 such images take 77 MB. Its pages
+    become resident as the ring's slots pass over them, so under load a front end holds the whole arena per engine:
+    the cap keeps 8 front ends within 2 GB an engine (the Kubernetes base allows 16 GiB)."""
     return max(ARENA_BYTES, min(ARENA_MAX_BYTES, 2 * max_batch_size * row_bytes))
 
 
