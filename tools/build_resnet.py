@@ -4,6 +4,9 @@
     python tools/build_resnet.py resnet50 --out /tmp/resnet50    # /tmp/resnet50/resnet50.onnx (102 MB), ~5 s
     FUSEDSERVE_MODEL=/tmp/resnet50 fusedserve serve               # serves it (the importer folds BatchNorm)
 
+`resnet-stem` writes the stem, pools and classifier alone (0.3 MB): the same 224x224 images for little GPU work, to
+measure what bringing the images in costs (bench/resnets.py).
+
 No pretrained weights can be downloaded here: the file is for measuring speed, not accuracy. Its BatchNorm nodes
 carry statistics measured on random images and random affine parameters (bench/resnets.py says why).
 """
