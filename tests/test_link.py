@@ -336,3 +336,33 @@ def test_the_client_maps_an_arena_of_the_size_it_is_given(tmp_path):
     with EngineThread(path, StubRunner("float32")):
         out, arena = asyncio.run(scenario())
     assert arena == size and out.shape == (2, OUT)
+
+
+def test_rows_written_into_a_reserved_slot_reach_the_engine_where_they_are(tmp_path):
+    """EngineClient.reserve, then submit_reserved (service/v2/arena_body.py writes a body's tensor in place): the
+    engine reads the rows from the slot; rows of a dtype the wire would cast get no slot; a released slot goes back."""
+    path = str(tmp_path / "engine.sock")
+    runner = StubRunner("float16")
+    x = np.random.default_rng(4).uniform(-4, 4, (5, *SHAPE)).astype(np.float16)
+
+    async def scenario():
+        client = EngineClient([path], ready_states(), OUT)
+        client.start()
+        await wait_until(lambda: client._wire[0] is not None)
+        assert client.reserve(x.nbytes * 2, np.dtype(np.float32)) is None  # a float16 engine: float32 rows cast
+        unused = client.reserve(64, np.dtype(np.float16))
+        client.release(unused)
+        reservation = client.reserve(x.nbytes, np.dtype(np.float16))
+        rows = np.frombuffer(reservation.view, dtype=np.float16).reshape(x.shape)
+        rows[:] = x
+        rid, fut = client.submit_reserved(reservation, rows, time.monotonic() + 5, time.monotonic())
+        assert client._slots[rid][1] is reservation.slot
+        out, _ = await asyncio.wait_for(fut, 5)
+        live = client._arenas[0].slots_live
+        client.close()
+        return out, live
+
+    with EngineThread(path, runner):
+        out, live = asyncio.run(scenario())
+    assert live == 0 and runner.seen == ["float16"]
+    np.testing.assert_array_equal(out, (x.reshape(5, -1)[:, :OUT] * 2).astype(np.float32))

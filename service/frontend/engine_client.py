@@ -12,9 +12,11 @@ starts a dead engine again on the same socket path: once the new one is warming 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -61,6 +63,17 @@ class EngineGone(EngineError):
 
     def __init__(self, message: str):
         super().__init__(wire.SHUTTING_DOWN, message)
+
+
+@dataclass
+class Reservation:
+    """A slot of an engine's arena held for rows written in place (`EngineClient.reserve`)."""
+
+    engine: int
+    arena: Arena
+    slot: list
+    code: int  # the rows' wire dtype (wire.DTYPES)
+    view: memoryview  # the slot's bytes, writable
 
 
 class EngineClient:
@@ -176,23 +189,9 @@ class EngineClient:
         this front end's core rather than the engine's one thread; `deadline` and `arrival` are time.monotonic()
         values. The future resolves to (the (n, output_features) float32 outputs, the mode that computed them:
         fused or unfused), or raises EngineError."""
-        loop = self._loop
-        fut = loop.create_future()
+        fut = self._loop.create_future()
         load = self._load
-        states = self._states
-        n = len(states)
-        # Least loaded, ties broken round-robin (from a rotating start), so idle engines share serial traffic too.
-        self._turn = start = (self._turn + 1) % n
-        best = -1
-        for j in range(n):
-            i = (start + j) % n
-            if (
-                states[i].value == wire.READY
-                and self._socks[i] is not None
-                and i not in self._dead
-                and (best < 0 or load[i] < load[best])
-            ):
-                best = i
+        best = self._least_loaded()
         rid = next(self._ids)
         if best < 0:
             fut.set_exception(EngineGone("no engine is ready"))
@@ -221,11 +220,86 @@ class EngineClient:
                 rows = np.ascontiguousarray(rows, dtype=dtype)
                 headers.append(wire.REQUEST.pack(wire.SUBMIT, code, rid, rows.shape[0], 0, deadline, arrival))
                 frames.append(rows)
-        if len(headers) >= FLUSH_EVERY:
-            self._send(best)
+        self._sent(best)
+        return rid, fut
+
+    def _least_loaded(self) -> int:
+        """The ready engine with the fewest requests outstanding, ties broken round-robin (from a rotating start), so
+        idle engines share serial traffic too; -1 when none is ready."""
+        load = self._load
+        states = self._states
+        n = len(states)
+        self._turn = start = (self._turn + 1) % n
+        best = -1
+        for j in range(n):
+            i = (start + j) % n
+            if (
+                states[i].value == wire.READY
+                and self._socks[i] is not None
+                and i not in self._dead
+                and (best < 0 or load[i] < load[best])
+            ):
+                best = i
+        return best
+
+    def _sent(self, i: int) -> None:
+        """A request went into engine i's outbox: send it once FLUSH_EVERY are there, else at the loop's next turn."""
+        if len(self._outbox[i][0]) >= FLUSH_EVERY:
+            self._send(i)
         elif not self._flush_scheduled:
             self._flush_scheduled = True
-            loop.call_soon(self._flush)
+            self._loop.call_soon(self._flush)
+
+    # ------------------------------------------------------------------ rows written in place
+
+    def reserve(self, nbytes: int, dtype: np.dtype) -> Reservation | None:
+        """A slot of `nbytes` in the arena of the engine the next request would go to, for rows of `dtype` that the
+        caller writes in place as their bytes arrive (a large binary body, service/v2/arena_body.py), then hands to
+        `submit_reserved`; or None where that engine has no arena or no room in it, or takes another dtype on its
+        wire (uint8 rows go as they are; float rows in the engine's dtype): such rows take `submit`'s path."""
+        best = self._least_loaded()
+        arena = self._arenas[best] if best >= 0 else None
+        if arena is None:
+            return None
+        code = wire.UINT8 if dtype == np.uint8 else self._wire[best]
+        if code is None or wire.DTYPES[code] != dtype:
+            return None
+        slot = arena.take(nbytes)
+        if slot is None:
+            return None
+        return Reservation(best, arena, slot, code, memoryview(arena.buf)[slot[0] : slot[0] + nbytes])
+
+    def release(self, reservation: Reservation) -> None:
+        """Give back a reservation that will not be submitted (a bad or abandoned body)."""
+        with contextlib.suppress(BufferError):  # rows still viewing it: the view goes with them
+            reservation.view.release()
+        reservation.arena.give_back(reservation.slot)
+
+    def submit_reserved(
+        self, reservation: Reservation, rows: np.ndarray, deadline: float, arrival: float
+    ) -> tuple[int, asyncio.Future]:
+        """`submit` for `rows`, a view of `reservation` (the rows written in place): the message says where they
+        are. Where the reservation's engine is no longer connected, or ready, the rows are copied out and submitted
+        as any rows are (to another engine, or refused as submit refuses)."""
+        i = reservation.engine
+        if (
+            self._arenas[i] is not reservation.arena
+            or self._states[i].value != wire.READY
+            or i in self._dead
+            or self._socks[i] is None
+        ):
+            rows = rows.copy()
+            self.release(reservation)
+            return self.submit(rows, deadline, arrival)
+        fut = self._loop.create_future()
+        rid = next(self._ids)
+        self._pending[rid] = (fut, i)
+        self._load[i] += 1
+        slot = reservation.slot
+        self._slots[rid] = (i, slot)
+        self._outbox[i][0].append(wire.REQUEST.pack(wire.SUBMIT_SHARED, reservation.code, rid, rows.shape[0], slot[0],
+                                                    deadline, arrival))  # fmt: skip
+        self._sent(i)
         return rid, fut
 
     def cancel(self, rid: int) -> None:

@@ -85,14 +85,8 @@ def unauthorized(state: FrontendState, scope: dict, error_key: str, protocol: st
     return 401, body, [*headers, rid]
 
 
-async def read_request(state: FrontendState, scope: dict, receive, identity_only: bool = False) -> bytes:
-    """The body of an inference request (whose API key `unauthorized` has checked), or Refused: 503 while the model
-    is not ready, 413 past the size limit (counted while the bytes arrive), 499 when the client left, and with
-    `identity_only` 400 for a compressed body.
-
-    A body refused before it is all read closes its connection (`Refused.close`): uvicorn then reads no more of it
-    (it would otherwise read and discard the rest, 200 MB of it if the client says so, to keep the connection).
-    """
+def admit(state: FrontendState, scope: dict, identity_only: bool = False) -> int:
+    """The checks before a body is read (`read_request` says which): the body's size limit, or Refused."""
     if not state.engines.ready():
         raise Refused(503, "overloaded", f"model is not ready ({state.status}); retry shortly")
     limit = state.max_body_bytes
@@ -104,6 +98,18 @@ async def read_request(state: FrontendState, scope: dict, receive, identity_only
         if encoding not in (None, b"identity"):
             name = encoding.decode(errors="replace")
             raise Refused(400, "invalid", f"Content-Encoding {name} is not supported; send the body uncompressed", True)
+    return limit
+
+
+async def read_request(state: FrontendState, scope: dict, receive, identity_only: bool = False) -> bytes:
+    """The body of an inference request (whose API key `unauthorized` has checked), or Refused: 503 while the model
+    is not ready, 413 past the size limit (counted while the bytes arrive), 499 when the client left, and with
+    `identity_only` 400 for a compressed body.
+
+    A body refused before it is all read closes its connection (`Refused.close`): uvicorn then reads no more of it
+    (it would otherwise read and discard the rest, 200 MB of it if the client says so, to keep the connection).
+    """
+    limit = admit(state, scope, identity_only)
     try:
         body = await read_body(receive, limit)
     except InputError as e:
@@ -114,10 +120,17 @@ async def read_request(state: FrontendState, scope: dict, receive, identity_only
 
 
 async def run_rows(
-    state: FrontendState, rows: np.ndarray, arrival: float, deadline: float, receive=None, request_id=None
+    state: FrontendState,
+    rows: np.ndarray,
+    arrival: float,
+    deadline: float,
+    receive=None,
+    request_id=None,
+    reservation=None,
 ) -> tuple[np.ndarray, str]:
     """Submit `rows` to an engine and await (their outputs ((n, output_features) float32), the mode that computed
-    them: fused or unfused), or raise Refused.
+    them: fused or unfused), or raise Refused. `reservation`: the engine arena's slot that `rows` were written into
+    as they arrived (EngineClient.reserve), which the engine then reads where they are.
 
     `receive` (ASGI) is watched for the client leaving once the request is older than WATCH_AFTER_S; a caller
     without one (gRPC) is cancelled by its server instead, and the engine is told to drop the request either way.
@@ -126,7 +139,10 @@ async def run_rows(
     debug level.
     """
     engines = state.engines
-    rid, fut = engines.submit(rows, deadline, arrival)
+    if reservation is None:
+        rid, fut = engines.submit(rows, deadline, arrival)
+    else:
+        rid, fut = engines.submit_reserved(reservation, rows, deadline, arrival)
     loop = asyncio.get_running_loop()
     watcher: list[asyncio.Task] = []
 

@@ -25,15 +25,15 @@ import orjson
 from ..frontend import requestid
 from ..frontend.asgi import CLOSE, JSON, MODE_HEADER, Answer, header
 from ..frontend.inputs import InputError
-from ..frontend.serving import Refused, read_request, run_rows, unauthorized
+from ..frontend.serving import Refused, run_rows, unauthorized
 from ..frontend.state import FrontendState
 from . import extensions
 from . import tensors as t
+from .arena_body import HEADER_LENGTH, Direct, read_infer_body
 
 PROTOCOL = "v2_rest"
 SERVER_METADATA = {"name": "fusedserve", "version": "0.1.0", "extensions": list(extensions.EXTENSIONS)}
 MODEL_ROUTES = ([], ["ready"], ["infer"], ["config"], ["stats"])  # what may follow /v2/models/{name}[/versions/{v}]
-HEADER_LENGTH = b"inference-header-content-length"
 _OCTETS = (b"content-type", b"application/octet-stream")
 
 
@@ -119,13 +119,22 @@ async def handle_infer(state: FrontendState, scope: dict, receive) -> Answer:
     # X-Request-Id answer header, and as the answer's `id` where the body had none.
     rid = requestid.given(scope)
     try:
-        body = await read_request(state, scope, receive, identity_only=True)
-        doc, rows, binary_out, wanted = _parse(state, scope, body)
+        got = await read_infer_body(state, scope, receive)
+        if isinstance(got, Direct):  # the tensor already in an engine's arena (service/v2/arena_body.py)
+            doc, rows, reservation = got
+            try:
+                binary_out, wanted = _outputs(doc)
+            except InputError:
+                state.engines.release(reservation)
+                raise
+        else:
+            doc, rows, binary_out, wanted = _parse(state, scope, got)
+            reservation = None
         if rid is None:
             rid = doc["id"].encode() if requestid.valid(doc.get("id")) else requestid.new()
         arrival = time.monotonic()
         deadline = arrival + state.settings.request_timeout_ms / 1e3
-        outputs, mode = await run_rows(state, rows, arrival, deadline, receive, rid)
+        outputs, mode = await run_rows(state, rows, arrival, deadline, receive, rid, reservation)
     except InputError as e:
         metrics.observe_request(e.outcome, time.perf_counter() - started, protocol=PROTOCOL)
         return _error(e.status if e.status != 422 else 400, e.message, (requestid.HEADER, rid or requestid.new()))
@@ -184,7 +193,12 @@ def _parse(state: FrontendState, scope: dict, body: bytes) -> tuple[dict, np.nda
         raise InputError(400, f"input {t.INPUT!r} has neither data nor parameters.binary_data_size")
     if len(binary):
         raise InputError(400, f"the body holds {len(binary)} bytes after the inputs' binary data; none belong there")
+    binary_out, wanted = _outputs(doc)
+    return doc, rows, binary_out, wanted
 
+
+def _outputs(doc: dict) -> tuple[dict[str, bool], list[str]]:
+    """(per output whether it goes binary, the outputs to give) from a request's JSON header, or InputError."""
     outputs = doc.get("outputs")
     if outputs is None:  # absent or null: every output (a falsy non-list, such as {}, is refused below)
         outputs = []
@@ -198,7 +212,7 @@ def _parse(state: FrontendState, scope: dict, body: bytes) -> tuple[dict, np.nda
         if t.parameter(params, "classification") is not None:
             raise InputError(400, f"output {o['name']!r} asks for classification, an extension this server lacks")
         binary_out[o["name"]] = bool(t.parameter(params, "binary_data", all_binary))
-    return doc, rows, binary_out, wanted
+    return binary_out, wanted
 
 
 def _response(
