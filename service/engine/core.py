@@ -578,15 +578,15 @@ def engine_main(
 
             from ..link.tuning_progress import write_tuning
 
+            def publish(pending: int, done: int) -> None:
+                write_tuning(Path(run_dir), index, pending, done)
+
+            # Keys are left untimed with background tuning on, or once a start (or a mode built later, on SIGHUP)
+            # has spent its timing budget (FUSEDSERVE_TUNING_STARTUP_S): either way they are timed while idle. With
+            # none left the tuner costs the loop one length check when the queue empties.
+            engine.tuning = BackgroundTuning(lambda: engine.modes.runners, metrics, publish)
             left = tuning_background.queue().pending()
-            # Keys are left untimed with background tuning on, or where the start spent its timing budget
-            # (FUSEDSERVE_TUNING_STARTUP_S): either way they are timed while idle.
             if settings.tuning_background or left:
-
-                def publish(pending: int, done: int) -> None:
-                    write_tuning(Path(run_dir), index, pending, done)
-
-                engine.tuning = BackgroundTuning(lambda: engine.modes.runners, metrics, publish)
                 why = "background tuning" if settings.tuning_background else (
                     f"the start-up's {settings.tuning_startup_s:g} s of kernel timing spent")  # fmt: skip
                 log.info("engine %d: %d tuning keys left untimed (%s), to be timed while idle", index, left, why)

@@ -61,7 +61,7 @@ async def read_infer_body(state: FrontendState, scope: dict, receive) -> bytes |
             planned = _direct_input(state, first[:head_length], length - head_length)
             reservation = state.engines.reserve(length - head_length, planned[1]) if planned else None
             if reservation is not None:
-                return await _into(state, receive, first[head_length:], planned, reservation)
+                return await _into(state, receive, memoryview(first)[head_length:], planned, reservation)
     while more:
         size, more = await _next(receive, chunks, size, limit)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -105,7 +105,7 @@ def _direct_input(state: FrontendState, head: bytes, data_bytes: int) -> tuple[d
     return doc, dtype, shape
 
 
-async def _into(state: FrontendState, receive, start: bytes, planned: tuple, reservation: Reservation) -> Direct:
+async def _into(state: FrontendState, receive, start: memoryview, planned: tuple, reservation: Reservation) -> Direct:
     """The rest of the body copied into `reservation` as it arrives (`start`: the bytes that came with the header),
     then checked as rows."""
     doc, dtype, shape = planned
