@@ -116,8 +116,8 @@ def profile(name: str, argv: list[str], port: int, pick, out: Path, a, spec_args
         for _, p in samplers:
             p.wait(30)
         p50 = float(np.median(result["latency"])) * 1e3 if len(result["latency"]) else float("nan")
-        rows = f" ({result['req_per_s'] * a.images:,.0f} images/s)" if a.model else ""
-        print(f"== {name}: {result['req_per_s']:.0f} req/s{rows}, p50 {p50:.3f} ms, statuses {result['status']}, "
+        images = f" ({result['req_per_s'] * a.images:,.0f} images/s)" if a.model else ""
+        print(f"== {name}: {result['req_per_s']:.0f} req/s{images}, p50 {p50:.3f} ms, statuses {result['status']}, "
               f"client cores {result.get('client_cpu', {})}", flush=True)  # fmt: skip
         if before is not None:
             split = server_split(delta(before, scrape(url)))

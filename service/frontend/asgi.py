@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-from .inputs import InputError
-
 Answer = tuple[int, bytes, list[tuple[bytes, bytes]]]  # status, body, headers
 JSON = (b"content-type", b"application/json")
 RETRY = (b"retry-after", b"1")
@@ -30,24 +28,6 @@ def header(scope: dict, name: bytes) -> bytes | None:
 def content_length(scope: dict) -> int | None:
     value = header(scope, b"content-length")
     return int(value) if value is not None and value.isdigit() else None
-
-
-async def read_body(receive, limit: int) -> bytes | None:
-    """The request body, or None when the client left before sending it all; InputError past `limit` bytes,
-    counted as they arrive (the rest is not read)."""
-    chunks = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise InputError(413, f"body is more than {limit} bytes; at most {limit}", "too_large")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 async def watch_disconnect(receive, fut: asyncio.Future) -> None:

@@ -213,9 +213,7 @@ class EngineClient:
                 view = np.frombuffer(arena.buf, dtype=dtype, count=rows.size, offset=slot[0]).reshape(rows.shape)
                 np.copyto(view, rows, casting="same_kind")
                 del view
-                self._slots[rid] = (best, slot)
-                headers.append(wire.REQUEST.pack(wire.SUBMIT_SHARED, code, rid, rows.shape[0], slot[0], deadline,
-                                                 arrival))  # fmt: skip
+                self._shared(best, rid, code, rows.shape[0], slot, deadline, arrival)
             else:
                 rows = np.ascontiguousarray(rows, dtype=dtype)
                 headers.append(wire.REQUEST.pack(wire.SUBMIT, code, rid, rows.shape[0], 0, deadline, arrival))
@@ -295,12 +293,15 @@ class EngineClient:
         rid = next(self._ids)
         self._pending[rid] = (fut, i)
         self._load[i] += 1
-        slot = reservation.slot
-        self._slots[rid] = (i, slot)
-        self._outbox[i][0].append(wire.REQUEST.pack(wire.SUBMIT_SHARED, reservation.code, rid, rows.shape[0], slot[0],
-                                                    deadline, arrival))  # fmt: skip
+        self._shared(i, rid, reservation.code, rows.shape[0], reservation.slot, deadline, arrival)
         self._sent(i)
         return rid, fut
+
+    def _shared(self, i: int, rid: int, code: int, n: int, slot: list, deadline: float, arrival: float) -> None:
+        """Request `rid`'s n rows are in engine i's arena at `slot`: held there until it answers, and the message that
+        says where queued in its outbox."""
+        self._slots[rid] = (i, slot)
+        self._outbox[i][0].append(wire.REQUEST.pack(wire.SUBMIT_SHARED, code, rid, n, slot[0], deadline, arrival))
 
     def cancel(self, rid: int) -> None:
         """The client left: forget the request and tell its engine to drop it if it is still queued."""

@@ -14,10 +14,9 @@ import orjson
 
 from ..link import wire
 from . import requestid
-from .asgi import CLOSE, JSON, RETRY, Answer, ClientGone, content_length, header, read_body, watch_disconnect
+from .asgi import CLOSE, JSON, RETRY, Answer, ClientGone, content_length, header, watch_disconnect
 from .auth import CHALLENGE
 from .engine_client import EngineError, EngineGone
-from .inputs import InputError
 from .state import FrontendState
 
 log = logging.getLogger(__name__)
@@ -110,13 +109,34 @@ async def read_request(state: FrontendState, scope: dict, receive, identity_only
     (it would otherwise read and discard the rest, 200 MB of it if the client says so, to keep the connection).
     """
     limit = admit(state, scope, identity_only)
-    try:
-        body = await read_body(receive, limit)
-    except InputError as e:
-        raise Refused(e.status, e.outcome, e.message, close=True) from None
-    if body is None:
+    chunks: list[bytes] = []
+    await read_chunks(receive, limit, chunks)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def body_chunk(receive, size: int, limit: int) -> tuple[bytes, bool]:
+    """The next message of a request body after `size` bytes of it: (its bytes, whether more follow), or Refused: 499
+    when the client left, 413 once the body passes `limit` bytes (closing: the rest is not read)."""
+    message = await receive()
+    if message["type"] == "http.disconnect":
         raise Refused(499, "cancelled", "client closed the request")
-    return body
+    chunk = message.get("body", b"")
+    if size + len(chunk) > limit:
+        raise Refused(413, "too_large", f"body is more than {limit} bytes; at most {limit}", close=True)
+    return chunk, message.get("more_body", False)
+
+
+async def read_chunks(
+    receive, limit: int, chunks: list[bytes], size: int = 0, until: int | None = None
+) -> tuple[int, bool]:
+    """Append a body's messages to `chunks` (`size` bytes of it read already) until it ends, or until `until` bytes
+    are in: (bytes read, whether more follow)."""
+    more = True
+    while more and (until is None or size < until):
+        chunk, more = await body_chunk(receive, size, limit)
+        size += len(chunk)
+        chunks.append(chunk)
+    return size, more
 
 
 async def run_rows(

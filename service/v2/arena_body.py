@@ -24,7 +24,7 @@ import orjson
 from ..frontend.asgi import content_length, header
 from ..frontend.engine_client import Reservation
 from ..frontend.inputs import InputError
-from ..frontend.serving import Refused, admit
+from ..frontend.serving import Refused, admit, body_chunk, read_chunks
 from ..frontend.state import FrontendState
 from . import tensors as t
 
@@ -53,31 +53,20 @@ async def read_infer_body(state: FrontendState, scope: dict, receive) -> bytes |
     size, more = 0, True
     if length is not None and given is not None and given.isdigit() and length - int(given) >= DIRECT_MIN_BYTES:
         head_length = int(given)
-        while more and size < head_length:  # the JSON header, and whatever came with it
-            size, more = await _next(receive, chunks, size, limit)
+        # the JSON header, and whatever came with it
+        size, more = await read_chunks(receive, limit, chunks, until=head_length)
         if more:
             first = b"".join(chunks)
             chunks = [first]
             planned = _direct_input(state, first[:head_length], length - head_length)
             reservation = state.engines.reserve(length - head_length, planned[1]) if planned else None
             if reservation is not None:
-                return await _into(state, receive, memoryview(first)[head_length:], planned, reservation)
-    while more:
-        size, more = await _next(receive, chunks, size, limit)
+                return await _into(
+                    state, receive, memoryview(first)[head_length:], planned, reservation, limit, head_length
+                )
+    if more:
+        await read_chunks(receive, limit, chunks, size)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-async def _next(receive, chunks: list[bytes], size: int, limit: int) -> tuple[int, bool]:
-    """One more ASGI message of the body appended to `chunks`: (bytes so far, whether more follow)."""
-    message = await receive()
-    if message["type"] == "http.disconnect":
-        raise Refused(499, "cancelled", "client closed the request")
-    chunk = message.get("body", b"")
-    size += len(chunk)
-    if size > limit:
-        raise Refused(413, "too_large", f"body is more than {limit} bytes; at most {limit}", close=True)
-    chunks.append(chunk)
-    return size, message.get("more_body", False)
 
 
 def _direct_input(state: FrontendState, head: bytes, data_bytes: int) -> tuple[dict, np.dtype, list[int]] | None:
@@ -105,28 +94,24 @@ def _direct_input(state: FrontendState, head: bytes, data_bytes: int) -> tuple[d
     return doc, dtype, shape
 
 
-async def _into(state: FrontendState, receive, start: memoryview, planned: tuple, reservation: Reservation) -> Direct:
-    """The rest of the body copied into `reservation` as it arrives (`start`: the bytes that came with the header),
-    then checked as rows."""
+async def _into(
+    state: FrontendState, receive, start: memoryview, planned: tuple, reservation: Reservation, limit: int, head: int
+) -> Direct:
+    """The rest of the body copied into `reservation` as it arrives (`start`: the bytes that came with the `head`
+    bytes of JSON header), then checked as rows."""
     doc, dtype, shape = planned
     view = reservation.view
     try:
-        at = len(start)
-        if at > len(view):
-            raise Refused(400, "invalid", "the body holds bytes after the input's binary data", close=True)
-        view[:at] = start
-        more = True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise Refused(499, "cancelled", "client closed the request")
-            chunk = message.get("body", b"")
+        at, chunk, more = 0, start, True
+        while True:
             end = at + len(chunk)
             if end > len(view):  # past Content-Length: the HTTP server never passes that on
                 raise Refused(400, "invalid", "the body holds bytes after the input's binary data", close=True)
             view[at:end] = chunk
             at = end
-            more = message.get("more_body", False)
+            if not more:
+                break
+            chunk, more = await body_chunk(receive, head + at, limit)
         if at != len(view):
             raise InputError(400, f"input {t.INPUT!r} has {at} bytes of data; its binary_data_size is {len(view)}")
         rows = t.finite_rows(state.model, np.frombuffer(view, dtype=dtype), shape[0], t.INPUT)
