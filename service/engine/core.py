@@ -145,12 +145,8 @@ class Engine:
         """Wait for work: spin for `spin_s` (selector polls with no timeout), then block. The answered-request counts
         kept since the last write go out first, so that an idle engine's are exact."""
         self.metrics.write_answered()
-        if self.spin_s:
-            end = time.perf_counter() + self.spin_s
-            while time.perf_counter() < end:
-                self._receive(0)
-                if len(self.queue):
-                    return
+        if self.spin_s and not self._quiet_for(self.spin_s):
+            return
         self._receive(IDLE_POLL_S)
 
     def _quiet_for(self, seconds: float) -> bool:
