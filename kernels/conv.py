@@ -47,6 +47,7 @@ import triton.language as tl
 from . import conv_tma
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
 from .interpreter import InterpreterSwitches
+from .launch import grid_launch
 from .pdl import gdc_launch_dependents, gdc_wait
 from .pool import _max_propagating_nan, _pool_channels_kernel, _pool_rows_kernel, fused_pool2d, pair
 from .pool import channels_last as _channels_last
@@ -481,7 +482,7 @@ def fused_conv2d(
             raise ValueError(f"a pooled conv cannot split K (config {meta})")  # partials would be pre-pool
         tiles = triton.cdiv(N * oh * ow, meta["BLOCK_M"]) * triton.cdiv(OC, meta["BLOCK_N"])
         ws, cnt = workspace.get(tiles, meta["BLOCK_M"] * meta["BLOCK_N"], meta["SPLIT_K"])
-        return _conv2d_kernel[(tiles * meta["SPLIT_K"],)](
+        return grid_launch(_conv2d_kernel, (tiles * meta["SPLIT_K"],))(
             x, weight, bias if bias is not None else weight, y, residual if has_residual else y, ws, cnt, *norm,
             N, OC,
             *x.stride(), *weight.stride(), *y.stride(),

@@ -33,6 +33,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activations import apply_activation, round_to_bf16
+from .launch import grid_launch
 from .pdl import gdc_launch_dependents, gdc_wait
 from .pool import _max_propagating_nan
 from .tiles import HOPPER_SHARED_MEMORY, launch_options
@@ -211,7 +212,7 @@ def launch(x, weight, bias, out, negative_slope: float, geometry: dict, pool: tu
         y_box = [img, bh // PKH, bw // PKW, bn]
         y = TensorDescriptor(out, [N, poh, pow_, OC], [poh * pow_ * OC, pow_ * OC, OC, 1], y_box)
     boxes = triton.cdiv(N, img) * triton.cdiv(geometry["OH"], bh) * triton.cdiv(geometry["OW"], bw)
-    return _conv2d_tma_kernel[(boxes * triton.cdiv(OC, bn),)](
+    return grid_launch(_conv2d_tma_kernel, (boxes * triton.cdiv(OC, bn),))(
         x_desc, w_desc, bias if bias is not None else weight, y, residual if residual is not None else out,
         N, *out.stride(),
         negative_slope,

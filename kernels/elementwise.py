@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
+from .launch import grid_launch
 from .linear import SUPPORTED_DTYPES
 from .runtime import bf16_on_interpreter, check_device
 
@@ -61,7 +62,7 @@ def fused_activation(
         raise ValueError(f"out must be a contiguous {tuple(x.shape)} {x.dtype} tensor on {x.device}")
     n = x.numel()
     if n:
-        _activation_kernel[(triton.cdiv(n, BLOCK),)](
+        grid_launch(_activation_kernel, (triton.cdiv(n, BLOCK),))(
             x,
             out,
             n,

@@ -23,16 +23,52 @@ strides are fixed per layer; the batch size is never specialized: do_not_special
 (profilers such as proton) do not see these launches. Needs triton >= 3.3, whose launcher takes every
 argument, constexprs included; older versions take the slow path. The callers keep the tensors whose
 addresses they pass alive until the launch is enqueued (torch's stream order does the rest, as for any op).
+
+Every Triton launch of this package goes through `grid_launch(kernel, grid)(...)`, so that the tuner can compile a
+key's candidates without launching them (kernels/precompile.py, `precompiling`).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import triton
 from triton.runtime import driver
 
 DIRECT_LAUNCH = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 3)
+
+# Set by `precompiling`: this thread's (this context's) launches compile their kernel and launch nothing.
+_precompiling: ContextVar[bool] = ContextVar("fusedserve_precompiling", default=False)
+
+
+def grid_launch(kernel, grid: tuple):
+    """`kernel[grid]`, to be called with the kernel's arguments; inside `precompiling`, a call with the same
+    arguments that compiles the kernel without launching it (`kernel.warmup`; under triton.AsyncCompileMode it
+    hands the compile to the mode's executor and returns a FutureKernel, else the compiled kernel; None where a
+    cache hook took the compile)."""
+    if _precompiling.get():
+        return functools.partial(kernel.warmup, grid=grid)
+    return kernel[grid]
+
+
+@contextmanager
+def precompiling(on: bool = True) -> Iterator[None]:
+    """Inside, `grid_launch` only compiles (on=True), or launches again (on=False: the tuner's timing, should a
+    tune run inside a candidate's launch), in this thread only; the previous state comes back when the block ends."""
+    token = _precompiling.set(on)
+    try:
+        yield
+    finally:
+        _precompiling.reset(token)
+
+
+def precompiling_now() -> bool:
+    """Whether `grid_launch` only compiles here: a launch's return value is then no launched kernel."""
+    return _precompiling.get()
 
 
 # The parameters of a launcher object's __call__ whose body is known: triton 3.6's CudaLauncher, which passes

@@ -23,7 +23,7 @@ from . import linear_gemv as gemv
 from . import linear_persistent as persistent
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
 from .interpreter import InterpreterSwitches
-from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail, plain_rows
+from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail, grid_launch, plain_rows
 from .pdl import gdc_launch_dependents, gdc_wait
 from .runtime import check_device, interpreting
 from .tiles import (
@@ -375,7 +375,7 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
         meta = gemv.kernel_meta(config)
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
         ws, cnt = workspace.get(tiles, meta["BLOCK_M"] * meta["BLOCK_N"], meta["SPLIT_K"])
-        return kernel[(tiles * meta["SPLIT_K"],)](
+        return grid_launch(kernel, (tiles * meta["SPLIT_K"],))(
             x, weight, bias if bias is not None else x, out, residual if has_residual else out, ws, cnt,
             M, N, K,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),

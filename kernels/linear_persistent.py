@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
+from .launch import grid_launch
 from .pdl import gdc_launch_dependents, gdc_wait
 from .runtime import interpreting
 from .tiles import HOPPER_SHARED_MEMORY, device_limits, gemm_flags, grouped_tile, launch_options
@@ -118,7 +119,7 @@ def launch(x, weight, bias, out, negative_slope: float, fixed: dict, config: Lau
     M, K = x.shape
     N = weight.shape[0]
     triton.set_allocator(scratch)  # a context variable: set in the calling thread, every time
-    return _linear_persistent_kernel[(programs,)](
+    return grid_launch(_linear_persistent_kernel, (programs,))(
         x, weight, bias if bias is not None else x, out,
         M, N, K,
         x.stride(0), weight.stride(0), out.stride(0),

@@ -51,7 +51,7 @@ import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
 from .interpreter import InterpreterSwitches
-from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail, plain_rows
+from .launch import DIRECT_LAUNCH, DirectLaunch, aligned, constexpr_tail, grid_launch, plain_rows
 from .linear import MAX_FAST_BATCH_SIZES, SUPPORTED_DTYPES, m_bucket
 from .prefetch import prefetch_l2, prefetch_lines
 from .runtime import bf16_on_interpreter, check_device, interpreting
@@ -491,7 +491,7 @@ class FusedMLP:
 
     def _launch(self, x, out, precision, config: LaunchConfig):
         grid, ws, cnt = self._grid_and_workspace(x.shape[0], config)
-        return _mlp_kernel[(grid,)](
+        return grid_launch(_mlp_kernel, (grid,))(
             x, self.weights, self.biases, out, ws, cnt, x.shape[0], x.stride(0), out.stride(0),
             **self.meta_for(config, precision),
         )  # fmt: skip

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
 from .interpreter import InterpreterSwitches
+from .launch import grid_launch
 from .pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from .runtime import bf16_on_interpreter, check_device, interpreting
 from .tuning import LaunchConfig, scope_for, tune
@@ -314,7 +315,7 @@ def fused_pool2d(
     def run(config: LaunchConfig):
         meta = config.meta()
         grid = triton.cdiv(count, meta[names[0]]) * triton.cdiv(inner, meta[names[1]])
-        return kernel[(grid,)](
+        return grid_launch(kernel, (grid,))(
             x, out,
             count, C, H, W, OH, OW,
             *x.stride(), *out.stride(),

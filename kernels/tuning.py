@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from . import precompile
+from .launch import precompiling
 from .runtime import EnvChoice, EnvSwitch
 
 log = logging.getLogger(__name__)
@@ -248,9 +250,12 @@ def time_candidates(
 ) -> dict[LaunchConfig, Times]:
     """{candidate: its (cold us, hot us) by `measure`}, in candidate order (default `_graph_times`).
 
-    A candidate that fails to compile or launch (too much shared memory, say), or whose timing is not a
-    number, is left out (`time_one`); if all are, the last error is raised, since no config can run this shape.
+    The candidates are compiled side by side first, where that can help (kernels/precompile.py), then timed one
+    after another. A candidate that fails to compile or launch (too much shared memory, say), or whose timing is not
+    a number, is left out (`time_one`); if all are, the last error is raised, since no config can run this shape.
     """
+    candidates = list(candidates)
+    precompile.precompile(candidates, run, label)
     timings: dict[LaunchConfig, Times] = {}
     last_error: Exception | None = None
     for config in candidates:
@@ -274,7 +279,8 @@ def time_one(
     or launch, None where its timing is not a number."""
     measure = measure or _graph_times
     try:
-        cold, hot = measure(lambda: run(config))
+        with precompiling(False):  # launches, even for a tune inside a candidate's precompile (conv's pool apart)
+            cold, hot = measure(lambda: run(config))
     except Exception as e:  # noqa: BLE001 - triton raises several types (OutOfResources, CompilationError)
         log.debug("tuning %s: %s skipped (%s)", label, config, e)
         return e
@@ -351,7 +357,7 @@ def _graph_times(fn: Callable[[], None]) -> Times:
     from .graph_capture import capture
     from .hot_timing import hot_us
 
-    graph, _ = capture(fn, warmups=2)  # the first compiles the candidate
+    graph, _ = capture(fn, warmups=2)  # the first compiles the candidate, where time_candidates' precompile did not
     cold = cold_us(graph.replay, warmup_ms=5, rep_ms=20)
     hot = hot_us(graph.replay)
     if hot["hot_host_bound"]:

@@ -7,13 +7,16 @@ cache: `defer` returns an untimed pick at once and queues the key. The pick is t
 and shape at the nearest batch bucket, where one is among this key's candidates (neighbouring buckets mostly pick
 alike), else the first candidate, as FUSEDSERVE_TUNING=false takes.
 
-The server then calls `step` while no request waits: each call times one candidate of one queued key (a capture
-and ~30 ms of cold and hot timing, so a request that arrives waits for one candidate at most), and the call that
-times a key's last candidate picks and caches it exactly as `tune` would, so the next start finds it. Where the
-pick differs from the untimed one, the launchers' memos are cleared (`on_new_picks`: they ask `tune` again, and
-get the cached pick) and `step` names the batch buckets whose CUDA graphs hold the old one, for the server to
-capture again between batches. The bucket of each key is the one the server was warming or capturing when the key
-was deferred (`for_bucket`); `used` counts the buckets that traffic runs, and the queue times those first.
+The server then calls `step` while no request waits: each call times one candidate of one queued key (a capture and
+~30 ms of cold and hot timing, after its compile where it is not compiled yet, so a request that arrives waits for
+one step at most), and the call that times a key's last candidate picks and caches it exactly as `tune` would, so
+the next start finds it. A call that reaches a candidate not compiled yet first compiles it and the next ones
+(BACKGROUND_CHUNK in all, at most precompile.threads()) side by side where that can help (kernels/precompile.py).
+Where the pick differs from the untimed one, the launchers' memos are cleared (`on_new_picks`: they ask `tune`
+again, and get the cached pick) and `step` names the batch buckets whose CUDA graphs hold the old one, for the
+server to capture again between batches. The bucket of each key is the one the
+server was warming or capturing when the key was deferred (`for_bucket`); `used` counts the buckets that traffic
+runs, and the queue times those first.
 """
 
 from __future__ import annotations
@@ -31,10 +34,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from . import tuning
+from . import precompile, tuning
 from .tuning import LaunchConfig, Times
 
 log = logging.getLogger(__name__)
+
+# Candidates a background step compiles side by side. A request that arrives meanwhile waits for the whole chunk:
+# on an H100 with Triton's cache cold, a conv key of 27 candidates tuned in 11.9 s compiling one at a time and in
+# 4.4 s on 16 threads (Triton's Python front end holds the GIL: far from 16x), so a chunk of 4 keeps a step's wait
+# near a compile or two while a key takes 4x fewer compiling steps. Start-up tuning, where no request waits,
+# compiles a key's candidates all at once.
+BACKGROUND_CHUNK = 4
 
 # The batch bucket in a tuning key: the launchers end their keys' bucket field with `|m<rows>` (GEMMs, convs: M
 # rows of the implicit GEMM) or `|n<rows>` (pools), before any flags (`|tma`, `|residual`, `|pool=...`).
@@ -82,6 +92,7 @@ class Job:
     buckets: set[int] = field(default_factory=set)  # the graph buckets whose forwards run it
     timings: dict[LaunchConfig, Times] = field(default_factory=dict)
     next: int = 0  # the candidate to time next
+    compiled_to: int = 0  # candidates before this one were precompiled (kernels/precompile.py)
 
 
 class Finished(NamedTuple):
@@ -152,12 +163,17 @@ class Queue:
             return min(self.jobs.values(), key=lambda j: (-max((self.hits[b] for b in j.buckets), default=0), j.order))
 
     def step(self) -> Finished | None:
-        """Time one candidate of the next key; when that was its last, pick, cache and return it (else None)."""
+        """Time one candidate of the next key (compiling it and the next ones first where they are not yet,
+        `Job.compiled_to`); when that was its last, pick, cache and return it (else None)."""
         job = self._next_job()
         if job is None:
             return None
         label = f"{job.scope} {job.key}"
         if job.next < len(job.candidates):
+            if job.next >= job.compiled_to:  # the next chunk, compiled side by side
+                chunk = job.candidates[job.next : job.next + max(1, min(precompile.threads(), BACKGROUND_CHUNK))]
+                precompile.precompile(chunk, job.run, label)
+                job.compiled_to = job.next + len(chunk)
             config = job.candidates[job.next]
             job.next += 1
             times = tuning.time_one(config, job.run, job.measure, label)

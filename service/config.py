@@ -149,6 +149,14 @@ class Settings(BaseSettings):
         "GPU, Triton version, kernel source, tuning_timing and list of candidates (a release that offers new ones "
         "times them again) (default $XDG_CACHE_HOME/fusedserve/tuning.json)",
     )
+    compile_threads: int | None = Field(
+        None,
+        ge=0,
+        le=256,
+        description="threads that compile a kernel's candidate configs side by side before tuning times them one by "
+        "one (Triton's AsyncCompileMode; a cold Triton cache makes compiling most of the tuning time); 0 or 1: each "
+        "compiles as it is first timed (default: the CPUs the engine may run on, at most 16)",
+    )
     pdl: bool = Field(
         True,
         description="on sm_90+ GPUs, launch each layer's GEMM kernel as a programmatic dependent launch, so it "

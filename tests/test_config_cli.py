@@ -66,6 +66,7 @@ def test_defaults():
     assert s.tuning_background is False
     assert s.tuning_startup_s == 60.0  # keys timed before ready for a minute at most, then while idle
     assert s.tuning_timing == "both"
+    assert s.compile_threads is None  # the kernels take the engine's CPUs, at most 16 (kernels/precompile.py)
     assert s.pdl is True
     assert s.warmup is True
     assert s.host == "127.0.0.1"
@@ -80,7 +81,8 @@ def test_defaults():
         "mode", "ab_unfused_percent", "shadow_every", "config_file", "device", "model", "model_dir", "dtype",
         "allow_tf32", "max_batch_size", "max_delay_ms",
         "engine_spin_ms", "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "kernel_timing_every",
-        "cuda_graphs", "tuning", "tuning_background", "tuning_startup_s", "tuning_timing", "tuning_cache", "pdl",
+        "cuda_graphs", "tuning", "tuning_background", "tuning_startup_s", "tuning_timing", "tuning_cache",
+        "compile_threads", "pdl",
         "warmup", "workers", "engines",
         "shutdown_grace_s", "max_connections", "header_timeout_s", "body_timeout_s",
         "host", "port", "grpc_port", "log_level",

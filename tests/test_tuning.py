@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kernels import tuning
+from kernels import precompile, tuning
 from kernels.tuning import LaunchConfig, Times, TuningCache, pick, tune
 
 A = LaunchConfig.of(4, 3, BLOCK_M=16, BLOCK_N=32)
@@ -19,8 +19,10 @@ C = LaunchConfig.of(4, 5, BLOCK_M=32, BLOCK_N=16)
 @pytest.fixture(autouse=True)
 def _tuning_on(monkeypatch):
     """These tests are about timing candidates: on even where the run switched tuning off (the GPU session
-    runs the suite with FUSEDSERVE_TUNING=false), under the default policy unless a test sets one."""
+    runs the suite with FUSEDSERVE_TUNING=false), under the default policy unless a test sets one. No precompile
+    (kernels/precompile.py): on a GPU host it would call the fake runs once more each, before their timing."""
     monkeypatch.setattr(tuning.switch, "_on", True)
+    monkeypatch.setattr(precompile.threads, "_value", 0)
     monkeypatch.delenv("FUSEDSERVE_TUNING_TIMING", raising=False)
     monkeypatch.setattr(tuning.timing_policy, "_value", None)
 

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from kernels import tuning, tuning_background
+from kernels import precompile, tuning, tuning_background
 from kernels.tuning import LaunchConfig, tune
 from kernels.tuning_background import nearest_pick, on_new_picks, split_bucket
 
@@ -28,8 +28,10 @@ def key(bucket: int, flags: str = "") -> str:
 
 @pytest.fixture
 def cache_file(tmp_path, monkeypatch):
-    """Tuning on with background on, the default policy, a fresh cache file, an empty queue and no memos."""
+    """Tuning on with background on, the default policy, a fresh cache file, an empty queue and no memos; no
+    precompile (kernels/precompile.py: on a GPU host it would call the fake runs once more each)."""
     monkeypatch.setattr(tuning.switch, "_on", True)
+    monkeypatch.setattr(precompile.threads, "_value", 0)
     monkeypatch.setattr(tuning.background, "_on", True)
     monkeypatch.delenv("FUSEDSERVE_TUNING_TIMING", raising=False)
     monkeypatch.setattr(tuning.timing_policy, "_value", None)

@@ -452,7 +452,7 @@ def build_runner(settings: Settings, device, dtype: str, model, metrics, mode: s
 
     import torch
 
-    from kernels import pdl, tuning
+    from kernels import pdl, precompile, tuning
 
     from ..model.runner import ModelRunner
 
@@ -465,6 +465,7 @@ def build_runner(settings: Settings, device, dtype: str, model, metrics, mode: s
     tuning.set_background(settings.tuning_background)
     tuning.timing_budget.set(None if math.isinf(settings.tuning_startup_s) else settings.tuning_startup_s)
     tuning.set_timing_policy(settings.tuning_timing)
+    precompile.set_threads(settings.compile_threads)
     pdl.set_enabled(settings.pdl)
     mode = mode or settings.mode
 
