@@ -46,6 +46,38 @@ def _max_propagating_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
+# Windows of at most this many elements are unrolled (tl.static_range): constant offsets, every load in flight
+# at once. Larger ones (a global pool over 56x56: 3,136 taps) loop at run time: unrolled, one such kernel took
+# minutes to compile, once per tuning candidate, and held a server's start past 300 s.
+UNROLL_TAPS = tl.constexpr(64)
+
+
+@triton.jit
+def _rows_tap(out, row_ptrs, row_ok, w0, kw, W, stride_xw, IS_MAX: tl.constexpr, other: tl.constexpr):
+    iw = w0 + kw
+    ok = row_ok[:, None] & ((iw >= 0) & (iw < W))[None, :]
+    v = tl.load(row_ptrs[:, None] + iw[None, :] * stride_xw, mask=ok, other=other).to(tl.float32)
+    return _max_propagating_nan(out, v) if IS_MAX else out + v
+
+
+@triton.jit
+def _span_tap(acc, x_rows, rows, R, ih, H, iw, col_ok, stride_xh, stride_xw, IS_MAX: tl.constexpr, other: tl.constexpr):
+    row_ok = (ih >= 0) & (ih < H) & (rows < R)
+    ptrs = x_rows[:, None] + ih[:, None] * stride_xh + iw[None, :] * stride_xw
+    v = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=other).to(tl.float32)
+    return _max_propagating_nan(acc, v) if IS_MAX else acc + v
+
+
+@triton.jit
+def _channels_tap(
+    out, x_pos, x_ch, pos_ok, ch_ok, ih, iw, H, W, stride_xh, stride_xw, IS_MAX: tl.constexpr, other: tl.constexpr
+):
+    ok = pos_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+    ptrs = (x_pos + ih * stride_xh + iw * stride_xw)[:, None] + x_ch[None, :]
+    v = tl.load(ptrs, mask=ok[:, None] & ch_ok[None, :], other=other).to(tl.float32)
+    return _max_propagating_nan(out, v) if IS_MAX else out + v
+
+
 @triton.jit
 def _window_divisor(start, size, K: tl.constexpr, P: tl.constexpr, COUNT_INCLUDE_PAD: tl.constexpr):
     """Elements of a window starting at `start` (may be negative) along one axis of length `size`, as torch's
@@ -105,26 +137,29 @@ def _pool_rows_kernel(
         if KW < SW:
             col_ok = col_ok & ((j % SW) < KW)
         acc = tl.full((BLOCK_R, BLOCK_OW * SW), other, dtype=tl.float32)
-        for kh in tl.static_range(KH):
-            ih = h0 + kh
-            row_ok = (ih >= 0) & (ih < H) & (rows < R)
-            ptrs = x_rows[:, None] + ih[:, None] * stride_xh + iw[None, :] * stride_xw
-            v = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=other).to(tl.float32)
-            acc = _max_propagating_nan(acc, v) if IS_MAX else acc + v
+        if KH <= UNROLL_TAPS:
+            for kh in tl.static_range(KH):
+                acc = _span_tap(acc, x_rows, rows, R, h0 + kh, H, iw, col_ok, stride_xh, stride_xw, IS_MAX, other)
+        else:
+            for kh in range(KH):
+                acc = _span_tap(acc, x_rows, rows, R, h0 + kh, H, iw, col_ok, stride_xh, stride_xw, IS_MAX, other)
         windows = tl.reshape(acc, (BLOCK_R, BLOCK_OW, SW))
         out = tl.reduce(windows, 2, _max_propagating_nan) if IS_MAX else tl.sum(windows, axis=2)
     else:
         out = tl.full((BLOCK_R, BLOCK_OW), other, dtype=tl.float32)
         w0 = ow * SW - PW
-        for kh in tl.static_range(KH):
-            ih = h0 + kh
-            row_ok = (ih >= 0) & (ih < H) & (rows < R)
-            row_ptrs = x_rows + ih * stride_xh
-            for kw in tl.static_range(KW):
-                iw = w0 + kw
-                ok = row_ok[:, None] & ((iw >= 0) & (iw < W))[None, :]
-                v = tl.load(row_ptrs[:, None] + iw[None, :] * stride_xw, mask=ok, other=other).to(tl.float32)
-                out = _max_propagating_nan(out, v) if IS_MAX else out + v
+        if KH * KW <= UNROLL_TAPS:
+            for kh in tl.static_range(KH):
+                ih = h0 + kh
+                row_ok = (ih >= 0) & (ih < H) & (rows < R)
+                for kw in tl.static_range(KW):
+                    out = _rows_tap(out, x_rows + ih * stride_xh, row_ok, w0, kw, W, stride_xw, IS_MAX, other)
+        else:
+            for kh in range(KH):
+                ih = h0 + kh
+                row_ok = (ih >= 0) & (ih < H) & (rows < R)
+                for kw in range(KW):
+                    out = _rows_tap(out, x_rows + ih * stride_xh, row_ok, w0, kw, W, stride_xw, IS_MAX, other)
 
     if not IS_MAX:
         div_h = _window_divisor(h0, H, KH, PH, COUNT_INCLUDE_PAD)
@@ -179,14 +214,18 @@ def _pool_channels_kernel(
     x_ch = ch * stride_xc
     other = float("-inf") if IS_MAX else 0.0
     out = tl.full((BLOCK_P, BLOCK_C), other, dtype=tl.float32)
-    for kh in tl.static_range(KH):
-        ih = h0 + kh
-        for kw in tl.static_range(KW):
-            iw = w0 + kw
-            ok = pos_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            ptrs = (x_pos + ih * stride_xh + iw * stride_xw)[:, None] + x_ch[None, :]
-            v = tl.load(ptrs, mask=ok[:, None] & ch_ok[None, :], other=other).to(tl.float32)
-            out = _max_propagating_nan(out, v) if IS_MAX else out + v
+    if KH * KW <= UNROLL_TAPS:
+        for kh in tl.static_range(KH):
+            for kw in tl.static_range(KW):
+                out = _channels_tap(
+                    out, x_pos, x_ch, pos_ok, ch_ok, h0 + kh, w0 + kw, H, W, stride_xh, stride_xw, IS_MAX, other
+                )
+    else:
+        for kh in range(KH):
+            for kw in range(KW):
+                out = _channels_tap(
+                    out, x_pos, x_ch, pos_ok, ch_ok, h0 + kh, w0 + kw, H, W, stride_xh, stride_xw, IS_MAX, other
+                )
     if not IS_MAX:
         div = _window_divisor(h0, H, KH, PH, COUNT_INCLUDE_PAD) * _window_divisor(w0, W, KW, PW, COUNT_INCLUDE_PAD)
         out = out / div[:, None]

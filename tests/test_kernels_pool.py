@@ -34,6 +34,11 @@ CASES = [
     (1, 2, 10, 37, (3, 2), (2, 4), (1, 0), True),
     (1, 1, 3, 3, 3, 3, 1, True),
     (5, 7, 1, 1, 1, 1, 0, False),
+    # Windows past UNROLL_TAPS (64) elements, which loop at run time: a global pool over a prime-sized plane,
+    # 66 rows of 2-wide non-overlapping windows (the rows kernel's contiguous path), padded overlapping 9x9.
+    (2, 3, 13, 11, (13, 11), (13, 11), 0, False),
+    (1, 2, 70, 8, (66, 2), (2, 2), 0, False),
+    (1, 3, 12, 12, 9, 3, 4, True),
 ]
 
 
