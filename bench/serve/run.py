@@ -714,7 +714,9 @@ class _Run:
             need = budget.start_cost(system) + cheapest
             after = budget.reserve([*members[k + 1 :], *later])
             if budget.left() < need or (not essential and budget.left() - after < need):
-                self.skip(system, "every phase", "time budget")
+                start_s, left_s = budget.start_cost(system), budget.left()
+                why = f"time budget: start (~{start_s:.0f} s) and shortest phase need {need:.0f} s, {left_s:.0f} s left"
+                self.skip(system, "every phase", why)
                 continue
             started = self._start(system)
             if started is not None:
