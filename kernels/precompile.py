@@ -25,7 +25,7 @@ import torch
 import triton
 
 from .launch import precompiling, precompiling_now
-from .runtime import interpreting
+from .runtime import EnvCount, interpreting
 
 if TYPE_CHECKING:
     from .tuning import LaunchConfig
@@ -44,37 +44,8 @@ def default_threads() -> int:
     return min(MAX_DEFAULT_THREADS, cpus)
 
 
-class CompileThreads:
-    """Threads that compile a key's candidates (0 or 1: none, each candidate compiles when it is first timed): the
-    environment variable FUSEDSERVE_COMPILE_THREADS (`default_threads()` when unset), read at first use, unless set()
-    said otherwise (the service passes its setting)."""
-
-    name = "FUSEDSERVE_COMPILE_THREADS"
-
-    def __init__(self) -> None:
-        self._value: int | None = None
-
-    def __call__(self) -> int:
-        if self._value is None:
-            self._value = self._read()
-        return self._value
-
-    def set(self, threads: int | None) -> None:
-        """A number of threads; None: read the environment again at the next call."""
-        self._value = None if threads is None else max(0, int(threads))
-
-    def _read(self) -> int:
-        raw = os.environ.get(self.name, "").strip()
-        if not raw:
-            return default_threads()
-        try:
-            return max(0, int(raw))
-        except ValueError:
-            log.warning("%s=%r is not a whole number; compiling on %d threads", self.name, raw, default_threads())
-            return default_threads()
-
-
-threads = CompileThreads()
+# Threads that compile a key's candidates (0 or 1: none, each candidate compiles when it is first timed).
+threads = EnvCount("FUSEDSERVE_COMPILE_THREADS", default_threads)
 set_threads = threads.set
 
 

@@ -8,11 +8,15 @@ first thing.
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 
 import torch
 
 # Triton reads the variable as a boolean with these spellings (triton.knobs env_bool).
+log = logging.getLogger(__name__)
+
 _TRUE = {"1", "true", "yes", "on", "y"}
 
 
@@ -85,6 +89,35 @@ class EnvChoice:
         if value not in self.choices:
             raise ValueError(f"{self.name} must be one of {', '.join(self.choices)}; got {value!r}")
         return value
+
+
+class EnvCount:
+    """A process-wide count (a whole number >= 0): the environment variable `name` (`default()` when unset), read at
+    first use, unless set() said otherwise (the service passes its settings). A value that is not a whole number
+    logs a warning naming the variable and takes the default."""
+
+    def __init__(self, name: str, default: Callable[[], int]):
+        self.name, self.default = name, default
+        self._value: int | None = None
+
+    def __call__(self) -> int:
+        if self._value is None:
+            self._value = self._read()
+        return self._value
+
+    def set(self, value: int | None) -> None:
+        """A count; None: read the environment again at the next call."""
+        self._value = None if value is None else max(0, int(value))
+
+    def _read(self) -> int:
+        raw = os.environ.get(self.name, "").strip()
+        if not raw:
+            return self.default()
+        try:
+            return max(0, int(raw))
+        except ValueError:
+            log.warning("%s=%r is not a whole number; taking %d", self.name, raw, self.default())
+            return self.default()
 
 
 def bf16_on_interpreter(dtype: torch.dtype) -> bool:

@@ -14,6 +14,7 @@ import torch
 
 from kernels import precompile, reference, tuning, tuning_background
 from kernels.launch import grid_launch, precompiling, precompiling_now
+from kernels.runtime import EnvCount
 from kernels.tuning import LaunchConfig, tune
 from tests.tolerances import RTOL, assert_close_to
 
@@ -101,7 +102,7 @@ def test_precompile_does_nothing_where_it_cannot_help(threads, monkeypatch):
 
 
 def test_threads_come_from_the_environment_else_the_cpus(monkeypatch, caplog):
-    setting = precompile.CompileThreads()
+    setting = EnvCount("FUSEDSERVE_COMPILE_THREADS", precompile.default_threads)  # as precompile.threads is made
     monkeypatch.delenv("FUSEDSERVE_COMPILE_THREADS", raising=False)
     assert setting() == precompile.default_threads()
     assert 1 <= precompile.default_threads() <= precompile.MAX_DEFAULT_THREADS
