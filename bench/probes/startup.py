@@ -69,6 +69,8 @@ def settle(url: str, proc: subprocess.Popen, timeout_s: float) -> str:
         if left == 0:
             return f"every key timed {time.monotonic() - t0:.0f} s after ready"
         time.sleep(2.0)
+    if proc.poll() is not None:
+        return f"the service exited ({proc.returncode}) {time.monotonic() - t0:.0f} s after ready"
     return f"{left:.0f} keys untimed {timeout_s:.0f} s after ready" if left is not None else "no tuning gauge read"
 
 
