@@ -491,12 +491,11 @@ def fused_conv2d(
             Y_PLANES=y.stride()[1:] == (oh * ow, ow, 1), HAS_INPUT_NORM=has_norm, **meta, **launch_options(fixed),
         )  # fmt: skip
 
-    # The TMA kernel (conv_tma.py) where it can run: stride 1, x and weight channels_last, 16-byte rows; with a
-    # residual too (read with pointers at y's offsets, so any layout of y).
+    # The TMA kernel (conv_tma.py) where it can run: x and weight channels_last, 16-byte rows, strides that divide
+    # the image; with a residual too (read with pointers at y's offsets, so any layout of y).
     tma_pool = None if POOL == "none" else (POOL, (PKH, PKW), (PSH, PSW))
     tma = not has_norm and conv_tma.eligible(x, weight, s, tma_pool, out)
     tma_geometry = dict(geometry, OH=CH, OW=CW)
-    del tma_geometry["SH"], tma_geometry["SW"]
 
     def run(config: LaunchConfig):
         if conv_tma.is_tma(config):
@@ -513,7 +512,7 @@ def fused_conv2d(
 
     if interpreting():
         if INTERPRETER.choice.tma and tma:
-            run(_interpreter_tma_config(OC, C, CH, CW, (PKH, PKW)))
+            run(_interpreter_tma_config(OC, C, CH, CW, (PKH, PKW), s != (1, 1)))
         else:
             run(_interpreter_config(M, OC, C, K, POOL != "none"))
         return out
@@ -562,7 +561,8 @@ def fused_conv2d(
             fused_pool2d(torch.empty((N, OC, CH, CW), device=x.device, dtype=dtype, memory_format=fmt),
                          POOL, (PKH, PKW), (PSH, PSW))  # fmt: skip
         if tma:  # (PKH, PKW) is (1, 1) without a pool
-            candidates += conv_tma.cuda_configs(m_bucket(N * CH * CW), OC, C, CH, CW, (PKH, PKW), weight.element_size())
+            candidates += conv_tma.cuda_configs(m_bucket(N * CH * CW), OC, C, CH, CW, (PKH, PKW), weight.element_size(),
+                                                strided=s != (1, 1))  # fmt: skip
         config = tune(scope, key, candidates, run)
         _configs[signature] = config
     run(config)
@@ -688,7 +688,9 @@ def _interpreter_config(M: int, OC: int, C: int, K: int, pooled: bool) -> Launch
     )
 
 
-def _interpreter_tma_config(OC: int, C: int, OH: int, OW: int, pool: tuple[int, int]) -> LaunchConfig:
+def _interpreter_tma_config(OC: int, C: int, OH: int, OW: int, pool: tuple[int, int], strided: bool) -> LaunchConfig:
     bm, bn, bk = INTERPRETER.choice.tile or (64, _fit(OC, 16, 128), _fit(C, 16, 64))
+    if strided:  # a K step that divides C (conv_tma.k_steps)
+        bk = max(k for k in (16, 32, 64) if k <= bk and C % k == 0)
     img, bh, bw = conv_tma.box_shape(bm, OH, OW, pool)
     return LaunchConfig.of(4, 1, IMG=img, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, TMA=1)

@@ -20,9 +20,18 @@ The descriptors are made on the host, per call, and passed as kernel parameters:
 over 256 images took 76.5 us against 62.5 (docs/performance.md, "CNNs"). Inside a CUDA graph (the service) the
 host's part is paid once, at capture.
 
-Stride 1 only: a strided conv's inputs for a box of outputs are not a box of x. C and OC must make 16-byte rows
-(C * element size a multiple of 16) for the descriptors; C need not be a multiple of BLOCK_K: past C the x box is
-zero-filled, so the weights read there (the next tap's) are multiplied by zeros.
+Strided convs (ResNet's 3x3/2 and 1x1/2): the inputs of a box of outputs at stride 2 are every other row and
+column of x, not a box. So x is described as (NB, H / SH, SH, W / SW, SW * C): row ih = i * SH + ph is at (i, ph),
+column iw = j * SW + pw at (j, pw * C + c), and for one tap every output of the box reads the same (ph, pw) at
+(oh + dh, ow + dw): one 5-D box [IMG, BH, 1, BW, BLOCK_K]. Rows and columns outside x are still (i, j) outside
+[0, H / SH) x [0, W / SW), so zero-filled. This needs H and W multiples of the stride (a last row of an odd H would
+be read from the next image) and C a multiple of BLOCK_K (a box past C would read the next column's channels, not
+zeros). Before this, the 3x3/2 convs ran in conv.py's gathers at 15-25% of the tensor cores' rate: ResNet-18 at 256
+images, 256 -> 512 channels at 14x14 -> 7x7, 301 us against 134 for the twice as big 3x3/1 at 14x14 (H100).
+
+C and OC must make 16-byte rows (C * element size a multiple of 16) for the descriptors; at stride 1 C need not be a
+multiple of BLOCK_K: past C the x box is zero-filled, so the weights read there (the next tap's) are multiplied by
+zeros.
 """
 
 from __future__ import annotations
@@ -68,7 +77,7 @@ def _box_offsets(n0, h0, w0, NB, HB: tl.constexpr, WB: tl.constexpr, IMG: tl.con
 
 @triton.jit(do_not_specialize=["NB"])
 def _conv2d_tma_kernel(
-    x_desc,  # x as (NB, H, W, C), boxes [IMG, BH, BW, BLOCK_K]
+    x_desc,  # x as (NB, H, W, C), boxes [IMG, BH, BW, BLOCK_K]; strided, (NB, H / SH, SH, W / SW, SW * C) (above)
     w_desc,  # the weight as (OC, KH * KW * C), boxes [BLOCK_N, BLOCK_K]
     b_ptr,
     y,  # Y_NHWC: a descriptor of y as (NB, POH, POW, OC), boxes [IMG, BH // PKH, BW // PKW, BLOCK_N]; else y's pointer
@@ -79,6 +88,7 @@ def _conv2d_tma_kernel(
     # the layer's shape; OH, OW: the conv's output (before the pool)
     C: tl.constexpr, H: tl.constexpr, W: tl.constexpr, OC: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
     KH: tl.constexpr, KW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    SH: tl.constexpr, SW: tl.constexpr,
     POOL: tl.constexpr, PKH: tl.constexpr, PKW: tl.constexpr,  # "none" | "max" | "avg"; window = stride, floor mode
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,  # added before the activation; only with POOL "none"
@@ -109,12 +119,22 @@ def _conv2d_tma_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     c_steps: tl.constexpr = (C + BLOCK_K - 1) // BLOCK_K
+    LIFT_H: tl.constexpr = (PH + SH - 1) // SH
+    LIFT_W: tl.constexpr = (PW + SW - 1) // SW
     for step in range(KH * KW * c_steps):
         tap = step // c_steps
         c0 = (step % c_steps) * BLOCK_K
         kh = tap // KW
         kw = tap % KW
-        a = x_desc.load([n0, oh0 - PH + kh * DH, ow0 - PW + kw * DW, c0]).reshape(BLOCK_M, BLOCK_K)
+        if SH * SW == 1:
+            a = x_desc.load([n0, oh0 - PH + kh * DH, ow0 - PW + kw * DW, c0]).reshape(BLOCK_M, BLOCK_K)
+        else:
+            # Input row oh * SH + kh * DH - PH = (oh + dh) * SH + ph, 0 <= ph < SH; kept non-negative before // and %
+            # (which truncate toward zero compiled and floor under the interpreter) by the whole strides LIFT_*.
+            uh = kh * DH - PH + LIFT_H * SH
+            uw = kw * DW - PW + LIFT_W * SW
+            corner = [n0, oh0 + uh // SH - LIFT_H, uh % SH, ow0 + uw // SW - LIFT_W, (uw % SW) * C + c0]
+            a = x_desc.load(corner).reshape(BLOCK_M, BLOCK_K)
         b = w_desc.load([o0, tap * C + c0])
         if UPCAST_DOT:
             a = a.to(tl.float32)
@@ -137,8 +157,8 @@ def _conv2d_tma_kernel(
     acc = apply_activation(acc, ACTIVATION, negative_slope)
     # The stored box: the pooled one with POOL (the tile's conv rows beyond OH, or past the last whole window,
     # land only in pooled rows past the output, which the store drops).
-    SH: tl.constexpr = BH // PKH
-    SW: tl.constexpr = BW // PKW
+    STORE_H: tl.constexpr = BH // PKH
+    STORE_W: tl.constexpr = BW // PKW
     if POOL != "none":
         acc = _pool_tile(acc, POOL, IMG * BH, BW, PKH, PKW, BLOCK_N)
     POH: tl.constexpr = (OH - PKH) // PKH + 1
@@ -147,10 +167,10 @@ def _conv2d_tma_kernel(
         acc = round_to_bf16(acc)
     out = acc.to(x_desc.dtype)
     if Y_NHWC:
-        y.store([n0, oh0 // PKH, ow0 // PKW, o0], out.reshape(IMG, SH, SW, BLOCK_N))
+        y.store([n0, oh0 // PKH, ow0 // PKW, o0], out.reshape(IMG, STORE_H, STORE_W, BLOCK_N))
     else:
-        rows, inside = _box_offsets(n0, oh0 // PKH, ow0 // PKW, NB, POH, POW, IMG, SH, SW, stride_yn, stride_yh,
-                                    stride_yw)  # fmt: skip
+        rows, inside = _box_offsets(n0, oh0 // PKH, ow0 // PKW, NB, POH, POW, IMG, STORE_H, STORE_W, stride_yn,
+                                    stride_yh, stride_yw)  # fmt: skip
         tl.store(y + rows[:, None] + (cols * stride_yc)[None, :], out, mask=inside[:, None] & (cols < OC)[None, :])
 
 
@@ -158,15 +178,17 @@ def _conv2d_tma_kernel(
 
 
 def eligible(x: torch.Tensor, weight: torch.Tensor, stride, pool: tuple | None, out: torch.Tensor) -> bool:
-    """Whether this kernel can run the conv: stride 1; x and the weight channels_last and contiguous so, with
-    16-byte aligned bases and rows of channels; a pool, if any, non-overlapping (stride = window) of a power-of-two
-    size; y NHWC with 16-byte rows, or NCHW with any strides."""
+    """Whether this kernel can run the conv: x and the weight channels_last and contiguous so, with 16-byte aligned
+    bases and rows of channels; strided, H and W multiples of the stride and C of a K step (`k_steps`); a pool, if
+    any, non-overlapping (stride = window) of a power-of-two size; y NHWC with 16-byte rows, or NCHW with any
+    strides."""
     es = x.element_size()
-    C, OC = x.shape[1], weight.shape[0]
+    _, C, H, W = x.shape
+    OC = weight.shape[0]
+    sh, sw = stride
     nhwc = torch.channels_last
-    ok = (
-        tuple(stride) == (1, 1)
-        and x.is_contiguous(memory_format=nhwc)
+    ok = ((sh, sw) == (1, 1) or (H % sh == 0 and W % sw == 0 and bool(k_steps(C, es, strided=True)))) and (
+        x.is_contiguous(memory_format=nhwc)
         and weight.is_contiguous(memory_format=nhwc)
         and (C * es) % 16 == 0
         and x.data_ptr() % 16 == 0
@@ -186,8 +208,10 @@ def y_nhwc(out: torch.Tensor) -> bool:
 
 def weight_for(weight: torch.Tensor, stride) -> torch.Tensor:
     """The weight as a model should keep it for fused_conv2d: channels_last (OC, KH, KW, C) where this kernel
-    can run the layer (stride 1, 16-byte rows of channels), so that the tuner may pick it; else unchanged."""
-    if tuple(stride) == (1, 1) and (weight.shape[1] * weight.element_size()) % 16 == 0:
+    can run the layer (16-byte rows of channels; strided, C a multiple of a K step), so that the tuner may pick it;
+    else unchanged."""
+    C, es = weight.shape[1], weight.element_size()
+    if (C * es) % 16 == 0 and (tuple(stride) == (1, 1) or k_steps(C, es, strided=True)):
         return weight.contiguous(memory_format=torch.channels_last)
     return weight
 
@@ -195,16 +219,20 @@ def weight_for(weight: torch.Tensor, stride) -> torch.Tensor:
 def launch(x, weight, bias, out, negative_slope: float, geometry: dict, pool: tuple, fixed: dict,
            config: LaunchConfig, residual: torch.Tensor | None = None):  # fmt: skip
     """One launch: x (N, C, H, W) and weight (OC, C, KH, KW) channels_last (`eligible`), out the (pooled) output;
-    geometry: C, H, W, KH, KW, PH, PW, DH, DW, OH, OW (the conv's output); pool: (POOL, PKH, PKW); residual: None,
-    or out's shape and strides (tiles.residual_like), with POOL "none"."""
+    geometry: C, H, W, KH, KW, SH, SW, PH, PW, DH, DW, OH, OW (the conv's output); pool: (POOL, PKH, PKW); residual:
+    None, or out's shape and strides (tiles.residual_like), with POOL "none"."""
     meta = {k: v for k, v in config.meta().items() if k != "TMA"}
     img, bh, bw, bn, bk = meta["IMG"], meta["BH"], meta["BW"], meta["BLOCK_N"], meta["BLOCK_K"]
     N, OC = x.shape[0], weight.shape[0]
     C, KH, KW = geometry["C"], geometry["KH"], geometry["KW"]
     POOL, PKH, PKW = pool
     # Strides from the sizes, not the tensors': both are contiguous NHWC, and torch may give a size-1 dim any stride.
-    H, W = geometry["H"], geometry["W"]
-    x_desc = TensorDescriptor(x, [N, H, W, C], [H * W * C, W * C, C, 1], [img, bh, bw, bk])
+    H, W, SH, SW = geometry["H"], geometry["W"], geometry["SH"], geometry["SW"]
+    if (SH, SW) == (1, 1):
+        x_desc = TensorDescriptor(x, [N, H, W, C], [H * W * C, W * C, C, 1], [img, bh, bw, bk])
+    else:  # rows and columns by parity (the module's doc)
+        shape = [N, H // SH, SH, W // SW, SW * C]
+        x_desc = TensorDescriptor(x, shape, [H * W * C, SH * W * C, W * C, SW * C, 1], [img, bh, 1, bw, bk])
     w_desc = TensorDescriptor(weight, [OC, KH * KW * C], [KH * KW * C, 1], [bn, bk])
     y, store_nhwc = out, y_nhwc(out)
     if store_nhwc:
@@ -233,12 +261,22 @@ def box_shape(block_m: int, OH: int, OW: int, pool: tuple[int, int] = (1, 1)) ->
     return max(1, block_m // (bh * bw)), bh, bw
 
 
+def k_steps(C: int, element_size: int, strided: bool = False) -> list[int]:
+    """BLOCK_K candidates: 32 or 64 channels (at most C rounded up; 32 for fp32); strided, only those that divide C
+    (or 16 where none does), none if 16 does not either."""
+    widest = 64 if element_size <= 2 else 32
+    ks = sorted({max(16, min(widest, triton.next_power_of_2(C))), max(16, min(32, triton.next_power_of_2(C)))})
+    if strided:
+        ks = [k for k in ks if C % k == 0] or [16] * (C % 16 == 0)
+    return ks
+
+
 def cuda_configs(bucket: int, OC: int, C: int, OH: int, OW: int, pool=(1, 1), element_size: int = 2,
-                 shared_memory: int = HOPPER_SHARED_MEMORY) -> list[LaunchConfig]:  # fmt: skip
+                 shared_memory: int = HOPPER_SHARED_MEMORY, strided: bool = False) -> list[LaunchConfig]:  # fmt: skip
     """Candidates for one layer and M bucket (M = N * OH * OW output pixels): 64- and 128-pixel boxes (128 where M
-    is over 64), BLOCK_N all of OC up to 128 and, from 128 channels, 64 (two programs per box), BLOCK_K 32 or 64
-    channels (at most C rounded up; 32 for fp32), 3 or 4 stages where they fit in shared memory. TMA=1 marks them
-    as this kernel's among the tuner's candidates.
+    is over 64), BLOCK_N all of OC up to 128 and, from 128 channels, 64 (two programs per box), BLOCK_K from
+    `k_steps`, 3 or 4 stages where they fit in shared memory. TMA=1 marks them as this kernel's among the tuner's
+    candidates.
 
     128-byte K steps (fp16 BLOCK_K 64, fp32 32) get 2 stages only in tiles of 128 pixels or 128 channels
     (`racy_stages`): with 3 or 4, under triton 3.6, such tiles give wrong outputs in some runs (up to all 100 of 100)
@@ -246,8 +284,7 @@ def cuda_configs(bucket: int, OC: int, C: int, OH: int, OW: int, pool=(1, 1), el
     100 on the same layers (docs/performance.md, "CNNs"; probe conv_tma_race)."""
     full = max(16, min(128, triton.next_power_of_2(OC)))
     bns = sorted({full, 64} if full >= 128 else {full})
-    widest = 64 if element_size <= 2 else 32
-    ks = sorted({max(16, min(widest, triton.next_power_of_2(C))), max(16, min(32, triton.next_power_of_2(C)))})
+    ks = k_steps(C, element_size, strided)
     out = []
     for bm in (64, 128):
         if bm > 64 and bucket <= 64:

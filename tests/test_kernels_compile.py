@@ -262,8 +262,8 @@ img, bh, bw, bn, bk = (cfg[k] for k in ("IMG", "BH", "BW", "BLOCK_N", "BLOCK_K")
 runtime = dict(x_desc=f"tensordesc<{name}[{img}, {bh}, {bw}, {bk}]>", w_desc=f"tensordesc<{name}[{bn}, {bk}]>",
                b_ptr=ptr, y=ptr, r_ptr=ptr, NB="i32", stride_yn="i32", stride_yc="i32", stride_yh="i32",
                stride_yw="i32", negative_slope="fp32")
-meta = dict(C=128, H=8, W=8, KH=3, KW=3, PH=1, PW=1, DH=1, DW=1, OH=8, OW=8, OC=128, POOL="none", PKH=1, PKW=1,
-            **fixed, Y_NHWC=False, **{k: v for k, v in cfg.meta().items() if k != "TMA"})
+meta = dict(C=128, H=8, W=8, KH=3, KW=3, PH=1, PW=1, DH=1, DW=1, SH=1, SW=1, OH=8, OW=8, OC=128, POOL="none", PKH=1,
+            PKW=1, **fixed, Y_NHWC=False, **{k: v for k, v in cfg.meta().items() if k != "TMA"})
 _, usage = compile_sm90(ct._conv2d_tma_kernel, runtime, meta, 0, cfg.num_warps, cfg.num_stages,
                         divisible=("b_ptr", "y", "r_ptr"))
 print(json.dumps({"kernel": "conv_tma", "config": cfg.meta(), **usage}))

@@ -14,7 +14,8 @@ import torch
 
 import kernels.conv as conv_mod
 from kernels import ACTIVATIONS, conv_tma, reference
-from kernels.conv import fused_conv2d
+from kernels.conv import conv_output_size, fused_conv2d
+from kernels.pool import pair
 from tests.tolerances import NORMWISE_TF32, RTOL, assert_close_to, normwise_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -60,13 +61,26 @@ def tma_on(monkeypatch):
         yield calls
 
 
+def _stride(case) -> tuple[int, int]:
+    """A case's stride: its ninth entry, an int or a pair, where it has one; else 1."""
+    s = case[8] if len(case) > 8 else 1
+    return (s, s) if isinstance(s, int) else tuple(s)
+
+
 def _inputs(case, dtype, device, bias=True):
     N, C, H, W, OC, k, *_ = case
     kh, kw = (k, k) if isinstance(k, int) else k
     x = torch.randn(N, C, H, W, device=device).to(dtype).contiguous(memory_format=NHWC)
     w = (torch.randn(OC, C, kh, kw, device=device) / (C * kh * kw) ** 0.5).to(dtype)
     b = torch.randn(OC, device=device).to(dtype) if bias else None
-    return x, conv_tma.weight_for(w, (1, 1)), b
+    return x, conv_tma.weight_for(w, _stride(case)), b
+
+
+def _conv_out(case) -> tuple[int, int]:
+    """The conv's output rows and columns (before any pool)."""
+    _, _, H, W, _, k, p, d = case[:8]
+    (kh, kw), (ph, pw), (dh, dw), (sh, sw) = pair(k, "k"), pair(p, "p"), pair(d, "d"), _stride(case)
+    return conv_output_size(H, kh, sh, ph, dh), conv_output_size(W, kw, sw, pw, dw)
 
 
 def _check(
@@ -76,18 +90,18 @@ def _check(
     """Returns the output and the inputs (x, w, b), which a second call may take again. residual: None, or the
     memory format of a fresh random residual added before the activation (no pool)."""
     x, w, b = inputs or _inputs(case, dtype, device, bias)
-    p, d = case[6], case[7]
+    p, d, s = case[6], case[7], _stride(case)
     r = None
     if residual is not None:
-        shape = reference.conv2d(x[:1].double(), w.double(), padding=p, dilation=d).shape
+        shape = reference.conv2d(x[:1].double(), w.double(), stride=s, padding=p, dilation=d).shape
         r = torch.randn(x.shape[0], *shape[1:], device=device).to(dtype).contiguous(memory_format=residual)
     want = reference.conv2d(x.double(), w.double(), b.double() if b is not None else None, activation,
-                            padding=p, dilation=d, residual=r if r is None else r.double())  # fmt: skip
+                            stride=s, padding=p, dilation=d, residual=r if r is None else r.double())  # fmt: skip
     if pool is not None:
         want = reference.pool2d(want, pool[0], pool[1])
     out = torch.full(want.shape, float("nan"), device=device, dtype=dtype).contiguous(memory_format=y_format)
-    got = fused_conv2d(x, w, b, padding=p, dilation=d, activation=activation, pool=pool, allow_tf32=allow_tf32,
-                       out=out, residual=r)  # fmt: skip
+    got = fused_conv2d(x, w, b, stride=s, padding=p, dilation=d, activation=activation, pool=pool,
+                       allow_tf32=allow_tf32, out=out, residual=r)  # fmt: skip
     assert got is out
     what = f"{case} {dtype} {activation} pool={pool} y={y_format} bias={bias} residual={residual}"
     assert_close_to(got, want, rtol or RTOL[dtype], what)
@@ -162,6 +176,48 @@ def test_max_pool_propagates_nan(tma_on):
     assert_close_to(got[..., 1:], want[..., 1:], RTOL[torch.float32], "windows without the NaN")
 
 
+# Strided (x read by parity, conv_tma's doc): 3x3/2 and 1x1/2 as ResNets have them, OC off the block, C a multiple of
+# 16 but not of 32 (48: 16-channel K steps), 5x5/2 over padding 2, dilated, stride 3, and 2 down the rows only.
+STRIDED = [
+    (2, 32, 8, 8, 24, 3, 1, 1, 2),
+    (3, 16, 6, 10, 20, 1, 0, 1, 2),
+    (1, 48, 10, 6, 32, 3, 1, 1, 2),
+    (2, 16, 12, 12, 16, 5, 2, 1, 2),
+    (2, 16, 8, 8, 16, 3, 2, 2, 2),
+    (1, 32, 9, 9, 16, 3, 1, 1, 3),
+    (5, 16, 4, 6, 8, 3, 1, 1, (2, 1)),
+]
+
+
+@pytest.mark.parametrize("y_format", [NHWC, torch.contiguous_format], ids=["y_nhwc", "y_nchw"])
+@pytest.mark.parametrize("case", STRIDED, ids=_ids)
+def test_strided(tma_on, case, y_format):
+    _check(case, torch.float32, "leaky_relu", DEVICE, y_format=y_format)
+    assert len(tma_on) == 1
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strided_every_dtype_and_activation(tma_on, dtype, activation):
+    _check(STRIDED[0], dtype, activation, DEVICE)
+    assert len(tma_on) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strided_residual_and_pool(tma_on, dtype):
+    """A ResNet downsampling block's 3x3/2 with its skip added, and a strided conv with a 2x2 pool fused after it."""
+    _check(STRIDED[0], dtype, "relu", DEVICE, residual=NHWC)
+    _check(STRIDED[3], dtype, "silu", DEVICE, pool=("max", 2), y_format=torch.contiguous_format)
+    assert len(tma_on) == 2
+
+
+def test_strided_not_eligible_goes_to_the_gathers(tma_on):
+    """Sides that are not multiples of the stride, or C of no K step: conv.py's kernel, still right."""
+    for case in [(2, 16, 7, 8, 16, 3, 1, 1, 2), (2, 16, 8, 9, 16, 1, 0, 1, 2), (1, 24, 8, 8, 16, 3, 1, 1, 2)]:
+        _check(case, torch.float32, "relu", DEVICE)
+    assert tma_on == []
+
+
 def test_eligibility():
     """Stride 1, channels_last x and weight with 16-byte rows of channels, non-overlapping power-of-two pools;
     anything else goes to conv.py's kernel."""
@@ -171,7 +227,13 @@ def test_eligibility():
     assert conv_tma.eligible(x, w, (1, 1), None, y)
     assert conv_tma.eligible(x, w, (1, 1), ("max", (2, 2), (2, 2)), y)
     assert conv_tma.eligible(x, w, (1, 1), None, torch.empty(2, 32, 8, 8))  # NCHW y: stored with pointers
-    assert not conv_tma.eligible(x, w, (2, 2), None, y)
+    y2 = torch.empty(2, 32, 4, 4).contiguous(memory_format=NHWC)
+    assert conv_tma.eligible(x, w, (2, 2), None, y2)  # strided: 8x8 by 2, 16 channels = one K step
+    assert not conv_tma.eligible(x, w, (3, 3), None, y2)  # 8 rows do not split into threes
+    x24 = torch.randn(2, 24, 8, 8).contiguous(memory_format=NHWC)
+    w24 = torch.randn(32, 24, 3, 3).contiguous(memory_format=NHWC)
+    assert conv_tma.eligible(x24, w24, (1, 1), None, y)
+    assert not conv_tma.eligible(x24, w24, (2, 2), None, y2)  # 24 channels: no 16- or 32-wide step divides them
     assert not conv_tma.eligible(x.contiguous(), w, (1, 1), None, y)
     assert not conv_tma.eligible(x, w.contiguous(), (1, 1), None, y)
     assert not conv_tma.eligible(x, w, (1, 1), ("max", (3, 3), (2, 2)), y)  # overlapping
@@ -182,7 +244,8 @@ def test_eligibility():
     assert not conv_tma.eligible(x, w[:17].contiguous(memory_format=NHWC), (1, 1), None, y_odd)
     # the weight as a model keeps it: channels_last only where the kernel can run the layer
     assert conv_tma.weight_for(torch.randn(32, 16, 3, 3), (1, 1)).is_contiguous(memory_format=NHWC)
-    assert conv_tma.weight_for(torch.randn(32, 16, 3, 3), (2, 2)).is_contiguous()
+    assert conv_tma.weight_for(torch.randn(32, 16, 3, 3), (2, 2)).is_contiguous(memory_format=NHWC)
+    assert conv_tma.weight_for(torch.randn(32, 24, 3, 3), (2, 2)).is_contiguous()
     assert conv_tma.weight_for(torch.randn(32, 3, 3, 3), (1, 1)).is_contiguous()
 
 
@@ -222,7 +285,18 @@ GPU_LAYERS = [
     ((1025, 128, 8, 8, 128, 3, 1, 1), ("max", 2), torch.contiguous_format),
     ((1025, 16, 8, 8, 16, 3, 1, 1), ("max", 2), torch.contiguous_format),
     ((65, 40, 9, 11, 24, (5, 3), (2, 1), 1), ("avg", 2), NHWC),
+    # ResNet's strided convs: 3x3/2 at 56 -> 28 and 14 -> 7, 1x1/2 (the downsampling skip) at 28 -> 14
+    ((33, 64, 56, 56, 128, 3, 1, 1, 2), None, NHWC),
+    ((129, 256, 14, 14, 512, 3, 1, 1, 2), None, NHWC),
+    ((65, 256, 28, 28, 512, 1, 0, 1, 2), None, NHWC),
 ]
+
+
+def _candidates(case, window, itemsize):
+    N, C, _, _, OC = case[:5]
+    OH, OW = _conv_out(case)
+    strided = _stride(case) != (1, 1)
+    return conv_tma.cuda_configs(conv_mod.m_bucket(N * OH * OW), OC, C, OH, OW, window, itemsize, strided=strided)
 
 
 @pytest.mark.gpu
@@ -231,10 +305,8 @@ def test_gpu_every_candidate(monkeypatch, dtype):
     """Each TMA config the tuner may pick, forced, on every layer above, twice: right both times and bitwise the
     same (fp32 in TF32 too)."""
     for case, pool, y_format in GPU_LAYERS:
-        N, C, H, W, OC = case[:5]
         window = (pool[1], pool[1]) if pool else (1, 1)
-        configs = conv_tma.cuda_configs(conv_mod.m_bucket(N * H * W), OC, C, H, W, window, dtype.itemsize)
-        for config in configs:
+        for config in _candidates(case, window, dtype.itemsize):
             monkeypatch.setattr(conv_mod, "tune", lambda *a, config=config, **kw: config)
             conv_mod._configs.clear()
             first = _check(case, dtype, "silu", "cuda", pool=pool, y_format=y_format)
@@ -245,7 +317,8 @@ def test_gpu_every_candidate(monkeypatch, dtype):
                 # one of 8.4 million outputs missed (error 4.1e-3; 64 -> 64 at 32x32, 576 truncated products each)
                 got, (x, w, b) = _check(case, dtype, "relu", "cuda", pool=pool, y_format=y_format, allow_tf32=True,
                                         rtol=2e-2)  # fmt: skip
-                want = reference.conv2d(x.double(), w.double(), b.double(), "relu", padding=case[6], dilation=case[7])
+                want = reference.conv2d(x.double(), w.double(), b.double(), "relu", stride=_stride(case),
+                                        padding=case[6], dilation=case[7])  # fmt: skip
                 want = reference.pool2d(want, pool[0], pool[1]) if pool else want
                 assert normwise_error(got, want) <= NORMWISE_TF32, f"{case} {config}: TF32 normwise error"
     conv_mod._configs.clear()
@@ -259,15 +332,14 @@ def test_gpu_every_candidate_with_residual(monkeypatch, dtype):
     layers = [(case, y_format) for case, pool, y_format in GPU_LAYERS if pool is None]
     layers.append(((1025, 128, 8, 8, 128, 3, 1, 1), torch.contiguous_format))
     for case, y_format in layers:
-        N, C, H, W, OC = case[:5]
-        for config in conv_tma.cuda_configs(conv_mod.m_bucket(N * H * W), OC, C, H, W, (1, 1), dtype.itemsize):
+        for config in _candidates(case, (1, 1), dtype.itemsize):
             monkeypatch.setattr(conv_mod, "tune", lambda *a, config=config, **kw: config)
             conv_mod._configs.clear()
             first = _check(case, dtype, "relu", "cuda", y_format=y_format, residual=y_format)
             x, w, b = first[1]
             r = torch.randn_like(first[0])  # y's layout
-            again = [fused_conv2d(x, w, b, padding=case[6], dilation=case[7], activation="relu", residual=r,
-                                  memory_format=y_format, allow_tf32=False) for _ in range(2)]  # fmt: skip
+            again = [fused_conv2d(x, w, b, stride=_stride(case), padding=case[6], dilation=case[7], activation="relu",
+                                  residual=r, memory_format=y_format, allow_tf32=False) for _ in range(2)]  # fmt: skip
             assert torch.equal(again[0], again[1]), f"{case} {config}: two runs differ"
     conv_mod._configs.clear()
 
@@ -319,20 +391,26 @@ fixed = dict(HAS_BIAS=True, ACTIVATION="relu", INPUT_PRECISION="tf32" if dtype =
              UPCAST_DOT=False, ROUND_BF16=False, PDL=True)  # as launched on sm_90
 # the wider CNN's convs as the model runs them (pooled but the first; the last before the flatten: y NCHW) and the
 # digits CNN's second, at 256 images (with a residual: test_kernels_compile.py)
-for C, H, OC, pool, y_nhwc in [(64, 32, 64, "none", True), (64, 32, 64, "max", True), (64, 16, 128, "max", True),
-                               (128, 8, 128, "max", False), (16, 8, 16, "max", False)]:
+# and ResNet's strided ones (3x3/2 at 56 -> 28 and 14 -> 7, 1x1/2 at 28 -> 14: x read by parity, 5-D boxes)
+for C, H, OC, pool, y_nhwc, k, s in [(64, 32, 64, "none", True, 3, 1), (64, 32, 64, "max", True, 3, 1),
+                                     (64, 16, 128, "max", True, 3, 1), (128, 8, 128, "max", False, 3, 1),
+                                     (16, 8, 16, "max", False, 3, 1), (64, 56, 128, "none", True, 3, 2),
+                                     (256, 14, 512, "none", True, 3, 2), (256, 28, 512, "none", True, 1, 2)]:
     pk = 2 if pool != "none" else 1
-    for cfg in ct.cuda_configs(256 * H * H, OC, C, H, H, (pk, pk), dtype.itemsize):
-        meta = dict(C=C, H=H, W=H, KH=3, KW=3, PH=1, PW=1, DH=1, DW=1, OH=H, OW=H, OC=OC, POOL=pool, PKH=pk, PKW=pk,
-                    **fixed, HAS_RESIDUAL=False, Y_NHWC=y_nhwc, **{k: v for k, v in cfg.meta().items() if k != "TMA"})
+    OH = H // s
+    for cfg in ct.cuda_configs(256 * OH * OH, OC, C, OH, OH, (pk, pk), dtype.itemsize, strided=s > 1):
+        meta = dict(C=C, H=H, W=H, KH=k, KW=k, PH=k // 2, PW=k // 2, DH=1, DW=1, SH=s, SW=s, OH=OH, OW=OH, OC=OC,
+                    POOL=pool, PKH=pk, PKW=pk, **fixed, HAS_RESIDUAL=False, Y_NHWC=y_nhwc,
+                    **{k: v for k, v in cfg.meta().items() if k != "TMA"})
         img, bh, bw, bn, bk = (cfg[k] for k in ("IMG", "BH", "BW", "BLOCK_N", "BLOCK_K"))
-        descs = dict(x_desc=f"tensordesc<{name}[{img}, {bh}, {bw}, {bk}]>", w_desc=f"tensordesc<{name}[{bn}, {bk}]>",
+        x_box = f"{img}, {bh}, {bw}, {bk}" if s == 1 else f"{img}, {bh}, 1, {bw}, {bk}"
+        descs = dict(x_desc=f"tensordesc<{name}[{x_box}]>", w_desc=f"tensordesc<{name}[{bn}, {bk}]>",
                      y=f"tensordesc<{name}[{img}, {bh // pk}, {bw // pk}, {bn}]>" if y_nhwc else ptr)
         aligned = ("b_ptr", "r_ptr") if y_nhwc else ("b_ptr", "r_ptr", "y")  # as the allocator's pointers are
         ptx, usage = compile_sm90(ct._conv2d_tma_kernel, {**runtime, **descs}, meta, 0, cfg.num_warps, cfg.num_stages,
                                   divisible=aligned)  # fmt: skip
-        print(json.dumps({"layer": [C, H, OC, pool, y_nhwc], "config": cfg.meta(),
-                          "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared"),
+        print(json.dumps({"layer": [C, H, OC, pool, y_nhwc, k, s], "config": cfg.meta(),
+                          "tma_loads": ptx.count(f"cp.async.bulk.tensor.{4 if s == 1 else 5}d.shared"),
                           "tma_stores": ptx.count("cp.async.bulk.tensor.4d.global"),
                           "wgmma": ptx.count("wgmma.mma_async"), **pdl_order(ptx), **usage}))
 """
@@ -343,9 +421,10 @@ def test_tma_conv_compiles_for_sm90_without_spills(dtype):
     from tests.test_kernels_compile import _compiled
 
     results = _compiled(_COMPILE_TMA, dtype)
-    assert len(results) >= 20, results
+    assert len(results) >= 30, results
+    assert {tuple(r["layer"][5:]) for r in results} == {(3, 1), (3, 2), (1, 2)}, results
     for got in results:
-        # 4-D TMA copies of x, warpgroup MMAs, a TMA store where y is NHWC, or it is not the kernel this is for
+        # TMA copies of x (4-D, 5-D strided), warpgroup MMAs, a TMA store where y is NHWC, or it is not this kernel
         assert got["tma_loads"] > 0 and got["wgmma"] > 0, got
         assert (got["tma_stores"] > 0) == got["layer"][4], got
         assert got["STACK"] == 0 and got["LOCAL"] == 0, f"registers spill to local memory: {got}"
