@@ -106,7 +106,7 @@ def test_an_image_models_plan():
     from bench.serve.run import phase_list, pick_perf_analyzer_system, pick_sigterm_system
 
     plan = _plan("--model", "digits-cnn", "--workers", "8", "--input-dtype", "fp16")
-    assert [s.key for s in plan.systems] == ["fused@8", "unfused@8"]
+    assert [s.key for s in plan.systems] == ["empty@8", "fused@8", "unfused@8"]
     assert (plan.rows, plan.v2, plan.v2_rows, plan.connections) == ((), ("v2_binary",), 32, (16, 64, 256))
     assert plan.input_dtype == "FP16" and plan.open_systems == ()
     sig = pick_sigterm_system(plan)
@@ -119,11 +119,15 @@ def test_an_image_models_plan():
         "kind": "sigterm", "protocol": "v2_binary", "rows": 32, "connections": 256, "priority": 1
     }  # fmt: skip
     assert _plan("--model", "digits-cnn", "--images", "8", "--v2", "binary,grpc").v2_rows == 8
-    # The MLP-only apps cannot serve it: no phase, and the reason.
-    mixed = _plan("--model", "digits-cnn", "--systems", "empty@1,eager@1,fused@1", "--workers", "1")
-    assert [phase_list(s, mixed, None) for s in mixed.systems[:2]] == [[], []]
-    assert "digits MLP" in mixed.systems[0].cannot_serve(mixed.model)
-    assert mixed.systems[2].cannot_serve(mixed.model) is None
+    # The eager app cannot serve it: no phase, and the reason. The empty route takes its binary requests in (the
+    # images-in ceiling), binary REST only, even where the run has gRPC phases.
+    mixed = _plan("--model", "digits-cnn", "--systems", "empty@1,eager@1,fused@1", "--workers", "1", "--v2",
+                  "binary,grpc")  # fmt: skip
+    empty, eager, fused = mixed.systems
+    assert phase_list(eager, mixed, None) == [] and "digits MLP" in eager.cannot_serve(mixed.model)
+    assert empty.cannot_serve(mixed.model) is None and fused.cannot_serve(mixed.model) is None
+    assert [(p["protocol"], p["priority"]) for p in phase_list(empty, mixed, None)] == [("v2_binary", 1)] * 3
+    assert {p["protocol"] for p in phase_list(fused, mixed, None)} == {"v2_binary", "v2_grpc"}
     with pytest.raises(SystemExit, match="not images"):
         _plan("--images", "32")  # the digits MLP
     with pytest.raises(SystemExit, match="differ"):
@@ -221,11 +225,14 @@ def test_quick_image_run_on_the_cpu(tmp_path):
     assert results["meta"]["model"]["name"] == "digits-cnn" and results["meta"]["input_dtype"] == "FP16"
     phases = results["phases"]
     closed = [r for r in phases if r["kind"] == "closed"]
-    assert [(r["system"], r["protocol"], r["rows"], r["connections"]) for r in closed] == [
-        ("unfused@1", "v2_binary", 32, 1), ("unfused@1", "v2_binary", 32, 4)
+    assert sorted((r["system"], r["protocol"], r["rows"], r["connections"]) for r in closed) == [
+        ("empty@1", "v2_binary", 32, 1), ("empty@1", "v2_binary", 32, 4),
+        ("unfused@1", "v2_binary", 32, 1), ("unfused@1", "v2_binary", 32, 4),
     ], out  # fmt: skip
     for r in closed:
-        assert r["ok"] and r["sent"] == r["status"]["200"] > 0 and r["server"]["outcomes"]["ok"] == r["sent"], r
+        assert r["ok"] and r["sent"] == r["status"]["200"] > 0, r
+        if r["system"] == "unfused@1":  # the empty route keeps no counters
+            assert r["server"]["outcomes"]["ok"] == r["sent"], r
         assert r["request_bytes"] > 32 * 64 * 2 and r["request_mb_per_s"] == pytest.approx(
             r["req_per_s"] * r["request_bytes"] / 1e6, rel=0.01
         )
@@ -236,8 +243,10 @@ def test_quick_image_run_on_the_cpu(tmp_path):
     (sig,) = [r for r in phases if r["kind"] == "sigterm"]
     assert (sig["protocol"], sig["rows"]) == ("v2_binary", 32) and sig["exit"]["graceful"], sig
     skipped = {(s["system"], s["what"]) for s in results["skipped"]}
-    assert ("empty@1", "every phase") in skipped and ("every system", "JSON /predict and open-loop phases") in skipped
+    assert ("every system", "JSON /predict and open-loop phases") in skipped
+    assert not any(s["system"] == "empty@1" for s in results["skipped"]), results["skipped"]
     md = (tmp_path / "serve_cpu.md").read_text()
     assert "## Targets (issue 34)" in md and "No JSON /predict phase: digits-cnn is an image model" in md
     assert "| unfused (v2_binary) | 1 | 32 | 4 |" in md and "| images/s | MB/s |" in md and "| n/a |" in md
+    assert "| empty (v2_binary) | 1 | 32 | 4 |" in md
     assert "Not run: every run: --perf-analyzer none." in md

@@ -3,7 +3,7 @@ one after the other), drives each with bench.serve.loadgen (default: 256 connect
 samples one worker process (and fusedserve's engine) with py-spy meanwhile; prints the client's throughput and
 latency, the engine's forward and batch size from /metrics, and each profile's top frames by own time and by
 file group. `--systems fused,unfused` profiles both modes of fusedserve (one server each); `--protocol v2_binary`
-sends the Open Inference Protocol's binary tensors (the empty route does not speak it and is skipped).
+sends the Open Inference Protocol's binary tensors (the empty route receives and drops them: bench/serve/apps/empty.py).
 
     python -m bench.probes.profile_serve --out /tmp/profile      # on the GPU host, py-spy on PATH
     python -m bench.probes.profile_serve --systems fused,unfused --workers 1 --rows 64 --conns 1
@@ -164,7 +164,6 @@ def main() -> int:
         spec_args = {"path": v2.rest_path(info.name), "bodies": tuple(bodies), "protocol": "v2_binary",
                      "headers": headers}  # fmt: skip
         model_args = ["--model", info.path]
-        a.systems = ",".join(s for s in a.systems.split(",") if s != "empty")  # the empty route takes no images
     elif a.protocol == "v2_binary":
         from bench.serve import v2
 
@@ -182,9 +181,6 @@ def main() -> int:
 
     for port, name in enumerate(a.systems.split(","), start=18101):
         if name == "empty":
-            if a.protocol != "predict":
-                print("== empty: skipped (it serves JSON /predict only)", flush=True)
-                continue
             argv = [py, "-m", "uvicorn", "bench.serve.apps.empty:app", "--port", str(port), "--workers", str(a.workers)]
             profile(name, [*argv, "--log-level", "warning", "--no-access-log"], port, a_worker, a.out, a, spec_args)
             continue

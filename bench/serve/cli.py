@@ -23,7 +23,8 @@ connection answered. The run exits 1 if any phase lost anything.
 An image model (`--model digits-cnn`, or the path of any model directory or .onnx file whose input is C x H x W):
 fused and unfused at N workers through binary REST (`--v2 binary`), `--images` images a request (32) in
 `--input-dtype` (FP32; FP16; UINT8 where the model declares uint8 input), closed loop at each --connections
-(16,64,256), the pair taking turns; the JSON /predict, open-loop and comparison-app phases, which know only the
+(16,64,256), the pair taking turns, and the empty route with the same requests (it receives each body and drops it:
+the ceiling of images in on this host); the JSON /predict, open-loop and eager-app phases, which know only the
 digits MLP's rows, are skipped and listed. Each phase reports images/s, MB/s of request bytes, p50/p99, how busy
 the GPU was (nvidia-smi sampled every 100 ms over the window; n/a without one) and the client processes' CPU
 (cores used of those given; a phase whose clients were above 85% of theirs is flagged client-bound).
@@ -62,7 +63,7 @@ from .plan import SYSTEMS, Plan, System
 DEFAULT_SYSTEMS = "empty@1,empty@N,empty_grpc@1,empty_grpc@N,fused@1,fused@N,unfused@1,unfused@N,eager@N,eager@1"
 QUICK_SYSTEMS = "empty@1,empty_grpc@1,unfused@1"
 DEFAULT_OPEN = "empty@N,fused@N,unfused@N"
-IMAGE_SYSTEMS = "fused@N,unfused@N"  # the comparison apps know only the digits MLP
+IMAGE_SYSTEMS = "empty@N,fused@N,unfused@N"  # the eager app knows only the digits MLP; the empty route takes any body
 QUICK_IMAGE_SYSTEMS = "fused@1,unfused@1"
 IMAGE_CONNECTIONS = (16, 64, 256)
 IMAGES = 32  # a request's images: issue 34's case (32-image binary requests at 64 connections)

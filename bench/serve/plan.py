@@ -31,8 +31,9 @@ class System:
         return self.name in GRPC_ONLY
 
     def cannot_serve(self, model: ModelInfo) -> str | None:
-        """Why this system cannot serve `model` (None: it can): the comparison apps answer for the digits MLP only."""
-        if self.fusedserve or model.shipped_mlp:
+        """Why this system cannot serve `model` (None: it can): the comparison apps answer for the digits MLP only,
+        but the empty route takes an image model's binary requests in too (its v2 route reads no tensor)."""
+        if self.fusedserve or model.shipped_mlp or (self.name == "empty" and model.image):
             return None
         return f"{self.name} answers only for the digits MLP's 64-value rows, not {model.name}'s {model.input_shape}"
 

@@ -176,6 +176,10 @@ def image_targets(results: dict) -> list[dict]:
     else:
         text = (f"{_n(b['rows_per_s'])} images/s, {_f(b.get('request_mb_per_s'), ',.0f')} MB/s of requests in {dtype} "
                 f"at {b['connections']} connections; clients {_cores(b)}" + _client_note(b))  # fmt: skip
+        empty = [r for r in closed(results, f"empty@{n}", images, protocol="v2_binary") if r["ok"]]
+        if (ceiling := best(empty, "rows_per_s")) is not None:
+            text += (f"; the empty route's ceiling (each body received and dropped): {_n(ceiling['rows_per_s'])} "
+                     f"images/s at {ceiling['connections']} connections, clients {_cores(ceiling)}")  # fmt: skip
         bound = (b.get("client_cpu") or {}).get("bound")
         met = None if dtype != "UINT8" else (b["rows_per_s"] >= IMAGE_RATE and bound is False)
         add(label, text + ("" if dtype == "UINT8" else " (the target is for UINT8: --input-dtype UINT8)"), met)

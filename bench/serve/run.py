@@ -259,6 +259,8 @@ def phase_list(system: System, plan: Plan, sigterm_system: System | None) -> lis
             out.append({"kind": "closed", "rows": rows, "connections": c, "priority": prio})
     if system.fusedserve:
         out += v2_phases(system, plan)
+    elif system.name == "empty" and plan.model.image:  # the images-in ceiling: binary REST only (no gRPC route)
+        out += [p for p in v2_phases(system, plan) if p["protocol"] == "v2_binary"]
     if system in plan.open_systems:
         out.append({"kind": "open", "rows": 1, "connections": plan.open_connections, "priority": 2})
     if plan.sigterm and system == sigterm_system:
@@ -282,10 +284,11 @@ def v2_phases(system: System, plan: Plan) -> list[dict]:
     """The Open Inference Protocol phases of a fusedserve system: binary REST and gRPC with v2_rows-row requests
     (the rows/s target), and gRPC with 1-row requests (against /predict's), closed loop at v2_connections.
     Essential for fused@N, the targets' system; optional elsewhere (6 phases of ~4 s each per system in the full
-    run)."""
+    run). Also the empty route's phases for an image model (binary REST only: phase_list)."""
     conns = v2_connections(plan)
-    # An image model's targets compare fused with unfused at N: both essential there.
-    targeted = ("fused", "unfused") if plan.model.image else ("fused",)
+    # An image model's targets compare fused with unfused at N, and images in with the empty route's ceiling: all
+    # three essential there.
+    targeted = ("fused", "unfused", "empty") if plan.model.image else ("fused",)
     prio = 1 if system.name in targeted and system.workers == plan.workers else 2
     out = []
     for protocol in plan.v2:
