@@ -311,6 +311,36 @@ def test_requests_that_find_the_arena_full_travel_inside_their_message(tmp_path,
         np.testing.assert_array_equal(out, (r.reshape(60, -1)[:, :OUT].astype(np.float16) * 2).astype(np.float32))
 
 
+def test_a_slot_going_back_wakes_whoever_waits_for_room(tmp_path, monkeypatch):
+    """`fits` says whether an arena could ever take rows in place; `slot_returned` is set when a slot goes back, by
+    release or by the engine's answer (service/v2/arena_body.py waits on it while the arena is full)."""
+    monkeypatch.setattr(engine_client, "ARENA_BYTES", 1024)  # room for one 60-row float16 request (720 B), not two
+    path = str(tmp_path / "engine.sock")
+    x = np.random.default_rng(5).uniform(-4, 4, (60, *SHAPE)).astype(np.float32)
+    f16 = np.dtype(np.float16)
+
+    async def scenario():
+        client = EngineClient([path], ready_states(), OUT)
+        client.start()
+        await wait_until(lambda: client._wire[0] is not None)
+        assert client.fits(720, f16) and not client.fits(2048, f16) and not client.fits(720, np.dtype(np.float32))
+        held = client.reserve(720, f16)
+        assert held is not None and client.reserve(720, f16) is None  # full for now
+        room = client.slot_returned()
+        assert client.slot_returned() is room and not room.is_set()
+        client.release(held)
+        assert room.is_set() and client.slot_returned() is not room  # woken; the next waiter gets a fresh event
+        fut = client.submit(x, time.monotonic() + 5, time.monotonic())[1]
+        assert len(client._slots) == 1  # its rows in the arena
+        room = client.slot_returned()
+        await asyncio.wait_for(fut, 5)
+        assert room.is_set() and client._arenas[0].slots_live == 0
+        client.close()
+
+    with EngineThread(path, StubRunner("float16")):
+        asyncio.run(scenario())
+
+
 def test_the_arena_is_sized_for_two_full_batches_of_the_models_rows():
     """16 MB held three 32-image UINT8 224x224 requests: the rest went through the engine's socket."""
     image = 3 * 224 * 224

@@ -50,13 +50,26 @@ class Engines:
         self.reserved.append(Reservation(0, self.arena, slot, 0, view))
         return self.reserved[-1]
 
+    def fits(self, nbytes: int, dtype: np.dtype) -> bool:
+        return dtype in self.dtypes and nbytes <= self.arena.size
+
+    def slot_returned(self) -> asyncio.Event:
+        if self.room is None:
+            self.room = asyncio.Event()
+        return self.room
+
     def release(self, reservation: Reservation) -> None:
         reservation.arena.give_back(reservation.slot)
+        if self.room is not None:
+            self.room.set()
+            self.room = None
+
+    room: asyncio.Event | None = None
 
 
-def state(input_dtype: str = "uint8", engines: Engines | None = None):
+def state(input_dtype: str = "uint8", engines: Engines | None = None, timeout_ms: float = 100.0):
     model = ModelInfo("pixels", None, IMAGE, 10, None, input_dtype)
-    settings = SimpleNamespace(max_rows_per_request=64)
+    settings = SimpleNamespace(max_rows_per_request=64, request_timeout_ms=timeout_ms)
     return SimpleNamespace(model=model, settings=settings, engines=engines or Engines(), max_body_bytes=64 << 20,
                            status="ready")  # fmt: skip
 
@@ -158,6 +171,37 @@ def test_anything_unusual_reads_the_whole_body_for_the_ordinary_path(case):
     got = read(st, scope, body)
     assert got == body
     assert not st.engines.reserved or case == "arena full"
+
+
+def test_a_request_that_finds_the_arena_full_waits_for_a_slot_to_go_back():
+    """The arena full of earlier requests: this one waits (its body unread) and lands in the arena once one of them
+    goes back, well inside its timeout."""
+    st = state(timeout_ms=30_000)
+    ahead = st.engines.reserve(st.engines.arena.size - 1000, UINT8)
+    data = pixels(3)
+    scope, body = request(data, "UINT8")
+
+    async def scenario():
+        reading = asyncio.create_task(read_infer_body(st, scope, receiver(body)))
+        await asyncio.sleep(0.05)
+        assert not reading.done()  # waiting for room
+        st.engines.release(ahead)
+        return await asyncio.wait_for(reading, 5)
+
+    got = asyncio.run(scenario())
+    assert isinstance(got, Direct)
+    np.testing.assert_array_equal(got.rows, data)
+
+
+def test_a_tensor_no_arena_could_hold_does_not_wait():
+    st = state(timeout_ms=30_000)
+    data = pixels(30)  # 4.5 MB: past the 4 MB arena
+    scope, body = request(data, "UINT8")
+
+    async def scenario():
+        return await asyncio.wait_for(read_infer_body(st, scope, receiver(body)), 5)
+
+    assert asyncio.run(scenario()) == body and not st.engines.reserved
 
 
 def test_a_client_that_leaves_midway_is_refused_and_its_slot_given_back():

@@ -106,6 +106,7 @@ class EngineClient:
         # engine answers it.
         self._arenas: list[Arena | None] = [None] * len(endpoints)
         self._slots: dict[int, tuple[int, list]] = {}  # request id -> (engine, slot)
+        self._room: asyncio.Event | None = None  # set, and dropped, when a slot goes back to an arena (slot_returned)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -267,11 +268,35 @@ class EngineClient:
             return None
         return Reservation(best, arena, slot, code, memoryview(arena.buf)[slot[0] : slot[0] + nbytes])
 
+    def fits(self, nbytes: int, dtype: np.dtype) -> bool:
+        """Whether `reserve` could give such a slot once the arenas have room: some ready engine has an arena of at
+        least `nbytes` that takes rows of `dtype` in place. Where it is only full for now, a caller may wait for
+        `slot_returned` (service/v2/arena_body.py)."""
+        for i, arena in enumerate(self._arenas):
+            code = wire.UINT8 if dtype == np.uint8 else self._wire[i]
+            if (arena is not None and arena.size >= nbytes and code is not None and wire.DTYPES[code] == dtype
+                    and self._states[i].value == wire.READY and i not in self._dead):  # fmt: skip
+                return True
+        return False
+
+    def slot_returned(self) -> asyncio.Event:
+        """An event set the next time any request's slot goes back to its arena (the engine answered it, or its body
+        was abandoned): every waiter then tries `reserve` again."""
+        if self._room is None:
+            self._room = asyncio.Event()
+        return self._room
+
+    def _returned(self, arena: Arena, slot: list) -> None:
+        arena.give_back(slot)
+        if self._room is not None:
+            self._room.set()
+            self._room = None
+
     def release(self, reservation: Reservation) -> None:
         """Give back a reservation that will not be submitted (a bad or abandoned body)."""
         with contextlib.suppress(BufferError):  # rows still viewing it: the view goes with them
             reservation.view.release()
-        reservation.arena.give_back(reservation.slot)
+        self._returned(reservation.arena, reservation.slot)
 
     def submit_reserved(
         self, reservation: Reservation, rows: np.ndarray, deadline: float, arrival: float
@@ -374,7 +399,7 @@ class EngineClient:
                 at += size
                 slot = slots.pop(rid, None)
                 if slot is not None:  # the engine is done with its rows
-                    arena.give_back(slot[1])
+                    self._returned(arena, slot[1])
                 entry = pending.pop(rid, None)
                 if entry is None:
                     continue  # cancelled meanwhile
