@@ -34,6 +34,19 @@ AWKWARD = [
 ]
 
 
+# Strided, the stride a ninth entry (x read by parity, conv_tma's doc): 3x3/2 and 1x1/2 as ResNets have them, OC off the block, C a multiple of
+# 16 but not of 32 (48: 16-channel K steps), 5x5/2 over padding 2, dilated, stride 3, and 2 down the rows only.
+STRIDED = [
+    (2, 32, 8, 8, 24, 3, 1, 1, 2),
+    (3, 16, 6, 10, 20, 1, 0, 1, 2),
+    (1, 48, 10, 6, 32, 3, 1, 1, 2),
+    (2, 16, 12, 12, 16, 5, 2, 1, 2),
+    (2, 16, 8, 8, 16, 3, 2, 2, 2),
+    (1, 32, 9, 9, 16, 3, 1, 1, 3),
+    (5, 16, 4, 6, 8, 3, 1, 1, (2, 1)),
+]
+
+
 def _ids(case):
     return "-".join(str(v).replace(" ", "") for v in case)
 
@@ -109,17 +122,18 @@ def _check(
 
 
 @pytest.mark.parametrize("y_format", [NHWC, torch.contiguous_format], ids=["y_nhwc", "y_nchw"])
-@pytest.mark.parametrize("case", AWKWARD, ids=_ids)
+@pytest.mark.parametrize("case", AWKWARD + STRIDED, ids=_ids)
 def test_awkward_shapes(tma_on, case, y_format):
     _check(case, torch.float32, "leaky_relu", DEVICE, y_format=y_format)
     nhwc_rows_ok = (case[4] * 4) % 16 == 0  # an NHWC y needs 16-byte rows of OC: else the pointer kernel runs
     assert len(tma_on) == (1 if y_format is not NHWC or nhwc_rows_ok else 0)
 
 
+@pytest.mark.parametrize("case", [AWKWARD[4], STRIDED[0]], ids=["stride1", "stride2"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_every_dtype_and_activation(tma_on, dtype, activation):
-    _check(AWKWARD[4], dtype, activation, DEVICE)
+def test_every_dtype_and_activation(tma_on, dtype, activation, case):
+    _check(case, dtype, activation, DEVICE)
     assert len(tma_on) == 1
 
 
@@ -174,33 +188,6 @@ def test_max_pool_propagates_nan(tma_on):
     assert len(tma_on) == 1
     assert got[0, :, 0, 0].isnan().all() and not got[0, :, 1:, :].isnan().any() and not got[0, :, :, 1:].isnan().any()
     assert_close_to(got[..., 1:], want[..., 1:], RTOL[torch.float32], "windows without the NaN")
-
-
-# Strided (x read by parity, conv_tma's doc): 3x3/2 and 1x1/2 as ResNets have them, OC off the block, C a multiple of
-# 16 but not of 32 (48: 16-channel K steps), 5x5/2 over padding 2, dilated, stride 3, and 2 down the rows only.
-STRIDED = [
-    (2, 32, 8, 8, 24, 3, 1, 1, 2),
-    (3, 16, 6, 10, 20, 1, 0, 1, 2),
-    (1, 48, 10, 6, 32, 3, 1, 1, 2),
-    (2, 16, 12, 12, 16, 5, 2, 1, 2),
-    (2, 16, 8, 8, 16, 3, 2, 2, 2),
-    (1, 32, 9, 9, 16, 3, 1, 1, 3),
-    (5, 16, 4, 6, 8, 3, 1, 1, (2, 1)),
-]
-
-
-@pytest.mark.parametrize("y_format", [NHWC, torch.contiguous_format], ids=["y_nhwc", "y_nchw"])
-@pytest.mark.parametrize("case", STRIDED, ids=_ids)
-def test_strided(tma_on, case, y_format):
-    _check(case, torch.float32, "leaky_relu", DEVICE, y_format=y_format)
-    assert len(tma_on) == 1
-
-
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_strided_every_dtype_and_activation(tma_on, dtype, activation):
-    _check(STRIDED[0], dtype, activation, DEVICE)
-    assert len(tma_on) == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
