@@ -34,8 +34,9 @@ AWKWARD = [
 ]
 
 
-# Strided, the stride a ninth entry (x read by parity, conv_tma's doc): 3x3/2 and 1x1/2 as ResNets have them, OC off the block, C a multiple of
-# 16 but not of 32 (48: 16-channel K steps), 5x5/2 over padding 2, dilated, stride 3, and 2 down the rows only.
+# Strided, the stride a ninth entry (x read by parity, conv_tma's doc): 3x3/2 and 1x1/2 as ResNets have them, OC off
+# the block, C a multiple of 16 but not of 32 (48: 16-channel K steps), 5x5/2 over padding 2, dilated, stride 3, and 2
+# down the rows only.
 STRIDED = [
     (2, 32, 8, 8, 24, 3, 1, 1, 2),
     (3, 16, 6, 10, 20, 1, 0, 1, 2),
