@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import torch
 
-# Triton reads the variable as a boolean with these spellings (triton.knobs env_bool).
 log = logging.getLogger(__name__)
 
+# Triton reads the variable as a boolean with these spellings (triton.knobs env_bool).
 _TRUE = {"1", "true", "yes", "on", "y"}
 
 

@@ -232,14 +232,13 @@ class EngineClient:
         best = -1
         for j in range(n):
             i = (start + j) % n
-            if (
-                states[i].value == wire.READY
-                and self._socks[i] is not None
-                and i not in self._dead
-                and (best < 0 or load[i] < load[best])
-            ):
+            if self._ready(i) and (best < 0 or load[i] < load[best]):
                 best = i
         return best
+
+    def _ready(self, i: int) -> bool:
+        """Engine i takes requests: READY, connected, not known dead."""
+        return self._states[i].value == wire.READY and self._socks[i] is not None and i not in self._dead
 
     def _sent(self, i: int) -> None:
         """A request went into engine i's outbox: send it once FLUSH_EVERY are there, else at the loop's next turn."""
@@ -258,26 +257,28 @@ class EngineClient:
         wire (uint8 rows go as they are; float rows in the engine's dtype): such rows take `submit`'s path."""
         best = self._least_loaded()
         arena = self._arenas[best] if best >= 0 else None
-        if arena is None:
-            return None
-        code = wire.UINT8 if dtype == np.uint8 else self._wire[best]
-        if code is None or wire.DTYPES[code] != dtype:
+        code = self._in_place(best, dtype) if arena is not None else None
+        if code is None:
             return None
         slot = arena.take(nbytes)
         if slot is None:
             return None
         return Reservation(best, arena, slot, code, memoryview(arena.buf)[slot[0] : slot[0] + nbytes])
 
+    def _in_place(self, i: int, dtype: np.dtype) -> int | None:
+        """The wire code (link/wire.py) of rows of `dtype` that engine i takes as they are, or None where its wire
+        would cast them (uint8 rows go as they are; float rows in the engine's dtype)."""
+        code = wire.UINT8 if dtype == np.uint8 else self._wire[i]
+        return code if code is not None and wire.DTYPES[code] == dtype else None
+
     def fits(self, nbytes: int, dtype: np.dtype) -> bool:
         """Whether `reserve` could give such a slot once the arenas have room: some ready engine has an arena of at
         least `nbytes` that takes rows of `dtype` in place. Where it is only full for now, a caller may wait for
         `slot_returned` (service/v2/arena_body.py)."""
-        for i, arena in enumerate(self._arenas):
-            code = wire.UINT8 if dtype == np.uint8 else self._wire[i]
-            if (arena is not None and arena.size >= nbytes and code is not None and wire.DTYPES[code] == dtype
-                    and self._states[i].value == wire.READY and i not in self._dead):  # fmt: skip
-                return True
-        return False
+        return any(
+            arena is not None and arena.size >= nbytes and self._ready(i) and self._in_place(i, dtype) is not None
+            for i, arena in enumerate(self._arenas)
+        )
 
     def slot_returned(self) -> asyncio.Event:
         """An event set the next time any request's slot goes back to its arena (the engine answered it, or its body

@@ -11,7 +11,8 @@ Where the arena is full for now (the requests ahead of this one still in the eng
 go back, up to its timeout, its body left unread meanwhile (TCP holds the client back). Read whole instead, it would
 travel to the engine inside its message, copied again on the engine's one reading thread: 32-image UINT8 requests
 to the resnet-stem model reached the engine at 29,058 images/s at 64 connections and 16,032 at 256, where the 8
-front ends' arenas (77 MB each) hold 16 such requests apiece (H100, bench/results/h100/serve_stem_room_h100.md).
+front ends' arenas (77 MB each) hold 16 such requests apiece (H100, bench/results/h100/serve_stem_full_h100.md;
+waiting, 32,589 and 33,573: serve_stem_room_h100.md).
 
 Anything unusual takes the ordinary path (the rest of the body read into memory, then service/v2/rest.py's `_parse`,
 which answers every error as before): a header that does not parse or check, bytes after the tensor or a tensor
