@@ -101,18 +101,24 @@ def engine_devices(settings: Settings, device_type: str) -> list[str | None]:
     return [ids[i % len(ids)] for i in range(n)]
 
 
-def _reserve_port(host: str, port: int) -> socket.socket:
-    """Bind (without listening) the service's port with SO_REUSEPORT: a port taken by another program is reported
-    now, and none can take it while the service runs."""
+def _reserve_port(host: str, port: int, setting: str = "FUSEDSERVE_PORT") -> socket.socket:
+    """Bind (without listening) one of the service's ports with SO_REUSEPORT, so that its front ends can bind it too
+    and nothing else can while the service runs. A port something already listens on is reported now, naming the
+    `setting`: first bound without SO_REUSEPORT, which Linux refuses while any socket listens there. (With
+    SO_REUSEPORT alone, a second fusedserve on the same port, or another server that sets it, as gRPC does, shared
+    the port: the kernel split the connections between them, gRPC clients landing on an HTTP front end.)"""
     from .frontend.app import listen_socket
 
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
+        with socket.socket(family, socket.SOCK_STREAM) as alone:
+            alone.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection's TIME_WAIT is no owner
+            alone.bind((host, port))
         sock = listen_socket(host, port)
     except OSError as e:
-        raise StartError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        raise StartError(f"cannot listen on {host}:{port} ({setting}): {e.strerror or e}") from None
     # Closed for listening at once: a reserved socket must not take connections the front ends should get.
     sock.close()
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     hold = socket.socket(family, socket.SOCK_STREAM)
     hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -176,8 +182,11 @@ class Supervisor:
             devices = engine_devices(s, device.type)
             workers = s.workers or default_workers(len(devices))
             port_hold = _reserve_port(s.host, s.port)
+            grpc_hold = None
             metrics_port = None
             try:
+                if s.grpc_port is not None:
+                    grpc_hold = _reserve_port(s.host, s.grpc_port, "FUSEDSERVE_GRPC_PORT")
                 if s.metrics_port is not None:
                     from .metrics_server import MetricsServer
 
@@ -191,6 +200,8 @@ class Supervisor:
                 return self._run(model, ModelInfo.of(model), devices, workers, run_dir)
             finally:
                 port_hold.close()
+                if grpc_hold is not None:
+                    grpc_hold.close()
                 if metrics_port is not None:
                     metrics_port.close()
         finally:
