@@ -624,7 +624,8 @@ def cuda_configs(
     # (uint8 NCHW x) on Triton 3.6, every tile, depth and warp count: on 4 warps 64x64 spilled 104-352 bytes (fp16,
     # bf16) and 64x32 96-200 (fp32), 128-row tiles 8-1120; on 8 warps none spilled at 64 rows and 3 stages, nor at 128
     # rows and 2 stages in fp16/bf16 (3 stages: 16 bytes at BLOCK_K 64), while fp32 (on the CUDA cores) spilled at
-    # 128 rows but for BLOCK_K 16 at 3 stages.
+    # 128 rows but for BLOCK_K 16 at 3 stages. Since NCHW x is gathered as a (BLOCK_K, BLOCK_M) tile, 128 rows at
+    # BLOCK_K 64 spill 24 bytes in fp16/bf16 too (Triton 3.6; 3.9 does not): 128-row tiles stop at BLOCK_K 32.
     if norm:
         tiles = [(64, 8, 3), (128, 8, 3 if fma else 2)]
     else:
@@ -633,7 +634,7 @@ def cuda_configs(
     for flat in flats:
         for bk in ks:
             for bm, warps, stages in tiles:
-                if (bm > 64 and bucket <= 64) or (norm and fma and bm > 64 and bk > 16):
+                if (bm > 64 and bucket <= 64) or (norm and bm > 64 and bk > (16 if fma else 32)):
                     continue
                 # 64x128x64 on 4 warps spilled (224 bytes, fp16, taps, NCHW x: 128 -> 128 at 8x8); on 8 it did not
                 out.append(cfg(8 if (bm, bn, bk) == (64, 128, 64) else warps, stages, bm, bn, bk, flat))
@@ -648,7 +649,8 @@ def cuda_configs(
         # gather at once, and each of them split along K where that still leaves SMs idle.
         for bn_small in sorted({bn, min(bn, 64)}):
             for bk in ks:
-                out.append(cfg(4, 3, 32, bn_small, bk, flats[-1]))
+                # 32x128x64 on 4 warps spilled 80 bytes (fp16, NCHW x: 128 -> 128 at 8x8, Triton 3.6); on 8 it did not
+                out.append(cfg(8 if (bn_small, bk) == (128, 64) else 4, 3, 32, bn_small, bk, flats[-1]))
             # split at the narrower K step only: 32x128x64 split 8 spilled (48 bytes, fp32 as TF32)
             split = split_for(32, bn_small, ks[0], flats[-1])
             if split > 1:
