@@ -4,7 +4,6 @@ connections between the two servers; the service's own front ends still bind the
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
@@ -18,14 +17,9 @@ from .server import REPO, free_port, service_env
 HOST = "127.0.0.1"
 
 
-def _shared_listener(port: int) -> socket.socket:
-    """A listener as another fusedserve front end (or grpcio) binds one: SO_REUSEPORT, SO_REUSEADDR."""
-    return listen_socket(HOST, port)
-
-
 def test_a_port_another_server_listens_on_is_refused_naming_the_setting():
     port = free_port()
-    with _shared_listener(port):
+    with listen_socket(HOST, port):  # another server's, bound as fusedserve's front ends and grpcio bind: SO_REUSEPORT
         with pytest.raises(StartError, match=rf"cannot listen on 127\.0\.0\.1:{port} \(FUSEDSERVE_PORT\): .*in use"):
             _reserve_port(HOST, port)
         with pytest.raises(StartError, match=rf"127\.0\.0\.1:{port} \(FUSEDSERVE_GRPC_PORT\)"):
@@ -43,10 +37,10 @@ def test_a_held_port_takes_the_services_front_ends_and_then_refuses_a_second_ser
     _reserve_port(HOST, port).close()  # free again once the service is gone
 
 
-def test_serve_stops_when_its_grpc_port_is_taken(tmp_path):
+def test_serve_stops_when_its_grpc_port_is_taken():
     """The whole command: exit status 2 and the message, before any engine starts (the model is the shipped one)."""
     port, grpc_port = free_port(), free_port()
-    with _shared_listener(grpc_port):
+    with listen_socket(HOST, grpc_port):
         env = service_env(grpc_port=grpc_port, device="cpu")
         argv = [sys.executable, "-m", "service.cli", "serve", "--host", HOST, "--port", str(port)]
         done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -17,12 +17,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from kernels.pdl import gdc_launch_dependents, gdc_wait
+from kernels import tuning
 
-from .common import main
+from .common import main, one_store, tuned_by
 
 # (C, H, OC, kernel, stride, residual): ResNet-50's last stage (7x7), its third (14x14) and second (28x28) 3x3s, and
 # the 1x1s around them
@@ -38,22 +36,9 @@ LAYERS = [
 STEPS = {"resnet50": 56, "resnet18": 23}
 
 
-@triton.jit
-def _one_store(y_ptr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    tl.store(y_ptr, 1.0)
-
-
 def _graph_times(fn) -> dict:
-    """fn captured into a CUDA graph: its replay's cold and hot device µs."""
-    from kernels.cold_timing import cold_us
-    from kernels.graph_capture import capture
-    from kernels.hot_timing import hot_us
-
-    graph, _ = capture(fn, warmups=2)
-    return {"cold_us": cold_us(graph.replay, warmup_ms=5, rep_ms=30), "hot_us": hot_us(graph.replay)["hot_us"]}
+    """fn captured into a CUDA graph: its replay's cold and hot device µs, as the tuner times its candidates."""
+    return tuning._graph_times(fn)._asdict()
 
 
 def _launch_floor() -> list[dict]:
@@ -65,7 +50,7 @@ def _launch_floor() -> list[dict]:
 
             def chain(steps=steps, pdl=pdl, options=options):
                 for _ in range(steps):
-                    _one_store[(1,)](y, PDL=pdl, **options)
+                    one_store[(1,)](y, PDL=pdl, **options)
 
             t = _graph_times(chain)
             rows.append({"launches": steps, "as": model, "pdl": pdl, **t, "hot_us_per_launch": t["hot_us"] / steps})
@@ -76,7 +61,7 @@ def _launch_floor() -> list[dict]:
 
 def _layer(C, H, OC, k, s, residual) -> dict:
     import kernels.conv as conv_mod
-    from kernels import conv_tma, tuning
+    from kernels import conv_tma
 
     nhwc = torch.channels_last
     x = torch.randn(1, C, H, H, device="cuda").half().contiguous(memory_format=nhwc)
@@ -92,14 +77,12 @@ def _layer(C, H, OC, k, s, residual) -> dict:
         timed.update(tuning.time_candidates(list(candidates), run))
         return min(timed, key=lambda c: timed[c].hot_us)
 
-    original = conv_mod.tune
-    conv_mod.tune = every_candidate
     conv_mod._configs.clear()
     try:
-        y = conv_mod.fused_conv2d(x, w, b, stride=s, padding=k // 2, activation="relu", residual=r,
-                                  memory_format=nhwc)  # fmt: skip
+        with tuned_by(conv_mod, every_candidate):
+            y = conv_mod.fused_conv2d(x, w, b, stride=s, padding=k // 2, activation="relu", residual=r,
+                                      memory_format=nhwc)  # fmt: skip
     finally:
-        conv_mod.tune = original
         conv_mod._configs.clear()
     best = min(timed, key=lambda c: timed[c].hot_us)
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.mlp import MLPLayer
+from kernels.pdl import gdc_launch_dependents, gdc_wait
 from service.model.loader import load_model
 from service.model.planner import group_mlps, plan
 
@@ -87,7 +88,11 @@ def digits_layers(dtype=torch.float16) -> list[MLPLayer]:
 
 
 @triton.jit
-def one_store(y_ptr):
+def one_store(y_ptr, PDL: tl.constexpr = False):
+    """Stores one float; with PDL (launched with launch_pdl), waits for the kernel before it and lets the next in."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     tl.store(y_ptr, 1.0)
 
 
