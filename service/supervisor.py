@@ -104,9 +104,9 @@ def engine_devices(settings: Settings, device_type: str) -> list[str | None]:
 def _reserve_port(host: str, port: int, setting: str = "FUSEDSERVE_PORT") -> socket.socket:
     """Bind (without listening) one of the service's ports with SO_REUSEPORT, so that its front ends can bind it too
     and nothing else can while the service runs. A port something already listens on is reported now, naming the
-    `setting`: first bound without SO_REUSEPORT, which Linux refuses while any socket listens there. (With
-    SO_REUSEPORT alone, a second fusedserve on the same port, or another server that sets it, as gRPC does, shared
-    the port: the kernel split the connections between them, gRPC clients landing on an HTTP front end.)"""
+    `setting`: first bound without SO_REUSEPORT, which Linux refuses while any socket listens there. Bound with
+    SO_REUSEPORT alone, the port would be shared with a second fusedserve on it, or any server that sets it (gRPC
+    does), and the kernel would split the connections between them."""
     from .frontend.app import listen_socket
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
