@@ -32,7 +32,9 @@ from .tiles import (
     device_limits,
     gemm_flags,
     grouped_tile,
+    known_multiple,
     launch_options,
+    pow2_alignment,
     residual_like,
     split_k_sum,
 )
@@ -69,9 +71,18 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,  # programs per output tile, each summing 1/SPLIT_K of K (small batches, see below)
+    K_ALIGN: tl.constexpr, N_ALIGN: tl.constexpr,  # powers of two that K and x's and W's row strides, N and y's divide
 ):  # fmt: skip
     if PDL:  # the next layer may start; this one waits for the previous layer (below) before reading x
         gdc_launch_dependents()
+    # Triton proves a load aligned only from arguments it specialized as multiples of 16. Rows of 1000 fp16
+    # elements are 16-byte aligned all the same, but unsaid, every load was a 2-byte one without cp.async: 385
+    # instructions per K step against 80 (64x64x64 fp16, sm_90).
+    K = known_multiple(K, K_ALIGN)
+    stride_xm = known_multiple(stride_xm, K_ALIGN)
+    stride_wn = known_multiple(stride_wn, K_ALIGN)
+    N = known_multiple(N, N_ALIGN)
+    stride_ym = known_multiple(stride_ym, N_ALIGN)
     pid = tl.program_id(0) // SPLIT_K
     pid_k = tl.program_id(0) % SPLIT_K
     pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -360,6 +371,9 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
     if allow_tf32 is None:
         allow_tf32 = torch.backends.cuda.matmul.allow_tf32
     fixed = gemm_flags(bias is not None, activation, x.dtype, allow_tf32, x.device)
+    # The pointer kernels' alignment hints; fixed for a layer, whose x and out are contiguous (FusedLinear's direct
+    # path reuses its compiled kernel for every call).
+    align = dict(K_ALIGN=pow2_alignment(K, x.stride(0), weight.stride(0)), N_ALIGN=pow2_alignment(N, out.stride(0)))
     precision = fixed["INPUT_PRECISION"]
     bucket = m_bucket(M)
     workspace = workspace or SplitKWorkspace(x.device)
@@ -381,7 +395,7 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
             negative_slope,
             bucket,
-            HAS_RESIDUAL=has_residual, **fixed, **meta, **launch_options(fixed),
+            HAS_RESIDUAL=has_residual, **fixed, **meta, **align, **launch_options(fixed),
         )  # fmt: skip
 
     if interpreting():
@@ -397,7 +411,7 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
         key += "|tma" if tma else ""
         key += "|residual" if has_residual else ""  # one more read in the epilogue: timed apart
         kernels = (_linear_kernel, gemv._gemv_kernel, persistent._linear_persistent_kernel)
-        scope = scope_for("linear", *kernels, grouped_tile, split_k_sum, apply_activation)
+        scope = scope_for("linear", *kernels, grouped_tile, split_k_sum, known_multiple, apply_activation)
         candidates = cuda_configs(bucket, N, K, sms, x.element_size(), shared_memory, tma, has_residual)
         config = tune(scope, key, candidates, run)
         if configs is not None:
@@ -407,7 +421,10 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
         if persistent.is_persistent(config):
             kernel, constexprs = persistent._linear_persistent_kernel, persistent.constexprs(fixed, config, programs)
         else:
-            kernel, constexprs = _pointer_kernel(config), {**fixed, "HAS_RESIDUAL": False, **gemv.kernel_meta(config)}
+            kernel, constexprs = (
+                _pointer_kernel(config),
+                {**fixed, "HAS_RESIDUAL": False, **gemv.kernel_meta(config), **align},
+            )
         direct[(bucket, precision)] = (DirectLaunch(compiled, constexpr_tail(kernel, constexprs)), config)
     return out
 
@@ -504,6 +521,10 @@ def cuda_configs(
             # shared memory (fp32 for the first two).
             cfg(64, 128, 128, 4, 4),
             cfg(64, 128, 64, 4, 6),
+            # And a shallower one: 72 KB of stages (fp16), so three programs share an SM and one's epilogue runs
+            # beside the others' MMAs. 1024x768 -> 3072 with the erf GELU: 13.7 us hot against 16.4 at 4 stages
+            # (two programs an SM); cuBLASLt's tanh-GELU epilogue 11.7 (H100, probe_wide_layers_mlp768_h100.txt).
+            cfg(64, 128, 64, 4, 3),
         ]
         if element_size == 4:
             configs.append(cfg(64, 128, 32, 4, 6))

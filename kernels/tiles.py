@@ -73,6 +73,25 @@ def launch_options(flags: dict) -> dict:
     return {"launch_pdl": True} if flags["PDL"] else {}
 
 
+def pow2_alignment(*sizes: int) -> int:
+    """The largest power of two, at most 16, that divides every one of `sizes` (elements): what a kernel may
+    say of sizes and row strides that Triton, which specializes only multiples of 16, knows nothing of."""
+    align = 16
+    while align > 1 and any(s % align for s in sizes):
+        align //= 2
+    return align
+
+
+@triton.jit
+def known_multiple(value, ALIGN: tl.constexpr):
+    """`value`, which the launcher checked is a multiple of ALIGN, written so that Triton's alignment analysis
+    can see it: (value // ALIGN) * ALIGN is a multiple of ALIGN by construction. For ALIGN 2-8; at 16 Triton
+    specialized the argument itself, at 1 there is nothing to say."""
+    if ALIGN > 1 and ALIGN < 16:
+        value = value // ALIGN * ALIGN
+    return value
+
+
 @triton.jit
 def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """(row block, column block) of output tile number `tile` in grouped order (Triton tutorial 03):

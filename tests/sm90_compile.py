@@ -41,15 +41,18 @@ def compile_sm90(
 
 def compile_gemm(kernel, ptr: str, meta: dict, num_warps: int, num_stages: int):
     """compile_sm90 for linear.py's MMA kernel or the GEMV (they share one signature) with `ptr` operands
-    ("*fp16", ...), as a launch with contiguous operands and sizes that are multiples of 16 specializes them:
-    unit strides constant, sizes and row strides multiples of 16, the 7 pointers aligned (the residual's too,
-    which is y itself where there is none)."""
+    ("*fp16", ...), as a launch with contiguous operands specializes them: unit strides constant, the 7 pointers
+    aligned (the residual's too, which is y itself where there is none), and sizes and row strides multiples of
+    16, or, where meta gives K_ALIGN or N_ALIGN below 16, of that only (K = 1000: K_ALIGN 8)."""
     runtime = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, y_ptr=ptr, r_ptr=ptr, ws_ptr="*fp32", cnt_ptr="*i32", M="i32",
                    N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_ym="i32", negative_slope="fp32",
                    M_BUCKET="i32")  # fmt: skip
-    unit_strides = dict(stride_xk=1, stride_wk=1, stride_yn=1)
-    return compile_sm90(kernel, runtime, {**unit_strides, **meta}, 7, num_warps, num_stages,
-                        divisible=("N", "K", "stride_xm", "stride_wn", "stride_ym"))  # fmt: skip
+    unit_strides = dict(stride_xk=1, stride_wk=1, stride_yn=1, K_ALIGN=16, N_ALIGN=16)
+    meta = {**unit_strides, **meta}
+    divisible = [n for n, a in (("K", "K_ALIGN"), ("N", "N_ALIGN")) if meta[a] == 16]
+    divisible += [n for n, a in (("stride_xm", "K_ALIGN"), ("stride_wn", "K_ALIGN"), ("stride_ym", "N_ALIGN"))
+                  if meta[a] == 16]  # fmt: skip
+    return compile_sm90(kernel, runtime, meta, 7, num_warps, num_stages, divisible=divisible)
 
 
 def sass_loops(sass: str) -> list[int]:

@@ -64,6 +64,45 @@ def test_every_dtype_and_activation_on_awkward_shapes(small_tile, shape, dtype, 
     _check(*shape, dtype, activation, DEVICE)
 
 
+# (M, N, K) whose K and N are multiples of 8, 4 or 2 but not of 16, as in a 1000-2000-500-10 MLP: the launcher tells
+# the kernel what they are multiples of (K_ALIGN, N_ALIGN), and a hint larger than the truth would drop columns.
+NOT_SIXTEEN = [(9, 500, 1000), (5, 250, 500), (3, 10, 500), (17, 36, 1000)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", NOT_SIXTEEN, ids=lambda s: "x".join(map(str, s)))
+def test_sizes_that_are_not_multiples_of_16(shape, dtype):
+    _check(*shape, dtype, "relu", DEVICE)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="spies on the interpreter's launch")
+@pytest.mark.parametrize("config", [None, "gemv"])
+def test_the_launcher_tells_the_kernel_what_k_and_n_are_multiples_of(monkeypatch, config):
+    """K_ALIGN and N_ALIGN as the largest power of two (at most 16) that divides the size and its row strides:
+    1000 -> 8, 500 -> 4, 250 -> 2, 37 -> 1, 2048 -> 16 (a smaller hint is right but slow: 2-byte loads)."""
+    seen = []
+    real = linear_mod.grid_launch
+
+    def spy(kernel, grid):
+        launch = real(kernel, grid)
+
+        def record(*args, **meta):
+            seen.append((meta["K_ALIGN"], meta["N_ALIGN"]))
+            return launch(*args, **meta)
+
+        return record
+
+    monkeypatch.setattr(linear_mod, "grid_launch", spy)
+    choice = dict(config=_gemv_small(1)) if config else {}
+    with linear_mod.INTERPRETER.override(**choice):
+        for (N, K), want in {(500, 1000): (8, 4), (250, 500): (4, 2), (37, 2048): (16, 1), (1000, 250): (2, 8)}.items():
+            x, w, b = _inputs(1, N, K, torch.float16, DEVICE)
+            fused_linear(x, w, b, "relu")
+            assert seen[-1] == want, (N, K, seen[-1])
+    assert linear_mod.pow2_alignment(1000, 3000) == 8 and linear_mod.pow2_alignment(64, 4096) == 16
+    assert linear_mod.pow2_alignment(7) == 1 and linear_mod.pow2_alignment(6, 12) == 2
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 1, 1), (37, 53, 71), (64, 256, 128)], ids=lambda s: "x".join(map(str, s)))
 def test_without_bias(small_tile, shape, dtype):
@@ -413,7 +452,8 @@ def test_direct_and_fast_paths_pass_the_right_arguments(dtype, bias):
         ROUND_BF16=upcast,
         PDL=False,
     )
-    launch = InterpretedLaunch(linear_mod._linear_kernel, {**fixed, **config.meta()}, _pointer_dtypes(dtype))
+    align = dict(K_ALIGN=2, N_ALIGN=1)  # K = 70, N = 37
+    launch = InterpretedLaunch(linear_mod._linear_kernel, {**fixed, **config.meta(), **align}, _pointer_dtypes(dtype))
     for bucket in (4, 8, 32):
         layer.direct[(bucket, "ieee")] = (launch, config)
     for M in (5, 3, 5, 17, 5, 3):  # first of a size: direct path, records it; then the fast path
@@ -573,7 +613,7 @@ def test_gemv_fast_path_passes_the_right_arguments():
         ROUND_BF16=False,
         PDL=False,
     )
-    meta = {**fixed, **linear_mod.gemv.kernel_meta(config)}
+    meta = {**fixed, **linear_mod.gemv.kernel_meta(config), "K_ALIGN": 4, "N_ALIGN": 1}  # K = 100, N = 45
     launch = InterpretedLaunch(linear_mod.gemv._gemv_kernel, meta, _pointer_dtypes(torch.float16))
     layer.direct[(1, "ieee")] = (launch, config)
     want = reference.linear(x.double(), w.double(), b.double(), "silu")
