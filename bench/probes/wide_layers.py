@@ -1,11 +1,12 @@
-"""Is the wide MLP at one batch held back by the tuner's short candidate lists? Every tile, K step, depth,
-warp count and split-K of linear.py's kernel on each of the wide 1024-4096-4096-1024 MLP's layers, cold and
-hot as the tuner times them, then the whole forward with the grid's picks against the tuner's.
+"""Is an MLP at one batch held back by the tuner's short candidate lists? Every tile, K step, depth, warp count
+and split-K of linear.py's kernel on each of the MLP's layers (`--model`: the wide 1024-4096-4096-1024 one, or
+mlp-768 and mlp-1000, the widths that are not powers of two), cold and hot as the tuner times them, then the whole
+forward with the grid's picks against the tuner's.
 
-(a) Per layer: cuBLASLt's epilogue (`torch._addmm_activation`, or `addmm` for the last layer, which has no
-    activation) as a yardstick, the tuner's own candidates, and the grid (GRID_TILES x BLOCK_K 64/128 x
-    3-6 stages x 4 warps, 8 too for tiles of 128x128 and up, x SPLIT_K 1-8 where every split keeps 2+
-    K steps), each timed by kernels/tuning.time_candidates: one CUDA graph of one call, cold (L2 cleared)
+(a) Per layer: cuBLASLt's epilogue (`torch._addmm_activation`, whose GELU is the tanh form, or `addmm` for the
+    last layer, which has no activation) as a yardstick, the tuner's own candidates, and the grid (GRID_TILES x
+    BLOCK_K 64/128 x 3-6 stages x 4 warps, 8 too for tiles of 128x128 and up, x SPLIT_K 1-8 where every split
+    keeps 2+ K steps), each timed by kernels/tuning.time_candidates: one CUDA graph of one call, cold (L2 cleared)
     and hot (back to back). Printed: the best 12 by hot time, and the best by each count in the tuner's list
     and in the grid.
 (b) The whole forward (kernels/tuning._graph_times on the service's fused executor, fp16) with each layer
@@ -18,7 +19,7 @@ What it found on an H200 (bench/results/h200/probe_wide_layers_h200.txt): the la
 split 2 ways, 10.4 us hot against 11.8 for the tuner's 64x128 split 4, and the forward 37.4 us against 39.4;
 linear.py now offers it. The first two layers' tuner picks were within 2% of the grid's best.
 
-    python -m bench.probes.wide_layers --out DIR [--batch 256]
+    python -m bench.probes.wide_layers --out DIR [--batch 256] [--model wide|mlp-768|mlp-1000]
 """
 
 from __future__ import annotations
@@ -45,7 +46,16 @@ GRID_TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (64, 256), (128, 256))
 SPLITS = (1, 2, 4, 8)
 WORKERS = 14
 ROUNDS = 5
-LAYERS = ((1024, 4096, "relu"), (4096, 4096, "relu"), (4096, 1024, "none"))  # (K, N, activation) of the wide MLP
+MODELS = ("wide", "mlp-768", "mlp-1000")
+
+
+def layers_of(name: str) -> list[tuple[int, int, str]]:
+    """(K, N, activation) of each layer of one of MODELS, as bench/kernels/models.py builds it."""
+    from bench.kernels.models import ODD_MLPS, WIDE_DIMS
+
+    dims, act = (WIDE_DIMS, "relu") if name == "wide" else (ODD_MLPS[name][0], ODD_MLPS[name][1].__name__.lower())
+    pairs = zip(dims[:-1], dims[1:], strict=True)
+    return [(k, n, act if i < len(dims) - 2 else "none") for i, (k, n) in enumerate(pairs)]
 
 
 def grid(shared_memory: int, element_size: int = 2) -> list[LaunchConfig]:
@@ -66,10 +76,10 @@ def fits(config: LaunchConfig, K: int) -> bool:
     return triton.cdiv(K, config["BLOCK_K"]) >= 2 * config["SPLIT_K"]
 
 
-def _compile_worker(batch: int, configs: list[dict]) -> int:
+def _compile_worker(batch: int, layers: list[tuple[int, int, str]], configs: list[dict]) -> int:
     """Run each config once on each layer in a fresh process, so that the timing pass finds it compiled."""
     done = 0
-    for K, N, act in LAYERS:
+    for K, N, act in layers:
         x = torch.randn(batch, K, device="cuda").half()
         w = torch.randn(N, K, device="cuda").half()
         b = torch.randn(N, device="cuda").half()
@@ -86,19 +96,19 @@ def _compile_worker(batch: int, configs: list[dict]) -> int:
     return done
 
 
-def precompile(batch: int, configs: list[LaunchConfig]) -> None:
+def precompile(batch: int, layers: list[tuple[int, int, str]], configs: list[LaunchConfig]) -> None:
     chunks = [[c.to_json() for c in configs[i::WORKERS]] for i in range(WORKERS)]
     spawn = mp.get_context("spawn")
     with cf.ProcessPoolExecutor(WORKERS, mp_context=spawn) as pool:
-        list(pool.map(_compile_worker, [batch] * WORKERS, chunks))
+        list(pool.map(_compile_worker, [batch] * WORKERS, [layers] * WORKERS, chunks))
 
 
 def cublaslt(batch: int, K: int, N: int, act: str) -> Times:
     x = torch.randn(batch, K, device="cuda").half()
     w = (torch.randn(N, K, device="cuda") / K**0.5).half()
     b = torch.randn(N, device="cuda").half()
-    if act == "relu":
-        return tuning._graph_times(lambda: torch._addmm_activation(b, x, w.t()))
+    if act in ("relu", "gelu"):
+        return tuning._graph_times(lambda: torch._addmm_activation(b, x, w.t(), use_gelu=act == "gelu"))
     return tuning._graph_times(lambda: torch.addmm(b, x, w.t()))
 
 
@@ -144,18 +154,19 @@ def forward_times(model, x, picks: dict[str, dict[str, LaunchConfig]]) -> dict[s
 
 
 def sweep(args: argparse.Namespace) -> dict:
-    from bench.kernels.models import build_wide
+    from bench.kernels.models import load_named
     from service.model.executors import Executor
 
     _, smem = device_limits(torch.device("cuda"))
     configs = grid(smem)
+    layers = layers_of(args.model)
     t = time.monotonic()
-    precompile(args.batch, configs)
+    precompile(args.batch, layers, configs)
     print(f"grid: {len(configs)} configs compiled in {time.monotonic() - t:.0f} s",
           flush=True)  # fmt: skip
-    result: dict = {"batch": args.batch, "layers": [], "forward": {}}
+    result: dict = {"model": args.model, "batch": args.batch, "layers": [], "forward": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_wide(tmp, seed=0)
+        model = load_named(args.model, tmp, seed=0)
         x = torch.randn(args.batch, model.input_shape[0], device="cuda").half()
         t = time.monotonic()
         record = sweep_layers(Executor(model, "fused", torch.device("cuda"), torch.float16), x, configs)
@@ -163,7 +174,7 @@ def sweep(args: argparse.Namespace) -> dict:
         picks: dict[str, dict[str, LaunchConfig]] = {"tuner both": {}, "grid both": {}, "grid best hot": {}}
         for i, r in enumerate(record):
             K, N, timings, own = r["K"], r["N"], r["timings"], r["own"]
-            act = LAYERS[i][2]
+            act = layers[i][2]
             lt = cublaslt(args.batch, K, N, act)
             mine = {c: timings[c] for c in own}
             chosen = {
@@ -173,7 +184,8 @@ def sweep(args: argparse.Namespace) -> dict:
             }
             for variant, c in chosen.items():
                 picks[variant][r["key"]] = c
-            print(f"\nwide float16 batch {args.batch} layer {i} ({K}->{N}, {act}): {len(own)} tuner candidates, "
+            print(f"\n{args.model} float16 batch {args.batch} layer {i} ({K}->{N}, {act}): {len(own)} tuner "
+                  f"candidates, "
                   f"{len(timings) - len(own)} more from the grid; cuBLASLt cold {lt.cold_us:.2f} us, "
                   f"hot {lt.hot_us:.2f} us", flush=True)  # fmt: skip
             print(f"  {'config':42s} {'cold us':>8s} {'hot us':>8s}   vs cuBLASLt cold, hot", flush=True)
@@ -189,8 +201,8 @@ def sweep(args: argparse.Namespace) -> dict:
             })  # fmt: skip
         t = time.monotonic()
         forward = forward_times(model, x, picks)
-    print(f"\nwide MLP forward at batch {args.batch}, fp16, {ROUNDS} rounds in turns ({time.monotonic() - t:.0f} s):",
-          flush=True)  # fmt: skip
+    print(f"\n{args.model} forward at batch {args.batch}, fp16, {ROUNDS} rounds in turns "
+          f"({time.monotonic() - t:.0f} s):", flush=True)  # fmt: skip
     print(f"  {'layers forced to':15s} {'cold us (median, runs)':>40s} {'hot us (median, runs)':>40s}", flush=True)
     for variant, runs in forward.items():
         cold = [r.cold_us for r in runs]
@@ -203,6 +215,7 @@ def sweep(args: argparse.Namespace) -> dict:
 
 def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=256, help="rows per forward [256]")
+    p.add_argument("--model", choices=MODELS, default="wide", help="the MLP whose layers are swept [wide]")
 
 
 if __name__ == "__main__":
