@@ -31,25 +31,20 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # Compiled, 2**x and 1/x go to the special-function unit as one bare instruction each (PTX ex2.approx.ftz,
 # rcp.approx.ftz: relative errors 2**-22 and 1 ulp; subnormals flushed to zero). Triton's tl.exp2 and `/` add
 # fix-ups for subnormal inputs, 2 compares and 2-3 multiplies around each: the erf GELU epilogue of a 128x128
-# fp16 tile took 32 instructions an element, and 4096x768 -> 3072 took 59.3 us against 39.0 without it (H100).
+# fp16 tile took 32 instructions an element, and 4096x768 -> 3072 took 59.3 us against 39.0 without it; with the
+# bare instructions 20 and 48.8 us (H100, bench/results/h100/probe_gemm_epilogue_h100.txt).
 # The interpreter has no PTX: there they are numpy's exp2 and division.
 _BARE_MUFU = tl.constexpr(not interpreting())
 
 
 @triton.jit
-def _exp2(x):
+def _approx(x, OP: tl.constexpr):
+    """2**x (OP "ex2") or 1/x (OP "rcp") of an fp32 tile."""
     if _BARE_MUFU:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+        return tl.inline_asm_elementwise(OP + ".approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
                                          pack=1)  # fmt: skip
-    else:
+    elif OP == "ex2":
         return tl.exp2(x)
-
-
-@triton.jit
-def _rcp(x):
-    if _BARE_MUFU:
-        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)  # fmt: skip
     else:
         return 1.0 / x
 
@@ -57,7 +52,7 @@ def _rcp(x):
 @triton.jit
 def _sigmoid(x):
     # 1 / (1 + 2**(-x log2 e)): +-inf and NaN as torch answers them (2**inf = inf, 1/inf = 0)
-    return _rcp(1.0 + _exp2(x * -LOG2E))
+    return _approx(1.0 + _approx(x * -LOG2E, "ex2"), "rcp")
 
 
 @triton.jit
@@ -67,8 +62,8 @@ def _tanh(x):
     # subtraction loses digits (relative error ~1e-4 at |x| = 1e-3), so use the odd Taylor series
     # there: its first omitted term, 62x^9/2835, is below 4e-7 relative at |x| = 0.25.
     a = tl.abs(x)
-    t = _exp2(a * (-2.0 * LOG2E))
-    big = (1.0 - t) * _rcp(1.0 + t)
+    t = _approx(a * (-2.0 * LOG2E), "ex2")
+    big = (1.0 - t) * _approx(1.0 + t, "rcp")
     x2 = a * a
     small = a * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
     r = tl.where(a < 0.25, small, big)
@@ -80,11 +75,11 @@ def _phi_tail(x):
     """erfc(|x| / sqrt 2) for any x: Numerical Recipes' erfcc, fractional error < 1.2e-7 for every argument,
     as t * 2**(log2 e * (p(t) - z^2)), t = 1 / (1 + z / 2), with log2 e folded into p's coefficients and z^2 =
     x^2 / 2: 9 FMAs, 2 special-function ops and 5 more instructions an element, compiled."""
-    t = _rcp(1.0 + tl.abs(x) * (0.5 * 0.7071067811865476))
+    t = _approx(1.0 + tl.abs(x) * (0.5 * 0.7071067811865476), "rcp")
     p = LOG2E * -1.26551223 + t * (LOG2E * 1.00002368 + t * (LOG2E * 0.37409196 + t * (LOG2E * 0.09678418 + t * (
         LOG2E * -0.18628806 + t * (LOG2E * 0.27886807 + t * (LOG2E * -1.13520398 + t * (LOG2E * 1.48851587 + t * (
             LOG2E * -0.82215223 + t * (LOG2E * 0.17087277)))))))))  # fmt: skip
-    return t * _exp2(p + (x * x) * (-0.5 * LOG2E))
+    return t * _approx(p + (x * x) * (-0.5 * LOG2E), "ex2")
 
 
 @triton.jit
