@@ -47,11 +47,9 @@ def compile_gemm(kernel, ptr: str, meta: dict, num_warps: int, num_stages: int):
     runtime = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, y_ptr=ptr, r_ptr=ptr, ws_ptr="*fp32", cnt_ptr="*i32", M="i32",
                    N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_ym="i32", negative_slope="fp32",
                    M_BUCKET="i32")  # fmt: skip
-    unit_strides = dict(stride_xk=1, stride_wk=1, stride_yn=1, K_ALIGN=16, N_ALIGN=16)
-    meta = {**unit_strides, **meta}
-    divisible = [n for n, a in (("K", "K_ALIGN"), ("N", "N_ALIGN")) if meta[a] == 16]
-    divisible += [n for n, a in (("stride_xm", "K_ALIGN"), ("stride_wn", "K_ALIGN"), ("stride_ym", "N_ALIGN"))
-                  if meta[a] == 16]  # fmt: skip
+    meta = {"stride_xk": 1, "stride_wk": 1, "stride_yn": 1, "K_ALIGN": 16, "N_ALIGN": 16, **meta}
+    hinted_by = {"K": "K_ALIGN", "stride_xm": "K_ALIGN", "stride_wn": "K_ALIGN", "N": "N_ALIGN", "stride_ym": "N_ALIGN"}
+    divisible = [name for name, align in hinted_by.items() if meta[align] == 16]
     return compile_sm90(kernel, runtime, meta, 7, num_warps, num_stages, divisible=divisible)
 
 
