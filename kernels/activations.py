@@ -30,9 +30,9 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 # Compiled, 2**x and 1/x go to the special-function unit as one bare instruction each (PTX ex2.approx.ftz,
 # rcp.approx.ftz: relative errors 2**-22 and 1 ulp; subnormals flushed to zero). Triton's tl.exp2 and `/` add
-# fix-ups for subnormal inputs, 2 compares and 2-3 multiplies around each: the erf GELU epilogue of a 128x128
-# fp16 tile took 32 instructions an element, and 4096x768 -> 3072 took 59.3 us against 39.0 without it; with the
-# bare instructions 20 and 48.8 us (H100, bench/results/h100/probe_gemm_epilogue_h100.txt).
+# fix-ups for subnormal inputs, 2 compares and 2-3 multiplies around each: with them the erf GELU epilogue of a
+# 128x128 fp16 tile is 32 instructions an element against 20, and 4096x768 -> 3072 takes 59.3 us against 48.8
+# (39.0 with no activation; H100, bench/results/h100/probe_gemm_epilogue_h100.txt).
 # The interpreter has no PTX: there they are numpy's exp2 and division.
 _BARE_MUFU = tl.constexpr(not interpreting())
 

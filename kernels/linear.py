@@ -76,7 +76,7 @@ def _linear_kernel(
     if PDL:  # the next layer may start; this one waits for the previous layer (below) before reading x
         gdc_launch_dependents()
     # Triton proves a load aligned only from arguments it specialized as multiples of 16. Rows of 1000 fp16
-    # elements are 16-byte aligned all the same, but unsaid, every load was a 2-byte one without cp.async: 385
+    # elements are 16-byte aligned all the same, but unsaid, every load is a 2-byte one without cp.async: 385
     # instructions per K step against 80 (64x64x64 fp16, sm_90).
     K = known_multiple(K, K_ALIGN)
     stride_xm = known_multiple(stride_xm, K_ALIGN)
