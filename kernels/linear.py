@@ -411,9 +411,7 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
         key += "|tma" if tma else ""
         key += "|residual" if has_residual else ""  # one more read in the epilogue: timed apart
         kernels = (_linear_kernel, gemv._gemv_kernel, persistent._linear_persistent_kernel)
-        scope = scope_for(
-            "linear", *kernels, persistent._epilogue, grouped_tile, split_k_sum, known_multiple, apply_activation
-        )
+        scope = scope_for("linear", *kernels, grouped_tile, split_k_sum, known_multiple, apply_activation)
         candidates = cuda_configs(bucket, N, K, sms, x.element_size(), shared_memory, tma, has_residual)
         config = tune(scope, key, candidates, run)
         if configs is not None:
@@ -462,7 +460,7 @@ def cuda_configs(
     """Candidates the tuner times for one (batch bucket, N, K) on a GPU with `sms` multiprocessors, for
     elements of `element_size` bytes; a candidate whose pipeline would not fit `shared_memory` is left out
     (the tuner would skip it anyway, after a failed compile). `tma`: the operands suit TMA, so the
-    persistent kernel's configs (linear_persistent.py) join where it can win (`persistent.offered_configs`).
+    persistent kernel's configs (linear_persistent.py) join where it can win (`persistent.offered`).
     `residual`: the epilogue reads one, which 128x256 tiles cannot hold beside their accumulator (compiled
     for sm_90, fp16: 128 bytes of stack a thread), so they are left out.
 
@@ -556,8 +554,8 @@ def cuda_configs(
     configs = [c for c in configs if pipeline_shared_memory(c, element_size) <= shared_memory]
     if residual:
         configs = [c for c in configs if c["BLOCK_M"] * c["BLOCK_N"] < 128 * 256]
-    if tma:
-        configs += persistent.offered_configs(bucket, N, sms, element_size, shared_memory)
+    if tma and persistent.offered(bucket, N, sms):
+        configs += persistent.cuda_configs(element_size, shared_memory)
     return configs
 
 

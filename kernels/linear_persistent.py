@@ -5,8 +5,8 @@ that kernel lacks: TMA copies (one instruction per tile, no address math in the 
 held for in-flight loads) and a persistent grid (one program per SM walking the tiles, so the next tile's
 loads overlap this tile's epilogue): 4096^3 fp16 in 200.6 us cold against 267.9 for linear.py's kernel
 (docs/performance.md). With fewer tiles than SMs it is slower than linear.py's kernel (1024^3), so
-FusedLinear offers a config to the tuner only for GEMMs of at least one BLOCK_M x 128 tile per SM
-(`offered_configs`).
+FusedLinear offers its configs to the tuner only for GEMMs of at least one 128x128 tile per SM
+(`offered`).
 
 TMA needs 16-byte aligned row strides: K * element size and N * element size multiples of 16
 (`tma_eligible`). Edges need no masks: TMA loads fill rows and columns past the tensor with zeros and
@@ -43,9 +43,6 @@ def _linear_persistent_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     PROGRAMS: tl.constexpr,  # the grid: one program per SM, each walking tiles PROGRAMS apart
-    # 0, or a second column block right of the first: tiles BLOCK_N + BLOCK_N2 wide (128 + 64), which Triton's
-    # power-of-two blocks cannot be on their own (see cuda_configs)
-    BLOCK_N2: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()
@@ -55,16 +52,8 @@ def _linear_persistent_kernel(
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
     y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1], block_shape=[BLOCK_M, BLOCK_N])
-    if BLOCK_N2 > 0:
-        w2_desc = tl.make_tensor_descriptor(
-            w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N2, BLOCK_K]
-        )
-        y2_desc = tl.make_tensor_descriptor(
-            y_ptr, shape=[M, N], strides=[stride_ym, 1], block_shape=[BLOCK_M, BLOCK_N2]
-        )
-    TILE_N: tl.constexpr = BLOCK_N + BLOCK_N2
     num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, TILE_N)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     # The epilogue recomputes its tile from a counter of its own, as tutorial 09 does: with flatten=True
     # the pipeliner may start the next tile's loads before this epilogue, and a shared counter would tie
@@ -73,43 +62,23 @@ def _linear_persistent_kernel(
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True):
         pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if BLOCK_N2 > 0:
-            acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
         for ki in range(k_tiles):
             a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
-            b = w_desc.load([pid_n * TILE_N, ki * BLOCK_K])
+            b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
             if UPCAST_DOT:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
-            if BLOCK_N2 > 0:
-                b2 = w2_desc.load([pid_n * TILE_N + BLOCK_N, ki * BLOCK_K])
-                if UPCAST_DOT:
-                    b2 = b2.to(tl.float32)
-                acc2 = tl.dot(a, b2.T, acc2, input_precision=INPUT_PRECISION)
 
         tile_out += PROGRAMS
         pid_m, pid_n = grouped_tile(tile_out, num_pid_m, num_pid_n, GROUP_M)
-        _epilogue(acc, y_desc, b_ptr, pid_m * BLOCK_M, pid_n * TILE_N, N, negative_slope,
-                  HAS_BIAS, ACTIVATION, ROUND_BF16, BLOCK_N)  # fmt: skip
-        if BLOCK_N2 > 0:
-            _epilogue(acc2, y2_desc, b_ptr, pid_m * BLOCK_M, pid_n * TILE_N + BLOCK_N, N, negative_slope,
-                      HAS_BIAS, ACTIVATION, ROUND_BF16, BLOCK_N2)  # fmt: skip
-
-
-@triton.jit
-def _epilogue(
-    acc, y_desc, b_ptr, row, col, N, negative_slope,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ROUND_BF16: tl.constexpr, WIDTH: tl.constexpr,
-):  # fmt: skip
-    """Bias, activation and the TMA store of one column block of an output tile, `col` its first column."""
-    if HAS_BIAS:
-        cols = col + tl.arange(0, WIDTH)
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    acc = apply_activation(acc, ACTIVATION, negative_slope)
-    if ROUND_BF16:
-        acc = round_to_bf16(acc)
-    y_desc.store([row, col], acc.to(y_desc.dtype))
+        if HAS_BIAS:
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        acc = apply_activation(acc, ACTIVATION, negative_slope)
+        if ROUND_BF16:
+            acc = round_to_bf16(acc)
+        y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_ptr.dtype.element_ty))
 
 
 # ---- the launcher ----
@@ -140,8 +109,7 @@ def default_programs(device: torch.device) -> int:
 
 def constexprs(fixed: dict, config: LaunchConfig, programs: int) -> dict:
     """The kernel's constexpr arguments and launch options for one config on `programs` programs."""
-    meta = {name: v for name, v in config.meta().items() if name != "PERSISTENT"}
-    return {**fixed, "PROGRAMS": programs, "BLOCK_N2": 0, **meta}
+    return {**fixed, "PROGRAMS": programs, **{name: v for name, v in config.meta().items() if name != "PERSISTENT"}}
 
 
 def launch(x, weight, bias, out, negative_slope: float, fixed: dict, config: LaunchConfig, programs: int):
@@ -197,56 +165,27 @@ def linear_persistent(
 # ---- candidate configs (the tuner times them on CUDA) ----
 
 
+def offered(bucket: int, N: int, sms: int) -> bool:
+    """Whether the tuner should time this kernel for a GEMM: at least one 128x128 output tile per SM. Below
+    that a persistent grid has nothing to overlap, and it is slower (see the module's doc)."""
+    return triton.cdiv(bucket, 128) * triton.cdiv(N, 128) >= sms
+
+
 def cuda_configs(element_size: int = 2, shared_memory: int = HOPPER_SHARED_MEMORY) -> list[LaunchConfig]:
     """Tutorial 09's space for Hopper: 128-row tiles, 128 or 256 wide, 64-deep K steps (32 for fp32, whose
-    64-deep stages do not fit), 3-4 stages, 4 or 8 warps (8 for 256-wide); and tiles 192 wide (BLOCK_N 128 +
-    BLOCK_N2 64) of 128 rows over 8 warps or 64 over 4. Each is kept where its stages and the epilogue's output
-    tile fit in shared memory. PERSISTENT=1 marks them as this kernel's among the tuner's candidates (and in
-    its cache file).
-
-    Why 192: a layer of 768 outputs at 4096 rows is 192 tiles of 128x128 for 132 SMs (two rounds, the second
-    60 tiles) or 96 of 128x256 (one round, 36 SMs idle); 128x192 makes 128 tiles, one round of nearly all
-    SMs, as cuBLAS's 128x192 kernels do. At 2048 rows 64x192 tiles do the same (128 tiles)."""
+    64-deep stages do not fit), 3-4 stages, 4 or 8 warps (8 for 256-wide), each kept where its stages and
+    the epilogue's output tile fit in shared memory. PERSISTENT=1 marks them as this kernel's among the
+    tuner's candidates (and in its cache file)."""
     configs = []
     bk = 64 if element_size <= 2 else 32
-
-    def keep(c: LaunchConfig) -> None:
-        if shared_memory_bytes(c, element_size) <= shared_memory:
-            configs.append(c)
-
     for bn in (128, 256):
         for stages in (3, 4):
             # 128x256 over 4 warps spilled (sm_90 compile: 255 registers and 1,848 B of stack per thread)
             for warps in (4, 8) if bn == 128 else (8,):
-                keep(LaunchConfig.of(warps, stages, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PERSISTENT=1))
-    for bm, warps in ((128, 8), (64, 4)):  # 96 fp32 accumulators a thread either way
-        for stages in (3, 4):
-            keep(LaunchConfig.of(warps, stages, BLOCK_M=bm, BLOCK_N=128, BLOCK_N2=64, BLOCK_K=bk, GROUP_M=8,
-                                 PERSISTENT=1))  # fmt: skip
+                c = LaunchConfig.of(warps, stages, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PERSISTENT=1)
+                if shared_memory_bytes(c, element_size) <= shared_memory:
+                    configs.append(c)
     return configs
-
-
-def offered_configs(
-    bucket: int, N: int, sms: int, element_size: int = 2, shared_memory: int = HOPPER_SHARED_MEMORY
-) -> list[LaunchConfig]:
-    """The configs the tuner should time for a GEMM of `bucket` rows and N outputs: those whose grid has at least
-    one BLOCK_M x 128 tile per SM. Below that a persistent grid has nothing to overlap, and it is slower than
-    linear.py's kernel (see the module's doc); 64-row tiles reach that at half the rows."""
-    return [
-        c
-        for c in cuda_configs(element_size, shared_memory)
-        if triton.cdiv(bucket, c["BLOCK_M"]) * triton.cdiv(N, 128) >= sms
-    ]
-
-
-def offered(bucket: int, N: int, sms: int) -> bool:
-    """Whether any config is offered (`offered_configs`) for a GEMM of `bucket` rows and N outputs."""
-    return triton.cdiv(bucket, 64) * triton.cdiv(N, 128) >= sms
-
-
-def block_n2(config: LaunchConfig) -> int:
-    """The width of a config's second column block: 0 for tiles BLOCK_N wide."""
-    return dict(config.kwargs).get("BLOCK_N2", 0)
 
 
 def is_persistent(config: LaunchConfig) -> bool:
@@ -255,5 +194,5 @@ def is_persistent(config: LaunchConfig) -> bool:
 
 def shared_memory_bytes(config: LaunchConfig, element_size: int) -> int:
     """The A and B stages plus the output tile staged for the TMA store."""
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"] + block_n2(config), config["BLOCK_K"]
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     return config.num_stages * (bm + bn) * bk * element_size + bm * bn * element_size
