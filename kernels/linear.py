@@ -202,7 +202,7 @@ def _check_out(out: torch.Tensor, x: torch.Tensor, N: int) -> None:
 
 class LaunchRecord(NamedTuple):
     """Everything a direct launch of one batch size needs, kept per size by FusedLinear (its fast path).
-    Addresses are ints (launch.py); ws/cnt: the split-K or stream-K buffers (one element each where unused)."""
+    Addresses are ints (launch.py); ws/cnt are 0 for the persistent kernel, which has no split-K buffers."""
 
     launch: DirectLaunch
     grid: int
@@ -285,9 +285,7 @@ class FusedLinear:
                     launch, grid, w_ptr, b_ptr, ws_ptr, cnt_ptr, bucket, is_persistent = fast
                     if is_persistent:
                         triton.set_allocator(persistent.scratch)  # per thread: TMA descriptors' scratch
-                        launch(
-                            grid, x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K, K, N, self.negative_slope
-                        )
+                        launch(grid, x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K, K, N, self.negative_slope)
                     else:
                         # out again as the (unread) residual, as _launch passes it without one
                         launch(grid, x_ptr, w_ptr, b_ptr, out_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K, 1, K, 1, N, 1,
@@ -320,8 +318,7 @@ class FusedLinear:
         w_ptr, b_ptr = self.weight.data_ptr(), self._bias_arg.data_ptr()
         if persistent.is_persistent(config):
             programs = persistent.default_programs(self.weight.device)
-            ws, cnt = persistent.buffers(self.workspace, config, M, self.weight.shape[0], programs)
-            record = LaunchRecord(launch, programs, w_ptr, b_ptr, ws.data_ptr(), cnt.data_ptr(), bucket, True)
+            record = LaunchRecord(launch, programs, w_ptr, b_ptr, 0, 0, bucket, True)
         else:
             bm, bn, split = config["BLOCK_M"], config["BLOCK_N"], config["SPLIT_K"]
             tiles = triton.cdiv(M, bm) * triton.cdiv(self.weight.shape[0], bn)
@@ -387,7 +384,7 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
 
     def run(config: LaunchConfig):
         if persistent.is_persistent(config):
-            return persistent.launch(x, weight, bias, out, negative_slope, fixed, config, programs, workspace)
+            return persistent.launch(x, weight, bias, out, negative_slope, fixed, config, programs)
         kernel = _pointer_kernel(config)
         meta = gemv.kernel_meta(config)
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
@@ -407,15 +404,14 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
         return out
     sms, shared_memory = device_limits(x.device)
     # Calls that cannot use TMA (an unaligned x or out) are tuned and kept apart from those that can.
-    tma = tma and bool(persistent.offered_configs(bucket, N, K, sms, x.element_size(), shared_memory))
+    tma = tma and persistent.offered(bucket, N, sms)
     config = configs.get((bucket, precision, tma, has_residual)) if configs is not None else None
     if config is None:
         key = f"N{N}|K{K}|{x.dtype}|{activation}|bias={bias is not None}|{precision}|m{bucket}"
         key += "|tma" if tma else ""
         key += "|residual" if has_residual else ""  # one more read in the epilogue: timed apart
         kernels = (_linear_kernel, gemv._gemv_kernel, persistent._linear_persistent_kernel)
-        helpers = (persistent._epilogue, persistent._stream_k, persistent._range_start)
-        scope = scope_for("linear", *kernels, *helpers, grouped_tile, split_k_sum, known_multiple, apply_activation)
+        scope = scope_for("linear", *kernels, grouped_tile, split_k_sum, known_multiple, apply_activation)
         candidates = cuda_configs(bucket, N, K, sms, x.element_size(), shared_memory, tma, has_residual)
         config = tune(scope, key, candidates, run)
         if configs is not None:
@@ -464,7 +460,7 @@ def cuda_configs(
     """Candidates the tuner times for one (batch bucket, N, K) on a GPU with `sms` multiprocessors, for
     elements of `element_size` bytes; a candidate whose pipeline would not fit `shared_memory` is left out
     (the tuner would skip it anyway, after a failed compile). `tma`: the operands suit TMA, so the
-    persistent kernel's configs (linear_persistent.py) join where it can win (`persistent.offered_configs`).
+    persistent kernel's configs (linear_persistent.py) join where it can win (`persistent.offered`).
     `residual`: the epilogue reads one, which 128x256 tiles cannot hold beside their accumulator (compiled
     for sm_90, fp16: 128 bytes of stack a thread), so they are left out.
 
@@ -558,8 +554,8 @@ def cuda_configs(
     configs = [c for c in configs if pipeline_shared_memory(c, element_size) <= shared_memory]
     if residual:
         configs = [c for c in configs if c["BLOCK_M"] * c["BLOCK_N"] < 128 * 256]
-    if tma:
-        configs += persistent.offered_configs(bucket, N, K, sms, element_size, shared_memory)
+    if tma and persistent.offered(bucket, N, sms):
+        configs += persistent.cuda_configs(element_size, shared_memory)
     return configs
 
 

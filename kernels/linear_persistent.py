@@ -23,16 +23,14 @@ from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activat
 from .launch import grid_launch
 from .pdl import gdc_launch_dependents, gdc_wait
 from .runtime import interpreting
-from .tiles import HOPPER_SHARED_MEMORY, SplitKWorkspace, device_limits, gemm_flags, grouped_tile, launch_options
+from .tiles import HOPPER_SHARED_MEMORY, device_limits, gemm_flags, grouped_tile, launch_options
 from .tuning import LaunchConfig
 
 
 # M is never specialized: a prepared layer launches one compiled kernel for every batch size of a bucket.
 @triton.jit(do_not_specialize=["M"])
 def _linear_persistent_kernel(
-    # ws_ptr, cnt_ptr: the stream-K parts' fp32 workspace (2 tiles a program) and per-tile arrival counters,
-    # unused without STREAM_K
-    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+    x_ptr, w_ptr, b_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_ym,
     negative_slope,
@@ -45,7 +43,6 @@ def _linear_persistent_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     PROGRAMS: tl.constexpr,  # the grid: one program per SM, each walking tiles PROGRAMS apart
-    STREAM_K: tl.constexpr,  # 1: the programs share out every tile's K steps evenly instead (_stream_k)
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()
@@ -55,90 +52,17 @@ def _linear_persistent_kernel(
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
     y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1], block_shape=[BLOCK_M, BLOCK_N])
-    if STREAM_K:
-        _stream_k(x_desc, w_desc, y_desc, b_ptr, ws_ptr, cnt_ptr, M, N, K, negative_slope,
-                  HAS_BIAS, ACTIVATION, INPUT_PRECISION, UPCAST_DOT, ROUND_BF16,
-                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PROGRAMS)  # fmt: skip
-    else:
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        k_tiles = tl.cdiv(K, BLOCK_K)
-        # The epilogue recomputes its tile from a counter of its own, as tutorial 09 does: with flatten=True
-        # the pipeliner may start the next tile's loads before this epilogue, and a shared counter would tie
-        # the two together.
-        tile_out = tl.program_id(0) - PROGRAMS
-        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True):
-            pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for ki in range(k_tiles):
-                a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
-                b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
-                if UPCAST_DOT:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
-
-            tile_out += PROGRAMS
-            pid_m, pid_n = grouped_tile(tile_out, num_pid_m, num_pid_n, GROUP_M)
-            _epilogue(acc, y_desc, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, negative_slope,
-                      HAS_BIAS, ACTIVATION, ROUND_BF16, BLOCK_N)  # fmt: skip
-
-
-@triton.jit
-def _epilogue(
-    acc, y_desc, b_ptr, row, col, N, negative_slope,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """Bias, activation and the TMA store of the output tile whose first row and column are `row`, `col`."""
-    if HAS_BIAS:
-        cols = col + tl.arange(0, BLOCK_N)
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    acc = apply_activation(acc, ACTIVATION, negative_slope)
-    if ROUND_BF16:
-        acc = round_to_bf16(acc)
-    y_desc.store([row, col], acc.to(y_desc.dtype))
-
-
-@triton.jit
-def _range_start(program, total, PROGRAMS: tl.constexpr):
-    """The first K step of `program`'s run, of `total` (in 64 bits: total * PROGRAMS passes 2**31 at 46k^3)."""
-    return (program.to(tl.int64) * total // PROGRAMS).to(tl.int32)
-
-
-@triton.jit
-def _stream_k(
-    x_desc, w_desc, y_desc, b_ptr, ws_ptr, cnt_ptr, M, N, K, negative_slope,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
-):  # fmt: skip
-    """Stream-K (Osama et al., 2023): the K steps of all output tiles, laid end to end tile after tile, are cut
-    into PROGRAMS runs of equal length, one per program, so every SM does the same work however the tiles
-    divide among the SMs. A tile cut between programs is summed by the last of them to finish its part: each
-    part goes to the workspace (slot 0: the part that starts its program's run, 1: the part that ends it; no
-    run has more than those two partial parts) and bumps the tile's counter; the one that sees every other
-    part arrived adds theirs to its own, in program order, and runs the epilogue. Nobody waits for anybody,
-    so the programs need not all be resident at once (nor run in order, as under the interpreter)."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    total = num_pid_m * num_pid_n * k_tiles
-    pid = tl.program_id(0)
-    start = _range_start(pid, total, PROGRAMS)
-    end = _range_start(pid + 1, total, PROGRAMS)
-    # The parts go through TMA too: pointer math for a 128x256 fp32 tile holds 128 offsets a thread, which
-    # spilled (sm_90 compile: 255 registers and 168 B of stack)
-    ws_desc = tl.make_tensor_descriptor(
-        ws_ptr, shape=[2 * PROGRAMS * BLOCK_M, BLOCK_N], strides=[BLOCK_N, 1], block_shape=[BLOCK_M, BLOCK_N]
-    )
-    step = start
-    while step < end:
-        tile = step // k_tiles
-        k_first = step - tile * k_tiles
-        k_end = tl.minimum(k_tiles, k_first + end - step)
+    # The epilogue recomputes its tile from a counter of its own, as tutorial 09 does: with flatten=True
+    # the pipeliner may start the next tile's loads before this epilogue, and a shared counter would tie
+    # the two together.
+    tile_out = tl.program_id(0) - PROGRAMS
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True):
         pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_first, k_end):
+        for ki in range(k_tiles):
             a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
             b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
             if UPCAST_DOT:
@@ -146,37 +70,15 @@ def _stream_k(
                 b = b.to(tl.float32)
             acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
 
-        last = k_end - k_first == k_tiles  # the whole tile: no parts to sum
-        if k_end - k_first < k_tiles:
-            slot = 2 * pid + (step != start).to(tl.int32)
-            ws_desc.store([slot * BLOCK_M, 0], acc)
-            # Every thread's part is stored before the arrival is published (as tiles.split_k_sum does)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-            tile_first, tile_end = tile * k_tiles, tile * k_tiles + k_tiles
-            # The programs whose runs meet this tile: from one below the estimate of the first (the division
-            # rounds down; runs may be empty where total < PROGRAMS) up to the one whose run starts past it.
-            first_q = tl.maximum((tile_first.to(tl.int64) * PROGRAMS // total).to(tl.int32) - 1, 0)
-            parts = 0
-            q = first_q
-            while (q < PROGRAMS) & (_range_start(q, total, PROGRAMS) < tile_end):
-                q_start, q_end = _range_start(q, total, PROGRAMS), _range_start(q + 1, total, PROGRAMS)
-                parts += ((q_end > tile_first) & (q_start < q_end)).to(tl.int32)
-                q += 1
-            last = arrived == parts - 1
-            if last:
-                q = first_q
-                while (q < PROGRAMS) & (_range_start(q, total, PROGRAMS) < tile_end):
-                    q_start, q_end = _range_start(q, total, PROGRAMS), _range_start(q + 1, total, PROGRAMS)
-                    if (q != pid) & (q_end > tile_first) & (q_start < q_end):
-                        q_slot = 2 * q + (q_start < tile_first).to(tl.int32)
-                        acc += ws_desc.load([q_slot * BLOCK_M, 0])  # TMA reads L2, never a stale L1 line
-                    q += 1
-                tl.atomic_xchg(cnt_ptr + tile, 0)  # for the next launch (or graph replay): no memset
-        if last:
-            _epilogue(acc, y_desc, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, negative_slope,
-                      HAS_BIAS, ACTIVATION, ROUND_BF16, BLOCK_N)  # fmt: skip
-        step += k_end - k_first
+        tile_out += PROGRAMS
+        pid_m, pid_n = grouped_tile(tile_out, num_pid_m, num_pid_n, GROUP_M)
+        if HAS_BIAS:
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        acc = apply_activation(acc, ACTIVATION, negative_slope)
+        if ROUND_BF16:
+            acc = round_to_bf16(acc)
+        y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_ptr.dtype.element_ty))
 
 
 # ---- the launcher ----
@@ -207,37 +109,18 @@ def default_programs(device: torch.device) -> int:
 
 def constexprs(fixed: dict, config: LaunchConfig, programs: int) -> dict:
     """The kernel's constexpr arguments and launch options for one config on `programs` programs."""
-    meta = {name: v for name, v in config.meta().items() if name != "PERSISTENT"}
-    return {**fixed, "PROGRAMS": programs, "STREAM_K": 0, **meta}
+    return {**fixed, "PROGRAMS": programs, **{name: v for name, v in config.meta().items() if name != "PERSISTENT"}}
 
 
-def is_stream_k(config: LaunchConfig) -> bool:
-    return ("STREAM_K", 1) in config.kwargs
-
-
-def buffers(workspace: SplitKWorkspace, config: LaunchConfig, M: int, N: int, programs: int):
-    """(parts, counters) for one launch: a stream-K config's two fp32 tiles a program and a counter a tile (one
-    element each for the others, which never read them)."""
-    if not is_stream_k(config):
-        return workspace.get(1, 1, 1)
-    tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
-    return workspace.buffers(2 * programs * config["BLOCK_M"] * config["BLOCK_N"], tiles)
-
-
-def launch(
-    x, weight, bias, out, negative_slope: float, fixed: dict, config: LaunchConfig, programs: int,
-    workspace: SplitKWorkspace,
-):  # fmt: skip
+def launch(x, weight, bias, out, negative_slope: float, fixed: dict, config: LaunchConfig, programs: int):
     """One launch on `programs` programs (any number: those past the last tile do nothing, so a prepared
     layer launches one compiled kernel, PROGRAMS = the SMs, for every batch size); returns the compiled
-    kernel. `fixed`: gemm_flags' HAS_BIAS .. PDL, as linear.py passes them; `workspace`: where a stream-K
-    config's parts go (`buffers`)."""
+    kernel. `fixed`: gemm_flags' HAS_BIAS .. PDL, as linear.py passes them."""
     M, K = x.shape
     N = weight.shape[0]
-    ws, cnt = buffers(workspace, config, M, N, programs)
     triton.set_allocator(scratch)  # a context variable: set in the calling thread, every time
     return grid_launch(_linear_persistent_kernel, (programs,))(
-        x, weight, bias if bias is not None else x, out, ws, cnt,
+        x, weight, bias if bias is not None else x, out,
         M, N, K,
         x.stride(0), weight.stride(0), out.stride(0),
         negative_slope,
@@ -256,11 +139,9 @@ def linear_persistent(
     allow_tf32: bool | None = None,
     programs: int | None = None,
     out: torch.Tensor | None = None,
-    workspace: SplitKWorkspace | None = None,
 ) -> torch.Tensor:
     """act(x @ weight^T + bias) with the given config; `programs`: the persistent grid (default: the
-    device's SMs; 4 under the interpreter, so that programs walk several tiles there too); `workspace`: for a
-    stream-K config's parts (default: a new one)."""
+    device's SMs; 4 under the interpreter, so that programs walk several tiles there too)."""
     check_activation(activation)
     M, K = x.shape
     N = weight.shape[0]
@@ -277,41 +158,17 @@ def linear_persistent(
     if programs is None:
         programs = default_programs(x.device)
     fixed = gemm_flags(bias is not None, activation, x.dtype, allow_tf32, x.device)
-    launch(x, weight, bias, out, negative_slope, fixed, config, programs, workspace or SplitKWorkspace(x.device))
+    launch(x, weight, bias, out, negative_slope, fixed, config, programs)
     return out
 
 
 # ---- candidate configs (the tuner times them on CUDA) ----
 
 
-def offered_configs(
-    bucket: int, N: int, K: int, sms: int, element_size: int = 2, shared_memory: int = HOPPER_SHARED_MEMORY
-) -> list[LaunchConfig]:
-    """The configs the tuner should time for a GEMM of `bucket` rows, N outputs and K inputs: the tile-walking
-    ones (`cuda_configs`) where there is at least one 128x128 output tile per SM (below that a persistent grid
-    has nothing to overlap, and it is slower: see the module's doc); the stream-K ones (`stream_k_configs`)
-    where 128x128 tiles make from half a round of the SMs to three and leave a fifth of their rounds' places or
-    more idle, with 8+ K steps of 64 to share out. 4096 x 768 outputs are 192 such tiles for 132 SMs: two
-    rounds, 27% of the second's places idle."""
-    tiles = triton.cdiv(bucket, 128) * triton.cdiv(N, 128)
-    configs = cuda_configs(element_size, shared_memory) if tiles >= sms else []
-    filled = tiles / (triton.cdiv(tiles, sms) * sms)
-    if sms // 2 <= tiles < 3 * sms and filled < 0.8 and triton.cdiv(K, 64) >= 8:
-        configs += stream_k_configs(element_size, shared_memory)
-    return configs
-
-
-def stream_k_configs(element_size: int = 2, shared_memory: int = HOPPER_SHARED_MEMORY) -> list[LaunchConfig]:
-    """128x128 tiles over 8 warps, 3 and 4 stages, with their K steps shared out evenly (STREAM_K=1), where they
-    fit. Not 128x256: its parts' 128 KB staging tile beside the stages and the output's needs 278,552 B of
-    shared memory at 3 stages (sm_90 compile), more than an SM has."""
-    bk = 64 if element_size <= 2 else 32
-    configs = []
-    for stages in (3, 4):
-        c = LaunchConfig.of(8, stages, BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk, GROUP_M=8, PERSISTENT=1, STREAM_K=1)
-        if shared_memory_bytes(c, element_size) <= shared_memory:
-            configs.append(c)
-    return configs
+def offered(bucket: int, N: int, sms: int) -> bool:
+    """Whether the tuner should time this kernel for a GEMM: at least one 128x128 output tile per SM. Below
+    that a persistent grid has nothing to overlap, and it is slower (see the module's doc)."""
+    return triton.cdiv(bucket, 128) * triton.cdiv(N, 128) >= sms
 
 
 def cuda_configs(element_size: int = 2, shared_memory: int = HOPPER_SHARED_MEMORY) -> list[LaunchConfig]:
@@ -336,8 +193,6 @@ def is_persistent(config: LaunchConfig) -> bool:
 
 
 def shared_memory_bytes(config: LaunchConfig, element_size: int) -> int:
-    """The A and B stages plus the output tile staged for the TMA store, and for stream-K the fp32 part's; and 2 KB
-    for the pipeline's barriers (Triton 3.6 asks for 536-1,048 B beyond the tiles: 128x128, 4 stages; 128x256, 3)."""
+    """The A and B stages plus the output tile staged for the TMA store."""
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    part = bm * bn * 4 if is_stream_k(config) else 0
-    return config.num_stages * (bm + bn) * bk * element_size + bm * bn * element_size + part + 2048
+    return config.num_stages * (bm + bn) * bk * element_size + bm * bn * element_size

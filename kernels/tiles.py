@@ -141,17 +141,12 @@ class SplitKWorkspace:
         4096x4096 output asked for 64 MB it never used, and twice that kept across the batch buckets.)"""
         if split == 1:
             tiles = tile_elems = 1
-        return self.buffers(tiles * split * tile_elems, tiles)
-
-    def buffers(self, partials: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """At least `partials` fp32 elements and `counters` zeroed counters (get's buffers, in other units)."""
         # Outgrown buffers are kept, never freed: a CUDA graph captured earlier still writes to them, and
-        # freed memory would be handed to other tensors. Split-K runs at small batches: a few KB per layer;
-        # stream-K (linear_persistent.py) two tiles per SM, 34 MB for 132 SMs of 128x256 fp32 tiles.
-        if self.partials.numel() < partials:
+        # freed memory would be handed to other tensors. Split-K runs at small batches: a few KB per layer.
+        if self.partials.numel() < tiles * split * tile_elems:
             self._outgrown.append(self.partials)
-            self.partials = torch.empty(partials, dtype=torch.float32, device=self.device)
-        if self.counters.numel() < counters:
+            self.partials = torch.empty(tiles * split * tile_elems, dtype=torch.float32, device=self.device)
+        if self.counters.numel() < tiles:
             self._outgrown.append(self.counters)
-            self.counters = torch.zeros(counters, dtype=torch.int32, device=self.device)
+            self.counters = torch.zeros(tiles, dtype=torch.int32, device=self.device)
         return self.partials, self.counters

@@ -17,11 +17,11 @@ from triton.compiler import ASTSource
 def compile_sm90(
     kernel, runtime: dict[str, str], meta: dict, pointers: int, num_warps: int, num_stages: int, divisible=()
 ):
-    """(PTX text, {REG, STACK, SHARED, LOCAL, LOOPS, SMEM}) of `kernel` compiled with `runtime` argument types (the rest
+    """(PTX text, {REG, STACK, SHARED, LOCAL, LOOPS}) of `kernel` compiled with `runtime` argument types (the rest
     are constexprs taken from `meta`), its first `pointers` arguments 16-byte aligned as the service's are,
     and the integers named in `divisible` multiples of 16, as Triton specializes them at a launch (a
     stride of 1 it makes a constant: pass it in `meta`). STACK > 0 means registers spilled; LOOPS: the
-    machine instructions in each loop (sass_loops); SMEM: the shared memory a launch asks for, in bytes."""
+    machine instructions in each loop (sass_loops)."""
     names = kernel.arg_names
     signature = {n: runtime.get(n, "constexpr") for n in names}
     constexprs = {(names.index(n),): meta[n] for n in names if n not in runtime}
@@ -36,8 +36,7 @@ def compile_sm90(
         usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
         sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage.stdout))
-    usage = {k: int(v) for k, v in fields.items()}
-    return compiled.asm["ptx"], {**usage, "LOOPS": sass_loops(sass), "SMEM": compiled.metadata.shared}
+    return compiled.asm["ptx"], {**{k: int(v) for k, v in fields.items()}, "LOOPS": sass_loops(sass)}
 
 
 def compile_gemm(kernel, ptr: str, meta: dict, num_warps: int, num_stages: int):

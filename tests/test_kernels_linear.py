@@ -478,34 +478,19 @@ def test_direct_and_fast_paths_pass_the_right_arguments(dtype, bias):
 # ---- the persistent TMA kernel as a tuner candidate of FusedLinear (kernels/linear_persistent.py) ----
 
 PERSISTENT_SMALL = linear_mod.LaunchConfig.of(4, 2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, PERSISTENT=1)
-PERSISTENT_SMALL_STREAM_K = linear_mod.LaunchConfig.of(
-    4, 2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, PERSISTENT=1, STREAM_K=1
-)
 
 
 def test_persistent_configs_are_offered_for_a_full_wave_of_tma_eligible_tiles():
     """On an H200 the persistent kernel beat linear.py at 4096x4096x{1024,4096} (55.0 vs 62.2, 200.6 vs 267.9
-    us) and lost where 128x128 tiles do not fill the 132 SMs (1024^3: 64 tiles, 15.4 vs 12.4 us). Its stream-K
-    configs join from half a round of 128x128 tiles to three where a fifth of their rounds' places would be idle,
-    with 8+ K steps of 64."""
+    us) and lost where 128x128 tiles do not fill the 132 SMs (1024^3: 64 tiles, 15.4 vs 12.4 us)."""
 
     def persistent(bucket, N, K, tma=True, element_size=2):
         configs = linear_mod.cuda_configs(bucket, N, K, 132, element_size, tma=tma)
         return [c for c in configs if linear_mod.persistent.is_persistent(c)]
 
-    def stream_k(bucket, N, K, element_size=2):
-        return [c for c in persistent(bucket, N, K, element_size=element_size) if linear_mod.persistent.is_stream_k(c)]
-
     for bucket, N, K in [(4096, 4096, 4096), (4096, 1024, 4096), (2048, 4096, 1024), (4096, 1024, 10)]:
         assert len(persistent(bucket, N, K)) == 5 and len(persistent(bucket, N, K, element_size=4)) == 4
-        assert not stream_k(bucket, N, K)
-    # 4096 x 768: 192 tiles (two rounds, the second of 60); 2048 x 768 and 1024 x 1536: 96 tiles
-    assert len(persistent(4096, 768, 3072)) == 7 and len(stream_k(4096, 768, 3072)) == 2
-    assert len(stream_k(4096, 768, 3072, element_size=4)) == 1
-    for bucket, N, K in [(2048, 768, 3072), (1024, 1536, 512)]:
-        assert persistent(bucket, N, K) == stream_k(bucket, N, K) and len(stream_k(bucket, N, K)) == 2
-    # below half a round (1024^3: 64 tiles), a round nearly full (2048 x 1024: 128 tiles), 7 K steps (K = 448)
-    for bucket, N, K in [(1024, 1024, 1024), (256, 4096, 4096), (16, 4096, 4096), (2048, 1024, 4096), (2048, 768, 448)]:
+    for bucket, N, K in [(1024, 1024, 1024), (256, 4096, 4096), (16, 4096, 4096), (2048, 1024, 4096)]:
         assert not persistent(bucket, N, K), (bucket, N, K)
     assert not persistent(4096, 4096, 4096, tma=False)
 
@@ -532,27 +517,23 @@ def test_prepared_layer_runs_the_persistent_kernel_where_tma_can_and_the_pointer
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA the real direct launch runs in the gpu test below")
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("config", [PERSISTENT_SMALL, PERSISTENT_SMALL_STREAM_K], ids=["tiles", "stream_k"])
-def test_persistent_fast_path_passes_the_right_arguments(bias, config):
-    """The persistent kernel's launch record: 4 programs (the interpreter's 'SMs') for 1-13 tiles, and for
-    stream-K the workspace of its parts (2 tiles a program) and counters (one a tile, back at 0 after each call)."""
+def test_persistent_fast_path_passes_the_right_arguments(bias):
+    """The persistent kernel's launch record: 4 programs (the interpreter's 'SMs') for 1-13 tiles."""
     x0, w, b = _inputs(5, 40, 72, torch.float16, DEVICE, bias)
     layer = FusedLinear(w, b, "leaky_relu", negative_slope=0.3, allow_tf32=False)
     fixed = dict(
         HAS_BIAS=bias, ACTIVATION="leaky_relu", INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False, PDL=False
     )
-    constexprs = linear_mod.persistent.constexprs(fixed, config, 4)
-    pointers = (torch.float16,) * 4 + (torch.float32, torch.int32)
-    launch = InterpretedLaunch(linear_mod.persistent._linear_persistent_kernel, constexprs, pointers)
+    constexprs = linear_mod.persistent.constexprs(fixed, PERSISTENT_SMALL, 4)
+    launch = InterpretedLaunch(linear_mod.persistent._linear_persistent_kernel, constexprs, (torch.float16,) * 4)
     for bucket in (8, 32, 128):
-        layer.direct[(bucket, "ieee")] = (launch, config)
+        layer.direct[(bucket, "ieee")] = (launch, PERSISTENT_SMALL)
     for M in (5, 100, 5, 17, 100):
         x = torch.randn(M, 72, device=DEVICE).to(torch.float16) if M != 5 else x0
         want = reference.linear(x.double(), w.double(), b.double() if bias else None, "leaky_relu", negative_slope=0.3)
         out = torch.full((M, 40), float("nan"), device=DEVICE).to(torch.float16)
         assert layer(x, out=out) is out
-        assert_close_to(out, want, RTOL[torch.float16], f"persistent direct M={M} bias={bias} {config.meta()}")
-        assert not layer.workspace.counters.any()
+        assert_close_to(out, want, RTOL[torch.float16], f"persistent direct M={M} bias={bias}")
     assert launch.calls == 5 and set(layer._fast) == {(5, False), (100, False), (17, False)}
     assert all(record.grid == 4 and record.persistent for record in layer._fast.values())
 
@@ -566,8 +547,7 @@ def test_gpu_prepared_layer_with_each_persistent_config(monkeypatch, dtype):
     from kernels.graph_capture import capture
 
     N, K = 1000, 1032  # edges in N and K for 128x128x64 tiles; N * 2 bytes a multiple of 16
-    persistent = linear_mod.persistent
-    for config in persistent.cuda_configs(dtype.itemsize) + persistent.stream_k_configs(dtype.itemsize):
+    for config in linear_mod.persistent.cuda_configs(dtype.itemsize):
         _force_config(monkeypatch, config)
         _, w, b = _inputs(1, N, K, dtype, "cuda")
         layer = FusedLinear(w, b, "gelu_tanh", allow_tf32=False)
@@ -580,12 +560,11 @@ def test_gpu_prepared_layer_with_each_persistent_config(monkeypatch, dtype):
         assert all(record.persistent for record in records), "the direct path did not run the persistent kernel"
         static_x = torch.randn(777, K, device="cuda").to(dtype)
         graph, static_out = capture(lambda layer=layer, static_x=static_x: layer(static_x), warmups=1)
-        for replay in range(2):  # stream-K's counters are back at 0 for the next replay
-            static_x.copy_(torch.randn(777, K, device="cuda").to(dtype))
-            static_out.fill_(float("nan"))
-            graph.replay()
-            want = reference.linear(static_x.double(), w.double(), b.double(), "gelu_tanh")
-            assert_close_to(static_out, want, RTOL[dtype], f"persistent graph replay {replay} {dtype} {config.meta()}")
+        static_x.copy_(torch.randn(777, K, device="cuda").to(dtype))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        want = reference.linear(static_x.double(), w.double(), b.double(), "gelu_tanh")
+        assert_close_to(static_out, want, RTOL[dtype], f"persistent graph replay {dtype} {config.meta()}")
 
 
 # ---- the GEMV kernel for one-row batches (kernels/linear_gemv.py), a tuner candidate of FusedLinear ----
