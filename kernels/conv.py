@@ -535,20 +535,8 @@ def fused_conv2d(
             key += f"|norm|x={x.dtype}"
         if POOL != "none":
             key += f"|pool={POOL}{PKH}x{PKW}s{PSH}x{PSW}"
-        scope = scope_for(
-            "conv2d",
-            _conv2d_kernel,
-            _normalized,
-            _split_range,
-            _y_tile,
-            grouped_tile,
-            apply_activation,
-            split_k_sum,
-            *POOL_KERNELS,
-            conv_tma._conv2d_tma_kernel,
-            conv_tma._pool_tile,
-            conv_tma._box_offsets,
-        )
+        # the kernels any candidate runs, with every helper they call (tuning.source_hash)
+        scope = scope_for("conv2d", _conv2d_kernel, *POOL_KERNELS, conv_tma._conv2d_tma_kernel)
         fma = dtype == torch.float32 and fixed["INPUT_PRECISION"] == "ieee"
         sms = device_limits(x.device)[0]
         candidates = cuda_configs(bucket, OC, C, K, fma, POOL != "none", sms, weight.element_size(), has_norm)

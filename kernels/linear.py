@@ -411,7 +411,7 @@ def _launch(x, weight, bias, activation, negative_slope, out, allow_tf32, config
         key += "|tma" if tma else ""
         key += "|residual" if has_residual else ""  # one more read in the epilogue: timed apart
         kernels = (_linear_kernel, gemv._gemv_kernel, persistent._linear_persistent_kernel)
-        scope = scope_for("linear", *kernels, grouped_tile, split_k_sum, known_multiple, apply_activation)
+        scope = scope_for("linear", *kernels)  # with every helper they call (tuning.source_hash)
         candidates = cuda_configs(bucket, N, K, sms, x.element_size(), shared_memory, tma, has_residual)
         config = tune(scope, key, candidates, run)
         if configs is not None:

@@ -506,7 +506,7 @@ class FusedMLP:
         hit = self._configs.get((bucket, precision))
         if hit is None:
             key = f"{self.widths}|{[layer.activation for layer in self.layers]}|{self.dtype}|{precision}|m{bucket}"
-            scope = scope_for("mlp", _mlp_kernel, _step, _pair, _dense, _bias_act, _dot, apply_activation, prefetch_l2)
+            scope = scope_for("mlp", _mlp_kernel)  # with every helper it calls (tuning.source_hash)
             candidates = cuda_configs(bucket, self.padded[1], x.element_size(), self._lead_hidden)
             hit = tune(scope, key, candidates, lambda c: self._launch(x, out, precision, c))
             self._configs[(bucket, precision)] = hit

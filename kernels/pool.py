@@ -382,7 +382,7 @@ def fused_pool2d(
             f"{layout}|C{C}|H{H}|W{W}|{x.dtype}|{kind}|k{k}|s{s}|p{p}|ceil={ceil_mode}"
             f"|cip={count_include_pad}|{activation}|y={'nchw' if y_nchw else 'nhwc'}|n{bucket}"
         )
-        scope = scope_for("pool", kernel, apply_activation)
+        scope = scope_for("pool", kernel)  # with every helper it calls (tuning.source_hash)
         config = tune(scope, key, cuda_configs(layout, bucket, inner, s[1], span), run)
         _configs[signature] = config
     run(config)

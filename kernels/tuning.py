@@ -13,10 +13,10 @@ left in L2 by the replay before, kernels/hot_timing.py: a loaded server). `pick`
 
 The file is JSON: {"<gpu> | <triton version> | <kernel>": {"<key>|timing=<policy label>": {"kwargs": {...},
 "num_warps": 4, "num_stages": 3, "cold_us": 4.1, "hot_us": 3.2, "offered": "<hash>"}}}. Entries are never
-trusted across GPUs, Triton versions or timing policies, a kernel whose source changes gets a new name
-(`source_hash`), and a pick made from another list of candidates is made again (`offered_hash`: a release
-that offers a new candidate has it timed, rather than keep a pick made without it). A corrupt or unwritable
-file costs a re-tune and a warning, never a failed start.
+trusted across GPUs, Triton versions or timing policies, a kernel whose source changes, or that of any helper it
+calls, gets a new name (`source_hash`), and a pick made from another list of candidates is made again
+(`offered_hash`: a release that offers a new candidate has it timed, rather than keep a pick made without it). A
+corrupt or unwritable file costs a re-tune and a warning, never a failed start.
 """
 
 from __future__ import annotations
@@ -95,10 +95,13 @@ def scope_for(kernel: str, *fns) -> str:
 
 
 def source_hash(*fns) -> str:
-    """A short hash of the kernels' source (JITFunction.src), so an edited kernel never reuses old picks."""
+    """A short hash of the kernels' source and of every @triton.jit function they call, however deep, and the
+    global constants they read: Triton's JITFunction.cache_key, the walk Triton keys its own compile cache by.
+    So an edited kernel, helper or constant never reuses old picks. Under the interpreter (no cache_key, and no
+    tuning) the functions' own source."""
     h = hashlib.sha256()
     for fn in fns:
-        h.update(getattr(fn, "src", repr(fn)).encode())
+        h.update(str(getattr(fn, "cache_key", None) or getattr(fn, "src", repr(fn))).encode())
     return h.hexdigest()[:12]
 
 

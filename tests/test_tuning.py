@@ -354,3 +354,44 @@ def test_cold_timing_reads_from_memory_where_a_busy_wait_instead_of_the_flush_re
     read_us = src.numel() * 4 / 4.8e12 * 1e6
     evicted = cold - warm > 0.25 * read_us
     assert evicted, f"cold {cold:.2f} us, L2-warm {warm:.2f} us: the flush did not evict the tensor"
+
+
+_HASH_SCRIPT = r"""
+import json, sys
+from kernels.tuning import source_hash
+import k_plus_one, k_plus_two, k_plus_one_again
+import kernels.conv as conv, kernels.linear as linear, kernels.mlp as mlp, kernels.pool as pool
+hashes = {name: source_hash(module.kernel) for name, module in
+          [("one", k_plus_one), ("two", k_plus_two), ("one_again", k_plus_one_again)]}
+# every kernel the tuner scopes (Triton walks each one's calls: a construct it cannot walk would raise here)
+kernels = [linear._linear_kernel, linear.gemv._gemv_kernel, linear.persistent._linear_persistent_kernel,
+           mlp._mlp_kernel, conv._conv2d_kernel, conv.conv_tma._conv2d_tma_kernel,
+           pool._pool_rows_kernel, pool._pool_channels_kernel]
+hashes["service"] = [source_hash(k) for k in kernels]
+print(json.dumps(hashes))
+"""
+
+
+def test_source_hash_covers_the_helpers_a_kernel_calls(tmp_path):
+    """Two kernels of the same source that call helpers of different source hash apart (a helper edited, as
+    activations.py's are, must not reuse the picks timed with the old one); the same kernel and helper in other
+    files hash alike. Compiled mode in a subprocess: under the interpreter Triton's functions have no cache_key."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    header = "import triton\nimport triton.language as tl\n"
+    for name, step in (("plus_one", 1), ("plus_two", 2), ("plus_one_again", 1)):
+        (tmp_path / f"h_{name}.py").write_text(f"{header}\n\n@triton.jit\ndef helper(x):\n    return x + {step}\n")
+        kernel = "@triton.jit\ndef kernel(p):\n    tl.store(p, helper(tl.load(p)))\n"
+        (tmp_path / f"k_{name}.py").write_text(f"{header}from h_{name} import helper\n\n\n{kernel}")
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": f"{tmp_path}{os.pathsep}{repo}"}
+    run = subprocess.run([sys.executable, "-c", _HASH_SCRIPT], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    hashes = json.loads(run.stdout.splitlines()[-1])
+    assert hashes["one"] != hashes["two"], hashes
+    assert hashes["one"] == hashes["one_again"], hashes
+    assert len(set(hashes["service"])) == len(hashes["service"]), hashes
