@@ -86,9 +86,10 @@ def _all_commands() -> list[tuple[str, str]]:
 
 
 _ENV = r"(?:[A-Z_]+=(?:\"[^\"]*\"|\S+) )*"
+_PYTEST = r"\.venv/bin/python -m pytest(?: -n auto --maxprocesses 4)?"  # the README's test command, CI's too
 # Every command a doc shows, by the test that runs or checks it.
 KINDS = {
-    "setup": rf"^\./setup\.sh(?: --test)?(?: && (?:{FUSEDSERVE} serve|\.venv/bin/python -m pytest))?$",
+    "setup": rf"^\./setup\.sh(?: --test)?(?: && (?:{FUSEDSERVE} serve|{_PYTEST}))?$",
     "pytest": r"^\.venv/bin/python -m pytest .*$",
     "try-it": rf"^(?:{FUSEDSERVE} serve &|curl .*)$",
     "help": rf"^{FUSEDSERVE} [\w -]*--help$",
