@@ -32,7 +32,7 @@ from .tiles import (
     device_limits,
     gemm_flags,
     grouped_tile,
-    known_multiple,
+    known_gemm_multiples,
     launch_options,
     pow2_alignment,
     residual_like,
@@ -75,14 +75,10 @@ def _linear_kernel(
 ):  # fmt: skip
     if PDL:  # the next layer may start; this one waits for the previous layer (below) before reading x
         gdc_launch_dependents()
-    # Triton proves a load aligned only from arguments it specialized as multiples of 16. Rows of 1000 fp16
-    # elements are 16-byte aligned all the same, but unsaid, every load is a 2-byte one without cp.async: 385
-    # instructions per K step against 80 (64x64x64 fp16, sm_90).
-    K = known_multiple(K, K_ALIGN)
-    stride_xm = known_multiple(stride_xm, K_ALIGN)
-    stride_wn = known_multiple(stride_wn, K_ALIGN)
-    N = known_multiple(N, N_ALIGN)
-    stride_ym = known_multiple(stride_ym, N_ALIGN)
+    # Triton proves a load aligned only from arguments it specialized as multiples of 16: say what else is known
+    K, stride_xm, stride_wn, N, stride_ym = known_gemm_multiples(
+        K, stride_xm, stride_wn, N, stride_ym, K_ALIGN, N_ALIGN
+    )
     pid = tl.program_id(0) // SPLIT_K
     pid_k = tl.program_id(0) % SPLIT_K
     pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)

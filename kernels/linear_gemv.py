@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .activations import apply_activation, round_to_bf16
 from .pdl import gdc_launch_dependents, gdc_wait
-from .tiles import known_multiple, split_k_sum
+from .tiles import known_gemm_multiples, split_k_sum
 from .tuning import LaunchConfig
 
 
@@ -50,11 +50,10 @@ def _gemv_kernel(
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()  # the next layer may start (it waits for this one before reading y)
-    K = known_multiple(K, K_ALIGN)  # so that rows of 1000 fp16 elements get 16-byte loads (linear.py)
-    stride_xm = known_multiple(stride_xm, K_ALIGN)
-    stride_wn = known_multiple(stride_wn, K_ALIGN)
-    N = known_multiple(N, N_ALIGN)
-    stride_ym = known_multiple(stride_ym, N_ALIGN)
+    # so that rows of 1000 fp16 elements get 16-byte loads
+    K, stride_xm, stride_wn, N, stride_ym = known_gemm_multiples(
+        K, stride_xm, stride_wn, N, stride_ym, K_ALIGN, N_ALIGN
+    )
     pid = tl.program_id(0) // SPLIT_K
     pid_k = tl.program_id(0) % SPLIT_K
     num_pid_n = tl.cdiv(N, BLOCK_N)
