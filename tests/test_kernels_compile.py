@@ -18,10 +18,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _compiled(script: str, dtype: str) -> list[dict]:
-    """Run a compile script below in a subprocess (compiled mode); one JSON line per config it printed."""
+def _compiled(script: str, arg: str) -> list[dict]:
+    """Run a compile script in a subprocess (compiled mode) with `arg` as its sys.argv[1] (the dtype, for the
+    scripts below); one JSON line per config it printed."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-c", script, dtype], env=env, cwd=REPO, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", script, arg], env=env, cwd=REPO, capture_output=True, text=True,
                          timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]

@@ -358,6 +358,7 @@ def test_cold_timing_reads_from_memory_where_a_busy_wait_instead_of_the_flush_re
 
 _HASH_SCRIPT = r"""
 import json, sys
+sys.path.insert(0, sys.argv[1])  # the test's modules
 from kernels.tuning import source_hash
 import k_plus_one, k_plus_two, k_plus_one_again
 import kernels.conv as conv, kernels.linear as linear, kernels.mlp as mlp, kernels.pool as pool
@@ -376,22 +377,14 @@ def test_source_hash_covers_the_helpers_a_kernel_calls(tmp_path):
     """Two kernels of the same source that call helpers of different source hash apart (a helper edited, as
     activations.py's are, must not reuse the picks timed with the old one); the same kernel and helper in other
     files hash alike. Compiled mode in a subprocess: under the interpreter Triton's functions have no cache_key."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.test_kernels_compile import _compiled
 
     header = "import triton\nimport triton.language as tl\n"
     for name, step in (("plus_one", 1), ("plus_two", 2), ("plus_one_again", 1)):
         (tmp_path / f"h_{name}.py").write_text(f"{header}\n\n@triton.jit\ndef helper(x):\n    return x + {step}\n")
         kernel = "@triton.jit\ndef kernel(p):\n    tl.store(p, helper(tl.load(p)))\n"
         (tmp_path / f"k_{name}.py").write_text(f"{header}from h_{name} import helper\n\n\n{kernel}")
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": f"{tmp_path}{os.pathsep}{repo}"}
-    run = subprocess.run([sys.executable, "-c", _HASH_SCRIPT], env=env, cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    hashes = json.loads(run.stdout.splitlines()[-1])
+    (hashes,) = _compiled(_HASH_SCRIPT, str(tmp_path))
     assert hashes["one"] != hashes["two"], hashes
     assert hashes["one"] == hashes["one_again"], hashes
     assert len(set(hashes["service"])) == len(hashes["service"]), hashes
