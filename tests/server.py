@@ -1,6 +1,6 @@
 """Helpers for end-to-end tests: the real service under real uvicorn, and a real Prometheus.
 
-Every process runs on 127.0.0.1 on a port chosen by binding port 0, is waited for with a bounded
+Every process runs on 127.0.0.1 on a port of its own (free_port), is waited for with a bounded
 timeout, and is always stopped (terminate, then kill). Its output goes to a log file; a start that
 fails raises with the log, and `dump_new_logs()` prints what the live processes logged since the
 last call, which the test modules do after each test so that pytest shows it next to a failure.
@@ -49,8 +49,52 @@ def _die_with_parent_fn():
 _DIE_WITH_PARENT = _die_with_parent_fn()
 
 
+# Ports for the servers under test come from below the kernel's ephemeral range, one block per xdist worker. A port
+# from bind(0) is an ephemeral one: between its release and the server's bind, the kernel may hand it to any
+# outgoing connection (the tests open thousands) or to another worker's bind(0), and the server's start then fails
+# on a taken port. Below the range nothing takes ports but explicit binds, and the workers' blocks do not overlap.
+_PORT_BLOCK = 400
+_PORT_BASE = 12000
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0  # not Linux: no range known, so bind(0)
+
+
+def _worker_ports() -> Iterator[int]:
+    """This worker's block, walked round from a random start (two pytest runs at once on one machine meet less)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    first = _PORT_BASE + _PORT_BLOCK * (int(worker) if worker.isdigit() else 0)
+    if first + _PORT_BLOCK > _ephemeral_low():
+        return
+    start = int.from_bytes(os.urandom(2), "little") % _PORT_BLOCK
+    while True:
+        for i in range(_PORT_BLOCK):
+            yield first + (start + i) % _PORT_BLOCK
+        start = 0
+
+
+_ports = _worker_ports()
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))  # no SO_REUSEADDR: a port in TIME_WAIT is passed over too
+        except OSError:
+            return False
+        return True
+
+
 def free_port() -> int:
-    """A port that was free a moment ago on 127.0.0.1 (bind 0, read it back, release it)."""
+    """A port free on 127.0.0.1 now that no other worker of this run and no outgoing connection will take: the
+    next bindable one of this worker's block, or, where the block would reach the ephemeral range, bind(0)'s."""
+    for _, port in zip(range(_PORT_BLOCK), _ports, strict=False):
+        if _bindable(port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
