@@ -26,7 +26,9 @@ SIGHUP: read the configuration again (the environment, the configuration file, t
 precedence as at start) and, if it is valid as a whole, hand its live settings (service.config.LIVE_SETTINGS) to every
 engine and front end (service/link/live.py); a file with an invalid value is refused whole and the running
 configuration stays. Settings that only a restart can change are named in the log, not applied. Counted in
-fusedserve_config_reloads_total{outcome}.
+fusedserve_config_reloads_total{outcome}. The API keys file is read again too, by the supervisor alone: front ends
+hold the supervisor's keys in force, handed to each one it starts and published with each new generation
+(service/frontend/auth.py), so a keys file emptied or removed by mistake never reaches a front end, restarted or not.
 """
 
 from __future__ import annotations
@@ -247,10 +249,23 @@ class Supervisor:
                 ", ".join(ENV_PREFIX + f.upper() for f in fixed), env_file,
                 "it" if len(fixed) == 1 else "them", ", ".join(f"{f}={getattr(s, f)}" for f in fixed),
             )  # fmt: skip
+        keys_before = self._keys.in_force() if self._keys is not None else None
         keys_changed = self._reload_keys()
         if not live and not keys_changed:
             log.info("SIGHUP: %s read; no live setting changed", env_file)
             return "unchanged"
+        if self._run_dir is not None and self._keys is not None:
+            from .frontend.auth import write_keys_in_force
+
+            # The keys in force go out first, under the generation about to be announced: every front end takes this
+            # set (FrontendState.take_keys), and one started later gets it with its arguments.
+            try:
+                write_keys_in_force(self._run_dir, self._generation + 1, self._keys)
+            except OSError as e:
+                self._keys.digests, self._keys.source = keys_before
+                log.error("SIGHUP: cannot publish the API keys to the front ends (%s); the configuration and keys "
+                          "in force stay", e.strerror or e)  # fmt: skip
+                return "failed"
         self.settings = s.model_copy(update=live)
         self._generation += 1
         if self._run_dir is not None:
@@ -265,9 +280,10 @@ class Supervisor:
         return "applied"
 
     def _reload_keys(self) -> bool:
-        """SIGHUP: read the API keys file again; True if the keys changed, so that the front ends are told to read it
-        too (FrontendState.reload_access, on the new generation). A file that cannot be read, or that would turn keys
-        off, is logged and changes nothing (auth.ApiKeys.reload)."""
+        """SIGHUP: read the API keys file again; True if the keys changed, so that they are published to the front ends
+        (auth.write_keys_in_force, taken on the new generation). A file that cannot be read (missing, unreadable, a bad
+        line), or that would turn keys off, is logged and changes nothing: the last good keys stay in force here and,
+        since front ends only ever take the supervisor's, in every front end, restarted ones included."""
         from .frontend.auth import SecurityFileError
 
         if self._keys is None:
@@ -311,11 +327,13 @@ class Supervisor:
         for i in range(len(devices)):
             self.engines.append(start_engine(i))
 
+        # A front end started again (a crash, an OOM kill) gets the keys in force now, never the keys file's content.
         def start_frontend(k: int) -> multiprocessing.process.BaseProcess:
             config = (generation, self._generation)
+            keys = self._keys.in_force()
             p = self._ctx.Process(
                 target=frontend_main,
-                args=(self.settings, info, endpoints, states, str(run_dir), k, config),
+                args=(self.settings, info, endpoints, states, str(run_dir), k, config, keys),
                 name=f"frontend-{k}",
             )
             p.start()

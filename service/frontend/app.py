@@ -22,13 +22,18 @@ DRAIN_MAX_S = 5.0  # longest a front end keeps answering (each answer closing it
 DRAIN_QUIET_S = 0.2  # a front end with no connection this long after SIGTERM has drained
 
 
-def create_app(settings: Settings, model, engines, run_dir: Path) -> FastAPI:
-    """The HTTP app of one front end. `model`: a state.ModelInfo; `engines`: an EngineClient (not yet started)."""
+def create_app(settings: Settings, model, engines, run_dir: Path, keys=None) -> FastAPI:
+    """The HTTP app of one front end. `model`: a state.ModelInfo; `engines`: an EngineClient (not yet started);
+    `keys`: the supervisor's API keys in force (auth.KeysInForce); None: read from `settings` (a front end on its
+    own)."""
     from ..metrics import RequestMetrics
+    from .auth import ApiKeys
     from .routes import router
     from .state import FrontendState
 
-    state = FrontendState(settings, model, engines, RequestMetrics(model.name, settings.mode), run_dir)
+    api_keys = None if keys is None else ApiKeys(settings, keys)
+    metrics = RequestMetrics(model.name, settings.mode)
+    state = FrontendState(settings, model, engines, metrics, run_dir, api_keys=api_keys)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -108,13 +113,20 @@ def frontend_main(
     run_dir: str,
     index: int,
     config: tuple | None = None,
+    keys: tuple | None = None,
 ) -> None:
     """Entry point of a front-end process (spawned by the supervisor); `config`: (the supervisor's shared
-    configuration generation, the generation `settings` is) for SIGHUP reloads."""
+    configuration generation, the generation `settings` is) for SIGHUP reloads; `keys`: the supervisor's API keys in
+    force (auth.KeysInForce), which this front end holds whatever the keys file says by now (issue 53)."""
     from ..processes import child_setup, configure_logging
 
     child_setup(f"fs-frontend-{index}")
     configure_logging(settings.log_level)
+    if keys is None and (settings.api_key is not None or settings.api_keys_file is not None):
+        # Never read the keys file here: emptied or gone since the supervisor read it, it would open the service or
+        # stop it. Without the supervisor's keys, refuse to serve at all.
+        log.error("front end %d: API keys are configured but the supervisor handed none; not serving", index)
+        raise SystemExit(2)
     import uvicorn
 
     from .auth import uvicorn_tls
@@ -124,7 +136,7 @@ def frontend_main(
     # A row on the wire: uint8 pixels as sent, floats as float32 at most (float16 to a float16 engine).
     row_bytes = model.input_features * (1 if model.input_dtype == "uint8" else 4)
     engines = EngineClient(endpoints, states, model.output_features, arena_bytes(settings.max_batch_size, row_bytes))
-    app = create_app(settings, model, engines, Path(run_dir))
+    app = create_app(settings, model, engines, Path(run_dir), keys=keys if keys is not None else (None, ""))
     from .fastpath import PredictFastPath
 
     state = app.state.fusedserve

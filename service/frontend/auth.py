@@ -23,6 +23,14 @@ extension's /v2/models[/NAME[/versions/V]]/stats) are covered the day they land;
 header and value gets 403 (gRPC PERMISSION_DENIED, through `grpc_interceptor`). The values are compared in
 constant time (their sha256 digests, by hmac.compare_digest).
 
+Keys in force. The supervisor alone reads the keys file: at start and on SIGHUP (`ApiKeys.reload`). Every front end
+holds the supervisor's digests, never the file's: a front end started (or started again, after a crash or an OOM kill)
+gets them with its arguments (`ApiKeys.in_force`), and a SIGHUP that changes them publishes them in the run directory
+(`write_keys_in_force`, mode 0600, written whole then renamed) before the new configuration generation is announced,
+so that each front end takes the same set (`read_keys_in_force`, `ApiKeys.take`). So a keys file emptied or removed
+by mistake, then a SIGHUP and a front-end restart, leave the last good keys in force everywhere (issue 53): the
+restarted front end cannot read an empty file and serve open, nor fail to read a missing one and crash-loop.
+
 Cost on the hot path with keys on: one scan of the request's headers, a sha256 of ~40 bytes and a set lookup, under half
 a microsecond on a CI core whatever the number of keys; with keys off, one attribute test.
 """
@@ -31,7 +39,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
+import os
 import ssl
 from pathlib import Path
 
@@ -110,18 +120,45 @@ def _read_keys_file(path: Path) -> list[bytes]:
     return digests
 
 
-class ApiKeys:
-    """The API keys a front end checks; `reload()` reads them again (SIGHUP)."""
+# The keys in force as the supervisor hands them to a front end: (the digests, or None: keys off; where they come from).
+KeysInForce = tuple[frozenset[bytes] | None, str]
 
-    def __init__(self, settings: Settings):
+
+class ApiKeys:
+    """The API keys in force. The supervisor's are read from the settings (`reload()` reads them again on SIGHUP); a
+    front end's are the supervisor's (`in_force`), taken again at each reload (`take`), never read from the file."""
+
+    def __init__(self, settings: Settings, in_force: KeysInForce | None = None):
         self.settings = settings
         self.digests: frozenset[bytes] | None = None  # the keys' sha256 digests; None: keys off
         self.source = ""
-        self.reload()
+        if in_force is None:
+            self.reload()
+        else:
+            self.take(in_force)
 
     @property
     def on(self) -> bool:
         return self.digests is not None
+
+    def in_force(self) -> KeysInForce:
+        """What a front end started now must hold: these digests, not whatever the keys file says by then."""
+        return self.digests, self.source
+
+    def take(self, in_force: KeysInForce) -> bool:
+        """Hold the supervisor's keys (`in_force`); True if they differ from those held. Like `reload`, it tightens but
+        never opens: keys off in place of keys on raises SecurityFileError and the keys held stay."""
+        digests, source = in_force
+        if digests is None and self.digests is not None:
+            raise SecurityFileError(f"keys off would replace the {len(self.digests)} in force; they stay")
+        digests = None if digests is None else frozenset(digests)
+        changed = digests != self.digests
+        self.digests, self.source = digests, source
+        return changed
+
+    def refuse_all(self) -> None:
+        """Keys on, none valid: every inference request gets 401 (a front end that cannot take the supervisor's)."""
+        self.digests, self.source = frozenset(), "no key (the supervisor's could not be taken)"
 
     def reload(self, settings: Settings | None = None) -> int:
         """Read the keys again (from `settings` when given: a reload that changed the configuration), and return
@@ -161,6 +198,39 @@ class ApiKeys:
             return "API keys off (FUSEDSERVE_API_KEY and FUSEDSERVE_API_KEYS_FILE unset): inference is open"
         n = len(self.digests)
         return f"API keys on: {n} key{'s' if n != 1 else ''} from {self.source}; inference needs Authorization: Bearer"
+
+
+KEYS_IN_FORCE_FILE = "api-keys.json"  # in the run directory (a private tempfile.mkdtemp, mode 0700)
+
+
+def write_keys_in_force(run_dir: Path, generation: int, keys: ApiKeys) -> None:
+    """Supervisor side: publish the digests of the keys in force as of configuration `generation`, for the front ends
+    to take (`read_keys_in_force`): mode 0600, written whole, then renamed over the last. OSError if it cannot."""
+    digests = None if keys.digests is None else sorted(d.hex() for d in keys.digests)
+    doc = json.dumps({"generation": generation, "source": keys.source, "digests": digests})
+    tmp = run_dir / (KEYS_IN_FORCE_FILE + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, doc.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, run_dir / KEYS_IN_FORCE_FILE)
+
+
+def read_keys_in_force(run_dir: Path) -> tuple[int, KeysInForce]:
+    """Front end side: (generation, the supervisor's keys in force) as last published. OSError or ValueError (a file
+    that is not one `write_keys_in_force` wrote) when it cannot."""
+    doc = json.loads((run_dir / KEYS_IN_FORCE_FILE).read_bytes())
+    try:
+        digests = doc["digests"]
+        if digests is not None:
+            digests = frozenset(bytes.fromhex(d) for d in digests)
+            if any(len(d) != 32 for d in digests):
+                raise ValueError("a digest that is not 32 bytes")
+        return int(doc["generation"]), (digests, str(doc["source"]))
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{KEYS_IN_FORCE_FILE}: not the supervisor's keys ({type(e).__name__}: {e})") from None
 
 
 def describe_access(settings: Settings, keys: ApiKeys) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -61,8 +63,8 @@ class FrontendState:
     run_dir: Path
     draining: bool = False  # SIGTERM came: answers close their connections, /health/ready reads 503
     _plan: dict | None = None
-    # Who may call what (service/frontend/auth.py): inference's API keys (`api_keys.reload()` reads them again, for
-    # SIGHUP) and the restricted routes' header rules.
+    # Who may call what (service/frontend/auth.py): inference's API keys (a served front end's are the supervisor's,
+    # taken again at each reload by `take_keys`, never read from the keys file) and the restricted routes' header rules.
     api_keys: ApiKeys = field(default=None)  # type: ignore[assignment]  (made from settings when not given)
     restrictions: Restrictions = field(default=None)  # type: ignore[assignment]
     # SIGHUP reloads (service/link/live.py): the supervisor's shared generation and the one this front end has.
@@ -76,9 +78,11 @@ class FrontendState:
             self.restrictions = Restrictions(self.settings.restrictions())
 
     def reload_access(self, settings: Settings | None = None) -> bool:
-        """For a reload (SIGHUP): read the API keys again (the keys file, or `settings`' key settings when given) and
-        take `settings`' restriction rules; True if it did. A keys file that cannot be read, or a reload that would
-        turn keys off, is logged and changes nothing: the keys in force stay (auth.ApiKeys.reload)."""
+        """For a front end that runs on its own (in process, no supervisor): read the API keys again (the keys file,
+        or `settings`' key settings when given) and take `settings`' restriction rules; True if it did. A keys file
+        that cannot be read, or a reload that would turn keys off, is logged and changes nothing: the keys in force
+        stay (auth.ApiKeys.reload). A supervisor's front end never reads the file: it takes the supervisor's keys
+        (`take_keys`)."""
         from .auth import SecurityFileError
 
         try:
@@ -109,8 +113,28 @@ class FrontendState:
         self.settings = self.settings.model_copy(update=live)
         self.metrics.set_mode(self.settings.mode)
         set_log_level(self.settings.log_level)
-        self.reload_access()  # the API keys file again (a SIGHUP after it changed: service/supervisor.py)
+        self.take_keys()  # the supervisor's keys of this generation (a SIGHUP after the keys file changed)
         return True
+
+    def take_keys(self) -> bool:
+        """Take the API keys the supervisor published with its new configuration (auth.read_keys_in_force), never the
+        keys file, which may say anything by now; True if they changed. One that cannot be read (or would turn keys
+        off) leaves this front end refusing every inference request (401) and stopping, so that the supervisor starts
+        it again with the keys in force in its arguments: it never serves open, nor with keys the others dropped."""
+        from .auth import SecurityFileError, read_keys_in_force
+
+        try:
+            _, in_force = read_keys_in_force(self.run_dir)
+            changed = self.api_keys.take(in_force)
+        except (OSError, ValueError, SecurityFileError) as e:
+            self.api_keys.refuse_all()
+            log.error("cannot take the supervisor's API keys (%s): refusing inference and stopping, to be started "
+                      "again with the keys in force", e)  # fmt: skip
+            os.kill(os.getpid(), signal.SIGTERM)  # uvicorn drains (every answer 401 meanwhile) and exits
+            return False
+        if changed:
+            log.info("API keys taken: %s", self.api_keys.describe())
+        return changed
 
     @property
     def ready(self) -> bool:
