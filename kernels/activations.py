@@ -17,7 +17,9 @@ from .runtime import interpreting
 # Names accepted everywhere (kernels, reference, model config). "gelu" is the erf form, "gelu_tanh"
 # the tanh approximation (torch's approximate="tanh"); "relu6" is min(max(x, 0), 6) (ONNX's Clip(0, 6)),
 # "hardswish" x * relu6(x + 3) / 6 (MobileNetV3's, torch's F.hardswish).
-ACTIVATIONS = ("none", "relu", "leaky_relu", "gelu", "gelu_tanh", "sigmoid", "silu", "tanh", "relu6", "hardswish")
+ACTIVATIONS = (
+    "none", "relu", "leaky_relu", "gelu", "gelu_tanh", "sigmoid", "silu", "tanh", "relu6", "hardswish", "hardsigmoid",
+)  # fmt: skip
 DEFAULT_NEGATIVE_SLOPE = 0.01  # torch.nn.LeakyReLU's default
 
 
@@ -130,6 +132,8 @@ def apply_activation(x, ACTIVATION: tl.constexpr, negative_slope):
         x = _relu6(x)
     elif ACTIVATION == "hardswish":
         x = x * _relu6(x + 3.0) * (1.0 / 6.0)  # -inf gives NaN (-inf * 0), as torch's does
+    elif ACTIVATION == "hardsigmoid":  # MobileNetV3's squeeze-and-excitation gate, in its second 1x1 conv
+        x = _relu6(x + 3.0) * (1.0 / 6.0)
     return x
 
 
@@ -154,4 +158,6 @@ def torch_activation(x: torch.Tensor, name: str, negative_slope: float = DEFAULT
         return F.relu6(x)
     if name == "hardswish":
         return F.hardswish(x)
+    if name == "hardsigmoid":
+        return F.hardsigmoid(x)
     return torch.tanh(x)

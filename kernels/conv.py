@@ -67,6 +67,10 @@ from .tuning_background import on_new_picks
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 NORM_X_DTYPES = (torch.uint8, *SUPPORTED_DTYPES)  # x's dtypes with input_norm (pixels as sent)
 POOL_KERNELS = (_pool_rows_kernel, _pool_channels_kernel)  # in the tuning scope: APART candidates run them
+# The most pool window elements the conv kernel folds itself: it unrolls its whole K loop once per window element
+# (tl.static_range), so a 3x3 window compiles 9 loops, while a global pool of 13x13 (SqueezeNet's classifier conv)
+# compiled 169 and never finished. Larger windows run the conv, then fused_pool2d (one more kernel).
+MAX_POOL_WINDOW = 9
 
 
 @triton.jit
@@ -397,8 +401,9 @@ def fused_conv2d(
 
     pool: ("max" | "avg", kernel_size) or ("max" | "avg", kernel_size, stride) (ints or pairs; stride None or
     left out: kernel_size) pools the activated conv output in the same kernel, as max_pool2d / avg_pool2d with
-    padding 0 and ceil_mode False would: returns (N, OC, POH, POW), the conv output never written. (Padded or
-    ceil_mode pooling: call fused_pool2d after an unpooled fused_conv2d.)
+    padding 0 and ceil_mode False would: returns (N, OC, POH, POW), the conv output never written. Windows of more
+    than MAX_POOL_WINDOW elements run the conv, then fused_pool2d. (Padded or ceil_mode pooling: call fused_pool2d
+    after an unpooled fused_conv2d.)
 
     memory_format: of the returned tensor (when `out` is None), torch.contiguous_format or torch.channels_last;
     None: torch's rule above. A CNN reads NCHW and writes channels_last, keeps channels_last between its convs
@@ -436,6 +441,11 @@ def fused_conv2d(
         (PSH, PSW) = (PKH, PKW) if len(pool) == 2 or pool[2] is None else pair(pool[2], "pool stride")
         if min(PKH, PKW, PSH, PSW) < 1:
             raise ValueError(f"pool kernel_size and stride must be >= 1; got {pool!r}")
+        if PKH * PKW > MAX_POOL_WINDOW:  # too many K loops to unroll: the conv, then the pool in its own kernel
+            y = fused_conv2d(x, weight, bias, stride=s, padding=p, dilation=d, activation=activation,
+                             negative_slope=negative_slope, allow_tf32=allow_tf32, memory_format=memory_format,
+                             input_norm=input_norm)  # fmt: skip
+            return fused_pool2d(y, pool[0], (PKH, PKW), (PSH, PSW), out=out)
         POOL = pool[0]
         if OH < PKH or OW < PKW:
             raise ValueError(f"pooling {pool!r} leaves no output from the conv's {OH}x{OW}")

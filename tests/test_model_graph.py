@@ -130,16 +130,40 @@ def reference_forward(model_dir: Path, x: torch.Tensor) -> torch.Tensor:
             y = F.batch_norm(a[0], t[op["mean"]], t[op["var"]], t[op["weight"]], t[op["bias"]], False, 0.0, op["eps"])
         elif kind == "linear":
             y = F.linear(a[0], t[op["weight"]], t.get(op.get("bias")))
-        elif kind == "add":
-            y = a[0] + a[1]
+        elif kind in ("add", "sub", "mul", "div"):
+            fn = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}[kind]
+            if op.get("constant"):
+                c = t[op["constant"]]
+                y = fn(c, a[0]) if op.get("reverse") else fn(a[0], c)
+            else:
+                y = fn(a[0], a[1])
+        elif kind == "hardsigmoid":
+            y = torch.clamp(a[0] * op.get("alpha", 1 / 6) + op.get("beta", 0.5), 0, 1)
+        elif kind == "clip":
+            y = torch.clamp(a[0], op.get("min"), op.get("max"))
+        elif kind == "layernorm":
+            x = a[0].movedim(1, -1)
+            y = F.layer_norm(x, (x.shape[-1],), t[op["weight"]], t.get(op.get("bias")), op.get("eps", 1e-5))
+            y = y.movedim(-1, 1)
+        elif kind == "slice":
+            y = a[0][:, op["start"] : op["end"]]
+        elif kind == "channel_shuffle":
+            n, c, h, w = a[0].shape
+            g = op["groups"]
+            y = a[0].reshape(n, g, c // g, h, w).transpose(1, 2).reshape(n, c, h, w)
+        elif kind == "pad":
+            top, left, bottom, right = op["pads"]
+            y = F.pad(a[0], (left, right, top, bottom), value=op.get("value", 0.0))
         elif kind == "concat":
             y = torch.cat(a, 1)
         elif kind == "flatten":
             y = a[0].flatten(1)
         elif kind == "avgpool2d":
-            y = F.avg_pool2d(a[0], op["kernel_size"], op.get("stride"), op.get("padding", 0))
+            y = F.avg_pool2d(a[0], op["kernel_size"], op.get("stride"), op.get("padding", 0),
+                             op.get("ceil_mode", False), op.get("count_include_pad", True))  # fmt: skip
         elif kind == "maxpool2d":
-            y = F.max_pool2d(a[0], op["kernel_size"], op.get("stride"), op.get("padding", 0))
+            y = F.max_pool2d(a[0], op["kernel_size"], op.get("stride"), op.get("padding", 0),
+                             ceil_mode=op.get("ceil_mode", False))  # fmt: skip
         elif kind == "softmax":
             y = torch.softmax(a[0], 1)
         else:
@@ -193,7 +217,7 @@ def _broken(tmp_path, edit) -> str:
         (lambda o, t: o[8].update(inputs=["b1e", "nope"]), "ops[8] (add): input 'nope' is not the model's input or"),
         (lambda o, t: o[8].update(inputs=["b1e", "b2e"]), "ops[8] (add): input 'b2e' is not the model's input or an"),
         (lambda o, t: o[2].update(output="s0"), "ops[2] (relu): output 's0' is already written by ops[0] (conv2d"),
-        (lambda o, t: o[8].update(inputs=["b1e"]), "ops[8] (add): reads 1 tensor(s) ['b1e']; add reads 2"),
+        (lambda o, t: o[8].update(inputs=["b1e"]), "ops[8] (add): reads 1 tensor(s) ['b1e']; add takes two tensors,"),
         (lambda o, t: o[8].update(inputs=["b1e", "x"]), "adds 'b1e' of shape (4, 8, 8) to 'x' of shape (3, 8, 8)"),
         (lambda o, t: o.insert(3, _act("tanh", "a0", "dead")), "ops[3] (tanh): its output 'dead' is never read"),
         (lambda o, t: t.update({"stem_bn.var": -torch.ones(4)}), "var 'stem_bn.var' has negative values"),

@@ -14,7 +14,10 @@
              mean) / std cast to the compute dtype, then F.conv2d, timed as the same step), or as a NormalizeStep
              (torch ops in both modes: one multiply-add fused, a subtract and a divide unfused). A uint8 input with
              no normalization is cast to the compute dtype before the first step.
-    both:    AddStep (torch add, then the activation: in the fused mode by the activation kernel),
+    both:    AddStep (torch add, then the activation: in the fused mode by the activation kernel), ElementwiseStep
+             (a broadcasting add, sub, mul or div, of two tensors or of a stored constant: torch's, then the
+             activation as for AddStep), ClampStep (torch.clamp), LayerNormStep (F.layer_norm over the channels),
+             SliceStep (a copy of the channels' run), ChannelShuffleStep (one copy), PadStep (F.pad),
              BatchNormStep (fused: one multiply-add with the folded scale and shift; unfused: F.batch_norm),
              ConcatStep (torch.cat), SoftmaxStep (torch.softmax), and a Conv2dStep with groups > 1 (torch's
              conv, with the batch norm folded in the fused mode: the conv kernel has no groups).
@@ -51,17 +54,24 @@ from .planner import (
     AddStep,
     BatchNorm,
     BatchNormStep,
+    ChannelShuffleStep,
+    ClampStep,
     ConcatStep,
     Conv2dStep,
+    ElementwiseStep,
     FlattenStep,
+    LayerNormStep,
     LinearStep,
     MLPStep,
     NormalizeStep,
+    PadStep,
     Pool2dStep,
+    SliceStep,
     SoftmaxStep,
     Step,
     fused_steps,
     reads,
+    step_ops,
 )
 
 Mode = Literal["fused", "unfused"]
@@ -98,10 +108,12 @@ def torch_parts(step: Step, support: KernelSupport | None = None) -> list[str]:
     if isinstance(step, MLPStep):
         parts = [p for layer in step.layers for p in torch_parts(layer, support)]
         return parts if not parts else ["the whole-MLP kernel (its layers run one by one)", *parts]
-    if isinstance(step, (AddStep,)):
-        return ["add"] + ([step.activation] if step.activation not in support.activations else [])
-    if isinstance(step, (BatchNormStep, ConcatStep, SoftmaxStep, NormalizeStep)):
-        return [type(step).__name__.removesuffix("Step").lower()]
+    if isinstance(step, (AddStep, ElementwiseStep)):
+        kind = "add" if isinstance(step, AddStep) else step.kind
+        return [kind] + ([step.activation] if step.activation not in support.activations else [])
+    if isinstance(step, (BatchNormStep, ConcatStep, SoftmaxStep, NormalizeStep, ClampStep, LayerNormStep, SliceStep,
+                         ChannelShuffleStep, PadStep)):  # fmt: skip
+        return step_ops(step)
     if isinstance(step, Conv2dStep) and step.groups > 1:
         return [f"conv2d (groups {step.groups})", *(["add"] if step.residual else []),
                 *([step.activation] if step.activation != "none" else [])]  # fmt: skip
@@ -126,6 +138,8 @@ def torch_activation(x: torch.Tensor, name: str, negative_slope: float) -> torch
         return F.relu6(x)
     if name == "hardswish":
         return F.hardswish(x)
+    if name == "hardsigmoid":
+        return F.hardsigmoid(x)
     raise ValueError(f"unknown activation {name!r}")
 
 
@@ -223,7 +237,12 @@ class Executor:
         self.support = kernel_support()
         # Both modes run one plan, so their per-step timings line up under the same names.
         self.steps: list[Step] = fused_steps(
-            model.ops, model.tensors, whole_mlp=whole_mlp, conv_pool=conv_pool, normalize=model.normalize
+            model.ops,
+            model.tensors,
+            whole_mlp=whole_mlp,
+            conv_pool=conv_pool,
+            normalize=model.normalize,
+            shapes=model.shapes,
         )
         # Weights are cast and placed once, contiguous, as the kernels require.
         self.tensors = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in model.tensors.items()}
@@ -345,6 +364,23 @@ class Executor:
                 return step.name, functools.partial(_normalize_fused, scale=scale, shift=shift, dtype=self.dtype)
             return step.name, functools.partial(reference.normalize_input, mean=self._stat(norm.mean),
                                                 std=self._stat(norm.std), dtype=self.dtype)  # fmt: skip
+        if isinstance(step, ElementwiseStep):
+            act = {"activation": step.activation, "negative_slope": step.negative_slope}
+            const = self.tensors[step.constant] if step.constant is not None else None
+            return step.name, functools.partial(_elementwise_then, op=_ELEMENTWISE[step.kind], constant=const,
+                                                reverse=step.reverse, kernel=fused, **act)  # fmt: skip
+        if isinstance(step, ClampStep):
+            return step.name, functools.partial(_clamp, scale=step.scale, shift=step.shift, lo=step.lo, hi=step.hi)
+        if isinstance(step, LayerNormStep):
+            w, b = self.tensors[step.weight], self.tensors[step.bias] if step.bias else None
+            return step.name, functools.partial(_layer_norm_channels, weight=w, bias=b, eps=step.eps)
+        if isinstance(step, SliceStep):
+            return step.name, functools.partial(_slice_channels, start=step.start, end=step.end)
+        if isinstance(step, ChannelShuffleStep):
+            return step.name, functools.partial(_channel_shuffle, groups=step.groups)
+        if isinstance(step, PadStep):
+            top, left, bottom, right = step.pads
+            return step.name, functools.partial(F.pad, pad=(left, right, top, bottom), value=step.value)
         if isinstance(step, ConcatStep):
             return step.name, _concat
         if isinstance(step, SoftmaxStep):
@@ -559,8 +595,8 @@ def _unfused_tail(x, residual=None, *, first, bn, activation, negative_slope):
     return torch_activation(y, activation, negative_slope)
 
 
-def _add_then(a, b, *, kernel, activation, negative_slope):
-    y = a + b
+def _add_then(a, b, *, kernel, activation, negative_slope, op=torch.add):
+    y = op(a, b)
     if activation == "none":
         return y
     if kernel:
@@ -599,3 +635,43 @@ def _concat(*xs):
 
 def _softmax(x):
     return torch.softmax(x, dim=1)
+
+
+_ELEMENTWISE = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
+
+
+def _elementwise_then(a, b=None, *, op, constant, reverse, kernel, activation, negative_slope):
+    """a (op) b, or a (op) the constant (constant (op) a when reversed), broadcast; then the activation."""
+    if constant is not None:
+        a, b = (constant, a) if reverse else (a, constant)
+    return _add_then(a, b, kernel=kernel, activation=activation, negative_slope=negative_slope, op=op)
+
+
+def _clamp(x, *, scale, shift, lo, hi):
+    if scale != 1.0 or shift != 0.0:
+        x = x * scale + shift
+    return torch.clamp(x, lo, hi)
+
+
+def _layer_norm_channels(x, *, weight, bias, eps):
+    """Layer norm over dim 1: F.layer_norm on the channels-last view of an image (as torchvision's LayerNorm2d
+    permutes, normalizes and permutes back), or on a vector's features."""
+    if x.dim() == 2:
+        return F.layer_norm(x, (x.shape[1],), weight, bias, eps)
+    y = F.layer_norm(x.permute(0, 2, 3, 1), (x.shape[1],), weight, bias, eps)
+    return y.permute(0, 3, 1, 2)
+
+
+def _slice_channels(x, *, start, end):
+    """x[:, start:end], copied so that the next step reads a dense tensor (in x's memory format)."""
+    fmt = torch.channels_last if x.dim() == 4 and _is_channels_last(x) else torch.contiguous_format
+    return x[:, start:end].contiguous(memory_format=fmt)
+
+
+def _is_channels_last(x) -> bool:
+    return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _channel_shuffle(x, *, groups):
+    n, c, h, w = x.shape
+    return x.reshape(n, groups, c // groups, h, w).transpose(1, 2).reshape(n, c, h, w)

@@ -27,14 +27,19 @@ from .shapes import conv_out, pool_out
 from .spec import (
     AddOp,
     BatchNormOp,
+    BinaryOp,
+    ChannelShuffleOp,
     ConcatOp,
     Conv2dOp,
     FlattenOp,
+    LayerNormOp,
     LinearOp,
     ModelFormatError,
     ModelSpec,
     Op,
+    PadOp,
     PoolOp,
+    SliceOp,
     SoftmaxOp,
     parse_spec,
     read_spec,
@@ -169,6 +174,10 @@ def tensor_names(op: Op) -> list[str]:
         return [n for n in (op.weight, op.bias) if n]
     if isinstance(op, BatchNormOp):
         return [op.weight, op.bias, op.mean, op.var]
+    if isinstance(op, LayerNormOp):
+        return [n for n in (op.weight, op.bias) if n]
+    if isinstance(op, (AddOp, BinaryOp)) and op.constant is not None:
+        return [op.constant]
     return []
 
 
@@ -200,13 +209,31 @@ def _check_ops(ops: list[Op], tensors: dict[str, torch.Tensor], input_name: str,
     for i, op in enumerate(ops):
         where = where_op(op, i)
         shape = shapes[op.input]
-        if isinstance(op, AddOp):
-            a, b = (shapes[t] for t in op.inputs)
-            if a != b:
+        if isinstance(op, (AddOp, BinaryOp)):
+            shape = _check_elementwise(op, shapes, tensors, where)
+        elif isinstance(op, LayerNormOp):
+            channels = shape[0]
+            for role in ("weight", "bias"):
+                name = getattr(op, role)
+                if name is not None and tuple(_tensor(tensors, name, where, role).shape) != (channels,):
+                    raise ModelFormatError(
+                        f"{where}: {role} {name!r} has shape {tuple(tensors[name].shape)}; expected ({channels},): one "
+                        f"per channel of its input of shape {shape}"
+                    )
+        elif isinstance(op, SliceOp):
+            if op.end > shape[0]:
                 raise ModelFormatError(
-                    f"{where}: adds {op.inputs[0]!r} of shape {a} to {op.inputs[1]!r} of shape {b} per row; "
-                    "add takes two tensors of one shape"
+                    f"{where}: slices channels {op.start}:{op.end} of an input of shape {shape} ({shape[0]} channels)"
                 )
+            shape = (op.end - op.start, *shape[1:])
+        elif isinstance(op, ChannelShuffleOp):
+            c = _image_shape(shape, where, "channel_shuffle")[0]
+            if c % op.groups:
+                raise ModelFormatError(f"{where}: groups {op.groups} does not divide the input's {c} channels")
+        elif isinstance(op, PadOp):
+            c, h, w = _image_shape(shape, where, "pad")
+            top, left, bottom, right = op.pads
+            shape = (c, h + top + bottom, w + left + right)
         elif isinstance(op, ConcatOp):
             parts = [shapes[t] for t in op.inputs]
             if any(len(p) != len(shape) or p[1:] != shape[1:] for p in parts):
@@ -259,6 +286,38 @@ def _check_ops(ops: list[Op], tensors: dict[str, torch.Tensor], input_name: str,
         # activations keep the shape
         shapes[op.output] = shape
     return shapes
+
+
+def _check_elementwise(op: AddOp | BinaryOp, shapes: dict, tensors: dict[str, torch.Tensor], where: str) -> Shape:
+    """The per-row shape of x (op) y: both broadcast (numpy's rules) to one of them (neither grows the other's
+    dimensions both ways), or a constant that broadcasts against x without growing it."""
+    a = shapes[op.inputs[0]]
+    if op.constant is not None:
+        c = _tensor(tensors, op.constant, where, "constant")
+        b, what = tuple(c.shape), f"the constant {op.constant!r}"
+    else:
+        b, what = shapes[op.inputs[1]], repr(op.inputs[1])
+    out = broadcast_shape(a, b)
+    if out is None or (op.constant is not None and out != a) or out not in (a, b):
+        verb = {"add": "adds", "sub": "subtracts", "mul": "multiplies", "div": "divides"}[op.op]
+        joint = {"add": "to", "sub": "and", "mul": "by", "div": "by"}[op.op]
+        raise ModelFormatError(
+            f"{where}: {verb} {op.inputs[0]!r} of shape {a} {joint} {what} of shape {b} per row; {op.op} takes "
+            "tensors of one shape, or shapes that broadcast to one of them (numpy's rules, the batch apart)"
+        )
+    return out
+
+
+def broadcast_shape(a: Shape, b: Shape) -> Shape | None:
+    """numpy's broadcast of two shapes, or None where they do not broadcast."""
+    rank = max(len(a), len(b))
+    a, b = (1,) * (rank - len(a)) + tuple(a), (1,) * (rank - len(b)) + tuple(b)
+    out = []
+    for x, y in zip(a, b, strict=True):
+        if x != y and 1 not in (x, y):
+            return None
+        out.append(max(x, y))
+    return tuple(out)
 
 
 def _image_shape(shape: tuple[int, ...], where: str, kind: str) -> tuple[int, int, int]:

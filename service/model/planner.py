@@ -9,6 +9,9 @@
     other activation    -> ActivationStep (its own elementwise kernel)
     flatten             -> FlattenStep (a view: no kernel, no copy)
     concat, softmax     -> ConcatStep, SoftmaxStep (torch ops in both modes)
+    add (broadcast or of a constant), sub, mul, div [+ activation] -> ElementwiseStep (an SE block's scale)
+    clip, hardsigmoid (other than torch's)  -> ClampStep
+    layernorm, slice, channel_shuffle, pad  -> LayerNormStep, SliceStep, ChannelShuffleStep, PadStep
 
 An input that declares a normalization (spec.Normalize: (x - mean[c]) / std[c]) has it applied by the conv step
 that reads it, when that conv (groups 1) is the input's only reader: the kernel normalizes x as it gathers it
@@ -49,13 +52,20 @@ from .spec import (
     AddOp,
     AvgPool2dOp,
     BatchNormOp,
+    BinaryOp,
+    ChannelShuffleOp,
+    ClipOp,
     ConcatOp,
     Conv2dOp,
     FlattenOp,
+    HardSigmoidOp,
+    LayerNormOp,
     LinearOp,
     MaxPool2dOp,
     Op,
+    PadOp,
     Pair,
+    SliceOp,
     SoftmaxOp,
     activation_of,
     wire,
@@ -204,9 +214,85 @@ class SoftmaxStep:
     output: str = _Output
 
 
+@dataclass(frozen=True)
+class ElementwiseStep:
+    """inputs[0] (kind) inputs[1] with broadcasting, or inputs[0] (kind) a stored constant (constant (kind) x when
+    `reverse`), then the activation."""
+
+    name: str
+    kind: str  # "add" | "sub" | "mul" | "div"
+    constant: str | None
+    reverse: bool
+    activation: str
+    negative_slope: float
+    inputs: tuple[str, ...] = _Inputs
+    output: str = _Output
+
+
+@dataclass(frozen=True)
+class ClampStep:
+    """min(max(x * scale + shift, lo), hi): a clip (scale 1, shift 0), or a hard sigmoid of other slopes than
+    torch's (which is the `hardsigmoid` activation)."""
+
+    name: str
+    scale: float
+    shift: float
+    lo: float | None
+    hi: float | None
+    inputs: tuple[str, ...] = _Inputs
+    output: str = _Output
+
+
+@dataclass(frozen=True)
+class LayerNormStep:
+    """Layer norm over the channels (dim 1), then * weight + bias per channel."""
+
+    name: str
+    weight: str
+    bias: str | None
+    eps: float
+    inputs: tuple[str, ...] = _Inputs
+    output: str = _Output
+
+
+@dataclass(frozen=True)
+class SliceStep:
+    """x[:, start:end] (channels or features)."""
+
+    name: str
+    start: int
+    end: int
+    inputs: tuple[str, ...] = _Inputs
+    output: str = _Output
+
+
+@dataclass(frozen=True)
+class ChannelShuffleStep:
+    name: str
+    groups: int
+    inputs: tuple[str, ...] = _Inputs
+    output: str = _Output
+
+
+@dataclass(frozen=True)
+class PadStep:
+    name: str
+    pads: tuple[int, int, int, int]  # top, left, bottom, right
+    value: float
+    inputs: tuple[str, ...] = _Inputs
+    output: str = _Output
+
+
 Step = (
     LinearStep | Conv2dStep | Pool2dStep | ActivationStep | FlattenStep | MLPStep | AddStep | BatchNormStep
-    | ConcatStep | SoftmaxStep | NormalizeStep
+    | ConcatStep | SoftmaxStep | NormalizeStep | ElementwiseStep | ClampStep | LayerNormStep | SliceStep
+    | ChannelShuffleStep | PadStep
+)  # fmt: skip
+# Steps of the graph-only kinds that read and write tensors with no parameters but their own (GET /model shows
+# their inputs and fields): torch ops in both modes unless executors.py says otherwise.
+GRAPH_STEPS = (
+    AddStep, BatchNormStep, ConcatStep, SoftmaxStep, NormalizeStep, ElementwiseStep, ClampStep, LayerNormStep,
+    SliceStep, ChannelShuffleStep, PadStep,
 )  # fmt: skip
 
 
@@ -229,9 +315,18 @@ def _batchnorm(op: BatchNormOp) -> BatchNorm:
     return BatchNorm(op.weight, op.bias, op.mean, op.var, op.eps)
 
 
-def plan(ops: list[Op]) -> list[Step]:
+def is_residual_add(op: Op, shapes: Mapping[str, tuple[int, ...]] | None = None) -> bool:
+    """An add of two tensors of one shape (a residual connection), which a conv or linear may take in its epilogue.
+    Without `shapes` (ops made in a test), any add of two tensors."""
+    if not isinstance(op, AddOp) or op.constant is not None or len(op.inputs) != 2:
+        return False
+    return shapes is None or shapes.get(op.inputs[0]) == shapes.get(op.inputs[1])
+
+
+def plan(ops: list[Op], shapes: Mapping[str, tuple[int, ...]] | None = None) -> list[Step]:
     """One step per op or fused group of ops, in an order where each step reads only tensors written before it.
-    Unwired ops (format 1, or ops made in a test) are wired first: each reads the op before it."""
+    Unwired ops (format 1, or ops made in a test) are wired first: each reads the op before it. `shapes`: every
+    tensor's per-row shape (the loader's), which tells a residual add from a broadcasting one."""
     if any(op.inputs is None or op.output is None for op in ops):
         ops = wire(ops)
     output = ops[-1].output
@@ -262,7 +357,7 @@ def plan(ops: list[Op]) -> list[Step]:
     fused_add_input = {
         i: next((t for t in op.inputs if feeds_add_from_weighted(t, i)), None)
         for i, op in enumerate(ops)
-        if isinstance(op, AddOp)
+        if is_residual_add(op, shapes)
     }
     index_of_kind: dict[int, int] = {}
     seen: dict[str, int] = {}
@@ -294,7 +389,7 @@ def plan(ops: list[Op]) -> list[Step]:
                 bn, suffix, last, t = _batchnorm(ops[j]), "_bn", j, ops[j].output
                 taken.add(j)
             j = sole_reader(t)
-            if j is not None and isinstance(ops[j], AddOp) and fused_add_input[j] == t:
+            if j is not None and fused_add_input.get(j) == t:
                 residual = next(x for x in ops[j].inputs if x != t)
                 suffix, last, t = suffix + "_add", j, ops[j].output
                 taken.add(j)
@@ -322,12 +417,30 @@ def plan(ops: list[Op]) -> list[Step]:
                 padding=op.padding, ceil_mode=op.ceil_mode, count_include_pad=getattr(op, "count_include_pad", True),
                 activation=name, negative_slope=slope, inputs=op.inputs, output=t,
             )  # fmt: skip
-        elif isinstance(op, AddOp):
+        elif isinstance(op, (AddOp, BinaryOp)):
             name, slope, act_suffix, j = take_activation(t)
             if j is not None:
                 last, t = j, ops[j].output
                 taken.add(j)
-            step = AddStep(f"add_{index_of_kind[i]}{act_suffix}", name, slope, inputs=op.inputs, output=t)
+            label = f"{op.op}_{index_of_kind[i]}{act_suffix}"
+            if is_residual_add(op, shapes):
+                step = AddStep(label, name, slope, inputs=op.inputs, output=t)
+            else:
+                step = ElementwiseStep(label, op.op, op.constant, op.reverse, name, slope, inputs=op.inputs, output=t)
+        elif isinstance(op, (ClipOp, HardSigmoidOp)):
+            clip = isinstance(op, ClipOp)
+            scale, shift = (1.0, 0.0) if clip else (op.alpha, op.beta)
+            lo, hi = (op.min, op.max) if clip else (0.0, 1.0)
+            step = ClampStep(f"{op.op}_{index_of_kind[i]}", scale, shift, lo, hi, inputs=op.inputs, output=t)
+        elif isinstance(op, LayerNormOp):
+            k = index_of_kind[i]
+            step = LayerNormStep(f"layernorm_{k}", op.weight, op.bias, op.eps, inputs=op.inputs, output=t)
+        elif isinstance(op, SliceOp):
+            step = SliceStep(f"slice_{index_of_kind[i]}", op.start, op.end, inputs=op.inputs, output=t)
+        elif isinstance(op, ChannelShuffleOp):
+            step = ChannelShuffleStep(f"channel_shuffle_{index_of_kind[i]}", op.groups, inputs=op.inputs, output=t)
+        elif isinstance(op, PadOp):
+            step = PadStep(f"pad_{index_of_kind[i]}", tuple(op.pads), op.value, inputs=op.inputs, output=t)
         elif isinstance(op, BatchNormOp):
             step = BatchNormStep(f"batchnorm_{index_of_kind[i]}", _batchnorm(op), inputs=op.inputs, output=t)
         elif isinstance(op, ConcatOp):
@@ -393,9 +506,13 @@ def group_mlps(steps: list[Step], tensors: Mapping[str, torch.Tensor]) -> list[S
 def pool_fits_conv(pool: Pool2dStep) -> bool:
     """Whether the conv kernel can pool its output itself (kernels/conv.py, `pool=`): floor mode, no padding,
     no activation after the pool, and windows that do not overlap (stride >= window), so each conv output is
-    computed once; overlapping windows would compute shared outputs again, once per window."""
+    computed once; overlapping windows would compute shared outputs again, once per window. Small windows only
+    (kernels.conv.MAX_POOL_WINDOW: the kernel unrolls its K loop per window element; a global pool stays apart)."""
+    from kernels.conv import MAX_POOL_WINDOW
+
     return (
-        pool.activation == "none"
+        pool.kernel_size[0] * pool.kernel_size[1] <= MAX_POOL_WINDOW
+        and pool.activation == "none"
         and pool.padding == (0, 0)
         and not pool.ceil_mode
         and all(s >= k for s, k in zip(pool.stride, pool.kernel_size, strict=True))
@@ -470,10 +587,11 @@ def fused_steps(
     whole_mlp: bool = True,
     conv_pool: bool = True,
     normalize: InputNorm | None = None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> list[Step]:
     """The plan both executors run: `plan`, then the whole-MLP and conv + pool groupings, and the input's
     normalization (`attach_normalization`; the ops must be wired, as a loaded model's are)."""
-    steps = plan(ops)
+    steps = plan(ops, shapes)
     steps = group_mlps(steps, tensors) if whole_mlp else steps
     steps = group_conv_pools(steps) if conv_pool else steps
     return steps if normalize is None else attach_normalization(steps, normalize, ops[0].inputs[0])
@@ -499,7 +617,14 @@ def step_ops(step: Step) -> list[str]:
         parts.append(f"{step.kind}pool2d")
     elif isinstance(step, AddStep):
         parts.append("add")
-    elif isinstance(step, (BatchNormStep, ConcatStep, SoftmaxStep, FlattenStep, NormalizeStep)):
+    elif isinstance(step, ElementwiseStep):
+        parts.append(step.kind)
+    elif isinstance(step, ClampStep):
+        parts.append(step.name.rsplit("_", 1)[0])  # clip | hardsigmoid
+    elif isinstance(step, ChannelShuffleStep):
+        parts.append("channel_shuffle")
+    elif isinstance(step, (BatchNormStep, ConcatStep, SoftmaxStep, FlattenStep, NormalizeStep, LayerNormStep,
+                           SliceStep, PadStep)):  # fmt: skip
         parts.append(type(step).__name__.removesuffix("Step").lower())
     activation = getattr(step, "activation", "none")
     if activation != "none":
@@ -527,8 +652,20 @@ def step_extras(step: LinearStep | Conv2dStep) -> dict:
 def describe_step(step: Step) -> dict:
     """A step of the graph-only kinds (add, batchnorm, concat, softmax, normalize) for `GET /model`'s plan."""
     doc: dict = {"op": step_ops(step)[0], "inputs": list(step.inputs)}
-    if isinstance(step, AddStep):
+    if isinstance(step, (AddStep, ElementwiseStep)):
         doc["activation"] = step.activation
+    if isinstance(step, ElementwiseStep) and step.constant is not None:
+        doc.update(constant=step.constant, reverse=step.reverse)
     if isinstance(step, NormalizeStep):
         doc.update(mean=list(step.normalize.mean), std=list(step.normalize.std))
+    if isinstance(step, ClampStep):
+        doc.update(scale=step.scale, shift=step.shift, min=step.lo, max=step.hi)
+    if isinstance(step, LayerNormStep):
+        doc.update(eps=step.eps)
+    if isinstance(step, SliceStep):
+        doc.update(start=step.start, end=step.end)
+    if isinstance(step, ChannelShuffleStep):
+        doc.update(groups=step.groups)
+    if isinstance(step, PadStep):
+        doc.update(pads=list(step.pads), value=step.value)
     return doc

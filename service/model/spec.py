@@ -38,9 +38,12 @@ input for the first op) and `output` (default: the op's name) are tensor names, 
 read only by later ops. New ops: `batchnorm` (inference: per-channel weight, bias, running mean and var, eps;
 the fused executor folds it into the conv or linear before it), `add` (two tensors of one shape), `concat`
 (along channels, or features of a vector), `softmax` (over the features of the model's output only), the
-activations `relu6` and `hardswish`, and `conv2d` with `groups` > 1 (depthwise and grouped convs, which run as
-torch ops in both modes: the conv kernel has no groups). Importers write this version (onnx_import.py,
-torch_import.py); the loader follows every tensor's shape through the graph.
+activations `relu6` and `hardswish`, and `conv2d` with `groups` > 1 (depthwise and grouped convs). For the CNNs
+people deploy (squeeze-and-excitation, ConvNeXt, ShuffleNet, DenseNet): elementwise `add`, `sub`, `mul`, `div`
+of two tensors with broadcasting (an SE block's `mul` of an image by a (C, 1, 1) tensor) or of a tensor and a
+stored `constant`; `hardsigmoid` (alpha, beta), `clip` (min, max), `layernorm` over the channels, `slice` of a
+run of channels, `channel_shuffle` (groups), `pad` (constant, [top, left, bottom, right]). Importers write this
+version (onnx_import.py, torch_import.py); the loader follows every tensor's shape through the graph.
 """
 
 from __future__ import annotations
@@ -168,10 +171,82 @@ class BatchNormOp(_Op):
     eps: Annotated[float, Field(ge=0)] = 1e-5
 
 
-class AddOp(_Op):
-    """a + b, two tensors of one shape (a residual connection)."""
+class _ElementwiseOp(_Op):
+    """x (op) y elementwise, with numpy's broadcasting of per-row shapes (right-aligned; the batch is never
+    broadcast): two tensors (`inputs` [x, y]), or one tensor and a stored constant (`inputs` [x], `constant` the
+    tensor's name in model.safetensors, of a per-row shape that broadcasts against x's without growing it, such as
+    (C, 1, 1) for one value per channel of an image, or () for a scalar). `reverse`: constant (op) x."""
+
+    constant: str | None = None
+    reverse: StrictBool = False
+
+
+class AddOp(_ElementwiseOp):
+    """a + b: two tensors of one shape (a residual connection), or broadcast, or a tensor and a constant."""
 
     op: Literal["add"]
+
+
+class BinaryOp(_ElementwiseOp):
+    """a - b, a * b, a / b (a squeeze-and-excitation block's per-image per-channel scale is a `mul` of an image by a
+    (C, 1, 1) tensor; a layer scale, a `mul` by a constant)."""
+
+    op: Literal["sub", "mul", "div"]
+
+
+class HardSigmoidOp(_Op):
+    """max(0, min(1, alpha * x + beta)); torch's nn.Hardsigmoid is alpha 1/6, beta 0.5 (ONNX's default is 0.2)."""
+
+    op: Literal["hardsigmoid"]
+    alpha: float = 1 / 6
+    beta: float = 0.5
+
+
+class ClipOp(_Op):
+    """min(max(x, min), max); either bound may be left out (null)."""
+
+    op: Literal["clip"]
+    min: float | None = None
+    max: float | None = None
+
+
+class LayerNormOp(_Op):
+    """Layer norm over the channels (dim 1): each pixel's channels of an image, or a vector's features, normalised
+    to zero mean and unit variance (biased, + eps), then * weight + bias per channel. ConvNeXt's LayerNorm2d, and a
+    LayerNorm applied to channels-last activations, are this op on the channel-first tensor."""
+
+    op: Literal["layernorm"]
+    weight: str
+    bias: str | None = None
+    eps: Annotated[float, Field(ge=0)] = 1e-5
+
+
+class SliceOp(_Op):
+    """x[:, start:end]: a contiguous run of channels (of an image) or features (of a vector); ONNX's Split and
+    Slice along channels, torch's chunk and split."""
+
+    op: Literal["slice"]
+    start: Annotated[int, Field(ge=0)]
+    end: Annotated[int, Field(ge=1)]
+
+
+class ChannelShuffleOp(_Op):
+    """ShuffleNet's channel shuffle: (N, C, H, W) viewed as (N, groups, C / groups, H, W), the two channel axes
+    swapped, viewed back as (N, C, H, W) (torch.nn.ChannelShuffle)."""
+
+    op: Literal["channel_shuffle"]
+    groups: Annotated[int, Field(ge=1)]
+
+
+_Pixels = Annotated[int, Field(ge=0)]
+
+
+class PadOp(_Op):
+    """Constant padding of an image's height and width: pads [top, left, bottom, right] pixels of `value`."""
+
+    op: Literal["pad"]
+    pads: tuple[_Pixels, _Pixels, _Pixels, _Pixels]
+    value: float = 0.0
 
 
 class ConcatOp(_Op):
@@ -189,7 +264,8 @@ class SoftmaxOp(_Op):
 
 Op = (
     LinearOp | Conv2dOp | AvgPool2dOp | MaxPool2dOp | FlattenOp | SimpleActivationOp | LeakyReluOp | GeluOp
-    | BatchNormOp | AddOp | ConcatOp | SoftmaxOp
+    | BatchNormOp | AddOp | BinaryOp | ConcatOp | SoftmaxOp | HardSigmoidOp | ClipOp | LayerNormOp | SliceOp
+    | ChannelShuffleOp | PadOp
 )  # fmt: skip
 PoolOp = AvgPool2dOp | MaxPool2dOp
 OP_TYPES: dict[str, type[_Op]] = {
@@ -210,6 +286,15 @@ OP_TYPES: dict[str, type[_Op]] = {
     "add": AddOp,
     "concat": ConcatOp,
     "softmax": SoftmaxOp,
+    "sub": BinaryOp,
+    "mul": BinaryOp,
+    "div": BinaryOp,
+    "hardsigmoid": HardSigmoidOp,
+    "clip": ClipOp,
+    "layernorm": LayerNormOp,
+    "slice": SliceOp,
+    "channel_shuffle": ChannelShuffleOp,
+    "pad": PadOp,
 }
 # Format 1 is what it was: a sequence of these ops, without graph fields.
 V1_OPS = (
@@ -227,7 +312,10 @@ V1_OPS = (
 )
 GRAPH_FIELDS = ("name", "inputs", "output")
 # Inputs an op reads: (fewest, most); None: any number from the fewest.
-ARITY = {"add": (2, 2), "concat": (2, None)}
+ARITY = {"add": (1, 2), "sub": (1, 2), "mul": (1, 2), "div": (1, 2), "concat": (2, None)}
+ELEMENTWISE = ("add", "sub", "mul", "div")
+# hardsigmoid's (alpha, beta) as torch's nn.Hardsigmoid has them: the kernels' `hardsigmoid` activation
+TORCH_HARDSIGMOID = (1 / 6, 0.5)
 
 
 def activation_of(op: Op) -> tuple[str, float] | None:
@@ -238,6 +326,12 @@ def activation_of(op: Op) -> tuple[str, float] | None:
         return "leaky_relu", op.negative_slope
     if isinstance(op, GeluOp):
         return ("gelu_tanh" if op.approximate == "tanh" else "gelu"), DEFAULT_NEGATIVE_SLOPE
+    if (
+        isinstance(op, HardSigmoidOp)
+        and math.isclose(op.alpha, TORCH_HARDSIGMOID[0], rel_tol=1e-6)
+        and (op.beta == TORCH_HARDSIGMOID[1])
+    ):
+        return "hardsigmoid", DEFAULT_NEGATIVE_SLOPE
     return None
 
 
@@ -362,6 +456,14 @@ def wire(ops: list[Op], input_name: str = "input", output: str | None = None) ->
         if len(inputs) < fewest or (most is not None and len(inputs) > most):
             want = f"{fewest}" if fewest == most else f"at least {fewest}"
             raise ModelFormatError(f"{where}: reads {len(inputs)} tensor(s) {list(inputs)}; {op.op} reads {want}")
+        if op.op in ELEMENTWISE and (len(inputs) == 1) != (op.constant is not None):
+            raise ModelFormatError(
+                f"{where}: reads {len(inputs)} tensor(s) {list(inputs)}"
+                + (f" and the constant {op.constant!r}" if op.constant is not None else "")
+                + f"; {op.op} takes two tensors, or one tensor and a constant"
+            )
+        if isinstance(op, SliceOp) and op.end <= op.start:
+            raise ModelFormatError(f"{where}: start {op.start} and end {op.end}: the slice must keep a channel")
         for t in inputs:
             if t not in written:
                 later = " (ops must be listed in an order where each reads only tensors written before it)"
