@@ -111,3 +111,44 @@ def test_block_mistakes_are_named(tmp_path, edit, needle):
     with pytest.raises(ModelFormatError) as info:
         load_model(d)
     assert needle in str(info.value), str(info.value)
+
+
+def convnext_graph(c: int = 4):
+    """A ConvNeXt block as the importers write it, channel-first: depthwise 7x7 conv -> layernorm over channels ->
+    1x1 conv (4c) + gelu -> 1x1 conv (c) -> layer scale (mul by a (c, 1, 1) constant) -> + the block's input; then
+    a global pool and a linear. Input c x 9 x 9."""
+    t: dict = {"gamma": torch.rand(c, 1, 1) + 0.5, "ln.w": torch.rand(c) + 0.5, "ln.b": torch.randn(c) * 0.1}
+    ops = [
+        _conv("dw", "x", "d", c, c, k=7, pad=3, groups=c, t=t),
+        {"op": "layernorm", "inputs": ["d"], "output": "n", "weight": "ln.w", "bias": "ln.b", "eps": 1e-6},
+        _conv("pw1", "n", "p1", c, 4 * c, k=1, pad=0, t=t), _act("gelu", "p1", "g"),
+        _conv("pw2", "g", "p2", 4 * c, c, k=1, pad=0, t=t),
+        {"op": "mul", "inputs": ["p2"], "output": "ls", "constant": "gamma"},
+        {"op": "add", "inputs": ["ls", "x"], "output": "res"},
+        {"op": "avgpool2d", "inputs": ["res"], "output": "gap", "kernel_size": 9},
+        {"op": "flatten", "inputs": ["gap"], "output": "flat"}, _linear("fc", "flat", "logits", c, 3, t),
+    ]  # fmt: skip
+    return ops, t
+
+
+def test_a_layer_scale_folds_into_the_conv_before_it(tmp_path):
+    ops, t = convnext_graph()
+    model = load_model(write_graph(tmp_path / "m", ops, t, [4, 9, 9]))
+    steps = fused_steps(model.ops, model.tensors, shapes=model.shapes)
+    conv = next(s for s in steps if s.name.startswith("conv2d_2"))
+    assert conv.name == "conv2d_2_scale_add" and conv.scale == "gamma" and conv.residual == "x"
+    assert not any(isinstance(s, ElementwiseStep) for s in steps)
+    # a mul by a constant of another shape (one value per column) is no layer scale: its own step
+    t["gamma"] = torch.rand(1, 1, 9) + 0.5
+    model = load_model(write_graph(tmp_path / "m2", ops, t, [4, 9, 9]))
+    steps = fused_steps(model.ops, model.tensors, shapes=model.shapes)
+    assert [s.name for s in steps if isinstance(s, ElementwiseStep)] == ["mul_0"]
+
+
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+def test_a_convnext_block_matches_the_reference(tmp_path, mode):
+    ops, t = convnext_graph()
+    d = write_graph(tmp_path / "m", ops, t, [4, 9, 9])
+    x = torch.randn(2, 4, 9, 9)
+    got = Executor(load_model(d), mode, DEVICE, torch.float32).forward(x.to(DEVICE))
+    assert_normwise(got, reference_forward(d, x), 1e-5, mode)

@@ -272,12 +272,28 @@ class Executor:
         return t.to(device=self.device, dtype=self.dtype).contiguous()
 
     def _weights(self, step: LinearStep | Conv2dStep) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The step's weight and bias as its mode runs them: with the batch norm folded in when fused."""
-        if self.mode == "fused" and step.batchnorm is not None:
+        """The step's weight and bias as its mode runs them: with the batch norm and the layer scale folded in when
+        fused (in float64, then cast)."""
+        if self.mode == "fused" and (step.batchnorm is not None or step.scale is not None):
             src = self.model.tensors
-            w, b = fold_batchnorm(src[step.weight], src[step.bias] if step.bias else None, step.batchnorm, src)
-            return self._cast(w), self._cast(b)
+            w, b = src[step.weight].double(), src[step.bias].double() if step.bias else None
+            if step.batchnorm is not None:
+                w, b = fold_batchnorm(w, b, step.batchnorm, src)
+            if step.scale is not None:
+                s = src[step.scale].double().reshape(-1)
+                s = s.expand(w.shape[0]) if s.numel() == 1 else s
+                w, b = w * s.reshape(-1, *([1] * (w.dim() - 1))), None if b is None else b * s
+            return self._cast(w), None if b is None else self._cast(b)
         return self.tensors[step.weight], self.tensors[step.bias] if step.bias else None
+
+    def _post(self, step: LinearStep | Conv2dStep) -> Layer | None:
+        """What the unfused mode runs after a conv or linear and before its residual: the batch norm, then the layer
+        scale (a torch mul by the stored constant), as the eager model runs them; None for neither."""
+        bn = self._batch_norm(step.batchnorm)
+        if step.scale is None:
+            return bn
+        constant = self.tensors[step.scale]
+        return functools.partial(_scaled, first=bn or _identity, scale=constant)
 
     def _bind(self, step: Step, channels_last: bool = False) -> tuple[str | None, Layer]:
         # Imported here, not at module top: the service decides interpreter vs compiled
@@ -302,10 +318,10 @@ class Executor:
             w, b = self._weights(step)
             act = {"activation": step.activation, "negative_slope": step.negative_slope}
             if not fused:
-                if step.batchnorm is None and step.residual is None and step.activation in support.activations:
+                if self._post(step) is None and step.residual is None and step.activation in support.activations:
                     return step.name, functools.partial(reference.linear, weight=w, bias=b, **act)
                 mm = functools.partial(reference.linear, weight=w, bias=b)
-                return step.name, functools.partial(_unfused_tail, first=mm, bn=self._batch_norm(step.batchnorm), **act)
+                return step.name, functools.partial(_unfused_tail, first=mm, bn=self._post(step), **act)
             kernel_act = step.activation in support.activations
             if step.residual is not None and support.linear_residual:
                 from kernels.linear import fused_linear
@@ -421,14 +437,14 @@ class Executor:
             # Unfused (and grouped, in both modes, with the batch norm folded when fused): eager torch ops.
             if step.groups > 1:
                 conv = functools.partial(F.conv2d, weight=w, bias=b, groups=step.groups, **geometry)
-            elif step.batchnorm is None and step.residual is None and step.activation in self.support.activations:
+            elif self._post(step) is None and step.residual is None and step.activation in self.support.activations:
                 conv = functools.partial(reference.conv2d, weight=w, bias=b, **geometry, **act)
                 if pool is None:
                     return conv
                 return functools.partial(_chain, layers=[conv, self._bind(pool)[1]])
             else:
                 conv = functools.partial(reference.conv2d, weight=w, bias=b, **geometry)
-            bn = self._batch_norm(step.batchnorm) if self.mode == "unfused" else None
+            bn = self._post(step) if self.mode == "unfused" else None
             tail = functools.partial(_unfused_tail, first=conv, bn=bn, **act)
             return tail if pool is None else functools.partial(_chain_first, first=tail, then=self._bind(pool)[1])
         from kernels.conv import fused_conv2d, input_norm_of
@@ -606,6 +622,12 @@ def _add_then(a, b, *, kernel, activation, negative_slope, op=torch.add):
 
 def _identity(x):
     return x
+
+
+def _scaled(x, *, first, scale):
+    """first(x) (the batch norm, or nothing), then * the layer scale (its per-row shape broadcasts)."""
+    y = first(x)
+    return y * (scale.reshape(-1, *([1] * (y.dim() - 2))) if scale.numel() > 1 else scale.reshape(()))
 
 
 def _batch_norm(x, *, weight, bias, mean, var, eps):

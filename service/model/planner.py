@@ -1,6 +1,7 @@
 """Turn the op graph into fused steps, as TensorRT or torch.compile would.
 
-    conv2d [+ batchnorm] [+ add] [+ activation] -> one Conv2dStep: implicit GEMM + folded BN + bias + residual
+    conv2d [+ batchnorm] [+ mul] [+ add] [+ activation] -> one Conv2dStep: implicit GEMM + folded BN (and
+                                                   layer scale: a mul by a per-channel constant) + bias + residual
                                                    + activation in one kernel (`conv2d_3_bn_add_relu`)
     linear [+ batchnorm] [+ add] [+ activation] -> one LinearStep: GEMM + folded BN + bias + residual + activation
     pool + activation   -> one Pool2dStep (avg or max pooling + activation in one kernel)
@@ -42,6 +43,7 @@ run the same steps, so fused and unfused times line up kernel by kernel, and a s
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -106,6 +108,7 @@ class LinearStep:
     negative_slope: float
     batchnorm: BatchNorm | None = None  # folded into weight and bias by the fused executor
     residual: str | None = None  # tensor added before the activation (read in the GEMM's epilogue)
+    scale: str | None = None  # a stored per-channel (or scalar) constant multiplied after the batch norm: folded
     inputs: tuple[str, ...] = _Inputs
     output: str = _Output
 
@@ -140,6 +143,7 @@ class Conv2dStep:
     residual: str | None = None  # tensor added before the activation (read in the conv's epilogue)
     groups: int = 1  # > 1: torch's grouped conv in both modes (the conv kernel has no groups)
     normalize: InputNorm | None = None  # applied to x (the model's input) as the conv reads it
+    scale: str | None = None  # a stored per-channel (or scalar) constant multiplied after the batch norm: folded
     inputs: tuple[str, ...] = _Inputs
     output: str = _Output
 
@@ -323,10 +327,24 @@ def is_residual_add(op: Op, shapes: Mapping[str, tuple[int, ...]] | None = None)
     return shapes is None or shapes.get(op.inputs[0]) == shapes.get(op.inputs[1])
 
 
-def plan(ops: list[Op], shapes: Mapping[str, tuple[int, ...]] | None = None) -> list[Step]:
+def channel_scale(op: Op, shape: tuple[int, ...], constants: Mapping[str, torch.Tensor] | None) -> bool:
+    """Whether `op` multiplies its input (of per-row `shape`) by a stored constant of one value per channel (or one
+    in all): a layer scale, which folds into the weights of the conv or linear before it like a batch norm."""
+    if not isinstance(op, BinaryOp) or op.op != "mul" or op.constant is None or constants is None:
+        return False
+    c = tuple(constants[op.constant].shape)
+    return math.prod(c) == 1 or (len(c) == len(shape) and c[0] == shape[0] and math.prod(c) == shape[0])
+
+
+def plan(
+    ops: list[Op],
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    constants: Mapping[str, torch.Tensor] | None = None,
+) -> list[Step]:
     """One step per op or fused group of ops, in an order where each step reads only tensors written before it.
     Unwired ops (format 1, or ops made in a test) are wired first: each reads the op before it. `shapes`: every
-    tensor's per-row shape (the loader's), which tells a residual add from a broadcasting one."""
+    tensor's per-row shape (the loader's), which tells a residual add from a broadcasting one; `constants`: the
+    model's tensors, which tell a per-channel scale (folded into the conv or linear before it) from another mul."""
     if any(op.inputs is None or op.output is None for op in ops):
         ops = wire(ops)
     output = ops[-1].output
@@ -342,15 +360,20 @@ def plan(ops: list[Op], shapes: Mapping[str, tuple[int, ...]] | None = None) -> 
         return reader_of[t] if readers.get(t, 0) == 1 and t != output else None
 
     def feeds_add_from_weighted(t: str, add: int) -> bool:
-        """Whether `t` is a conv's or linear's output (after an optional batch norm) that only `add` reads."""
+        """Whether `t` is a conv's or linear's output (after an optional batch norm, then an optional layer scale)
+        that only `add` reads."""
         if sole_reader(t) != add or t not in producer:
             return False
         op = ops[producer[t]]
-        if isinstance(op, BatchNormOp):
-            inner = op.input
-            if inner not in producer or sole_reader(inner) != producer[t]:
-                return False
-            op = ops[producer[inner]]
+        for folds in (
+            lambda o: shapes is not None and channel_scale(o, shapes.get(o.input, ()), constants),
+            lambda o: isinstance(o, BatchNormOp),
+        ):
+            if folds(op):
+                inner = op.input
+                if inner not in producer or sole_reader(inner) != producer[t]:
+                    return False
+                t, op = inner, ops[producer[inner]]
         return isinstance(op, (Conv2dOp, LinearOp))
 
     # Which input of each add rides in its producer's epilogue: the first that can.
@@ -388,6 +411,10 @@ def plan(ops: list[Op], shapes: Mapping[str, tuple[int, ...]] | None = None) -> 
             if j is not None and isinstance(ops[j], BatchNormOp):
                 bn, suffix, last, t = _batchnorm(ops[j]), "_bn", j, ops[j].output
                 taken.add(j)
+            j, scale = sole_reader(t), None
+            if j is not None and shapes is not None and t in shapes and channel_scale(ops[j], shapes[t], constants):
+                scale, suffix, last, t = ops[j].constant, suffix + "_scale", j, ops[j].output
+                taken.add(j)
             j = sole_reader(t)
             if j is not None and fused_add_input.get(j) == t:
                 residual = next(x for x in ops[j].inputs if x != t)
@@ -398,7 +425,7 @@ def plan(ops: list[Op], shapes: Mapping[str, tuple[int, ...]] | None = None) -> 
                 last, t = j, ops[j].output
                 taken.add(j)
             k = index_of_kind[i]
-            graph = {"inputs": op.inputs, "output": t, "batchnorm": bn, "residual": residual}
+            graph = {"inputs": op.inputs, "output": t, "batchnorm": bn, "residual": residual, "scale": scale}
             if isinstance(op, LinearOp):
                 step = LinearStep(f"linear_{k}{suffix}{act_suffix}", op.weight, op.bias, name, slope, **graph)
             else:
@@ -591,7 +618,7 @@ def fused_steps(
 ) -> list[Step]:
     """The plan both executors run: `plan`, then the whole-MLP and conv + pool groupings, and the input's
     normalization (`attach_normalization`; the ops must be wired, as a loaded model's are)."""
-    steps = plan(ops, shapes)
+    steps = plan(ops, shapes, tensors)
     steps = group_mlps(steps, tensors) if whole_mlp else steps
     steps = group_conv_pools(steps) if conv_pool else steps
     return steps if normalize is None else attach_normalization(steps, normalize, ops[0].inputs[0])
@@ -611,6 +638,8 @@ def step_ops(step: Step) -> list[str]:
         parts.append("linear" if isinstance(step, LinearStep) else "conv2d")
         if step.batchnorm is not None:
             parts.append("batchnorm")
+        if step.scale is not None:
+            parts.append("mul")
         if step.residual is not None:
             parts.append("add")
     elif isinstance(step, Pool2dStep):
@@ -642,6 +671,8 @@ def step_extras(step: LinearStep | Conv2dStep) -> dict:
         out["batchnorm"] = True
     if step.residual is not None:
         out["residual"] = step.residual
+    if step.scale is not None:
+        out["scale"] = step.scale
     if getattr(step, "groups", 1) != 1:
         out["groups"] = step.groups
     if getattr(step, "normalize", None) is not None:  # the model's input, normalized as the conv loads it
