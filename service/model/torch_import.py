@@ -3,395 +3,355 @@
     from service.model.export import export_module
     export_module(model, torch.randn(2, 3, 32, 32), "model_weights/my-cnn", labels=["cat", "dog", ...])
 
-`torch.export` traces the module's forward into a graph of ATen ops (residual adds, concats and all), with
-every tensor's shape; each op becomes an op of the format, as the ONNX importer does for ONNX nodes:
+`torch.export` traces the module's forward into a graph of ATen ops (residual adds, concats and all), with every
+tensor's shape; each node is mapped by the handler its ATen op is registered to (torch_ops/, one module per op
+family, `@register`), as the ONNX importer maps ONNX nodes:
 
-    aten.conv2d / convolution (groups allowed)     -> conv2d
-    aten.batch_norm, _native_batch_norm_legit_no_training (inference)  -> batchnorm
-    aten.linear, addmm, mm / matmul with a parameter    -> linear
-    aten.add (two tensors of one shape)             -> add; add of a constant after a conv or linear -> its bias
-    relu, leaky_relu, sigmoid, tanh, silu, gelu, hardswish, hardtanh(0, 6) / relu6   -> activations
-    max_pool2d, avg_pool2d, adaptive_avg_pool2d to 1x1, mean over (H, W)   -> maxpool2d, avgpool2d
-    flatten, view / reshape to (batch, features)    -> flatten
-    cat along channels                              -> concat
-    dropout, clone, contiguous, detach, alias       -> dropped
-    softmax over the output's features              -> softmax (as the last op only)
+    conv.py         conv2d / convolution (groups, dilation, asymmetric kernels)  -> conv2d
+                    pad / constant_pad_nd -> pad; symmetric zeros read only by convs -> the convs' own padding
+    linear.py       linear, addmm, mm / matmul by a constant weight -> linear; on a channels-last view, a 1x1 conv2d
+    norm.py         batch_norm (inference) -> batchnorm; layer_norm over channels -> layernorm
+    activations.py  relu, relu6, sigmoid, tanh, silu, gelu, hardswish, hardsigmoid, leaky_relu; hardtanh and clamp
+                    -> relu6 / relu, or clip for other bounds; softmax over the output's features (the last op)
+    elementwise.py  add, sub, rsub, mul, div, reciprocal, neg of two tensors (broadcasting) or of a tensor and a
+                    parameter or number -> add / sub / mul / div (`constant`, `reverse`); add of a per-channel
+                    constant to a conv's or linear's output -> its bias
+    pool.py         max_pool2d (ceil_mode), avg_pool2d (padding, count_include_pad), adaptive pools to 1x1, to the
+                    input's own size (nothing) or to a size that divides it, mean over (H, W) -> pools
+    layout.py       flatten / view / reshape / squeeze to (rows, features) -> flatten; cat along channels -> concat
+                    (one input: nothing); split / chunk / slice / narrow of channels -> slice; channel_shuffle and
+                    view(N, g, C/g, H, W)-transpose(1, 2)-view(N, C, H, W) -> channel_shuffle; permute(0, 2, 3, 1)
+                    -> a channels-last view (nothing emitted; see below), permute(0, 3, 1, 2) -> back;
+                    dropout, clone, contiguous, detach, alias, _to_copy -> nothing
 
-Ops on parameters alone (a transpose of a weight) are evaluated at export. Anything else is refused with the
-node's name and its ATen op. The module is exported in eval mode with a dynamic batch dimension; the example
-input fixes every other size.
+A channels-last view (ConvNeXt: permute(0, 2, 3, 1), LayerNorm, Linear, GELU, Linear, `gamma * x`, permute back) is
+tracked per FX node (torch_ops/registry.py's View) as an alias of the channel-first graph tensor: layer_norm over its
+last dim is `layernorm`, linear a 1x1 `conv2d`, an elementwise op by a (C,) parameter one by a (C, 1, 1) constant.
+An in-place op (relu_, add_) is its functional op where nothing reads the old value after it. Ops on parameters
+alone (a transpose of a weight) are evaluated at export. Anything else is refused naming the node, its ATen op, the
+per-row shapes it reads, why, and what would be accepted. The module is exported in eval mode with a dynamic batch
+dimension; the example input fixes every other size.
 """
 
 from __future__ import annotations
 
-import math
-import operator
 from pathlib import Path
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
-from torch import nn
+from torch import fx, nn
 
 from .onnx_import import GraphBuilder
 from .spec import FORMAT_V2, ModelFormatError, input_fields
+from .torch_ops import HANDLERS
+from .torch_ops.registry import (
+    CHANNELS_LAST,
+    GROUPED,
+    PADDED,
+    PARTS,
+    PLAIN,
+    RESULT,
+    SELECTED,
+    SHUFFLED,
+    Args,
+    View,
+    op_name,
+)
 
-# ATen op -> the _Exporter method that maps it
-HANDLERS = {
-    "conv2d": "_conv2d", "convolution": "_convolution", "batch_norm": "_batch_norm",
-    "_native_batch_norm_legit_no_training": "_native_bn", "linear": "_linear", "addmm": "_addmm", "mm": "_mm",
-    "matmul": "_mm", "add": "_add", "hardtanh": "_hardtanh", "leaky_relu": "_leaky_relu", "gelu": "_gelu",
-    "max_pool2d": "_max_pool2d", "avg_pool2d": "_avg_pool2d", "adaptive_avg_pool2d": "_adaptive_avg_pool2d",
-    "mean": "_mean", "flatten": "_flatten", "view": "_view", "reshape": "_view", "cat": "_cat", "softmax": "_softmax",
-    "_softmax": "_softmax",
+# What each view kind is, and what reads it, for the refusal of an op that reads it (registry.View).
+_VIEW_READERS = {
+    CHANNELS_LAST: (
+        "a channels-last view (permute(0, 2, 3, 1)) of an image",
+        "on such a view fusedserve maps layer_norm over the last dim, linear, activations, elementwise ops, "
+        "slices, splits and cats of the last dim, mean over dims (1, 2), and permute(0, 3, 1, 2) back",
+    ),
+    GROUPED: (
+        "a (N, groups, C / groups, H, W) view of an image",
+        "fusedserve takes it only as half of a channel shuffle: transpose(1, 2), then a view back to (N, C, H, W)",
+    ),
+    SHUFFLED: (
+        "a channel shuffle's transposed (N, C / groups, groups, H, W) view",
+        "fusedserve takes it only viewed (or reshaped) back to (N, C, H, W): channel_shuffle",
+    ),
+    PARTS: ("the tuple of a split along channels", "fusedserve reads its items (x1, x2 = x.chunk(2, 1))"),
+    RESULT: ("an op's tuple of result and statistics", "fusedserve reads its result (item 0)"),
+    PADDED: ("a zero-padded image", "fusedserve folds the padding into the convs that read it"),
+    SELECTED: ("one channel of an image without its channel dim (x[:, c])", "fusedserve reads it through unsqueeze(1)"),
+}
+# Ops whose result shares its input's storage: an in-place op on one changes that input too.
+_VIEW_OPS = {
+    "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "slice", "narrow", "select", "expand", "squeeze",
+    "unsqueeze", "flatten", "unflatten", "alias", "detach", "as_strided", "split", "split_with_sizes", "chunk",
+    "unbind", "getitem", "contiguous",
 }  # fmt: skip
-_ACTIVATIONS = {"relu": "relu", "relu6": "relu6", "sigmoid": "sigmoid", "tanh": "tanh", "silu": "silu",
-                "hardswish": "hardswish"}  # fmt: skip
-_DROPPED = {"dropout", "clone", "contiguous", "detach", "alias", "_to_copy", "feature_dropout", "lift_fresh_copy"}
-SUPPORTED = (*HANDLERS, *_ACTIVATIONS, *sorted(_DROPPED))
 
 
-def _op_name(target) -> str:
-    """aten.conv2d.default -> conv2d; operator.getitem -> getitem."""
-    if target is operator.getitem:
-        return "getitem"
-    name = getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
-    return name.split(".")[0]
+class Exporter:
+    """One torch.export program on its way to the format's graph: what each FX node's value is (`vals`: a View of a
+    graph tensor; `consts`: parameters, buffers and what was computed from them alone) and the graph so far (`g`).
+    Handlers (torch_ops/) read their arguments through `data`, `view` and `const`, and write through `emit`."""
 
-
-class _Exporter:
     def __init__(self, program: torch.export.ExportedProgram):
         self.program = program
         self.g = GraphBuilder()
-        self.consts: dict[str, torch.Tensor] = {}  # FX node name -> constant tensor (parameters, buffers, folds)
-        self.alias: dict[str, str] = {}
+        self.consts: dict[str, Any] = {}  # FX node name -> constant tensor (parameters, buffers, folds)
+        self.vals: dict[str, View] = {}  # FX node name -> what its value is in the graph
+        self.order: dict[fx.Node, int] = {}
         self.input_name = ""
+        self.output = ""
+        self.batch = ""  # the batch dimension's symbol, as the example's shapes print it
 
-    def refuse(self, node, why: str):
-        raise ModelFormatError(f"node {node.name!r} ({node.target}): {why}")
+    # ---- messages ----
 
-    def _resolve(self, name: str) -> str:
-        while name in self.alias:
-            name = self.alias[name]
-        return name
+    def refuse(self, node: fx.Node, why: str, accepts: str) -> NoReturn:
+        """Refuse `node`: its name, its ATen op, the shapes it reads, why, and what would be accepted."""
+        reads = [self.describe(a) for a in _node_args(node) if not _is_size(a)]
+        reading = f", reading {', '.join(reads)}" if reads else ""
+        raise ModelFormatError(f"node {node.name!r} ({node.target}{reading}): {why}; {accepts}")
 
-    def _data(self, node, arg) -> str:
-        if not isinstance(arg, torch.fx.Node):
-            self.refuse(node, f"reads {arg!r} where fusedserve expects a tensor computed from the input")
-        name = self._resolve(arg.name)
-        if name not in self.g.shapes:
-            self.refuse(node, f"reads {arg.name!r}, which is not computed from the input")
-        return name
+    def describe(self, arg) -> str:
+        """An argument as messages show it: `'conv2d' (N, 4, 8, 8)`, `the constant 'p_fc_weight' (10, 4)`."""
+        if not isinstance(arg, fx.Node):
+            return repr(arg)
+        what = "the constant " if arg.name in self.consts else ""
+        return f"{what}{arg.name!r} {self.shape_text(arg.meta.get('val'))}"
 
-    def _const(self, node, arg, role: str, optional: bool = False) -> np.ndarray | None:
+    def shape_text(self, val) -> str:
+        if isinstance(val, torch.Tensor):
+            dims = ["N" if str(d) == self.batch else str(d) for d in val.shape]
+            return f"({', '.join(dims)}{',' if len(dims) == 1 else ''})"
+        if isinstance(val, (list, tuple)):
+            return f"(a tuple of {len(val)})"
+        return f"({val!r})"
+
+    # ---- reading a node's arguments ----
+
+    def view(self, node: fx.Node, arg) -> View:
+        """What `arg` (an argument of `node`) is in the graph; refuses what is not computed from the input."""
+        if not isinstance(arg, fx.Node) or arg.name not in self.vals:
+            got = "a constant" if isinstance(arg, fx.Node) and arg.name in self.consts else repr(arg)
+            self.refuse(
+                node,
+                f"reads {got} where it needs a tensor computed from the input",
+                "fusedserve maps ops whose data is the input or computed from it (constants as weights)",
+            )
+        return self.vals[arg.name]
+
+    def data(self, node: fx.Node, arg, accepts: str | None = None) -> str:
+        """The graph tensor that `arg` is (a plain view); refuses the other views, saying what would read them."""
+        v = self.view(node, arg)
+        if v.kind != PLAIN:
+            what, readers = _VIEW_READERS[v.kind]
+            self.refuse(node, f"reads {self.describe(arg)}, {what}", accepts or readers)
+        return v.tensor
+
+    def is_const(self, arg) -> bool:
+        """A parameter, buffer or fold (an FX node), or a number."""
+        if isinstance(arg, fx.Node):
+            return arg.name in self.consts
+        return isinstance(arg, (int, float)) and not isinstance(arg, bool)
+
+    def const(self, node: fx.Node, arg, role: str, optional: bool = False) -> np.ndarray | None:
+        """A constant argument in float64 (None where optional and absent)."""
         if arg is None and optional:
             return None
-        if not isinstance(arg, torch.fx.Node) or arg.name not in self.consts:
-            self.refuse(node, f"its {role} is not a parameter or constant; fusedserve needs constant weights")
+        if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+            return np.asarray(float(arg))
+        if not isinstance(arg, fx.Node) or not isinstance(self.consts.get(arg.name), torch.Tensor):
+            self.refuse(
+                node,
+                f"its {role} {self.describe(arg)} is computed from the input",
+                f"fusedserve needs a constant {role} (a parameter, buffer or number)",
+            )
         return self.consts[arg.name].detach().to(torch.float64).cpu().numpy()
 
-    @staticmethod
-    def _row_shape(node) -> tuple[int, ...]:
-        val = node.meta.get("val")
-        return tuple(int(d) for d in val.shape[1:])
+    def shape(self, tensor: str) -> tuple[int, ...]:
+        """A graph tensor's per-row shape (channel first)."""
+        return self.g.shapes[tensor]
+
+    def row_shape(self, node: fx.Node) -> tuple[int, ...]:
+        """The per-row shape of `node`'s value as torch has it (the batch apart)."""
+        return tuple(int(d) for d in node.meta["val"].shape[1:])
+
+    def bind(self, node: fx.Node) -> Args:
+        """`node`'s arguments by their names in the op's schema, with the schema's defaults."""
+        schema = getattr(node.target, "_schema", None)
+        if schema is None:  # operator.getitem and other Python functions
+            return {**{f"arg{i}": a for i, a in enumerate(node.args)}, **node.kwargs}
+        out: Args = {}
+        for i, arg in enumerate(schema.arguments):
+            if i < len(node.args) and not arg.kwarg_only:
+                out[arg.name] = node.args[i]
+            elif arg.name in node.kwargs:
+                out[arg.name] = node.kwargs[arg.name]
+            elif arg.has_default_value():
+                out[arg.name] = arg.default_value
+        for one, other in (("self", "input"), ("input", "self")):  # dropout_(self, ...) is dropout(input, ...)
+            if one in out and other not in out:
+                out[other] = out[one]
+        return out
+
+    # ---- writing ----
+
+    def same(self, node: fx.Node, view: View) -> None:
+        """`node` is `view` (an alias: nothing emitted)."""
+        self.vals[node.name] = view
+
+    def emit(
+        self,
+        node: fx.Node,
+        op: str,
+        inputs: list[str],
+        *,
+        weights: dict[str, np.ndarray | None] | None = None,
+        shape: tuple[int, ...] | None = None,
+        kind: str = PLAIN,
+        item: str = PLAIN,
+        output: str | None = None,
+        name: str | None = None,
+        **fields,
+    ) -> str:
+        """Add op `op` reading `inputs`, with `weights` stored as `<op name>.<role>` and `fields`; its output (default:
+        the node's name, whose value it becomes, as a `kind` view) has per-row `shape` (default: the node's).
+        Returns the output's name."""
+        name = self.g.op_name(name or node.name)
+        out = output or node.name
+        spec = {"op": op, "name": name, "inputs": inputs, "output": out}
+        for role, value in (weights or {}).items():
+            if value is not None:
+                spec[role] = self.g.weight(name, role, value)
+        self.g.add({**spec, **fields}, self.row_shape(node) if shape is None else tuple(shape))
+        if output is None:
+            self.vals[node.name] = View(kind, out, item=item)
+        return out
+
+    # ---- the walk ----
 
     def run(self) -> GraphBuilder:
         sig = self.program.graph_signature
         state = {**self.program.state_dict, **self.program.constants}
         by_input = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
-        user_inputs = [n for n in self.program.graph.nodes if n.op == "placeholder" and n.name in sig.user_inputs]
+        nodes = list(self.program.graph.nodes)
+        self.order = {n: i for i, n in enumerate(nodes)}
+        user_inputs = [n for n in nodes if n.op == "placeholder" and n.name in sig.user_inputs]
         if len(user_inputs) != 1:
             names = ", ".join(repr(n.name) for n in user_inputs)
             raise ModelFormatError(f"the module takes {len(user_inputs)} inputs ({names}); fusedserve serves one input")
-        for node in self.program.graph.nodes:
+        for node in nodes:
             if node.op == "placeholder":
                 if node in user_inputs:
                     self.input_name = node.name
-                    self.g.shapes[node.name] = self._row_shape(node)
+                    self.batch = str(node.meta["val"].shape[0])
+                    self.g.shapes[node.name] = self.row_shape(node)
+                    self.vals[node.name] = View(PLAIN, node.name)
                 elif node.name in by_input:
                     self.consts[node.name] = state[by_input[node.name]]
             elif node.op == "call_function":
                 self._call(node)
             elif node.op == "output":
-                outs = [a for a in node.args[0] if a is not None]
-                if len(outs) != 1:
-                    raise ModelFormatError(f"the module returns {len(outs)} values; fusedserve serves one output")
-                self.output = self._resolve(outs[0].name)
-        if self.output not in self.g.producer:
-            raise ModelFormatError("the module's output is not computed from its input")
+                self._output(node)
         return self.g
 
-    def _call(self, node) -> None:
-        name = _op_name(node.target)
-        args, kwargs = list(node.args), dict(node.kwargs)
-        read: list[torch.fx.Node] = []
-        torch.fx.node.map_arg((args, kwargs), read.append)
-        if name == "sym_size" or (read and all(a.name in self.consts for a in read)):
-            self._fold(node, name, args, kwargs)
-            return
-        if name == "getitem":  # batch norm's outputs: the first is the result
-            source, index = args
-            if index != 0:
-                self.refuse(node, "reads a batch norm's saved statistics; fusedserve runs inference")
-            self.alias[node.name] = self._resolve(source.name)
-            return
-        if name in _DROPPED:
-            if name in ("dropout", "feature_dropout") and len(args) > 2 and args[2]:
-                self.refuse(node, "dropout in training mode; call module.eval() before exporting")
-            self.alias[node.name] = self._data(node, args[0])
-            return
-        if name in _ACTIVATIONS:
-            self._activation(node, _ACTIVATIONS[name], args[0])
-        elif name in HANDLERS:
-            getattr(self, HANDLERS[name])(node, args, kwargs)
-        else:
-            self.refuse(node, f"not supported; fusedserve exports the ATen ops {', '.join(SUPPORTED)}")
+    def _output(self, node: fx.Node) -> None:
+        outs = [a for a in node.args[0] if a is not None]
+        if len(outs) != 1:
+            raise ModelFormatError(f"the module returns {len(outs)} values; fusedserve serves one output")
+        out = outs[0]
+        if not isinstance(out, fx.Node) or out.name not in self.vals or out.name == self.input_name:
+            raise ModelFormatError("the module's output is not computed from its input")
+        v = self.vals[out.name]
+        if v.kind != PLAIN:
+            what, _ = _VIEW_READERS[v.kind]
+            raise ModelFormatError(
+                f"the module's output {self.describe(out)} is {what}; fusedserve answers with a tensor of the graph "
+                "(permute a channels-last view back, flatten it)"
+            )
+        if v.tensor == self.input_name:
+            raise ModelFormatError("the module's output is its input")
+        self.output = v.tensor
 
-    def _fold(self, node, name, args, kwargs) -> None:
-        """An op on constants alone (or the batch size): evaluated now."""
-        if name == "sym_size":
-            return  # the batch size, read by a view that flattens (see _view)
+    def _call(self, node: fx.Node) -> None:
+        name = op_name(node.target)
+        val = node.meta.get("val")
+        if not _tensor_valued(val):
+            return  # a size (x.size(0), n // groups) or an assertion: nothing to map
+        if all(self.is_const(a) for a in _node_args(node)):
+            self._fold(node)
+            return
+        if isinstance(val, torch.Tensor) and (val.dim() == 0 or str(val.shape[0]) != self.batch):
+            self.refuse(
+                node,
+                f"its result has shape {self.shape_text(val)}: the batch dimension N is not its first alone",
+                "fusedserve maps ops that keep each row apart (batch first, never merged with another dimension)",
+            )
+        base = name
+        if name.endswith("_") and not name.startswith("_") and name[:-1] in HANDLERS:
+            self._check_in_place(node)
+            base = name[:-1]
+        handler = HANDLERS.get(base)
+        if handler is None:
+            self.refuse(node, "not supported", f"fusedserve exports the ATen ops {', '.join(sorted(HANDLERS))}")
+        handler(self, node, self.bind(node))
 
-        def value(a):
-            return self.consts[a.name] if isinstance(a, torch.fx.Node) else a
+    def _fold(self, node: fx.Node) -> None:
+        """An op on constants alone: evaluated now."""
 
-        result = node.target(*torch.fx.node.map_arg(args, value), **torch.fx.node.map_arg(kwargs, value))
+        in_place = op_name(node.target).endswith("_")
+
+        def value(a):  # an in-place op changes a copy, never the module's own parameter
+            if not isinstance(a, fx.Node):
+                return a
+            c = self.consts[a.name]
+            return c.clone() if in_place and isinstance(c, torch.Tensor) else c
+
+        args = fx.node.map_arg(node.args, value)
+        kwargs = fx.node.map_arg(node.kwargs, value)
+        result = node.target(*args, **kwargs)
         if isinstance(result, torch.Tensor):
-            self.consts[node.name] = result.detach()
+            result = result.detach()
+        self.consts[node.name] = result
 
-    def _emit(self, node, op: dict, inputs: list[str]) -> None:
-        op = {"op": op["op"], "name": self.g.op_name(node.name), "inputs": inputs, "output": node.name,
-              **{k: v for k, v in op.items() if k != "op"}}  # fmt: skip
-        self.g.add(op, self._row_shape(node))
-
-    def _activation(self, node, kind: str, x_arg, **extra) -> None:
-        self._emit(node, {"op": kind, **extra}, [self._data(node, x_arg)])
-
-    # ---- ops ----
-
-    def _conv2d(self, node, args, kwargs) -> None:
-        names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-        a = {**dict(zip(names, args, strict=False)), **kwargs}
-        self._conv(node, a)
-
-    def _convolution(self, node, args, kwargs) -> None:
-        names = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups")
-        a = {**dict(zip(names, args, strict=False)), **kwargs}
-        if a.get("transposed"):
-            self.refuse(node, "a transposed convolution is not supported")
-        self._conv(node, a)
-
-    def _conv(self, node, a: dict) -> None:
-        x = self._data(node, a["input"])
-        w = self._const(node, a["weight"], "weight")
-        if w.ndim != 4:
-            self.refuse(node, f"weight of shape {w.shape}: only 2-D convolutions are supported")
-        b = self._const(node, a.get("bias"), "bias", optional=True)
-        stride, dilation = _pair(a.get("stride") or 1), _pair(a.get("dilation") or 1)
-        padding = a.get("padding", 0)
-        if isinstance(padding, str):
-            if padding == "valid":
-                padding = [0, 0]
-            else:  # "same": symmetric where each dilation * (kernel - 1) is even
-                totals = [d * (k - 1) for d, k in zip(dilation, w.shape[2:], strict=True)]
-                if any(t % 2 for t in totals):
-                    self.refuse(
-                        node, "padding='same' with an even kernel pads unevenly; fusedserve pads both sides alike"
-                    )
-                padding = [t // 2 for t in totals]
-        else:
-            padding = _pair(padding)
-        name = self.g.op_name(node.name)
-        op = {"op": "conv2d", "name": name, "inputs": [x], "output": node.name,
-              "weight": self.g.weight(name, "weight", w)}  # fmt: skip
-        if b is not None:
-            op["bias"] = self.g.weight(name, "bias", b)
-        op.update(stride=stride, padding=padding, dilation=dilation, groups=int(a.get("groups", 1) or 1))
-        self.g.add(op, self._row_shape(node))
-
-    def _batch_norm(self, node, args, kwargs) -> None:
-        names = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
-        a = {**dict(zip(names, args, strict=False)), **kwargs}
-        if a.get("training"):
-            self.refuse(node, "batch norm in training mode; call module.eval() before exporting")
-        self._bn(node, a)
-
-    def _native_bn(self, node, args, kwargs) -> None:
-        names = ("input", "weight", "bias", "running_mean", "running_var", "momentum", "eps")
-        self._bn(node, {**dict(zip(names, args, strict=False)), **kwargs})
-
-    def _bn(self, node, a: dict) -> None:
-        x = self._data(node, a["input"])
-        channels = self.g.shapes[x][0]
-        name = self.g.op_name(node.name)
-        op = {"op": "batchnorm", "name": name, "inputs": [x], "output": node.name}
-        for role, key, default in (("weight", "weight", 1.0), ("bias", "bias", 0.0), ("mean", "running_mean", None),
-                                   ("var", "running_var", None)):  # fmt: skip
-            value = self._const(node, a.get(key), role, optional=default is not None)
-            op[role] = self.g.weight(name, role, np.full(channels, default) if value is None else value)
-        op["eps"] = float(a.get("eps", 1e-5))
-        self.g.add(op, self.g.shapes[x])
-
-    def _linear_op(self, node, x_arg, w: np.ndarray, b: np.ndarray | None) -> None:
-        """A linear layer: w (N, K), b (N,) or None."""
-        x = self._data(node, x_arg)
-        if len(self.g.shapes[x]) != 1:
-            self.refuse(node, f"reads per-row shape {self.g.shapes[x]}; a linear layer needs (rows, features)")
-        name = self.g.op_name(node.name)
-        op = {"op": "linear", "name": name, "inputs": [x], "output": node.name,
-              "weight": self.g.weight(name, "weight", w)}  # fmt: skip
-        if b is not None:
-            op["bias"] = self.g.weight(name, "bias", np.broadcast_to(b, (w.shape[0],)))
-        self.g.add(op, self._row_shape(node))
-
-    def _linear(self, node, args, kwargs) -> None:
-        bias = args[2] if len(args) > 2 else kwargs.get("bias")
-        self._linear_op(node, args[0], self._const(node, args[1], "weight"), self._const(node, bias, "bias", True))
-
-    def _addmm(self, node, args, kwargs) -> None:  # bias + x @ w_t
-        beta, alpha = float(kwargs.get("beta", 1)), float(kwargs.get("alpha", 1))
-        w = self._const(node, args[2], "weight").T * alpha
-        self._linear_op(node, args[1], w, self._const(node, args[0], "bias") * beta)
-
-    def _mm(self, node, args, kwargs) -> None:
-        w = self._const(node, args[1], "weight")
-        if w.ndim != 2:
-            self.refuse(node, f"weight of shape {w.shape}: only a 2-D (K, N) weight is supported")
-        self._linear_op(node, args[0], w.T, None)
-
-    def _add(self, node, args, kwargs) -> None:
-        alpha = kwargs.get("alpha", 1)
-        a, b = args[0], args[1]
-        consts = [v for v in (a, b) if not isinstance(v, torch.fx.Node) or v.name in self.consts]
-        if not consts:
-            if alpha != 1:
-                self.refuse(node, f"add with alpha {alpha}: only a plain sum of two tensors")
-            xa, xb = self._data(node, a), self._data(node, b)
-            if self.g.shapes[xa] != self.g.shapes[xb]:
-                self.refuse(node, f"adds per-row shapes {self.g.shapes[xa]} and {self.g.shapes[xb]}; only one shape")
-            self._emit(node, {"op": "add"}, [xa, xb])
-            return
-        data = a if consts[0] is b else b
-        x = self._data(node, data)
-        c = consts[0]
-        c = np.asarray(self.consts[c.name].detach().double().cpu() if isinstance(c, torch.fx.Node) else c)
-        producer = self.g.producer.get(x)
-        if producer is None or producer["op"] not in ("linear", "conv2d") or len(data.users) != 1:
-            self.refuse(node, "adds a constant to a tensor other than a conv's or linear's output (read by this add "
-                        "alone); fusedserve supports such adds only as that layer's bias")  # fmt: skip
-        channels = self.g.shapes[x][0]
-        if c.size == 1:
-            add = np.full(channels, float(c.reshape(-1)[0]))
-        elif c.size == channels and [d for d in c.shape if d != 1] == [channels]:
-            add = c.reshape(channels)
-        else:
-            self.refuse(node, f"adds a constant of shape {c.shape}: only one value per channel is a bias")
-        if "bias" in producer:
-            add = add + self.g.tensors[producer["bias"]].double().numpy()
-        producer["bias"] = self.g.weight(producer["name"], "bias", add * alpha if data is a else add)
-        self.alias[node.name] = x
-
-    def _hardtanh(self, node, args, kwargs) -> None:
-        lo = args[1] if len(args) > 1 else kwargs.get("min_val", -1.0)
-        hi = args[2] if len(args) > 2 else kwargs.get("max_val", 1.0)
-        if (lo, hi) == (0, 6):
-            self._activation(node, "relu6", args[0])
-        elif lo == 0 and hi == math.inf:
-            self._activation(node, "relu", args[0])
-        else:
-            self.refuse(node, f"hardtanh({lo}, {hi}): only (0, 6), ReLU6, is supported")
-
-    def _leaky_relu(self, node, args, kwargs) -> None:
-        slope = args[1] if len(args) > 1 else kwargs.get("negative_slope", 0.01)
-        self._activation(node, "leaky_relu", args[0], negative_slope=float(slope))
-
-    def _gelu(self, node, args, kwargs) -> None:
-        self._activation(node, "gelu", args[0], approximate=kwargs.get("approximate", "none"))
-
-    def _max_pool2d(self, node, args, kwargs) -> None:
-        names = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode")
-        a = {**dict(zip(names, args, strict=False)), **kwargs}
-        if any(d != 1 for d in _pair(a.get("dilation", 1))):
-            self.refuse(node, "dilation other than 1 is not supported")
-        self._pool(node, "maxpool2d", a)
-
-    def _avg_pool2d(self, node, args, kwargs) -> None:
-        names = ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
-        a = {**dict(zip(names, args, strict=False)), **kwargs}
-        if a.get("divisor_override") is not None:
-            self.refuse(node, "divisor_override is not supported")
-        self._pool(node, "avgpool2d", a)
-
-    def _pool(self, node, kind: str, a: dict) -> None:
-        kernel = _pair(a["kernel_size"])
-        stride = _pair(a.get("stride") or kernel)
-        op = {"op": kind, "kernel_size": kernel, "stride": stride, "padding": _pair(a.get("padding", 0)),
-              "ceil_mode": bool(a.get("ceil_mode", False))}  # fmt: skip
-        if kind == "avgpool2d":
-            op["count_include_pad"] = bool(a.get("count_include_pad", True))
-        self._emit(node, op, [self._data(node, a["input"])])
-
-    def _adaptive_avg_pool2d(self, node, args, kwargs) -> None:
-        x = self._data(node, args[0])
-        if _pair(args[1]) != [1, 1]:
-            self.refuse(node, f"output size {args[1]}: only adaptive pooling to 1x1 (global) is supported")
-        self._emit(node, {"op": "avgpool2d", "kernel_size": list(self.g.shapes[x][1:])}, [x])
-
-    def _mean(self, node, args, kwargs) -> None:
-        x = self._data(node, args[0])
-        dims = args[1] if len(args) > 1 else kwargs.get("dim")
-        keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-        if len(self.g.shapes[x]) != 3 or sorted(d % 4 for d in (dims or [])) != [2, 3]:
-            self.refuse(node, f"mean over {dims}: only the mean over height and width (dims 2, 3) is supported")
-        c, h, w = self.g.shapes[x]
-        name = self.g.op_name(node.name)
-        pooled = node.name if keep else f"{node.name}:pooled"
-        op = {"op": "avgpool2d", "name": name, "inputs": [x], "output": pooled, "kernel_size": [h, w]}
-        self.g.add(op, (c, 1, 1))
-        if not keep:
-            flat = {"op": "flatten", "name": self.g.op_name(f"{name}:flatten"), "inputs": [pooled], "output": node.name}
-            self.g.add(flat, (c,))
-
-    def _flatten(self, node, args, kwargs) -> None:
-        x = self._data(node, args[0])
-        start = args[1] if len(args) > 1 else kwargs.get("start_dim", 0)
-        end = args[2] if len(args) > 2 else kwargs.get("end_dim", -1)
-        if start != 1 or end not in (-1, len(self.g.shapes[x])):
-            self.refuse(node, f"flatten({start}, {end}): only flatten(1), to (rows, features), is supported")
-        self._to_vector(node, x)
-
-    def _view(self, node, args, kwargs) -> None:
-        x = self._data(node, args[0])
-        shape = self._row_shape(node)
-        if shape != (math.prod(self.g.shapes[x]),) and shape != self.g.shapes[x]:
-            self.refuse(node, f"reshapes per-row {self.g.shapes[x]} to {shape}: only flattening to (rows, features)")
-        self._to_vector(node, x)
-
-    def _to_vector(self, node, x: str) -> None:
-        if self._row_shape(node) == self.g.shapes[x]:
-            self.alias[node.name] = x
-        else:
-            self._emit(node, {"op": "flatten"}, [x])
-
-    def _cat(self, node, args, kwargs) -> None:
-        xs = [self._data(node, a) for a in args[0]]
-        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-        rank = len(self.g.shapes[xs[0]]) + 1
-        if (dim + rank if dim < 0 else dim) != 1:
-            self.refuse(node, f"cat along dim {dim}: only along channels (dim 1)")
-        self._emit(node, {"op": "concat"}, xs)
-
-    def _softmax(self, node, args, kwargs) -> None:
-        x = self._data(node, args[0])
-        dim = args[1] if len(args) > 1 else kwargs.get("dim")
-        if len(self.g.shapes[x]) != 1 or dim not in (1, -1):
-            self.refuse(node, f"softmax over dim {dim} of per-row shape {self.g.shapes[x]}: only over the features")
-        if any(u.op != "output" for u in node.users):
-            self.refuse(node, "softmax is supported only as the module's output")
-        self._emit(node, {"op": "softmax"}, [x])
+    def _check_in_place(self, node: fx.Node) -> None:
+        """An in-place op maps to its functional op only where nothing reads the old value (or a tensor sharing its
+        storage: the base of a view) after it."""
+        src = node.args[0] if node.args else None
+        chain = [src]
+        while isinstance(chain[-1], fx.Node) and op_name(chain[-1].target) in _VIEW_OPS and chain[-1].args:
+            nxt = chain[-1].args[0]
+            if not isinstance(nxt, fx.Node) or (op_name(chain[-1].target) == "getitem" and nxt.name in self.vals
+                                                 and self.vals[nxt.name].kind == RESULT):  # fmt: skip
+                break
+            chain.append(nxt)
+        for t in chain:
+            if not isinstance(t, fx.Node):
+                continue
+            later = [u for u in t.users if u is not node and self.order.get(u, -1) > self.order[node]]
+            later = [u for u in later if u not in chain]
+            if later:
+                shared = "" if t is src else f" (sharing the storage of {t.name!r})"
+                self.refuse(
+                    node,
+                    f"changes {src.name!r}{shared} in place, and {later[0].name!r} reads that tensor afterwards",
+                    "fusedserve maps an in-place op as its functional op, where nothing reads the old value after it",
+                )
 
 
-def _pair(v) -> list[int]:
-    return [int(v), int(v)] if isinstance(v, int) else [int(i) for i in (list(v) * 2)[:2]]
+def _node_args(node: fx.Node) -> list[fx.Node]:
+    read: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), read.append)
+    return list(dict.fromkeys(read))
+
+
+def _tensor_valued(val) -> bool:
+    if isinstance(val, torch.Tensor):
+        return True
+    return isinstance(val, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in val)
+
+
+def _is_size(arg) -> bool:
+    """An FX node whose value is a size (x.size(0)), not a tensor."""
+    return isinstance(arg, fx.Node) and not _tensor_valued(arg.meta.get("val")) and arg.op != "placeholder"
 
 
 def import_module(
@@ -422,9 +382,9 @@ def import_module(
             )
     except Exception as e:  # noqa: BLE001 (torch.export raises many kinds; say which step failed)
         raise ModelFormatError(f"torch.export could not trace the module: {type(e).__name__}: {e}") from None
-    exporter = _Exporter(program)
+    exporter = Exporter(program)
     g = exporter.run()
-    if g.ops[-1]["output"] != exporter.output:
+    if not g.ops or g.ops[-1]["output"] != exporter.output:
         raise ModelFormatError("the module's output is not written by its last op")
     config = {
         "format": FORMAT_V2,
