@@ -70,6 +70,28 @@ def conv2d(
     return torch_activation(y, activation, negative_slope)
 
 
+def conv2d_grouped(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+    *,
+    stride=(1, 1),
+    padding=(0, 0),
+    dilation=(1, 1),
+    groups: int,
+    negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """act(conv2d(x, weight, groups=groups) + bias [+ residual]) as eager torch runs a grouped or depthwise conv:
+    F.conv2d with groups and the bias (cuDNN's grouped kernel), the residual (the conv's output shape) as its own add,
+    then the activation as its own kernel. weight (OC, C / groups, KH, KW)."""
+    y = F.conv2d(x, weight, bias, stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation), groups=groups)
+    if residual is not None:
+        y = y + residual
+    return torch_activation(y, activation, negative_slope)
+
+
 def normalize_input(x: torch.Tensor, mean, std, *, dtype: torch.dtype) -> torch.Tensor:
     """(x - mean[c]) / std[c] per channel (dim 1) in dtype: computed in fp32 (float64 for a float64 dtype) from x
     as given (uint8 pixels or floats), then rounded once to dtype, as the fused conv rounds its normalized operand."""
