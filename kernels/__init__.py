@@ -8,6 +8,7 @@ choose_backend()
 
 from .activations import ACTIVATIONS, DEFAULT_NEGATIVE_SLOPE  # noqa: E402
 from .conv import fused_conv2d  # noqa: E402
+from .conv_grouped import fused_conv2d_grouped  # noqa: E402
 from .elementwise import fused_activation  # noqa: E402
 from .linear import SUPPORTED_DTYPES, FusedLinear, fused_linear  # noqa: E402
 from .pool import fused_pool2d  # noqa: E402
@@ -19,6 +20,7 @@ __all__ = [
     "FusedLinear",
     "fused_activation",
     "fused_conv2d",
+    "fused_conv2d_grouped",
     "fused_linear",
     "fused_pool2d",
     "interpreting",
