@@ -9,18 +9,19 @@ group o // OCG and reads the CG input channels (o // OCG) * CG + [0, CG). Depthw
 multiplier OCG > 1: output o reads input channel o // OCG).
 
 Two kernels:
-- `_conv2d_direct_kernel` (depthwise): a direct convolution. A program computes
-  BLOCK_P output pixels x BLOCK_C output channels, looping over the KH x KW taps and each group's CG channels with
-  fp32 FMAs: a depthwise 3x3 does 9 multiply-adds per output, no reduction a tensor core could take. With
-  channels_last x each pixel's channels are contiguous, so for depthwise a tap is one 16-byte-vector load of the
-  tile; with NCHW x the tile is laid out pixels-first (a warp's threads along a row of pixels, not across planes).
+- `_conv2d_direct_kernel` (depthwise): a direct convolution. A program computes BLOCK_P output pixels x BLOCK_C
+  output channels, looping over the KH x KW taps (and each group's CG channels) with fp32 FMAs: a depthwise 3x3 does
+  9 multiply-adds an output, no reduction a tensor core could take. With channels_last x each pixel's channels are
+  contiguous, so a tap is one 16-byte-vector load of the tile; with NCHW x the tile is laid out pixels-first (a
+  warp's threads along a row of pixels, not across planes). It computes wider groups right too, but 16x slower than
+  the GEMM below on ResNeXt's groups of 4 (the tuner never offers it there; tests force it).
 - `_conv2d_grouped_kernel` (CG > 1): an implicit GEMM per tile, as conv.py's. A tile holds BLOCK_N output channels
   of whole groups: GPT = BLOCK_N // OCG groups when a group is narrower than the tile (ResNeXt 32x4d: 4 channels
-  a group, 4 groups a 16-wide tile), else BLOCK_N channels of one group. Per tap, K is the GPT * CG input channels of
-  the tile's groups (contiguous in channels_last x), BLOCK_K at a time, and the weight tile is block-diagonal: the
-  element for input channel k and output column j is W[o_j, k - CG * group(j)] where k is in column j's group, else
-  0. So a 4-channel group runs on the tensor cores at 1/GPT of their useful rate (4x the multiply-adds for 4 groups
-  a tile) instead of on the CUDA cores, with vector loads of x; wide groups (RegNet's 8-64+) waste nothing.
+  a group, 4 or 8 groups a 16- or 32-wide tile), else BLOCK_N channels of one group. Per tap, K is the GPT * CG input
+  channels of the tile's groups (contiguous in channels_last x), BLOCK_K at a time, and the weight tile is
+  block-diagonal: the element for input channel k and output column j is W[o_j, k - CG * group(j)] where k is in
+  column j's group, else 0. So 4-channel groups run on the tensor cores at 1/GPT of their rate (GPT times the
+  multiply-adds) instead of on the CUDA cores, with vector loads of x; groups of 16, 32 or 64 channels waste nothing.
 
 The layer's shape is compile-time and the batch run-time, as in conv.py: one compiled kernel per layer and config
 serves every batch size. Layouts: x in NCHW or channels_last memory (any strides, in fact); y in `memory_format`.
