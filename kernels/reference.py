@@ -126,3 +126,25 @@ def pool2d(
     else:
         raise ValueError(f"unknown pooling kind {kind!r}; expected 'avg' or 'max'")
     return torch_activation(y, activation, negative_slope)
+
+
+def layernorm_channels(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    activation: str = "none",
+    *,
+    negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
+) -> torch.Tensor:
+    """act(layer norm over dim 1) of x (N, C, H, W) or (N, C), as eager torch runs ConvNeXt's LayerNorm2d: permute to
+    channels last, F.layer_norm over C (biased variance, + eps), permute back (a channels_last-strided view), then the
+    activation as its own kernel. weight, bias (C,) are cast to x's dtype where they differ, as a model held in x's
+    dtype stores them."""
+    weight = None if weight is None else weight.to(x.dtype)
+    bias = None if bias is None else bias.to(x.dtype)
+    if x.dim() == 2:
+        y = F.layer_norm(x, (x.shape[1],), weight, bias, eps)
+    else:
+        y = F.layer_norm(x.permute(0, 2, 3, 1), (x.shape[1],), weight, bias, eps).permute(0, 3, 1, 2)
+    return torch_activation(y, activation, negative_slope)
