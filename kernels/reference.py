@@ -54,6 +54,7 @@ def conv2d(
     negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
     residual: torch.Tensor | None = None,
     normalize: tuple | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act(conv2d(x, weight) + bias [+ residual]) as eager torch runs it: F.conv2d with the bias (cuDNN adds it
     in the conv kernel, or as its own add), the residual (the conv's output shape) as its own add, as a ResNet
@@ -61,7 +62,16 @@ def conv2d(
 
     normalize: None, or (mean, std) per input channel: x (uint8 pixels or any float dtype) becomes (x - mean) / std
     in the weight's dtype first (`normalize_input`, two more kernels), and the conv pads that with zeros, as
-    conv2d((x - mean) / std, padding=p) does."""
+    conv2d((x - mean) / std, padding=p) does.
+
+    x_scale: None, or a gate per image and channel, (N, C) or (N, C, 1, 1) (a squeeze-and-excitation block's s): x
+    becomes x * x_scale[:, :, None, None] first, in x's dtype (computed in the wider of the two, rounded once: one more
+    kernel writing the product, two where x_scale is wider than x), and the conv pads that with zeros. Not with
+    normalize."""
+    if x_scale is not None:
+        if normalize is not None:
+            raise ValueError("x_scale and normalize cannot both be given")
+        x = (x * x_scale.reshape(x.shape[0], x.shape[1], 1, 1)).to(x.dtype)
     if normalize is not None:
         x = normalize_input(x, *normalize, dtype=weight.dtype)
     y = F.conv2d(x, weight, bias, stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation))
