@@ -26,6 +26,11 @@ image and exactly 0 in the padding (torch's conv2d((x - mean) / std, padding=p):
 normalization), then rounded to the weights' dtype for tl.dot. x may then be uint8 (a pixel as sent: a quarter of
 fp32's bytes from the client to the GPU) or any float dtype; y takes the weights' dtype.
 
+A per-image per-channel gate of x (a squeeze-and-excitation block's x * s, s of shape (N, C), read by its 1x1
+projection conv): with `x_scale=s` each gathered element of A is x[n, c, ...] * s[n, c] in fp32, rounded once to x's
+dtype, 0 in the padding. Eager torch writes x * s as its own tensor and the conv reads it back: here x is read once
+and the product never goes to memory (2 * N * C * H * W elements fewer moved per SE block).
+
 Layouts: x in torch's contiguous NCHW or channels_last (NHWC) memory format, any strides in fact; y comes
 back in x's memory format. With channels_last both the gathers (along C) and the store (along OC) are
 contiguous: a model should convert its input to channels_last once and stay there (the weights may stay
@@ -66,6 +71,7 @@ from .tuning_background import on_new_picks
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 NORM_X_DTYPES = (torch.uint8, *SUPPORTED_DTYPES)  # x's dtypes with input_norm (pixels as sent)
+X_SCALE_DTYPES = (*SUPPORTED_DTYPES, torch.float64)  # x_scale's dtypes (read in fp32)
 POOL_KERNELS = (_pool_rows_kernel, _pool_channels_kernel)  # in the tuning scope: APART candidates run them
 # The most pool window elements the conv kernel folds itself: it unrolls its whole K loop once per window element
 # (tl.static_range), so a 3x3 window compiles 9 loops, while a global pool of 13x13 (SqueezeNet's classifier conv)
@@ -114,12 +120,30 @@ def _normalized(a, a_ok, scale_ptr, shift_ptr, c, c_ok, DTYPE: tl.constexpr, ROU
     return value.to(DTYPE)
 
 
+@triton.jit
+def _gated(a, a_ok, gate_rows, c, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr, K_AXIS: tl.constexpr = 1):
+    """A gathered (BLOCK_M, BLOCK_K) tile of x at channels `c` (K_AXIS 0: the (BLOCK_K, BLOCK_M) tile) times its
+    gate: x * gate[n, c] in fp32, `gate_rows` (BLOCK_M,) pointing at the gate's row of each tile row's image n, 0
+    where not `a_ok` (the padding: the gate scales real pixels only), rounded once to DTYPE (ROUND_BF16: _normalized).
+    The gate is an (N, C) tensor of a few KB, so these gathers hit L1/L2."""
+    if K_AXIS == 1:
+        gate = tl.load(gate_rows[:, None] + c[None, :], mask=a_ok, other=0.0)
+    else:
+        gate = tl.load(gate_rows[None, :] + c[:, None], mask=a_ok, other=0.0)
+    value = a.to(tl.float32) * gate.to(tl.float32)  # a is 0 where not a_ok, and so is the gate: exactly 0 there
+    if ROUND_BF16:
+        value = round_to_bf16(value)
+    return value.to(DTYPE)
+
+
 @triton.jit(do_not_specialize=["NB"])
 def _conv2d_kernel(
     # pointers (r_ptr: the residual, with y's strides; unused without HAS_RESIDUAL)
     x_ptr, w_ptr, b_ptr, y_ptr, r_ptr,
     ws_ptr, cnt_ptr,  # split-K partial tiles and per-tile arrival counters (tiles.split_k_sum); unused at SPLIT_K 1
-    xs_ptr, xb_ptr,  # fp32 per-channel scale and shift of x (HAS_INPUT_NORM only; else any pointer, never read)
+    # fp32 per-channel scale and shift of x (HAS_INPUT_NORM); or x's (NB, C) contiguous gate, any float dtype, and
+    # None (HAS_X_SCALE, below); else any two pointers, never read
+    xs_ptr, xb_ptr,
     # sizes (the batch NB is the only run-time one; the GEMM's M = NB * OH * OW)
     NB, OC,
     # strides
@@ -152,6 +176,11 @@ def _conv2d_kernel(
     HAS_INPUT_NORM: tl.constexpr = False,  # A = x * scale[c] + shift[c] inside the image, 0 in the padding
 ):  # fmt: skip
     tl.static_assert(POOL == "none" or not HAS_RESIDUAL, "a residual is added to the conv's output, never pooled")
+    # A = x * gate[n, c] (fused_conv2d's x_scale): flagged by a None shift pointer, which Triton makes a compile-time
+    # constant, rather than a parameter of its own, so the kernel's signature (and every other launch's code) is as
+    # before this flag.
+    HAS_X_SCALE: tl.constexpr = xb_ptr is None
+    tl.static_assert(not (HAS_X_SCALE and HAS_INPUT_NORM), "x is normalized or gated, never both")
     if PDL:  # the next layer may start; this one waits for the previous layer (below) before reading x
         gdc_launch_dependents()
     M = NB * (OH * OW)
@@ -173,6 +202,8 @@ def _conv2d_kernel(
     if PDL:
         gdc_wait()
     offs_k = tl.arange(0, BLOCK_K)
+    if HAS_X_SCALE:
+        gate_rows = xs_ptr + n * C  # (BLOCK_M,) each row's image's gates; rows past M are masked at every load
     if POOL == "max":
         result = tl.full((BLOCK_M, BLOCK_N), float("-inf"), dtype=tl.float32)
     else:
@@ -210,6 +241,8 @@ def _conv2d_kernel(
                     a = tl.load(x_corner[:, None] + x_k[None, :], mask=a_ok, other=0.0)
                     if HAS_INPUT_NORM:
                         a = _normalized(a, a_ok, xs_ptr, xb_ptr, c, k_ok, w_ptr.dtype.element_ty, ROUND_BF16)
+                    if HAS_X_SCALE:
+                        a = _gated(a, a_ok, gate_rows, c, w_ptr.dtype.element_ty, ROUND_BF16)
                 else:
                     # NCHW x: along K an element's neighbours lie KW apart at best (runs of 7 for the stem), along M
                     # SW apart (the next output pixel). Gathered as a (BLOCK_K, BLOCK_M) tile, whose default layout
@@ -226,6 +259,8 @@ def _conv2d_kernel(
                     a = tl.load(x_corner[None, :] + x_k[:, None], mask=a_ok, other=0.0)
                     if HAS_INPUT_NORM:
                         a = _normalized(a, a_ok, xs_ptr, xb_ptr, c, k_ok, w_ptr.dtype.element_ty, ROUND_BF16, 0)
+                    if HAS_X_SCALE:
+                        a = _gated(a, a_ok, gate_rows, c, w_ptr.dtype.element_ty, ROUND_BF16, 0)
                     a = tl.trans(a)
                 w_k = c * stride_wc + kh * stride_wh + kw * stride_ww
                 b = tl.load(w_cols[None, :] + w_k[:, None], mask=k_ok[:, None], other=0.0)
@@ -253,6 +288,8 @@ def _conv2d_kernel(
                 a = tl.load(a_tile + x_step, mask=a_ok, other=0.0)
                 if HAS_INPUT_NORM:
                     a = _normalized(a, a_ok, xs_ptr, xb_ptr, c0 + offs_k, c_ok, w_ptr.dtype.element_ty, ROUND_BF16)
+                if HAS_X_SCALE:
+                    a = _gated(a, a_ok, gate_rows, c0 + offs_k, w_ptr.dtype.element_ty, ROUND_BF16)
                 b = tl.load(b_tile + (c0 * stride_wc + kh * stride_wh + kw * stride_ww), mask=c_ok[:, None], other=0.0)
                 if UPCAST_DOT:
                     a = a.to(tl.float32)
@@ -347,6 +384,22 @@ def _check_input_norm(input_norm: tuple, x: torch.Tensor) -> None:
             raise ValueError(f"input_norm's {name} must be contiguous on {x.device}; got one on {t.device}")
 
 
+def _check_x_scale(x_scale, x: torch.Tensor, input_norm: tuple | None) -> torch.Tensor:
+    """x_scale as the kernel reads it: the contiguous (N, C) view of an (N, C) or (N, C, 1, 1) tensor."""
+    N, C = x.shape[:2]
+    if input_norm is not None:
+        raise ValueError("x_scale and input_norm cannot both be given: a normalized input is a model's, never gated")
+    if not isinstance(x_scale, torch.Tensor) or tuple(x_scale.shape) not in ((N, C), (N, C, 1, 1)):
+        got = tuple(x_scale.shape) if isinstance(x_scale, torch.Tensor) else repr(x_scale)
+        want = f"({N}, {C}) or ({N}, {C}, 1, 1), one gate per image and channel of x"
+        raise ValueError(f"x_scale must have shape {want}; got {got}")
+    if x_scale.dtype not in X_SCALE_DTYPES:
+        raise TypeError(f"x_scale has dtype {x_scale.dtype}; want a float dtype (float32, float16, bfloat16, float64)")
+    if x_scale.device != x.device or not x_scale.is_contiguous():
+        raise ValueError(f"x_scale must be contiguous on {x.device}; got one on {x_scale.device}")
+    return x_scale.view(N, C)
+
+
 def input_norm_of(mean, std, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, shift) = (1 / std, -mean / std) per channel, computed in float64 and stored as float32: the
     `input_norm` that makes the conv see (x - mean) / std."""
@@ -391,6 +444,7 @@ def fused_conv2d(
     out: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     input_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act(conv2d(x, weight, bias) [+ residual]); x (N, C, H, W) contiguous NCHW (or channels_last), weight
     (OC, C, KH, KW); returns (N, OC, OH, OW) in x's dtype, channels_last if x or weight is (as torch does), else
@@ -419,10 +473,19 @@ def fused_conv2d(
     the conv reads x * scale[c] + shift[c] inside the image and 0 in the padding, i.e. conv2d((x - mean) / std)
     with the padding after the normalization. x may then be uint8 or any float dtype, and y (and the bias and the
     residual) take the weight's dtype. Never the TMA kernel (it copies x's boxes as they are).
+
+    x_scale: None, or a gate per image and channel of x, shape (N, C) or (N, C, 1, 1), contiguous, on x's device, any
+    float dtype (read in fp32): the conv reads x[n, c] * x_scale[n, c], i.e. act(conv2d(x * x_scale[:, :, None, None],
+    weight, bias) [+ residual]) with the product rounded once to x's dtype and the padding 0, as a squeeze-and-
+    excitation block's projection runs it, without writing and reading x * s. With a residual, a pool, any layout;
+    not with input_norm (ValueError); never the TMA kernel.
     """
     _check(x, weight, bias, activation, input_norm)
     dtype = weight.dtype  # the compute dtype: x's, or with input_norm the weight's (x may be uint8)
     has_norm = input_norm is not None
+    has_xscale = x_scale is not None
+    if has_xscale:
+        x_scale = _check_x_scale(x_scale, x, input_norm)
     s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
     if min(s) < 1 or min(d) < 1 or min(p) < 0:
         raise ValueError(f"stride and dilation must be >= 1 and padding >= 0; got {s}, {d}, {p}")
@@ -444,7 +507,7 @@ def fused_conv2d(
         if PKH * PKW > MAX_POOL_WINDOW:  # too many K loops to unroll: the conv, then the pool in its own kernel
             y = fused_conv2d(x, weight, bias, stride=s, padding=p, dilation=d, activation=activation,
                              negative_slope=negative_slope, allow_tf32=allow_tf32, memory_format=memory_format,
-                             input_norm=input_norm)  # fmt: skip
+                             input_norm=input_norm, x_scale=x_scale)  # fmt: skip
             return fused_pool2d(y, pool[0], (PKH, PKW), (PSH, PSW), out=out)
         POOL = pool[0]
         if OH < PKH or OW < PKW:
@@ -476,7 +539,8 @@ def fused_conv2d(
     fixed = gemm_flags(bias is not None, activation, dtype, allow_tf32, x.device)
     geometry = dict(C=C, H=H, W=W, KH=KH, KW=KW, SH=s[0], SW=s[1], PH=p[0], PW=p[1], DH=d[0], DW=d[1])
     K = C * KH * KW
-    norm = tuple(input_norm) if has_norm else (weight, weight)  # without: pointers never read
+    # xs_ptr, xb_ptr: the scale and shift; or the gate and None (the kernel's HAS_X_SCALE); else never read
+    norm = tuple(input_norm) if has_norm else (x_scale, None) if has_xscale else (weight, weight)
     workspace = _workspaces.get(x.device)
     if workspace is None:
         workspace = _workspaces[x.device] = SplitKWorkspace(x.device)
@@ -504,7 +568,7 @@ def fused_conv2d(
     # The TMA kernel (conv_tma.py) where it can run: x and weight channels_last, 16-byte rows, strides that divide
     # the image; with a residual too (read with pointers at y's offsets, so any layout of y).
     tma_pool = None if POOL == "none" else (POOL, (PKH, PKW), (PSH, PSW))
-    tma = not has_norm and conv_tma.eligible(x, weight, s, tma_pool, out)
+    tma = not has_norm and not has_xscale and conv_tma.eligible(x, weight, s, tma_pool, out)
     tma_geometry = dict(geometry, OH=CH, OW=CW)
 
     def run(config: LaunchConfig):
@@ -529,7 +593,7 @@ def fused_conv2d(
     bucket = m_bucket(M)
     signature = (tuple(weight.shape), weight.stride(), x.shape[1:], x.stride()[1:], x.dtype, s, p, d, activation,
                  bias is not None, fixed["INPUT_PRECISION"], channels_last, y_planes, bucket, POOL, PKH, PKW, PSH, PSW,
-                 tma, has_residual, dtype, has_norm)  # fmt: skip
+                 tma, has_residual, dtype, has_norm, has_xscale)  # fmt: skip
     config = _configs.get(signature)
     if config is None:
         key = (
@@ -543,17 +607,21 @@ def fused_conv2d(
             key += "|residual"
         if has_norm:  # another kernel variant (HAS_INPUT_NORM), gathering x in its own dtype (uint8: 1 byte)
             key += f"|norm|x={x.dtype}"
+        if has_xscale:  # another kernel variant (HAS_X_SCALE): one more gather per K step
+            key += "|xscale"
         if POOL != "none":
             key += f"|pool={POOL}{PKH}x{PKW}s{PSH}x{PSW}"
         # the kernels any candidate runs, with every helper they call (tuning.source_hash)
         scope = scope_for("conv2d", _conv2d_kernel, *POOL_KERNELS, conv_tma._conv2d_tma_kernel)
         fma = dtype == torch.float32 and fixed["INPUT_PRECISION"] == "ieee"
         sms = device_limits(x.device)[0]
-        candidates = cuda_configs(bucket, OC, C, K, fma, POOL != "none", sms, weight.element_size(), has_norm)
+        candidates = cuda_configs(bucket, OC, C, K, fma, POOL != "none", sms, weight.element_size(), has_norm,
+                                  has_xscale)  # fmt: skip
         if POOL != "none" and triton.cdiv(bucket, 64) * triton.cdiv(OC, _fit(OC, 16, 128)) < sms:
             # Pooled, the kernel runs PKH * PKW K loops per tile over a quarter of the tiles (2x2): where that
             # leaves SMs idle, the conv apart at full size (split-K allowed) and then the pool may win.
-            unpooled = cuda_configs(m_bucket(N * CH * CW), OC, C, K, fma, False, sms, weight.element_size(), has_norm)
+            unpooled = cuda_configs(m_bucket(N * CH * CW), OC, C, K, fma, False, sms, weight.element_size(), has_norm,
+                                    has_xscale)  # fmt: skip
             candidates += [LaunchConfig(c.kwargs + (("APART", 1),), c.num_warps, c.num_stages) for c in unpooled]
             # The pool's own tuning runs here, once, not inside the tuner's CUDA-graph capture of a candidate.
             fused_pool2d(torch.empty((N, OC, CH, CW), device=x.device, dtype=dtype, memory_format=fmt),
@@ -584,6 +652,7 @@ def cuda_configs(
     sms: int = 132,
     element_size: int = 2,
     norm: bool = False,
+    gated: bool = False,
 ) -> list[LaunchConfig]:
     """Candidates the tuner times for one layer and M bucket. The GEMM is tall and thin (M up to millions,
     OC 16-128, K = C * KH * KW 9-1152): BLOCK_N covers all of OC when it can, BLOCK_K no wider than K (few
@@ -633,6 +702,10 @@ def cuda_configs(
         for bk in ks:
             for bm, warps, stages in tiles:
                 if (bm > 64 and bucket <= 64) or (norm and bm > 64 and bk > (16 if fma else 32)):
+                    continue
+                # `gated` (x_scale: each gathered tile times its (n, c) gates in fp32): 128x32x64 on 4 warps spilled
+                # 248 bytes (fp16, taps, NCHW x: EfficientNet-B0's 144 -> 24 at 56x56, sm_90; ungated, 112); on 8 not
+                if gated and (bm, warps, bk) == (128, 4, 64):
                     continue
                 # 64x128x64 on 4 warps spilled (224 bytes, fp16, taps, NCHW x: 128 -> 128 at 8x8); on 8 it did not
                 out.append(cfg(8 if (bm, bn, bk) == (64, 128, 64) else warps, stages, bm, bn, bk, flat))
