@@ -125,7 +125,7 @@ def _gated(a, a_ok, gate_rows, c, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr,
     """A gathered (BLOCK_M, BLOCK_K) tile of x at channels `c` (K_AXIS 0: the (BLOCK_K, BLOCK_M) tile) times its
     gate: x * gate[n, c] in fp32, `gate_rows` (BLOCK_M,) pointing at the gate's row of each tile row's image n, 0
     where not `a_ok` (the padding: the gate scales real pixels only), rounded once to DTYPE (ROUND_BF16: _normalized).
-    The gate is an (N, C) tensor of a few KB, so these gathers hit L1/L2."""
+    The gate is (N, C), 1.2 MB at most in fp32 for 256 images of 1152 channels: these gathers hit L1/L2."""
     if K_AXIS == 1:
         gate = tl.load(gate_rows[:, None] + c[None, :], mask=a_ok, other=0.0)
     else:
