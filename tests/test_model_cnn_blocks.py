@@ -17,7 +17,7 @@ from service.model.loader import load_model
 from service.model.planner import ClampStep, Conv2dStep, ElementwiseStep, LayerNormStep, fused_steps
 from service.model.spec import ModelFormatError
 
-from .test_model_graph import DEVICE, _act, _conv, _linear, assert_normwise, reference_forward, write_graph
+from .test_model_graph import DEVICE, _act, _bn, _conv, _linear, assert_normwise, reference_forward, write_graph
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -152,3 +152,67 @@ def test_a_convnext_block_matches_the_reference(tmp_path, mode):
     x = torch.randn(2, 4, 9, 9)
     got = Executor(load_model(d), mode, DEVICE, torch.float32).forward(x.to(DEVICE))
     assert_normwise(got, reference_forward(d, x), 1e-5, mode)
+
+
+def se_graph(c: int = 8):
+    """An MBConv-like block with squeeze-and-excitation, as EfficientNet writes it: 1x1 expand + silu, depthwise 3x3
+    + silu, SE (global pool, 1x1 conv + silu, 1x1 conv + sigmoid, gate * x with the gate first), 1x1 projection +
+    batch norm, + the block's input; then a global pool and a linear. Input c x 7 x 5."""
+    t: dict = {}
+    ops = [
+        _conv("exp", "x", "e", c, 2 * c, k=1, pad=0, t=t), _act("silu", "e", "e1"),
+        _conv("dw", "e1", "d", 2 * c, 2 * c, groups=2 * c, t=t), _act("silu", "d", "d1"),
+        {"op": "avgpool2d", "inputs": ["d1"], "output": "sq", "kernel_size": [7, 5]},
+        _conv("fc1", "sq", "f1", 2 * c, 3, k=1, pad=0, t=t), _act("silu", "f1", "f2"),
+        _conv("fc2", "f2", "f3", 3, 2 * c, k=1, pad=0, t=t), _act("sigmoid", "f3", "gate"),
+        {"op": "mul", "inputs": ["gate", "d1"], "output": "se"},
+        _conv("proj", "se", "p", 2 * c, c, k=1, pad=0, bias=False, t=t), _bn("proj_bn", "p", "pb", c, t),
+        {"op": "add", "inputs": ["pb", "x"], "output": "res"},
+        {"op": "avgpool2d", "inputs": ["res"], "output": "gap", "kernel_size": [7, 5]},
+        {"op": "flatten", "inputs": ["gap"], "output": "flat"}, _linear("fc", "flat", "logits", c, 4, t),
+    ]  # fmt: skip
+    return ops, t
+
+
+def test_an_se_gate_rides_in_the_projection_conv(tmp_path):
+    ops, t = se_graph()
+    model = load_model(write_graph(tmp_path / "m", ops, t, [8, 7, 5]))
+    steps = fused_steps(model.ops, model.tensors, shapes=model.shapes)
+    proj = next(s for s in steps if s.name.startswith("conv2d_4"))
+    assert proj.name == "conv2d_4_gated_bn_add" and proj.gate == "gate" and proj.inputs == ("d1",)
+    assert proj.residual == "x" and not any(isinstance(s, ElementwiseStep) for s in steps)
+    assert torch_parts(proj) == []  # the gate in the kernel's gather
+    # two muls before the conv: it takes the one it reads (se * gate), and gate * d1 stays a step of its own
+    ops.insert(10, {"op": "mul", "inputs": ["se", "gate"], "output": "se2"})
+    ops[11]["inputs"] = ["se2"]
+    model = load_model(write_graph(tmp_path / "m2", ops, t, [8, 7, 5]))
+    steps = fused_steps(model.ops, model.tensors, shapes=model.shapes)
+    assert next(s for s in steps if s.name.startswith("conv2d_4")).gate == "gate"  # the second mul's, read once
+    assert [s.name for s in steps if isinstance(s, ElementwiseStep)] == ["mul_0"]
+
+
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_an_se_block_matches_the_reference(tmp_path, mode, rows):
+    ops, t = se_graph()
+    d = write_graph(tmp_path / "m", ops, t, [8, 7, 5])
+    x = torch.randn(rows, 8, 7, 5)
+    got = Executor(load_model(d), mode, DEVICE, torch.float32).forward(x.to(DEVICE))
+    assert_normwise(got, reference_forward(d, x), 1e-5, f"{mode}, {rows} rows")
+
+
+@pytest.mark.parametrize("kind", ["avgpool2d", "maxpool2d"])
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+def test_a_large_global_pool_matches_the_reference(tmp_path, kind, mode):
+    """A global pool of 11 x 9 = 99 taps (more than the pool kernel unrolls: torch's reduction in the fused mode)."""
+    t: dict = {}
+    ops = [
+        _conv("c", "x", "a", 3, 5, t=t), _act("relu", "a", "r"),
+        {"op": kind, "inputs": ["r"], "output": "p", "kernel_size": [11, 9]}, _act("sigmoid", "p", "s"),
+        {"op": "flatten", "inputs": ["s"], "output": "f"}, _linear("fc", "f", "logits", 5, 2, t),
+    ]  # fmt: skip
+    d = write_graph(tmp_path / "m", ops, t, [3, 11, 9])
+    x = torch.randn(3, 3, 11, 9)
+    executor = Executor(load_model(d), mode, DEVICE, torch.float32)
+    assert any(s.name == f"{kind}_0_sigmoid" for s in executor.steps)
+    assert_normwise(executor.forward(x.to(DEVICE)), reference_forward(d, x), 1e-5, f"{kind}, {mode}")

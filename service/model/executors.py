@@ -19,8 +19,13 @@
              activation as for AddStep), ClampStep (torch.clamp), LayerNormStep (F.layer_norm over the channels),
              SliceStep (a copy of the channels' run), ChannelShuffleStep (one copy), PadStep (F.pad),
              BatchNormStep (fused: one multiply-add with the folded scale and shift; unfused: F.batch_norm),
-             ConcatStep (torch.cat), SoftmaxStep (torch.softmax), and a Conv2dStep with groups > 1 (torch's
-             conv, with the batch norm folded in the fused mode: the conv kernel has no groups).
+             ConcatStep (torch.cat), SoftmaxStep (torch.softmax).
+    pools:   a global pool (one window over the whole image) of more than kernels.pool.UNROLL_TAPS taps runs as
+             torch's mean / amax in the fused mode too (an SE block's squeeze: a parallel reduction, where the pool
+             kernel walks the window in one program per image and channel block).
+    grouped: a Conv2dStep with groups > 1 -> kernels.conv_grouped.fused_conv2d_grouped when fused (depthwise: a
+             direct conv; wider groups: an implicit GEMM; folded batch norm, bias, residual and activation in the
+             kernel), F.conv2d with its groups and the rest op by op unfused.
 
 Batch norm is folded into the weight and bias of the conv or linear before it when the fused executor binds
 the step (in float64, then cast): W' = W * s, b' = (b - mean) * s + beta with s = gamma / sqrt(var + eps) per
@@ -114,10 +119,11 @@ def torch_parts(step: Step, support: KernelSupport | None = None) -> list[str]:
     if isinstance(step, (BatchNormStep, ConcatStep, SoftmaxStep, NormalizeStep, ClampStep, LayerNormStep, SliceStep,
                          ChannelShuffleStep, PadStep)):  # fmt: skip
         return step_ops(step)
-    if isinstance(step, Conv2dStep) and step.groups > 1:
-        return [f"conv2d (groups {step.groups})", *(["add"] if step.residual else []),
-                *([step.activation] if step.activation != "none" else [])]  # fmt: skip
+    if isinstance(step, Conv2dStep) and step.groups > 1:  # kernels/conv_grouped.py: all but the gate
+        return ["mul"] if step.gate else []
     parts = []
+    if isinstance(step, Conv2dStep) and step.gate is not None and (step.pool is not None or step.normalize is not None):
+        parts.append("mul")  # Executor._gate_in_kernel: the gate as a torch mul before the kernel
     has_residual = isinstance(step, (Conv2dStep, LinearStep)) and step.residual is not None
     if has_residual and not (support.conv_residual if isinstance(step, Conv2dStep) else support.linear_residual):
         parts.append("add")
@@ -350,9 +356,14 @@ class Executor:
                     return step.name, functools.partial(reference.pool2d, **pool)
                 pooled = functools.partial(reference.pool2d, **{**pool, "activation": "none"})
                 return step.name, functools.partial(_unfused_tail, first=pooled, bn=None, **act)
-            from kernels.pool import fused_pool2d
+            from kernels.pool import UNROLL_TAPS, fused_pool2d
 
             fmt = _memory_format(channels_last)
+            if self._global_pool(step) and step.kernel_size[0] * step.kernel_size[1] > UNROLL_TAPS.value:
+                # A large global pool (an SE block's squeeze over 112x112): torch's reduction spreads the window
+                # over the GPU, where the pool kernel loops over it in one program per (image, channel block): 2.4
+                # ms for 32 channels of 112x112 at batch 1 (H200), against a few us.
+                return step.name, functools.partial(_global_pool, kind=step.kind, kernel=True, **act)
             if known:
                 return step.name, functools.partial(fused_pool2d, **pool, memory_format=fmt)
             pooled = functools.partial(fused_pool2d, **{**pool, "activation": "none"}, memory_format=fmt)
@@ -403,6 +414,16 @@ class Executor:
             return step.name, _softmax
         raise TypeError(f"no implementation for step {step!r}")
 
+    def _global_pool(self, step: Pool2dStep) -> bool:
+        """Whether a pool step reduces each channel's whole image to one value (no padding, one window)."""
+        shape = self.model.shapes.get(step.inputs[0]) if step.inputs else None
+        return (
+            shape is not None
+            and len(shape) == 3
+            and tuple(step.kernel_size) == tuple(shape[1:])
+            and tuple(step.padding) == (0, 0)
+        )
+
     def _batch_norm(self, bn: BatchNorm | None) -> Layer | None:
         """F.batch_norm with the model's running statistics, in inference (the unfused mode's batch norm)."""
         if bn is None:
@@ -417,6 +438,8 @@ class Executor:
 
     def _bind_conv(self, step: Conv2dStep, channels_last: bool) -> Layer:
         layer = self._bind_conv_itself(step, channels_last)
+        if step.gate is not None:  # the SE gate: in the kernel's gather (x_scale) where it can, else a torch mul
+            return functools.partial(_gated_conv, layer=layer, kernel=self._gate_in_kernel(step))
         norm = step.normalize
         if norm is None or (self.mode == "fused" and step.groups == 1):  # fused: the kernel normalizes as it loads
             return layer
@@ -426,6 +449,19 @@ class Executor:
                                   dtype=self.dtype)  # fmt: skip
         return functools.partial(_normalized_then, normalize=first, layer=layer)
 
+    def _gate_in_kernel(self, step: Conv2dStep) -> bool:
+        """Whether the fused conv kernel applies the step's gate (x_scale): the layer is then one fused_conv2d call
+        that forwards keywords (groups 1, its activation and residual in the kernel, no pool)."""
+        support = self.support
+        return (
+            self.mode == "fused"
+            and step.groups == 1
+            and step.pool is None
+            and step.normalize is None
+            and step.activation in support.activations
+            and (step.residual is None or support.conv_residual)
+        )
+
     def _bind_conv_itself(self, step: Conv2dStep, channels_last: bool) -> Layer:
         from kernels import reference
 
@@ -433,8 +469,17 @@ class Executor:
         geometry = {"stride": step.stride, "padding": step.padding, "dilation": step.dilation}
         act = {"activation": step.activation, "negative_slope": step.negative_slope}
         pool = step.pool
-        if self.mode == "unfused" or step.groups > 1:
-            # Unfused (and grouped, in both modes, with the batch norm folded when fused): eager torch ops.
+        if self.mode == "fused" and step.groups > 1:  # grouped and depthwise: kernels/conv_grouped.py
+            from kernels.conv_grouped import fused_conv2d_grouped
+
+            fmt = _memory_format(channels_last)
+            geometry["groups"] = step.groups
+            if step.residual is None:
+                return functools.partial(fused_conv2d_grouped, weight=w, bias=b, **geometry, **act, memory_format=fmt)
+            return functools.partial(_residual_kw, fn=fused_conv2d_grouped, weight=w, bias=b, **geometry, **act,
+                                     memory_format=fmt, layout=fmt)  # fmt: skip
+        if self.mode == "unfused":
+            # Unfused: eager torch ops (F.conv2d with its groups).
             if step.groups > 1:
                 conv = functools.partial(F.conv2d, weight=w, bias=b, groups=step.groups, **geometry)
             elif self._post(step) is None and step.residual is None and step.activation in self.support.activations:
@@ -444,8 +489,7 @@ class Executor:
                 return functools.partial(_chain, layers=[conv, self._bind(pool)[1]])
             else:
                 conv = functools.partial(reference.conv2d, weight=w, bias=b, **geometry)
-            bn = self._post(step) if self.mode == "unfused" else None
-            tail = functools.partial(_unfused_tail, first=conv, bn=bn, **act)
+            tail = functools.partial(_unfused_tail, first=conv, bn=self._post(step), **act)
             return tail if pool is None else functools.partial(_chain_first, first=tail, then=self._bind(pool)[1])
         from kernels.conv import fused_conv2d, input_norm_of
         from kernels.conv_tma import weight_for
@@ -518,12 +562,16 @@ def _wire(steps: list[Step], input_name: str) -> list[Wiring]:
 
 
 def channels_last_outputs(steps: list[Step]) -> list[bool]:
-    """Per step: whether the fused executor has it write channels_last (NHWC). A conv (groups 1) or pool step whose
-    output only image steps read (convs, pools, adds, concats) does: the next conv then gathers each pixel's
+    """Per step: whether the fused executor has it write channels_last (NHWC). A conv or pool step whose
+    output only image steps read (convs, pools, adds, concats, and the torch-op steps that keep a tensor's memory
+    format: elementwise, batch norm, layer norm, slice, pad, clamp) does: the next conv then gathers each pixel's
     channels as one contiguous run, 2x faster than NCHW at 256 images of 64 -> 64 channels at 32x32
     (docs/performance.md). Every other step keeps NCHW, so the model reads NCHW rows and its
     flatten (a view) sees torch's feature order; the first conv reads NCHW and writes NHWC in the same kernel."""
-    image_steps = (Conv2dStep, Pool2dStep, AddStep, ConcatStep)
+    image_steps = (
+        Conv2dStep, Pool2dStep, AddStep, ConcatStep, ElementwiseStep, BatchNormStep, LayerNormStep, SliceStep, PadStep,
+        ClampStep,
+    )  # fmt: skip
     if not steps or not steps[0].inputs:  # no graph fields (made in a test): a chain
         return [
             isinstance(step, (Conv2dStep, Pool2dStep)) and i + 1 < len(steps) and isinstance(steps[i + 1], image_steps)
@@ -535,7 +583,6 @@ def channels_last_outputs(steps: list[Step]) -> list[bool]:
             readers.setdefault(t, []).append(s)
     return [
         isinstance(s, (Conv2dStep, Pool2dStep))
-        and getattr(s, "groups", 1) == 1
         and s.output != steps[-1].output
         and bool(readers.get(s.output))
         and all(isinstance(r, image_steps) for r in readers[s.output])
@@ -622,6 +669,22 @@ def _add_then(a, b, *, kernel, activation, negative_slope, op=torch.add):
 
 def _identity(x):
     return x
+
+
+def _global_pool(x, *, kind, kernel, activation, negative_slope):
+    """Each channel's mean (or max) over its whole image, (N, C, 1, 1), then the activation."""
+    y = x.mean((2, 3), keepdim=True) if kind == "avg" else x.amax((2, 3), keepdim=True)
+    if kernel:
+        return _then_activation(y, first=_identity, activation=activation, negative_slope=negative_slope)
+    return torch_activation(y, activation, negative_slope)
+
+
+def _gated_conv(x, *rest, layer, kernel):
+    """A conv of x * gate (the gate last among the step's reads): the kernel's x_scale, or a torch mul first."""
+    *rest, gate = rest
+    if kernel:
+        return layer(x, *rest, x_scale=gate)
+    return layer(x * gate, *rest)
 
 
 def _scaled(x, *, first, scale):

@@ -14,6 +14,10 @@
     clip, hardsigmoid (other than torch's)  -> ClampStep
     layernorm, slice, channel_shuffle, pad  -> LayerNormStep, SliceStep, ChannelShuffleStep, PadStep
 
+A conv (groups 1) whose input is a mul of an image by a per-image per-channel gate (a squeeze-and-excitation block:
+x * sigmoid(conv(relu(conv(pool(x)))))), read by that conv alone, takes the mul in (`Conv2dStep.gate`,
+`conv2d_7_gated_bn`): the kernel multiplies x by the gate as it gathers it, and x * gate is never written.
+
 An input that declares a normalization (spec.Normalize: (x - mean[c]) / std[c]) has it applied by the conv step
 that reads it, when that conv (groups 1) is the input's only reader: the kernel normalizes x as it gathers it
 (`Conv2dStep.normalize`; the step keeps its name). Otherwise (the first op is not such a conv, or several ops read
@@ -144,6 +148,9 @@ class Conv2dStep:
     groups: int = 1  # > 1: torch's grouped conv in both modes (the conv kernel has no groups)
     normalize: InputNorm | None = None  # applied to x (the model's input) as the conv reads it
     scale: str | None = None  # a stored per-channel (or scalar) constant multiplied after the batch norm: folded
+    # an (N, C, 1, 1) tensor that x is multiplied by before the conv (a squeeze-and-excitation gate), read by the
+    # kernel as it gathers x (kernels/conv.py, x_scale): the product x * gate is never written
+    gate: str | None = None
     inputs: tuple[str, ...] = _Inputs
     output: str = _Output
 
@@ -301,9 +308,9 @@ GRAPH_STEPS = (
 
 
 def reads(step: Step) -> tuple[str, ...]:
-    """Every tensor a step reads: its inputs, then its residual."""
-    residual = getattr(step, "residual", None)
-    return (*step.inputs, residual) if residual else step.inputs
+    """Every tensor a step reads: its inputs, then its residual, then its gate."""
+    extra = tuple(t for t in (getattr(step, "residual", None), getattr(step, "gate", None)) if t)
+    return (*step.inputs, *extra) if extra else step.inputs
 
 
 def _readers(ops_or_steps, reads_of, output: str) -> dict[str, int]:
@@ -376,6 +383,25 @@ def plan(
                 t, op = inner, ops[producer[inner]]
         return isinstance(op, (Conv2dOp, LinearOp))
 
+    def gate_of(i: int) -> tuple[int, str, str] | None:
+        """For a conv (groups 1) whose input is a mul of an image by a per-image per-channel gate ((C, 1, 1) per
+        row: a squeeze-and-excitation block's), read by this conv alone: (the mul's index, the image, the gate)."""
+        op = ops[i]
+        if shapes is None or not isinstance(op, Conv2dOp) or op.groups != 1 or op.input not in producer:
+            return None
+        m = producer[op.input]
+        mul = ops[m]
+        if sole_reader(op.input) != i or not isinstance(mul, BinaryOp) or mul.op != "mul" or mul.constant is not None:
+            return None
+        for x, g in (mul.inputs, mul.inputs[::-1]):
+            sx, sg = shapes.get(x, ()), shapes.get(g, ())
+            if len(sx) == 3 and sg == (sx[0], 1, 1) and sx != sg:
+                return m, x, g
+        return None
+
+    # Each gated conv (the SE block's multiply read as the conv gathers its input): conv index -> (mul, image, gate)
+    gated = {i: found for i in range(len(ops)) if (found := gate_of(i)) is not None}
+
     # Which input of each add rides in its producer's epilogue: the first that can.
     fused_add_input = {
         i: next((t for t in op.inputs if feeds_add_from_weighted(t, i)), None)
@@ -390,7 +416,7 @@ def plan(
         seen[kind] = seen.get(kind, 0) + 1
 
     placed: list[tuple[int, Step]] = []  # (index of the step's last op, step)
-    taken: set[int] = set()
+    taken: set[int] = {m for m, _, _ in gated.values()}
     n_act = n_flat = 0
 
     def take_activation(t: str) -> tuple[str, float, str, int | None]:
@@ -429,9 +455,13 @@ def plan(
             if isinstance(op, LinearOp):
                 step = LinearStep(f"linear_{k}{suffix}{act_suffix}", op.weight, op.bias, name, slope, **graph)
             else:
+                gate = None
+                if i in gated:
+                    _, image, gate = gated[i]
+                    graph["inputs"], suffix = (image,), "_gated" + suffix
                 step = Conv2dStep(
                     f"conv2d_{k}{suffix}{act_suffix}", op.weight, op.bias, op.stride, op.padding, op.dilation, name,
-                    slope, groups=op.groups, **graph,
+                    slope, groups=op.groups, gate=gate, **graph,
                 )  # fmt: skip
         elif isinstance(op, (AvgPool2dOp, MaxPool2dOp)):
             name, slope, act_suffix, j = take_activation(t)
@@ -562,6 +592,7 @@ def group_conv_pools(steps: list[Step]) -> list[Step]:
             isinstance(conv, Conv2dStep)
             and conv.pool is None
             and conv.residual is None
+            and conv.gate is None
             and conv.groups == 1
             and readers.get(conv.output) == 1
             and pool_fits_conv(step)
@@ -635,6 +666,8 @@ def step_ops(step: Step) -> list[str]:
         return [part for layer in step.layers for part in step_ops(layer)]
     parts: list[str] = []
     if isinstance(step, (LinearStep, Conv2dStep)):
+        if getattr(step, "gate", None) is not None:
+            parts.append("mul")
         parts.append("linear" if isinstance(step, LinearStep) else "conv2d")
         if step.batchnorm is not None:
             parts.append("batchnorm")
@@ -673,6 +706,8 @@ def step_extras(step: LinearStep | Conv2dStep) -> dict:
         out["residual"] = step.residual
     if step.scale is not None:
         out["scale"] = step.scale
+    if getattr(step, "gate", None) is not None:
+        out["gate"] = step.gate
     if getattr(step, "groups", 1) != 1:
         out["groups"] = step.groups
     if getattr(step, "normalize", None) is not None:  # the model's input, normalized as the conv loads it
