@@ -16,7 +16,8 @@
              no normalization is cast to the compute dtype before the first step.
     both:    AddStep (torch add, then the activation: in the fused mode by the activation kernel), ElementwiseStep
              (a broadcasting add, sub, mul or div, of two tensors or of a stored constant: torch's, then the
-             activation as for AddStep), ClampStep (torch.clamp), LayerNormStep (F.layer_norm over the channels),
+             activation as for AddStep), ClampStep (torch.clamp), LayerNormStep (fused: kernels.layernorm's one kernel;
+             unfused: F.layer_norm over the channels),
              SliceStep (a copy of the channels' run), ChannelShuffleStep (one copy), PadStep (F.pad),
              BatchNormStep (fused: one multiply-add with the folded scale and shift; unfused: F.batch_norm),
              ConcatStep (torch.cat), SoftmaxStep (torch.softmax).
@@ -116,7 +117,9 @@ def torch_parts(step: Step, support: KernelSupport | None = None) -> list[str]:
     if isinstance(step, (AddStep, ElementwiseStep)):
         kind = "add" if isinstance(step, AddStep) else step.kind
         return [kind] + ([step.activation] if step.activation not in support.activations else [])
-    if isinstance(step, (BatchNormStep, ConcatStep, SoftmaxStep, NormalizeStep, ClampStep, LayerNormStep, SliceStep,
+    if isinstance(step, LayerNormStep):  # kernels/layernorm.py
+        return []
+    if isinstance(step, (BatchNormStep, ConcatStep, SoftmaxStep, NormalizeStep, ClampStep, SliceStep,
                          ChannelShuffleStep, PadStep)):  # fmt: skip
         return step_ops(step)
     if isinstance(step, Conv2dStep) and step.groups > 1:  # kernels/conv_grouped.py: all but the gate
@@ -400,6 +403,10 @@ class Executor:
             return step.name, functools.partial(_clamp, scale=step.scale, shift=step.shift, lo=step.lo, hi=step.hi)
         if isinstance(step, LayerNormStep):
             w, b = self.tensors[step.weight], self.tensors[step.bias] if step.bias else None
+            if fused:  # kernels/layernorm.py: one read and one write of x, in x's memory format
+                from kernels.layernorm import fused_layernorm_channels
+
+                return step.name, functools.partial(fused_layernorm_channels, weight=w, bias=b, eps=step.eps)
             return step.name, functools.partial(_layer_norm_channels, weight=w, bias=b, eps=step.eps)
         if isinstance(step, SliceStep):
             return step.name, functools.partial(_slice_channels, start=step.start, end=step.end)
