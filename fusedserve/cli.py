@@ -23,6 +23,7 @@ BENCHMARKS = {
     "pool": "bench.pool.cli",
     "soak": "bench.soak.cli",
     "ab": "bench.serve.ab",
+    "zoo": "bench.zoo.cli",
 }
 
 

@@ -1,0 +1,97 @@
+"""Model zoo: torchvision's classification families, exported three ways, imported, and checked.
+
+    fusedserve bench zoo                                  # every family, tiny, all 3 exporters, both modes on the CPU
+    fusedserve bench zoo --modes unfused                  # the same without the fused mode (Triton's interpreter: slow)
+    fusedserve bench zoo --families resnet50,mobilenet_v2 --size full --modes unfused
+    python -m bench.zoo ...                               # the same, without the console script
+    python -m bench.zoo.report DIR/zoo_cpu.json           # re-render a run's markdown from its JSON
+
+Families (bench/zoo/families.py): AlexNet, VGG-11 with and without BN, ResNet-18/50, ResNeXt-50 32x4d, Wide
+ResNet-50-2, SqueezeNet 1.1, DenseNet-121, GoogLeNet, Inception v3, MobileNetV2, MobileNetV3 small and large,
+MNASNet 1.0, ShuffleNetV2 x1.0, EfficientNet-B0, EfficientNetV2-S, RegNetX-400MF, RegNetY-400MF, ConvNeXt-T; random
+weights, BatchNorm statistics measured on random images. Sizes: full (torchvision's configuration, 224x224, 299 for
+Inception v3) and tiny (the same block types in every stage, few blocks, narrow, 32-95 pixel inputs).
+
+Check (the default, CPU, fp32): per (family, exporter) with exporters torchscript (torch.onnx.export dynamo=False,
+opset 17), dynamo (torch.onnx.export dynamo=True) and torch.export (service.model.export.export_module): imported or
+refused (the message, its node and op type), the plan's fused steps and the steps run as torch ops, and per mode
+(unfused, fused) the error relative to onnxruntime on the same file (largest |difference| over largest |logit|) and
+the top-1 agreement over --rows random images. Writes zoo_cpu.json and zoo_cpu.md under --out; prints a table last.
+Exit status 1 when an imported model disagrees (error > 1e-4 or a top-1 differs).
+"""
+
+# This module only parses arguments (the `fusedserve` parser imports it for every command): no torch here.
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+# Mirrors of families.FAMILIES and exporters.EXPORTERS (those import torch); tests/test_zoo.py holds them equal.
+FAMILIES = (
+    "alexnet", "vgg11", "vgg11_bn", "resnet18", "resnet50", "resnext50_32x4d", "wide_resnet50_2", "squeezenet1_1",
+    "densenet121", "googlenet", "inception_v3", "mobilenet_v2", "mobilenet_v3_small", "mobilenet_v3_large",
+    "mnasnet1_0", "shufflenet_v2_x1_0", "efficientnet_b0", "efficientnet_v2_s", "regnet_x_400mf", "regnet_y_400mf",
+    "convnext_tiny",
+)  # fmt: skip
+EXPORTERS = ("torchscript", "dynamo", "torch.export")
+MODES = ("unfused", "fused")
+
+
+def _names(allowed: tuple[str, ...], what: str):
+    def parse(text: str) -> tuple[str, ...]:
+        if text == "all":
+            return allowed
+        names = tuple(n.strip() for n in text.split(",") if n.strip())
+        unknown = [n for n in names if n not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown) or repr(text)}; choose from "
+                                             f"{', '.join(allowed)} (or all)")  # fmt: skip
+        return names
+
+    return parse
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        batches = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        batches = ()
+    if not batches or min(batches) < 1:
+        raise argparse.ArgumentTypeError(f"batches are positive integers like 1,256; got {text!r}")
+    return batches
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, help="output directory [bench/results/cpu]")
+    p.add_argument("--families", type=_names(FAMILIES, "family"), default=FAMILIES, help="comma-separated [all]")
+    p.add_argument("--size", choices=("tiny", "full"), default="tiny", help="model size [tiny]")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the images [0]")
+    check = p.add_argument_group("check (the default)")
+    check.add_argument("--exporters", type=_names(EXPORTERS, "exporter"), default=EXPORTERS, help="[all three]")
+    check.add_argument("--modes", type=_names(MODES, "mode"), default=MODES, help="unfused,fused [both]")
+    check.add_argument("--rows", type=int, default=8, help="images per agreement check [8]")
+    check.add_argument("--fused-rows", type=int, default=2, help="of those, through the fused mode [2: interpreted]")
+    check.add_argument("--fused-once", action="store_true",
+                       help="the fused mode through the first exporter whose import worked only")  # fmt: skip
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    """Check on the CPU. Exit status: 0 done, 1 an imported model disagreed with its reference."""
+    if "kernels" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # the fused mode on CPU tensors: Triton's interpreter
+    from .run import execute
+
+    return execute(args, command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.zoo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(parser)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return run(parser.parse_args(argv), shlex.join(["python", "-m", "bench.zoo", *argv]))
