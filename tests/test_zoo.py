@@ -169,6 +169,14 @@ def test_the_report_groups_refusals_by_op_and_flags_disagreement():
     assert "1 of 5 (family, exporter) pairs imported and agree; 1 imported but DISAGREE" in report.summary(records)
 
 
+def test_the_gpu_table_compares_ours_with_the_best_anchor():
+    cases = [{"family": "a", "title": "A", "batch": 256, "ready_s": 12.5, "providers": {
+        "ours": {"graph": {"hot_us": 100.0, "bad": False}}, "eager-cl": {"graph": {"hot_us": 150.0}},
+        "compile": {"graph": {"hot_us": 120.0}}, "ort": {"na": "absent"}}}]  # fmt: skip
+    table = report.gpu_table(cases)
+    assert "| A | 256 | 100 | 150 | 120 | n/a | 1.20x vs compile | 12.5 |" in table
+
+
 def test_the_command_writes_json_and_markdown(tmp_path, capsys):
     from bench.zoo.cli import main
 
@@ -179,3 +187,18 @@ def test_the_command_writes_json_and_markdown(tmp_path, capsys):
     assert rec["imported"] and rec["modes"]["unfused"]["ok"] and rec["plan"]["fused"] > 0
     assert "AlexNet" in (out / "zoo_cpu.md").read_text()
     assert "1 of 1 (family, exporter) pairs imported and agree" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu_timing
+def test_the_gpu_mode_times_a_tiny_family(tmp_path):
+    from bench.zoo.cli import main
+
+    argv = ["--gpu", "--size", "tiny", "--families", "resnet18", "--batches", "1,4", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    (path,) = tmp_path.glob("zoo_*.json")
+    cases = json.loads(path.read_text())["cases"]
+    assert [c["batch"] for c in cases] == [1, 4]
+    for c in cases:
+        assert c["providers"]["ours"]["graph"]["hot_us"] > 0 and not c["providers"]["ours"]["graph"]["bad"]
+        assert c["ready_s"] > 0

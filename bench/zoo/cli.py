@@ -1,10 +1,12 @@
-"""Model zoo: torchvision's classification families, exported three ways, imported, and checked.
+"""Model zoo: torchvision's classification families, exported three ways, imported, and checked or timed.
 
     fusedserve bench zoo                                  # every family, tiny, all 3 exporters, both modes on the CPU
     fusedserve bench zoo --modes unfused                  # the same without the fused mode (Triton's interpreter: slow)
     fusedserve bench zoo --families resnet50,mobilenet_v2 --size full --modes unfused
+    fusedserve bench zoo --gpu                            # on a GPU host: full size, fp16, batches 1 and 256, timed
+    fusedserve bench zoo --gpu --families resnet50 --max-autotune resnet50
     python -m bench.zoo ...                               # the same, without the console script
-    python -m bench.zoo.report DIR/zoo_cpu.json           # re-render a run's markdown from its JSON
+    python -m bench.zoo.report DIR/zoo_cpu.json DIR/zoo_h100.json   # re-render runs' markdown from their JSON
 
 Families (bench/zoo/families.py): AlexNet, VGG-11 with and without BN, ResNet-18/50, ResNeXt-50 32x4d, Wide
 ResNet-50-2, SqueezeNet 1.1, DenseNet-121, GoogLeNet, Inception v3, MobileNetV2, MobileNetV3 small and large,
@@ -18,6 +20,13 @@ refused (the message, its node and op type), the plan's fused steps and the step
 (unfused, fused) the error relative to onnxruntime on the same file (largest |difference| over largest |logit|) and
 the top-1 agreement over --rows random images. Writes zoo_cpu.json and zoo_cpu.md under --out; prints a table last.
 Exit status 1 when an imported model disagrees (error > 1e-4 or a top-1 differs).
+
+--gpu: per family at full size, fp16, batches 1 and 256, hot device time (CUDA-graph replays back to back) of ours
+(the service's GraphedExecutor over the fused executor, the model imported from the TorchScript export), eager
+channels_last, torch.compile default (and max-autotune for the families named by --max-autotune), and onnxruntime-gpu's
+CUDA provider when it can be imported; plus time to ready (ours's first forward: tuning and graph capture). Timing
+is bench/kernels' (timing.measure, models.ModelProviders). Writes zoo_<gpu>.json and .md, merging the families of
+earlier runs into the same file (one device call cannot time them all).
 """
 
 # This module only parses arguments (the `fusedserve` parser imports it for every command): no torch here.
@@ -39,6 +48,7 @@ FAMILIES = (
 )  # fmt: skip
 EXPORTERS = ("torchscript", "dynamo", "torch.export")
 MODES = ("unfused", "fused")
+GPU_BATCHES = (1, 256)
 
 
 def _names(allowed: tuple[str, ...], what: str):
@@ -66,9 +76,9 @@ def _batches(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, help="output directory [bench/results/cpu]")
+    p.add_argument("--out", type=Path, help="output directory [bench/results/cpu, or bench/results/<gpu> with --gpu]")
     p.add_argument("--families", type=_names(FAMILIES, "family"), default=FAMILIES, help="comma-separated [all]")
-    p.add_argument("--size", choices=("tiny", "full"), default="tiny", help="model size [tiny]")
+    p.add_argument("--size", choices=("tiny", "full"), help="model size [tiny; --gpu: full]")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the images [0]")
     check = p.add_argument_group("check (the default)")
     check.add_argument("--exporters", type=_names(EXPORTERS, "exporter"), default=EXPORTERS, help="[all three]")
@@ -77,12 +87,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     check.add_argument("--fused-rows", type=int, default=2, help="of those, through the fused mode [2: interpreted]")
     check.add_argument("--fused-once", action="store_true",
                        help="the fused mode through the first exporter whose import worked only")  # fmt: skip
+    gpu = p.add_argument_group("--gpu (timing on a CUDA device)")
+    gpu.add_argument("--gpu", "--time", action="store_true", dest="gpu", help="time instead of checking")
+    gpu.add_argument("--batches", type=_batches, default=GPU_BATCHES, help="[1,256]")
+    gpu.add_argument("--max-autotune", type=_names(FAMILIES, "family"), default=(),
+                     help="families that also run torch.compile max-autotune (slow: minutes each) [none]")  # fmt: skip
+    gpu.add_argument("--no-ort", action="store_true", help="leave out onnxruntime-gpu even where it imports")
+    gpu.add_argument("--fresh", action="store_true", help="start a new results file instead of merging into it")
 
 
 def run(args: argparse.Namespace, command: str) -> int:
-    """Check on the CPU. Exit status: 0 done, 1 an imported model disagreed with its reference."""
-    if "kernels" not in sys.modules:
+    """Check (CPU) or time (--gpu). Exit status: 0 done, 1 an imported model disagreed with its reference (check)
+    or one of ours gave a wrong result (--gpu), 2 cannot run here."""
+    if args.size is None:
+        args.size = "full" if args.gpu else "tiny"
+    if not args.gpu and "kernels" not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the fused mode on CPU tensors: Triton's interpreter
+    if args.gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"fusedserve bench zoo --gpu: no CUDA device (torch {torch.__version__}); run it on a GPU host, or "
+                  "without --gpu for the CPU check", file=sys.stderr)  # fmt: skip
+            return 2
+        from .gpu import execute
+
+        return execute(args, command)
     from .run import execute
 
     return execute(args, command)

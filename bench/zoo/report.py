@@ -1,7 +1,7 @@
-"""The zoo's results as JSON and markdown: the check's table per (family, exporter) and the importer's worklist
-(the refusals grouped by the op they name).
+"""The zoo's results as JSON and markdown: the check's table per (family, exporter), the importer's worklist (the
+refusals grouped by the op they name), and the GPU timing table.
 
-    python -m bench.zoo.report bench/results/cpu/zoo_cpu.json      # re-render its markdown, print
+    python -m bench.zoo.report bench/results/cpu/zoo_cpu.json bench/results/h100/zoo_h100.json   # re-render, print
 """
 
 from __future__ import annotations
@@ -139,6 +139,59 @@ def check_md(results: dict) -> str:
     ])  # fmt: skip
 
 
+# ---- the GPU timing ----
+
+
+def gpu_table(cases: list[dict]) -> str:
+    """Markdown: per family and batch, hot µs of each provider, ours against the best anchor, time to ready."""
+    from bench.kernels.results import hot, us
+
+    providers = list(dict.fromkeys(p for c in cases for p in c.get("providers", {})))
+    head = "| family | batch | " + " | ".join(providers) + " | ours vs best | ready s |"
+    lines = [head, "|---|---|" + "---|" * (len(providers) + 2)]
+    for c in cases:
+        cells, times = [], {}
+        for p in providers:
+            res = c.get("providers", {}).get(p)
+            t = hot(res) if res else None
+            times[p] = t
+            if res is None:
+                cells.append("")
+            elif t is not None:
+                cells.append(us(t) + (" **BAD**" if any(isinstance(v, dict) and v.get("bad") for v in res.values())
+                                      else ""))  # fmt: skip
+            else:
+                cells.append("skip" if "skipped" in res else "n/a" if "na" in res else "err")
+        anchors = {p: t for p, t in times.items() if p != "ours" and t is not None}
+        ratio = "—"
+        if times.get("ours") and anchors:
+            best = min(anchors, key=anchors.get)
+            ratio = f"{anchors[best] / times['ours']:.2f}x vs {best}"
+        ready = c.get("ready_s")
+        lines.append(f"| {c['title']} | {c['batch']} | " + " | ".join(cells) + f" | {ratio} | "
+                     f"{ready if ready is not None else '—'} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def gpu_md(results: dict) -> str:
+    meta = results["meta"]
+    errors = [f"- {c['title']} batch {c['batch']} {p}: {r['error']}" for c in results["cases"]
+              for p, r in c.get("providers", {}).items() if "error" in r]  # fmt: skip
+    skipped = [f"- {f}: {why}" for f, why in results.get("not_run", {}).items()]
+    return "\n\n".join([
+        f"# Model zoo timing ({meta.get('gpu')}, {meta.get('dtype')})",
+        f"Hot device time per forward (µs, CUDA-graph replays back to back; bench/kernels' timing), full-size models, "
+        f"torch {meta.get('torch')}, triton {meta.get('triton')}, onnxruntime {meta.get('onnxruntime') or 'absent'}. "
+        "ours: the service's GraphedExecutor over the fused executor, the model imported from its TorchScript ONNX "
+        "file; eager-cl: the torch module in channels_last; compile / compile-max: torch.compile of it with BatchNorm "
+        "folded, default and max-autotune; ort: onnxruntime-gpu's CUDA provider on the same file in fp16. ready: "
+        "ours's first forward at batch 1 (executor, tuning, graph capture), seconds.",
+        gpu_table(results["cases"]),
+        *(["## Errors", "\n".join(errors)] if errors else []),
+        *(["## Not run", "\n".join(skipped)] if skipped else []),
+    ])  # fmt: skip
+
+
 # ---- files ----
 
 
@@ -147,16 +200,17 @@ def save(results: dict, out: Path, slug: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     js, md = out / f"zoo_{slug}.json", out / f"zoo_{slug}.md"
     js.write_text(json.dumps(results, indent=1) + "\n")
-    md.write_text(check_md(results) + "\n")
+    md.write_text((check_md(results) if "records" in results else gpu_md(results)) + "\n")
     return [js, md]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.zoo.report", description=__doc__.splitlines()[0])
-    p.add_argument("results", nargs="+", type=Path, help="zoo_cpu.json files")
+    p.add_argument("results", nargs="+", type=Path, help="zoo_cpu.json and/or zoo_<gpu>.json")
     args = p.parse_args(argv)
     for f in args.results:
-        print(check_md(json.loads(f.read_text())))
+        r = json.loads(f.read_text())
+        print(check_md(r) if "records" in r else gpu_md(r))
     return 0
 
 

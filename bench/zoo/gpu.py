@@ -1,0 +1,251 @@
+"""`fusedserve bench zoo --gpu`: each family at full size in fp16, timed at each batch (1 and 256) by bench/kernels'
+timing (timing.measure: cold and hot device time, wall time; the hot time is the one compared), against what a
+user would run instead:
+
+    ours         the service's path: the model imported from the family's TorchScript ONNX file (where the importer
+                 refuses it, export_module's), Executor("fused") under GraphedExecutor (bench/kernels/models.py's
+                 ModelProviders, as it times the ResNets)
+    eager-cl     the torch module and its input in channels_last (cuDNN's fastest layout)
+    compile      torch.compile of the module with BatchNorm folded, default mode, dynamic=False
+    compile-max  the same in max-autotune (only for the families named by --max-autotune: minutes each)
+    ort          onnxruntime-gpu's CUDA provider on the family's TorchScript ONNX file exported in fp16: IOBinding on
+                 the device's tensors, cuDNN's exhaustive algorithm search, NHWC, its own CUDA graph, run on torch's
+                 current stream so the same events time it; only where onnxruntime's CUDA provider can be loaded
+
+Time to ready: ours's first forward at the smallest batch, from an imported model to a captured graph (the
+executor's binding, every kernel's tuning for that bucket, the capture): "ready_s" of each case's family.
+
+Results merge into zoo_<gpu>.json under --out by family (a later run of some families replaces their cases and
+keeps the rest), since one device call of 10 minutes cannot time 21 families.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.gpu import results_dir, slug_of
+from bench.kernels.providers import COMPILE_MODES, NotAvailable, inductor_settings
+from bench.kernels.timing import Prepared, Timing, describe, error_bound, measure
+
+from . import exporters, families, report
+
+DTYPE = "float16"
+PROVIDERS = ("ours", "eager-cl", "compile", "compile-max", "ort")
+
+
+def ort_module():
+    """onnxruntime with a loadable CUDA provider, or NotAvailable saying why not."""
+    try:
+        import onnxruntime as ort
+    except ImportError as e:
+        raise NotAvailable(f"onnxruntime cannot be imported ({e})") from None
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise NotAvailable(f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (the CPU build)")
+    return ort
+
+
+class OrtProvider:
+    """onnxruntime-gpu on an fp16 TorchScript export of the module: one session per batch (its CUDA graph is
+    captured for one shape), the input and output bound to torch's device tensors."""
+
+    def __init__(self, module: torch.nn.Module, image: tuple[int, ...], workdir: Path, name: str):
+        self.ort = ort_module()
+        half = copy.deepcopy(module).half().cuda().eval()
+        self.path = exporters.export("torchscript", half, image, workdir, f"{name}-fp16", dtype=torch.float16)
+
+    def prepare(self, x: torch.Tensor, classes: int) -> Prepared:
+        ort = self.ort
+        stream = torch.cuda.current_stream()  # a side stream (cuda graphs are not captured on the legacy one)
+        options = {
+            "device_id": str(x.device.index or 0), "cudnn_conv_algo_search": "EXHAUSTIVE", "prefer_nhwc": "1",
+            "enable_cuda_graph": "1", "has_user_compute_stream": "1", "user_compute_stream": str(stream.cuda_stream),
+        }  # fmt: skip
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        t = time.perf_counter()
+        session = ort.InferenceSession(str(self.path), so, providers=[("CUDAExecutionProvider", options)])
+        out = torch.empty(len(x), classes, device=x.device, dtype=torch.float16)
+        binding = session.io_binding()
+        dev = x.device.index or 0
+        binding.bind_input("input", "cuda", dev, np.float16, tuple(x.shape), x.data_ptr())
+        binding.bind_output("logits", "cuda", dev, np.float16, tuple(out.shape), out.data_ptr())
+        run = ort.RunOptions()
+        # Run returns without waiting for the stream, as torch's calls do: the hot timer queues replays back to back.
+        run.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        for _ in range(3):  # the first run searches cuDNN's algorithms, the second captures the graph
+            session.run_with_iobinding(binding, run)
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t
+
+        def fn():
+            session.run_with_iobinding(binding, run)
+            return out
+
+        return Prepared(fn, compile_s=compile_s, graphed=True)
+
+
+def execute(args, command: str) -> int:
+    from bench.gpu import gpu_name
+
+    name = gpu_name() or torch.cuda.get_device_name()
+    slug = slug_of(name)
+    out = args.out or results_dir(slug)
+    path = out / f"zoo_{slug}.json"
+    results = {"meta": {}, "cases": [], "not_run": {}}
+    if path.exists() and not args.fresh:
+        results = json.loads(path.read_text())
+        results["cases"] = [c for c in results["cases"] if c["family"] not in args.families]
+        results.setdefault("not_run", {})
+        for f in args.families:
+            results["not_run"].pop(f, None)
+    results["meta"] = _meta(args, command, name, slug, results["meta"])
+    saved_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp16 runs: no effect on them
+    bad = False
+    try:
+        with (
+            torch.inference_mode(),
+            torch._inductor.config.patch(inductor_settings()),
+            tempfile.TemporaryDirectory(prefix="fusedserve-zoo-") as tmp,
+        ):
+            for i, family in enumerate(args.families):
+                t = time.perf_counter()
+                try:
+                    cases = _family(args, family, Path(tmp) / family)
+                except Exception as e:  # this family reports why; the others still run
+                    results["not_run"][family] = describe(e)
+                    cases = []
+                results["cases"] += cases
+                bad |= any(isinstance(v, dict) and v.get("bad") for c in cases for v in
+                           c["providers"].get("ours", {}).values())  # fmt: skip
+                report.save(results, out, slug)
+                print(f"[{i + 1}/{len(args.families)}] {family}: {_line(cases)} ({time.perf_counter() - t:.0f} s)",
+                      flush=True)  # fmt: skip
+                torch.cuda.empty_cache()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
+    order = {f: i for i, f in enumerate(families.FAMILIES)}
+    results["cases"].sort(key=lambda c: (order.get(c["family"], 99), c["batch"]))
+    paths = report.save(results, out, slug)
+    print()
+    print(report.gpu_table([c for c in results["cases"] if c["family"] in args.families]))
+    print(f"\nwrote {', '.join(map(str, paths))}")
+    return 1 if bad else 0
+
+
+def _family(args, family: str, workdir: Path) -> list[dict]:
+    from bench.kernels.models import ModelProviders
+
+    device, dtype = torch.device("cuda"), torch.float16
+    module = families.build(family, args.size, args.seed)
+    image = families.image_shape(family, args.size)
+    model, source, export_s, load_s = _import(module, image, workdir, family)
+    providers = ModelProviders(model, device, dtype, max(args.batches), module)
+    names = [p for p in PROVIDERS if p != "compile-max" or family in args.max_autotune]
+    ort: OrtProvider | Exception | None = None
+    if args.no_ort:
+        names.remove("ort")
+    timing = Timing()
+    cases = []
+    side = torch.cuda.Stream()
+    for k, batch in enumerate(args.batches):
+        gen = torch.Generator(device=device).manual_seed(args.seed * 100_003 + 70_000 + k)
+        x = torch.randn((batch, *image), device=device, generator=gen).to(dtype)
+        ref = providers.reference(x)
+        case = {"family": family, "title": families.FAMILIES[family].title, "batch": batch, "dtype": DTYPE,
+                "image": list(image), "ours_from": source, "export_s": round(export_s, 2), "load_s": round(load_s, 3),
+                "error_bound": error_bound(DTYPE, True), "providers": {}}  # fmt: skip
+        for name in names:
+            t = time.perf_counter()
+            try:
+                if name == "ort":
+                    if ort is None:
+                        try:
+                            ort = OrtProvider(module, image, workdir, family)
+                        except Exception as e:  # NotAvailable, or an export that failed: every batch says so
+                            ort = e
+                    if isinstance(ort, Exception):
+                        raise ort
+                    with torch.cuda.stream(side):  # onnxruntime runs on it; the timing's events are recorded on it
+                        prep = ort.prepare(x, model.output_features)
+                        res = {"compile_s": prep.compile_s, **measure(prep, ref, device, timing, case["error_bound"])}
+                    torch.cuda.synchronize()
+                else:
+                    prep = providers.prepare(name, x)
+                    res = {"compile_s": prep.compile_s, **measure(prep, ref, device, timing, case["error_bound"])}
+                del prep
+            except NotAvailable as e:
+                res = {"na": str(e)}
+            except Exception as e:  # a provider that fails is a result; the case goes on
+                res = {"error": describe(e)}
+                torch.cuda.empty_cache()
+            res["seconds"] = round(time.perf_counter() - t, 2)
+            case["providers"][name] = res
+            if name in COMPILE_MODES:
+                torch._dynamo.reset()  # drop the compiled code before the next provider (bench/kernels does so)
+        first = case["providers"].get("ours", {}).get("compile_s")
+        # The first bucket's binding, tuning and capture from an imported model: time to ready; a later bucket's own
+        # tuning and capture.
+        case["ready_s" if k == 0 else "tune_s"] = round(first, 1) if first is not None else None
+        cases.append(case)
+        del x, ref
+    ready = cases[0].get("ready_s") if cases else None
+    for c in cases:
+        c["ready_s"] = ready
+    return cases
+
+
+def _import(module, image, workdir: Path, family: str):
+    """(model, exporter, export s, import + load s): the TorchScript ONNX file imported, as a user's file is served;
+    where the importer refuses it, export_module (torch.export). The dynamo exporter is not tried: it needs
+    onnxscript, which the GPU host lacks. ModelFormatError with both refusals when neither imports."""
+    from service.model.spec import ModelFormatError
+
+    refusals = []
+    for exporter in ("torchscript", "torch.export"):
+        t = time.perf_counter()
+        try:
+            path = exporters.export(exporter, module, image, workdir, family)
+            export_s, t = time.perf_counter() - t, time.perf_counter()
+            return exporters.load(path), exporter, export_s, time.perf_counter() - t
+        except ModelFormatError as e:
+            refusals.append(f"{exporter}: {e}")
+    raise ModelFormatError("; ".join(refusals))
+
+
+def _line(cases: list[dict]) -> str:
+    from bench.kernels.results import hot, us
+
+    parts = []
+    for c in cases:
+        times = " ".join(f"{p} {us(hot(r))}" if hot(r) is not None else f"{p} {'n/a' if 'na' in r else 'err'}"
+                         for p, r in c["providers"].items())  # fmt: skip
+        parts.append(f"batch {c['batch']}: {times}")
+    return "; ".join(parts) or "not run"
+
+
+def _meta(args, command: str, name: str, slug: str, before: dict) -> dict:
+    import triton
+
+    try:
+        ort_version = ort_module().__version__
+    except NotAvailable:
+        ort_version = None
+    commands = [*before.get("commands", []), command]
+    return {
+        "gpu": name, "slug": slug, "dtype": DTYPE, "size": args.size, "batches": list(args.batches),
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "onnxruntime": ort_version, "python": platform.python_version(), "commands": commands,
+        "inductor_settings": inductor_settings(), "max_autotune": sorted(set(before.get("max_autotune", []))
+                                                                           | set(args.max_autotune)),
+        "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }  # fmt: skip
