@@ -177,6 +177,23 @@ def test_the_gpu_table_compares_ours_with_the_best_anchor():
     assert "| A | 256 | 100 | 150 | 120 | n/a | 1.20x vs compile | 12.5 |" in table
 
 
+def test_the_docs_section_replaces_itself_and_keeps_the_rest(tmp_path):
+    doc = tmp_path / "models.md"
+    doc.write_text("# Models\n\nHand-written text.\n")
+    check_results = {"meta": {"size": "tiny", "torch": "2", "onnxruntime": "1"}, "records": _records()}
+    timing = {"meta": {"gpu": "NVIDIA H100", "dtype": "float16"}, "cases": [
+        {"family": "a", "title": "A", "batch": 1, "ready_s": 12.5, "providers": {
+            "ours": {"graph": {"hot_us": 100.0}}, "eager-cl": {"graph": {"hot_us": 150.0}}, "ort": {"na": "absent"}}},
+    ]}  # fmt: skip
+    report.update_docs(doc, report.render_docs(check_results, timing))
+    once = doc.read_text()
+    report.update_docs(doc, report.render_docs(check_results, timing))
+    assert doc.read_text() == once
+    assert once.startswith("# Models\n\nHand-written text.\n\n" + report.DOCS_BEGIN)
+    assert "| A | 1 | 100 | 150 | n/a | 1.50x vs eager-cl | 12.5 |" in once
+    assert "ok, 4 fused / 1 torch" in once
+
+
 def test_the_command_writes_json_and_markdown(tmp_path, capsys):
     from bench.zoo.cli import main
 

@@ -6,7 +6,7 @@
     fusedserve bench zoo --gpu                            # on a GPU host: full size, fp16, batches 1 and 256, timed
     fusedserve bench zoo --gpu --families resnet50 --max-autotune resnet50
     python -m bench.zoo ...                               # the same, without the console script
-    python -m bench.zoo.report DIR/zoo_cpu.json DIR/zoo_h100.json   # re-render runs' markdown from their JSON
+    python -m bench.zoo.report DIR/zoo_cpu.json DIR/zoo_h100.json --docs docs/models.md   # docs from results
 
 Families (bench/zoo/families.py): AlexNet, VGG-11 with and without BN, ResNet-18/50, ResNeXt-50 32x4d, Wide
 ResNet-50-2, SqueezeNet 1.1, DenseNet-121, GoogLeNet, Inception v3, MobileNetV2, MobileNetV3 small and large,
