@@ -10,7 +10,9 @@ several inputs, sizes other than the batch that are not fixed.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import re
 import warnings
@@ -47,15 +49,18 @@ EXPORTERS = ("dynamo", "torchscript")
 NO_ONNXSCRIPT = importlib.util.find_spec("onnxscript") is None
 
 
-def export(module: nn.Module, shape, path: Path, exporter: str) -> Path:
+def export(module: nn.Module, shape, path: Path, exporter: str, opset: int | None = None) -> Path:
+    """`module` as an ONNX file with a dynamic batch: by the dynamo exporter (at `opset`, default its own), or by
+    TorchScript (at `opset`, default 17) without constant folding, so BatchNormalization nodes stay."""
     x = torch.randn(2, *shape)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # the dynamo exporter's progress
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
-            torch.onnx.export(module, (x,), str(path), dynamo=True, dynamic_shapes=({0: torch.export.Dim("batch")},))
+            torch.onnx.export(module, (x,), str(path), dynamo=True, dynamic_shapes=({0: torch.export.Dim("batch")},),
+                              **({"opset_version": opset} if opset else {}))  # fmt: skip
         else:
-            torch.onnx.export(module, (x,), str(path), dynamo=False, do_constant_folding=False, opset_version=17,
-                              input_names=["input"], dynamic_axes={"input": {0: "batch"}})  # fmt: skip
+            torch.onnx.export(module, (x,), str(path), dynamo=False, do_constant_folding=False, input_names=["input"],
+                              opset_version=opset or 17, dynamic_axes={"input": {0: "batch"}})  # fmt: skip
     return path
 
 
@@ -87,6 +92,18 @@ def check_against_ort(got: np.ndarray, want: np.ndarray, normwise: float, what: 
     assert agree >= TOP1, f"{what}: top-1 agrees on {agree:.4f} of {len(got)} inputs < {TOP1}"
 
 
+def run_fp32(model, mode: str, x: np.ndarray) -> np.ndarray:
+    """The model's output for x in fp32 (no TF32 on a GPU, as onnxruntime computes), on CUDA where there is one."""
+    device = torch.device("cuda" if HAS_CUDA else "cpu")
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.inference_mode():
+            return Executor(model, mode, device, torch.float32).forward(torch.from_numpy(x).to(device)).cpu().numpy()
+    finally:
+        torch.backends.cudnn.allow_tf32 = before
+
+
 # ---- imported models match onnxruntime ----
 
 
@@ -100,15 +117,7 @@ def test_imported_model_matches_onnxruntime(exported, name, exporter, mode):
     model = load_onnx(path)
     rows = ROWS if (mode == "unfused" or HAS_CUDA) else FUSED_CPU_ROWS
     x = np.random.default_rng(7).standard_normal((rows, *MODELS[name][1]), dtype=np.float32)
-    device = torch.device("cuda" if HAS_CUDA else "cpu")
-    before = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False  # fp32 as onnxruntime computes it (no TF32 on a GPU)
-    try:
-        with torch.inference_mode():
-            got = Executor(model, mode, device, torch.float32).forward(torch.from_numpy(x).to(device)).cpu().numpy()
-    finally:
-        torch.backends.cudnn.allow_tf32 = before
-    check_against_ort(got, run_ort(path, x), NORMWISE, f"{name} ({exporter}, {mode})")
+    check_against_ort(run_fp32(model, mode, x), run_ort(path, x), NORMWISE, f"{name} ({exporter}, {mode})")
 
 
 @pytest.mark.gpu
@@ -242,7 +251,8 @@ def test_unsupported_op_is_named_with_its_node_and_what_is_supported(tmp_path):
     sin = helper.make_node("Sin", ["c"], ["s"], name="my_sin")
     flat = helper.make_node("Flatten", ["s"], ["y"], name="flat")
     path = _conv_file(tmp_path / "sin.onnx", [sin, flat], ["N", 256])
-    _refused(path, "node 'my_sin' (Sin): this op is not supported", "fusedserve imports Conv, BatchNormalization, Gemm")
+    _refused(path, "node 'my_sin' (Sin): this op is not supported", "fusedserve imports ", "convolutions (Conv)",
+             "normalization (BatchNormalization, LayerNormalization)", "linear layers (Gemm, MatMul)")  # fmt: skip
 
 
 def test_every_unsupported_node_is_listed(tmp_path):
@@ -317,37 +327,61 @@ def test_an_integer_input(tmp_path):
 @pytest.mark.parametrize(
     "after,shape,needles",
     [
-        ([helper.make_node("Clip", ["c", "lo", "hi"], ["y"], name="clip")], ["N", 4, 8, 8],
-         ["node 'clip' (Clip): Clip(-1, 1): only Clip(0, 6) (ReLU6) and Clip(0) (ReLU) are supported"]),
+        ([helper.make_node("Clip", ["c", "lo", "lo2"], ["y"], name="clip")], ["N", 4, 8, 8],
+         ["node 'clip' (Clip): its max has shape (2,); fusedserve clips by one value"]),
         ([helper.make_node("Softmax", ["c"], ["s"], name="sm", axis=1), helper.make_node("Flatten", ["s"], ["y"])],
          ["N", 256], ["node 'sm' (Softmax)"]),
-        ([helper.make_node("Mul", ["c", "c"], ["y"], name="square")], ["N", 4, 8, 8],
-         ["node 'square' (Mul): Mul is supported only as part of a pattern"]),
+        ([helper.make_node("MatMul", ["c", "c"], ["y"], name="scores")], ["N", 4, 8, 8],
+         ["node 'scores' (MatMul): multiplies two tensors computed from the input, 'c' (N, 4, 8, 8) by 'c' "
+          "(N, 4, 8, 8) (as attention does); fusedserve takes a MatMul of a tensor by a constant weight"]),
+        ([helper.make_node("Transpose", ["c"], ["t"], perm=[0, 2, 3, 1]),
+          helper.make_node("Mul", ["c", "t"], ["y"], name="mixed")], ["N", 4, 8, 8],
+         ["node 'mixed' (Mul): multiplies 'c' (N, 4, 8, 8) by 't' (N, 8, 8, 4) (channels-last): one is a "
+          "channels-last transpose and the other is not"]),
         ([helper.make_node("Flatten", ["c"], ["y"], name="f0", axis=2)], ["N", 4, 64],
          ["node 'f0' (Flatten): axis 2: only Flatten(axis=1)"]),
         ([helper.make_node("Concat", ["c", "c"], ["y"], name="cat", axis=2)], ["N", 4, 16, 8],
          ["node 'cat' (Concat): axis 2 of rank-4 tensors: only concat along channels"]),
     ],
-    ids=["clip", "softmax-inside", "bare-mul", "flatten-axis", "concat-axis"],
+    ids=["clip", "softmax-inside", "two-tensor-matmul", "mixed-layouts", "flatten-axis", "concat-axis"],
 )  # fmt: skip
 def test_node_attributes_that_cannot_be_served(tmp_path, after, shape, needles):
     path = _conv_file(tmp_path / "a.onnx", after, shape)
     proto = onnx.load(str(path))
-    proto.graph.initializer.extend([_const("lo", -1.0), _const("hi", 1.0)])
+    proto.graph.initializer.extend([_const("lo", -1.0), _const("lo2", [-1.0, 1.0])])
     onnx.save(proto, str(path))
     _refused(path, *needles)
 
 
-def test_uneven_padding(tmp_path):
-    path = _conv_file(tmp_path / "p.onnx", [helper.make_node("Relu", ["c"], ["y"])], ["N", 4, 7, 7], pads=(0, 0, 1, 1))
-    _refused(path, "node 'conv' (Conv): pads [0, 0, 1, 1] differ between the start and the end of an axis")
+def test_uneven_padding_becomes_a_pad_op(tmp_path):
+    """A conv's padding that differs between the sides of an axis (TensorFlow's SAME): the even part stays the
+    conv's, the rest is a `pad` op before it."""
+    after = [helper.make_node("Relu", ["c"], ["r"]), helper.make_node("Flatten", ["r"], ["y"])]
+    path = _conv_file(tmp_path / "p.onnx", after, ["N", 196], pads=(0, 0, 1, 1))
+    model = load_model(path)
+    assert [op.op for op in model.ops] == ["pad", "conv2d", "relu", "flatten"]
+    assert model.ops[0].pads == (0, 0, 1, 1) and model.ops[1].padding == (0, 0)
+    x = np.random.default_rng(3).standard_normal((5, 3, 8, 8), dtype=np.float32)
+    for mode in ("unfused", "fused"):
+        check_against_ort(run_fp32(model, mode, x), run_ort(path, x), NORMWISE, mode)
 
 
 def test_broadcasting_add_of_two_tensors(tmp_path):
+    """(N, 4, 8, 8) + (N, 4, 1, 1) broadcasts (an SE block's shapes); (N, 4, 8, 1) + (N, 4, 1, 8) would grow both
+    and is refused with both shapes."""
     pool = helper.make_node("GlobalAveragePool", ["c"], ["g"])
-    add = helper.make_node("Add", ["c", "g"], ["y"], name="bcast")
-    path = _conv_file(tmp_path / "b.onnx", [pool, add], ["N", 4, 8, 8])
-    _refused(path, "node 'bcast' (Add): adds per-row shapes (4, 8, 8) and (4, 1, 1); only tensors of one shape")
+    add = helper.make_node("Add", ["c", "g"], ["s"], name="bcast")
+    path = _conv_file(tmp_path / "b.onnx", [pool, add, helper.make_node("Flatten", ["s"], ["y"])], ["N", 256])
+    model = load_model(path)
+    assert [op.op for op in model.ops] == ["conv2d", "avgpool2d", "add", "flatten"]
+    x = np.random.default_rng(4).standard_normal((5, 3, 8, 8), dtype=np.float32)
+    check_against_ort(run_fp32(model, "unfused", x), run_ort(path, x), NORMWISE, "broadcast add")
+    rows = helper.make_node("MaxPool", ["c"], ["h"], kernel_shape=[1, 8])
+    cols = helper.make_node("MaxPool", ["c"], ["v"], kernel_shape=[8, 1])
+    add = helper.make_node("Add", ["h", "v"], ["y"], name="outer")
+    path = _conv_file(tmp_path / "o.onnx", [rows, cols, add], ["N", 4, 8, 8])
+    _refused(path, "node 'outer' (Add): adds 'h' (N, 4, 8, 1) to 'v' (N, 4, 1, 8): fusedserve takes tensors of one "
+             "shape, or shapes of which one broadcasts to the other")  # fmt: skip
 
 
 def test_import_cli_declares_uint8_pixels_and_their_normalization(exported, tmp_path, capsys):
