@@ -33,7 +33,8 @@ wrongly. So is a file that is not ONNX, a graph with several inputs or outputs, 
 the batch are not fixed (a dynamic batch dimension is normal).
 
 Weights become float32 safetensors named after their node (`/layer1/conv1/Conv.weight`); tensor names in the
-graph are the ONNX names, so a plan can be traced back to the file.
+graph are the ONNX names, so a plan can be traced back to the file. The config's `source` names the file and a
+sha256 of every file the model reads: the .onnx and its external data (the dynamo exporter's model.onnx.data).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from .onnx_ops import GraphBuilder, Importer
 from .spec import FORMAT_V2, ModelFormatError, input_fields
 
 MIN_OPSET = 13
+HASH_CHUNK = 1 << 20
 
 __all__ = ["GraphBuilder", "import_onnx", "read_labels", "safe_name"]
 
@@ -78,7 +80,7 @@ def import_onnx(
     declared = input_fields(input_dtype, mean, std)
     path = Path(path)
     onnx = _onnx()
-    model = _read(onnx, path)
+    model, external = _read(onnx, path)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     if opset is None or opset < MIN_OPSET:
         raise ModelFormatError(
@@ -94,12 +96,13 @@ def import_onnx(
             labels = [str(v) for v in json.loads(meta["labels"])]
         except (ValueError, TypeError):
             raise ModelFormatError(f"{path}: metadata 'labels' is not a JSON list of strings") from None
-    sha = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    sha = source_hash(path, external)[:16]
+    files = f"{path.name} with external data {', '.join(external)}" if external else path.name
     config = {
         "format": FORMAT_V2,
         "name": name or meta.get("name") or safe_name(path.stem),
         "description": description if description is not None else meta.get("description", graph.doc_string or ""),
-        "source": f"onnx: {path.name} (opset {opset}, sha256 {sha}...), {model.producer_name or 'unknown'} "
+        "source": f"onnx: {files} (opset {opset}, sha256 {sha}...), {model.producer_name or 'unknown'} "
         f"{model.producer_version}".strip(),
         "input": {"name": importer.input_name, "shape": list(importer.input_shape), **declared},
         "output": g.ops[-1]["output"],
@@ -109,24 +112,75 @@ def import_onnx(
     return config, g.tensors
 
 
+def source_hash(path: Path, external: list[str]) -> str:
+    """sha256 of the .onnx file's bytes, then of each external data file it names (sorted): its name, size and
+    bytes. A file without external data hashes as its bytes alone."""
+    h = hashlib.sha256(path.read_bytes())
+    for location in external:
+        f = path.parent / location
+        h.update(b"\0" + location.encode() + b"\0" + f.stat().st_size.to_bytes(8, "little"))
+        with f.open("rb") as stream:
+            while chunk := stream.read(HASH_CHUNK):
+                h.update(chunk)
+    return h.hexdigest()
+
+
 def safe_name(stem: str) -> str:
     """A model name from a file name: the characters the format allows."""
     cleaned = "".join(c if c.isalnum() or c in "_.-" else "-" for c in stem)
     return cleaned or "model"
 
 
+def _tensors(onnx, graph):
+    """Every TensorProto a graph holds: initializers and Constant values, subgraphs' included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.TENSOR:
+                yield a.t
+            elif a.type == onnx.AttributeProto.TENSORS:
+                yield from a.tensors
+            elif a.type == onnx.AttributeProto.GRAPH:
+                yield from _tensors(onnx, a.g)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for sub in a.graphs:
+                    yield from _tensors(onnx, sub)
+
+
 def _read(onnx, path: Path):
+    """The model (external data loaded) and the external data files it reads, relative to its folder, sorted."""
     if not path.is_file():
         raise ModelFormatError(f"{path}: no such file")
     try:
-        model = onnx.load(str(path))
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError and the like
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelFormatError(f"{path}: not a valid ONNX file ({first})") from None
+    helper = onnx.external_data_helper
+    external = set()
+    for t in _tensors(onnx, model.graph):
+        if helper.uses_external_data(t):
+            location = next((e.value for e in t.external_data if e.key == "location"), "")
+            f = (path.parent / location).resolve()
+            if not location or not f.is_relative_to(path.parent.resolve()):
+                raise ModelFormatError(
+                    f"{path}: tensor {t.name!r} names external data {location!r} outside the file's folder"
+                )
+            if not f.is_file():
+                raise ModelFormatError(
+                    f"{path}: tensor {t.name!r} reads its data from {location!r}, which is not "
+                    f"in {path.parent} (keep the .onnx file and its external data side by side)"
+                )
+            external.add(location)
+    try:
+        helper.load_external_data_for_model(model, str(path.parent))
         onnx.checker.check_model(model)
-    except Exception as e:  # protobuf's DecodeError, onnx's ValidationError, a missing external-data file
+    except Exception as e:  # onnx's ValidationError, an external data file too short
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelFormatError(f"{path}: not a valid ONNX file ({first})") from None
     if not model.graph.node:
         raise ModelFormatError(f"{path}: not a valid ONNX file (its graph has no nodes)")
-    return model
+    return model, sorted(external)
 
 
 def read_labels(path: Path | str) -> list[str]:
