@@ -29,7 +29,7 @@ pytest.importorskip("onnxscript")  # torch.onnx's dynamo exporter needs it
 
 pytestmark = pytest.mark.timeout(900)
 
-# What imports and agrees today (tiny size, at 0f1aca9; `fusedserve bench zoo` measures it): every pair but these.
+# What imports and agrees today (tiny size, at 17ee334; `fusedserve bench zoo` measures it): every pair but these.
 REFUSED_TODAY = {
     ("densenet121", "torchscript"),  # its first dense layer's one-input Concat
     *((f, e) for f in ("mobilenet_v3_small", "mobilenet_v3_large", "shufflenet_v2_x1_0", "efficientnet_b0",

@@ -16,7 +16,8 @@ Time to ready: ours's first forward at the smallest batch, from an imported mode
 executor's binding, every kernel's tuning for that bucket, the capture): "ready_s" of each case's family.
 
 Results merge into zoo_<gpu>.json under --out by family (a later run of some families replaces their cases and
-keeps the rest), since one device call of 10 minutes cannot time 21 families.
+keeps the rest), since one device call of 10 minutes cannot time 21 families: a family takes one to a few minutes
+(ours tunes every layer at each batch; max-autotune adds minutes), so name a few per call with --families.
 """
 
 from __future__ import annotations
