@@ -22,6 +22,7 @@ A handler that reads a view it does not understand is refused by `value`/`data` 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -658,6 +659,9 @@ class Importer:
         return True
 
     def _refuse(self, node: Node, why: str | None) -> None:
+        if why is not None and not re.search(r"\(N(, |\*)\d", why):  # a refusal gives the shapes: at least its inputs'
+            reads = [self.describe(x) for x in node.inputs if x in self.values]
+            why += f" (it reads {', '.join(reads)})" if reads else ""
         self.refusals.append((node, why))
         self.poisoned.update(node.outputs)
 
