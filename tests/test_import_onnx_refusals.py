@@ -46,6 +46,21 @@ class PatchTokens(nn.Module):
         return self.fc(self.norm(tokens).mean(1))
 
 
+class SwinWindows(nn.Module):
+    """A Swin transformer's start: a patchify conv, channels-last LayerNorm (both served), then the partition of
+    the (N, H, W, C) map into 2x2 windows of tokens, which is not."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch, self.norm, self.fc = nn.Conv2d(3, 8, 2, 2), nn.LayerNorm(8), nn.Linear(8, 5)
+
+    def forward(self, x):
+        x = self.norm(self.patch(x).permute(0, 2, 3, 1))
+        n, h, w, c = x.shape
+        windows = x.view(n, h // 2, 2, w // 2, 2, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, 4, c)
+        return self.fc(windows.mean(1))
+
+
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 def test_attention_is_refused_at_its_matmul(tmp_path, exporter):
     if exporter == "dynamo" and NO_ONNXSCRIPT:
@@ -133,3 +148,11 @@ def test_single_refusals_say_why_with_shapes(tmp_path, after, needle):
     ])  # fmt: skip
     onnx.save(proto, str(path))
     _refused(path, needle)
+
+
+def test_swin_windows_are_refused_at_the_partition(tmp_path):
+    torch.manual_seed(0)
+    path = export(SwinWindows().eval(), (3, 8, 8), tmp_path / "swin.onnx", "torchscript")
+    message = _refused(path, "(Reshape): reshapes ", " (N, 4, 4, 8) (channels-last) to (N, 2, 2, 2, 2, 8); a "
+                       "channels-last view flattens only when it is (N, 1, 1, C)")  # fmt: skip
+    assert "(LayerNormalization)" not in message, message  # the norm before it is served
