@@ -1,7 +1,7 @@
 """The zoo's results as JSON and markdown: the check's table per (family, exporter), the importer's worklist (the
 refusals grouped by the op they name), the GPU timing table, and docs/models.md's zoo section from both.
 
-    python -m bench.zoo.report bench/results/cpu/zoo_cpu.json                      # re-render its markdown, print
+    python -m bench.zoo.report DIR/zoo_cpu.json                                    # re-render its markdown, print
     python -m bench.zoo.report zoo_cpu.json zoo_h100.json --docs docs/models.md    # rewrite the zoo section there
 """
 
