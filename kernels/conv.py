@@ -504,17 +504,17 @@ def fused_conv2d(
         (PSH, PSW) = (PKH, PKW) if len(pool) == 2 or pool[2] is None else pair(pool[2], "pool stride")
         if min(PKH, PKW, PSH, PSW) < 1:
             raise ValueError(f"pool kernel_size and stride must be >= 1; got {pool!r}")
-        if PKH * PKW > MAX_POOL_WINDOW:  # too many K loops to unroll: the conv, then the pool in its own kernel
-            y = fused_conv2d(x, weight, bias, stride=s, padding=p, dilation=d, activation=activation,
-                             negative_slope=negative_slope, allow_tf32=allow_tf32, memory_format=memory_format,
-                             input_norm=input_norm, x_scale=x_scale)  # fmt: skip
-            return fused_pool2d(y, pool[0], (PKH, PKW), (PSH, PSW), out=out)
         POOL = pool[0]
         if OH < PKH or OW < PKW:
             raise ValueError(f"pooling {pool!r} leaves no output from the conv's {OH}x{OW}")
         OH, OW = (OH - PKH) // PSH + 1, (OW - PKW) // PSW + 1
     if residual is not None and POOL != "none":
         raise ValueError("a residual cannot be fused with a pool: add it in an unpooled fused_conv2d, then pool")
+    if PKH * PKW > MAX_POOL_WINDOW:  # too many K loops to unroll: the conv, then the pool in its own kernel
+        y = fused_conv2d(x, weight, bias, stride=s, padding=p, dilation=d, activation=activation,
+                         negative_slope=negative_slope, allow_tf32=allow_tf32, memory_format=memory_format,
+                         input_norm=input_norm, x_scale=x_scale)  # fmt: skip
+        return fused_pool2d(y, POOL, (PKH, PKW), (PSH, PSW), out=out)
     # torch's rule for the output's memory format: channels_last when x or the weight is. (An (N, 1, H, W)
     # input is both; a channels_last weight then asks for NHWC outputs.)
     channels_last = _channels_last(x)
