@@ -98,7 +98,7 @@ KINDS = {
     "import": rf"^{FUSEDSERVE} import \S+\.onnx \S+(?: --name \S+)?$",
     "docs": rf"^{FUSEDSERVE} docs(?: --check)?$",
     "bench-smoke": rf"^{FUSEDSERVE} bench kernels --device cpu --quick --out \S+$",
-    "gpu": rf"^(?:{_ENV}bash bench/gpu_session\.sh.*|{FUSEDSERVE} bench (?:kernels|serve|pool|soak)"
+    "gpu": rf"^(?:{_ENV}bash bench/gpu_session\.sh.*|{FUSEDSERVE} bench (?:kernels|serve|pool|soak|zoo)"
     r"(?! --device cpu).*)$",
     "probe": r"^\.venv/bin/python -m bench\.probes\.\w+(?: --out \S+)?$",
     "gpu-suite": r"^bash tests/gpu_suite\.sh (?:PART|kernels-a|kernels-b|service|two-gpu|all|record \S+.*)$",
