@@ -141,5 +141,5 @@ def test_model_describes_the_normalizing_stem(servers):
         info = httpx.get(f"{s['url']}/model", timeout=TIMEOUT).json()
         assert info["input_dtype"] == "uint8" and info["input_shape"] == list(SHAPE), info
         stem = info["plan"][0]
-        assert stem["kernel"] == "conv2d_0_relu_avgpool2d_0", info["plan"]
+        assert stem["kernel"] == "conv2d_0_relu", info["plan"]  # its 8x8 global pool is a step of its own
         assert stem["normalize"] == {"mean": IMAGENET_MEAN, "std": IMAGENET_STD}, (mode, stem)
