@@ -422,7 +422,8 @@ class SupervisorMetrics:
 
     def config_reloaded(self, outcome: str) -> None:
         """One SIGHUP reload: applied (a live setting changed), unchanged, invalid (the file was refused whole),
-        failed (an engine could not load the executor the new mode needs)."""
+        failed (an engine could not load the executor the new mode needs, or the supervisor could not publish the
+        API keys to the front ends: the configuration and keys in force stay)."""
         self._reloads[outcome].inc()
 
 
