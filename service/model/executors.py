@@ -327,10 +327,11 @@ class Executor:
             w, b = self._weights(step)
             act = {"activation": step.activation, "negative_slope": step.negative_slope}
             if not fused:
-                if self._post(step) is None and step.residual is None and step.activation in support.activations:
+                post = self._post(step)
+                if post is None and step.residual is None and step.activation in support.activations:
                     return step.name, functools.partial(reference.linear, weight=w, bias=b, **act)
                 mm = functools.partial(reference.linear, weight=w, bias=b)
-                return step.name, functools.partial(_unfused_tail, first=mm, bn=self._post(step), **act)
+                return step.name, functools.partial(_unfused_tail, first=mm, bn=post, **act)
             kernel_act = step.activation in support.activations
             if step.residual is not None and support.linear_residual:
                 from kernels.linear import fused_linear
@@ -407,7 +408,7 @@ class Executor:
                 from kernels.layernorm import fused_layernorm_channels
 
                 return step.name, functools.partial(fused_layernorm_channels, weight=w, bias=b, eps=step.eps)
-            return step.name, functools.partial(_layer_norm_channels, weight=w, bias=b, eps=step.eps)
+            return step.name, functools.partial(reference.layernorm_channels, weight=w, bias=b, eps=step.eps)
         if isinstance(step, SliceStep):
             return step.name, functools.partial(_slice_channels, start=step.start, end=step.end)
         if isinstance(step, ChannelShuffleStep):
@@ -487,16 +488,17 @@ class Executor:
                                      memory_format=fmt, layout=fmt)  # fmt: skip
         if self.mode == "unfused":
             # Unfused: eager torch ops (F.conv2d with its groups).
+            post = self._post(step)
             if step.groups > 1:
                 conv = functools.partial(F.conv2d, weight=w, bias=b, groups=step.groups, **geometry)
-            elif self._post(step) is None and step.residual is None and step.activation in self.support.activations:
+            elif post is None and step.residual is None and step.activation in self.support.activations:
                 conv = functools.partial(reference.conv2d, weight=w, bias=b, **geometry, **act)
                 if pool is None:
                     return conv
                 return functools.partial(_chain, layers=[conv, self._bind(pool)[1]])
             else:
                 conv = functools.partial(reference.conv2d, weight=w, bias=b, **geometry)
-            tail = functools.partial(_unfused_tail, first=conv, bn=self._post(step), **act)
+            tail = functools.partial(_unfused_tail, first=conv, bn=post, **act)
             return tail if pool is None else functools.partial(_chain_first, first=tail, then=self._bind(pool)[1])
         from kernels.conv import fused_conv2d, input_norm_of
         from kernels.conv_tma import weight_for
@@ -617,7 +619,7 @@ def _chain_first(*args, first, then):
 
 
 def _contiguous_then(x, *, fn, activation, negative_slope):
-    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+    if _is_channels_last(x):
         # An elementwise kernel on channels_last memory: run it on the NHWC view (contiguous) and view back.
         y = fn(x.permute(0, 2, 3, 1), activation, negative_slope=negative_slope)
         return y.permute(0, 3, 1, 2)
@@ -745,23 +747,15 @@ def _clamp(x, *, scale, shift, lo, hi):
     return torch.clamp(x, lo, hi)
 
 
-def _layer_norm_channels(x, *, weight, bias, eps):
-    """Layer norm over dim 1: F.layer_norm on the channels-last view of an image (as torchvision's LayerNorm2d
-    permutes, normalizes and permutes back), or on a vector's features."""
-    if x.dim() == 2:
-        return F.layer_norm(x, (x.shape[1],), weight, bias, eps)
-    y = F.layer_norm(x.permute(0, 2, 3, 1), (x.shape[1],), weight, bias, eps)
-    return y.permute(0, 3, 1, 2)
-
-
 def _slice_channels(x, *, start, end):
     """x[:, start:end], copied so that the next step reads a dense tensor (in x's memory format)."""
-    fmt = torch.channels_last if x.dim() == 4 and _is_channels_last(x) else torch.contiguous_format
+    fmt = torch.channels_last if _is_channels_last(x) else torch.contiguous_format
     return x[:, start:end].contiguous(memory_format=fmt)
 
 
 def _is_channels_last(x) -> bool:
-    return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+    """x is a 4-D batch in channels_last memory and not also contiguous NCHW."""
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
 def _channel_shuffle(x, *, groups):
