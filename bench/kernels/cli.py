@@ -104,7 +104,8 @@ def _shapes(text: str) -> tuple[tuple[int, int, int], ...]:
     return shapes
 
 
-def _batches(text: str) -> tuple[int, ...]:
+def parse_batches(text: str) -> tuple[int, ...]:
+    """--batches: comma-separated positive integers (bench zoo's too)."""
     try:
         batches = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
@@ -149,11 +150,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--batches",
-        type=_batches,
+        type=parse_batches,
         help="model batch sizes, every model [1,8,32,256,4096, the wider CNN 1,32,256, the ResNets 1,8,32,128,256; "
         "--quick: 1,32]",
     )
-    p.add_argument("--conv-batches", type=_batches, help="batch sizes of the convs section [1,32,256; --quick: 1]")
+    p.add_argument("--conv-batches", type=parse_batches, help="batch sizes of the convs section [1,32,256; --quick: 1]")
     p.add_argument(
         "--model-dtype",
         type=_names(DTYPE_NAMES, "dtype"),

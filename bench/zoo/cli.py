@@ -39,6 +39,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from bench.kernels.cli import parse_batches
+
 # Mirrors of families.FAMILIES and exporters.EXPORTERS (those import torch); tests/test_zoo.py holds them equal.
 FAMILIES = (
     "alexnet", "vgg11", "vgg11_bn", "resnet18", "resnet50", "resnext50_32x4d", "wide_resnet50_2", "squeezenet1_1",
@@ -65,16 +67,6 @@ def _names(allowed: tuple[str, ...], what: str):
     return parse
 
 
-def _batches(text: str) -> tuple[int, ...]:
-    try:
-        batches = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        batches = ()
-    if not batches or min(batches) < 1:
-        raise argparse.ArgumentTypeError(f"batches are positive integers like 1,256; got {text!r}")
-    return batches
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, help="output directory [bench/results/cpu, or bench/results/<gpu> with --gpu]")
     p.add_argument("--families", type=_names(FAMILIES, "family"), default=FAMILIES, help="comma-separated [all]")
@@ -89,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="the fused mode through the first exporter whose import worked only")  # fmt: skip
     gpu = p.add_argument_group("--gpu (timing on a CUDA device)")
     gpu.add_argument("--gpu", "--time", action="store_true", dest="gpu", help="time instead of checking")
-    gpu.add_argument("--batches", type=_batches, default=GPU_BATCHES, help="[1,256]")
+    gpu.add_argument("--batches", type=parse_batches, default=GPU_BATCHES, help="[1,256]")
     gpu.add_argument("--max-autotune", type=_names(FAMILIES, "family"), default=(),
                      help="families that also run torch.compile max-autotune (slow: minutes each) [none]")  # fmt: skip
     gpu.add_argument("--no-ort", action="store_true", help="leave out onnxruntime-gpu even where it imports")
