@@ -38,6 +38,9 @@ fi
 
 if [ "$with_tests" = 1 ]; then
   "${pip[@]}" install -e ".[test]"
+  # The latest tritonclient, as `pip install "tritonclient[http,grpc]"` (docs/api.md) gets it for a user, beside the
+  # service: its grpc extra pins protobuf (2.73: >=6.30,<7), and the gRPC tests run against what it pulls.
+  "${pip[@]}" install --upgrade "tritonclient[http,grpc]"
   # Debian's prometheus (with promtool) and haproxy: the tests start real ones on loopback.
   missing=()
   command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)

@@ -8,6 +8,9 @@ import os
 import signal
 import sys
 
+# A child's exit code for a start that cannot succeed (its app's start-up failed): the supervisor does not start it
+# again, since a new process would fail the same way, again and again. 3 is uvicorn's own code for this.
+STARTUP_FAILED = 3
 LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 
 

@@ -57,6 +57,7 @@ from .config import (
 )
 from .link import wire
 from .link.live import write_live
+from .processes import STARTUP_FAILED
 
 log = logging.getLogger(__name__)
 
@@ -174,9 +175,14 @@ class Supervisor:
 
             use_multiprocess_dir(str(metrics_dir))
             from .backend import prepare_backend
+            from .dependencies import DependencyError, check_imports, front_end_modules
             from .frontend.state import ModelInfo
             from .model.loader import load_model
 
+            try:  # here, once: a front end that cannot import would die at each start again (a crash loop)
+                check_imports(front_end_modules(grpc=s.grpc_port is not None))
+            except DependencyError as e:
+                raise StartError(str(e)) from None
             model = load_model(s.model_path())  # ModelFormatError names what is wrong, before any process starts
             self._model_name = model.name
             self._metrics = SupervisorMetrics(model.name)  # every reload outcome visible at 0 from the start
@@ -381,6 +387,11 @@ class Supervisor:
                 if p.is_alive():
                     continue
                 _forget_process(p.pid)
+                if p.exitcode == STARTUP_FAILED:
+                    log.error("front end %d could not start (exit %d, its log above says why); "
+                              "starting it again would fail the same way: stopping", k, p.exitcode)  # fmt: skip
+                    code = 1
+                    break
                 now = time.monotonic()
                 self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S] + [now]
                 if len(self._restarts) > MAX_RESTARTS:

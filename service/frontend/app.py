@@ -165,6 +165,10 @@ def frontend_main(
     server = _draining_server(uvicorn.Server)(config, app.state.fusedserve, drain_s)
     server.fs_timeouts = (settings.header_timeout_s, settings.body_timeout_s)
     server.run(sockets=[sock])
+    if not server.started:  # the lifespan failed (logged by uvicorn): say so to the supervisor, which then stops
+        from ..processes import STARTUP_FAILED
+
+        raise SystemExit(STARTUP_FAILED)
 
 
 def _draining_server(base):
