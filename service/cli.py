@@ -56,15 +56,43 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check_model(args: argparse.Namespace) -> int:
     from .model.loader import load_model
+    from .model.locate import locate_model
     from .model.spec import ModelFormatError
 
-    try:
-        model = load_model(Path(args.path))
+    try:  # found as `serve --model` finds it (FUSEDSERVE_MODEL_DIR included)
+        model = load_model(locate_model(args.path, _model_dir()))
     except ModelFormatError as e:
         print(f"invalid model: {e}", file=sys.stderr)
         return 1
     print(describe_model(model))
     return 0
+
+
+def _model_dir() -> str | None:
+    """FUSEDSERVE_MODEL_DIR, from the environment or the configuration file, as `serve` reads it (None: the
+    default); read alone, so that check-model and import work beside a configuration that `serve` would refuse."""
+    import os
+
+    from dotenv import dotenv_values
+
+    from .config import config_file_of
+
+    name = ENV_PREFIX + "MODEL_DIR"
+    env_file = config_file_of()
+    from_file = dotenv_values(env_file).get(name) if env_file.is_file() else None
+    return os.environ.get(name) or from_file or None
+
+
+def _onnx_source(found: Path) -> Path:
+    """The .onnx file to import: `found` itself, or the one .onnx file of a model directory (digits-resnet)."""
+    from .model.spec import ModelFormatError
+
+    if not found.is_dir():
+        return found
+    onnx_files = sorted(found.glob("*.onnx"))
+    if len(onnx_files) != 1:
+        raise ModelFormatError(f"{found}: holds {len(onnx_files)} .onnx files; import needs one: name it")
+    return onnx_files[0]
 
 
 def describe_model(model) -> str:
@@ -128,12 +156,14 @@ def _numbers(text: str) -> list[float]:
 
 
 def _import(args: argparse.Namespace) -> int:
+    from .model.locate import locate_model
     from .model.onnx_import import read_labels
     from .model.spec import ModelFormatError
     from .model.writer import import_to_dir
 
     try:
         labels = read_labels(args.labels) if args.labels else None
+        args.model = _onnx_source(locate_model(args.model, _model_dir()))  # found as `serve --model` finds it
         out = import_to_dir(Path(args.model), Path(args.out_dir), name=args.name, labels=labels,
                             input_dtype=args.input_dtype, mean=args.mean, std=args.std)  # fmt: skip
         from .model.loader import load_model
@@ -159,7 +189,11 @@ def main(argv: list[str] | None = None, extend=None) -> int:
     _add_setting_options(serve)
     serve.set_defaults(func=_serve)
     check = sub.add_parser("check-model", help="validate a model and print its graph and fused plan")
-    check.add_argument("path", help="a model directory (config.json + model.safetensors), or an .onnx file")
+    check.add_argument(
+        "path",
+        help="a model as `serve --model` takes it: a name (looked up in the working directory, then "
+        "FUSEDSERVE_MODEL_DIR), a model directory (config.json + model.safetensors) or an .onnx file",
+    )
     check.set_defaults(func=_check_model)
     docs = sub.add_parser("docs", help="write docs/configuration.md and docs/metrics.md from the code")
     docs_gen.add_arguments(docs)
@@ -171,7 +205,9 @@ def main(argv: list[str] | None = None, extend=None) -> int:
         "format fusedserve-model/2); what cannot be served is refused by node name and op type. "
         "`serve --model x.onnx` imports on the fly instead.",
     )
-    imp.add_argument("model", help="the .onnx file")
+    imp.add_argument(
+        "model", help="the .onnx file (or a model name or directory holding one, found as `serve --model` finds it)"
+    )
     imp.add_argument("out_dir", help="the model directory to write")
     imp.add_argument("--name", help="the model's name (default: the directory's name)")
     imp.add_argument("--labels", help="a file of output labels: a JSON list or one per line")

@@ -17,7 +17,7 @@ from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "FUSEDSERVE_"
-PACKAGE_MODEL_DIR = Path(__file__).resolve().parents[1] / "model_weights"
+PACKAGE_MODEL_DIR = Path(__file__).resolve().parents[1] / "model_weights"  # = service/model/locate.py's
 DEFAULT_MODEL_DIR = Path("model_weights")
 ENV_FILE = ".env"
 SECRET_SETTINGS = ("api_key", "restricted_api")  # never echoed in an error or a log
@@ -61,7 +61,9 @@ class Settings(BaseSettings):
         "auto", description="auto picks cuda when present; fused on cpu runs Triton's interpreter (slow)"
     )
     model: str = Field(
-        "digits-mlp", description="a model name under model_dir, or a path to a model directory or an .onnx file"
+        "digits-mlp",
+        description="a model name (looked up in the working directory, then under model_dir), or a path to a model "
+        "directory or an .onnx file (one with a '/', or ending in .onnx: taken as given)",
     )
     model_dir: Path = Field(
         DEFAULT_MODEL_DIR,
@@ -305,19 +307,13 @@ class Settings(BaseSettings):
         return "float16" if device_type == "cuda" else "float32"
 
     def model_path(self) -> Path:
-        """The model directory: `model` as a path if it is one, else `model_dir/model`.
+        """The model directory or .onnx file `model` names, found by the one rule of service/model/locate.py (a path
+        as given; a name in the working directory, then under model_dir, then, with model_dir at its default, beside
+        the package); ModelNotFound names every place looked at. A model_dir that was set is taken as given, so a
+        typo in it is reported, not papered over."""
+        from .model.locate import locate_model
 
-        The default model_dir, if the working directory has none, falls back to the one beside the
-        package, so the shipped model is found from any working directory of a source checkout; a
-        model_dir that was set is taken as given, so a typo in it is reported, not papered over.
-        """
-        given = Path(self.model)
-        if given.is_dir() or given.is_file():  # a file: an .onnx model, imported at load
-            return given
-        base = self.model_dir
-        if base == DEFAULT_MODEL_DIR and not base.exists() and PACKAGE_MODEL_DIR.is_dir():
-            base = PACKAGE_MODEL_DIR
-        return base / self.model
+        return locate_model(self.model, self.model_dir)
 
 
 def parse_restricted(text: str) -> dict[str, tuple[str, bytes]]:

@@ -18,6 +18,7 @@ import pytest
 import service.supervisor
 from service.cli import main
 from service.config import ENV_PREFIX, PACKAGE_MODEL_DIR, Settings, SettingsError, load_settings, unknown_variables
+from service.model.locate import ModelNotFound
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -243,6 +244,7 @@ def test_model_path_resolves_a_name():
 def test_model_path_uses_an_existing_model_dir(tmp_path):
     (tmp_path / "model_weights" / "mine").mkdir(parents=True)
     assert Settings(model="mine").model_path() == Path("model_weights") / "mine"
+    (tmp_path / "elsewhere" / "x").mkdir(parents=True)
     assert Settings(model="x", model_dir=tmp_path / "elsewhere").model_path() == tmp_path / "elsewhere" / "x"
 
 
@@ -251,6 +253,8 @@ def test_model_path_resolves_a_path(tmp_path):
     d.mkdir(parents=True)
     assert Settings(model=str(d)).model_path() == d
     assert Settings(model="some/model", model_dir=tmp_path / "unused").model_path() == Path("some/model")
+    with pytest.raises(ModelNotFound, match=r"^\./gone: no such model directory or \.onnx file \(/"):
+        Settings(model="./gone").model_path()  # as typed, then where that is; never under model_weights/
 
 
 # ---- the command line ----
@@ -354,7 +358,12 @@ def test_a_model_dir_that_was_set_is_not_replaced(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert load_settings().model_path().is_dir()  # the default falls back to the packaged models
     monkeypatch.setenv("FUSEDSERVE_MODEL_DIR", "typo_dir")
-    assert load_settings().model_path() == Path("typo_dir") / "digits-mlp"
+    with pytest.raises(ModelNotFound) as e:
+        load_settings().model_path()
+    assert str(e.value) == (
+        "no model named 'digits-mlp': looked in digits-mlp, typo_dir/digits-mlp (give a model directory or an .onnx "
+        "file)"
+    )
 
 
 def test_the_engine_passes_the_tuning_settings_to_the_kernels(monkeypatch, tmp_path):

@@ -97,7 +97,8 @@ def load_model(path: Path | str) -> Model:
     if not path.is_dir():
         if path.is_file():
             raise ModelFormatError(f"{path}: not a model: give a model directory or an .onnx file")
-        raise ModelFormatError(f"{path}: no such model directory")
+        what = "no such .onnx file" if path.suffix.lower() == ".onnx" else "no such model directory or .onnx file"
+        raise ModelFormatError(f"{path}: {what}")
     if not (path / "config.json").exists():
         onnx_files = sorted(path.glob("*.onnx"))
         if len(onnx_files) == 1:
