@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
     mark_and_order(items)  # the every-candidate sweeps: marked `sweep`, longest first (tests/sweeps.py)
     if HAS_CUDA:
         return
-    skip = pytest.mark.skip(reason="needs CUDA: run on the lent GPU (see ../shared/gpu/README.md)")
+    skip = pytest.mark.skip(reason="needs CUDA: on a GPU host, tests/gpu_suite.sh runs it (tests/README.md)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
