@@ -38,6 +38,10 @@ def test_uint8_byte_count_is_checked():
         t.rows_from_buffer(CNN, b"\0" * 63, np.dtype("u1"), [1, 64])
 
 
-def test_unknown_datatypes_still_name_what_is_taken():
-    with pytest.raises(InputError, match="it takes FP32, FP16 or FP64, or UINT8"):
+def test_unknown_datatypes_name_what_this_model_takes():
+    """A float model offers the float datatypes, a uint8 model its pixels: never what the other kind takes."""
+    with pytest.raises(InputError, match=r"datatype 'INT8'; this model takes FP32, FP16 or FP64$"):
         t.check_input(CNN, "input", "INT8", [1, 64], 16)
+    pixels = ModelInfo("pixels", None, (1, 8, 8), 10, None, input_dtype="uint8")
+    with pytest.raises(InputError, match=r"datatype 'INT8'; this model takes UINT8 pixels \(0..255\)$"):
+        t.check_input(pixels, "input", "INT8", [1, 64], 16)

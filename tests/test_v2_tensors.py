@@ -142,3 +142,28 @@ def test_the_openapi_schema_describes_the_v2_requests_and_answers():
     assert not valid(doc([1, 64], [1.0] * 64, "INT32"))
     assert not valid(doc([1, 64], [1.0] * 64, outputs={}))
     assert not valid(doc([1, 64], [1.0] * 64, outputs=[{"name": "probs"}]))
+
+
+def test_a_value_beyond_float32_is_refused_without_a_numpy_warning():
+    """1e39 in FP32 JSON is refused by name; numpy's overflow warning of the cast never reaches the server's log."""
+    import warnings
+
+    data = [1.0] * 63 + [1e39]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a RuntimeWarning would fail here instead of the InputError
+        with pytest.raises(InputError, match=r"element 63 is NaN, infinite or beyond float32"):
+            t.rows_from_json(MLP, data, t.DTYPES["FP32"], [1, 64])
+
+
+@pytest.mark.parametrize(
+    ("body", "nan"),
+    [(b'{"inputs": [NaN]}', True), (b'{"inputs": [-Infinity]}', True), (b'{"inputs": [1,}', False), (b"{", False)],
+)
+def test_the_json_error_mentions_nan_only_where_the_parser_stopped_at_one(body, nan):
+    import orjson
+
+    from service.v2.rest import _nan_note
+
+    with pytest.raises(orjson.JSONDecodeError) as e:
+        orjson.loads(body)
+    assert ("NaN and Infinity are not JSON numbers" in _nan_note(body, e.value.pos)) == nan

@@ -167,7 +167,7 @@ def _parse(state: FrontendState, scope: dict, body: bytes) -> tuple[dict, np.nda
     try:
         doc = orjson.loads(head)
     except orjson.JSONDecodeError as e:
-        raise InputError(400, f"request is not valid JSON (NaN and Infinity are not JSON numbers): {e}") from None
+        raise InputError(400, f"request is not valid JSON{_nan_note(head, e.pos)}: {e}") from None
     if not isinstance(doc, dict):
         raise InputError(400, 'request must be a JSON object {"inputs": [...]}')
     inputs = doc.get("inputs")
@@ -253,3 +253,10 @@ def _response(
     if not blobs:
         return _answer(200, head, JSON, *extra)
     return _answer(200, b"".join([head, *blobs]), _OCTETS, (HEADER_LENGTH, str(len(head)).encode()), *extra)
+
+
+def _nan_note(doc: bytes, pos: int) -> str:
+    """A hint where the parser stopped at NaN or Infinity (Python's json.dumps writes them), else nothing: the error
+    is then about something else, and naming NaN would mislead."""
+    at = bytes(doc[pos : pos + 9]).lstrip(b"-")
+    return " (NaN and Infinity are not JSON numbers)" if at.startswith((b"NaN", b"Infinity")) else ""
