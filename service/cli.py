@@ -178,7 +178,8 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None, extend=None) -> int:
-    parser = argparse.ArgumentParser(prog="fusedserve", description=__doc__.splitlines()[0])
+    # The module docstring's first paragraph, whole: its first line alone stopped mid-sentence.
+    parser = argparse.ArgumentParser(prog="fusedserve", description=" ".join(__doc__.split("\n\n")[0].split()))
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
         "serve",

@@ -397,19 +397,45 @@ def load_settings(**overrides) -> Settings:
         raise SettingsError(f"{ENV_PREFIX}CONFIG_FILE: {env_file} is not a readable file")
     typos = unknown_variables(env_file=env_file)
     if typos:
-        known = ", ".join(ENV_PREFIX + n.upper() for n in Settings.model_fields)
-        raise SettingsError(f"unknown setting(s) {', '.join(typos)}; known: {known}")
+        raise SettingsError("unknown setting(s) " + "; ".join(_did_you_mean(k) for k in typos) + " (every setting: "
+                            "fusedserve serve --help, docs/configuration.md)")  # fmt: skip
     try:
         return Settings(_env_file=env_file, **overrides)
     except ValidationError as e:
         lines = []
         for err in e.errors():
             field = ".".join(str(p) for p in err["loc"]) or "settings"
-            name = ENV_PREFIX + field.upper() if field in Settings.model_fields else field
+            name = setting_name(field, overrides) if field in Settings.model_fields else field
             shown = "input" in err and not isinstance(err["input"], dict) and field not in SECRET_SETTINGS
             got = f" (got {err['input']!r})" if shown else ""
-            lines.append(f"{name}: {err['msg']}{got}")
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{name}: {msg}{got}" if field != "settings" else _as_typed(msg, overrides))
         raise SettingsError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def setting_name(field: str, overrides: Mapping[str, object] | None = None) -> str:
+    """A setting as the user gave it: `--port` when it came from the command line (the overrides), else
+    FUSEDSERVE_PORT (the environment or the configuration file)."""
+    if overrides and overrides.get(field) is not None:
+        return "--" + field.replace("_", "-")
+    return ENV_PREFIX + field.upper()
+
+
+def _as_typed(message: str, overrides: Mapping[str, object]) -> str:
+    """A message of the cross-field checks, which name FUSEDSERVE_ variables, with the command line's as typed."""
+    for field, value in overrides.items():
+        if value is not None and field in Settings.model_fields:
+            message = re.sub(rf"\b{ENV_PREFIX}{field.upper()}\b", setting_name(field, overrides), message)
+    return message
+
+
+def _did_you_mean(unknown: str) -> str:
+    """`FUSEDSERVE_MAX_BATCHSIZE (did you mean FUSEDSERVE_MAX_BATCH_SIZE?)`, or the name alone when nothing is close."""
+    import difflib
+
+    # compared without the prefix that every name shares, so that FUSEDSERVE_ alone is close to nothing
+    close = difflib.get_close_matches(unknown[len(ENV_PREFIX) :].lower(), Settings.model_fields, n=2, cutoff=0.75)
+    return f"{unknown} (did you mean {' or '.join(ENV_PREFIX + c.upper() for c in close)}?)" if close else unknown
 
 
 def changed_settings(old: Settings, new: Settings) -> tuple[dict[str, object], list[str]]:

@@ -54,6 +54,7 @@ from .config import (
     config_file_of,
     load_settings,
     overridden_in_file,
+    setting_name,
 )
 from .link import wire
 from .link.live import write_live
@@ -189,19 +190,20 @@ class Supervisor:
             device = prepare_backend(s)
             devices = engine_devices(s, device.type)
             workers = s.workers or default_workers(len(devices))
-            port_hold = _reserve_port(s.host, s.port)
+            port_hold = _reserve_port(s.host, s.port, setting_name("port", self.overrides))
             grpc_hold = None
             metrics_port = None
             try:
                 if s.grpc_port is not None:
-                    grpc_hold = _reserve_port(s.host, s.grpc_port, "FUSEDSERVE_GRPC_PORT")
+                    grpc_hold = _reserve_port(s.host, s.grpc_port, setting_name("grpc_port", self.overrides))
                 if s.metrics_port is not None:
                     from .metrics_server import MetricsServer
 
                     try:
                         metrics_port = MetricsServer(s.host, s.metrics_port, Restrictions(s.restrictions()))
                     except OSError as e:
-                        raise StartError(f"cannot listen on {s.host}:{s.metrics_port} (FUSEDSERVE_METRICS_PORT): "
+                        raise StartError(f"cannot listen on {s.host}:{s.metrics_port} "
+                                         f"({setting_name('metrics_port', self.overrides)}): "
                                          f"{e.strerror or e}") from None  # fmt: skip
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, self._request_stop)

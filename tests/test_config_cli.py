@@ -201,11 +201,19 @@ def test_every_invalid_value_is_listed(monkeypatch):
     assert "FUSEDSERVE_MODE" in str(info.value) and "FUSEDSERVE_PORT" in str(info.value)
 
 
-@pytest.mark.parametrize("typo", ["FUSEDSERVE_MAX_BATCHSIZE", "FUSEDSERVE_MDOE", "FUSEDSERVE_"])
-def test_unknown_variable_is_rejected(monkeypatch, typo):
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [("FUSEDSERVE_MAX_BATCHSIZE", " (did you mean FUSEDSERVE_MAX_BATCH_SIZE?)"),
+     ("FUSEDSERVE_MDOE", " (did you mean FUSEDSERVE_MODE?)"), ("FUSEDSERVE_", "")],
+)  # fmt: skip
+def test_unknown_variable_is_rejected(monkeypatch, typo, meant):
+    """Named with the setting it is closest to, not a list of every setting."""
     monkeypatch.setenv(typo, "8")
-    with pytest.raises(SettingsError, match=rf"unknown setting\(s\) {typo}; known: FUSEDSERVE_MODE, "):
+    with pytest.raises(SettingsError) as e:
         load_settings()
+    assert str(e.value) == (
+        f"unknown setting(s) {typo}{meant} (every setting: fusedserve serve --help, docs/configuration.md)"
+    )
     assert unknown_variables() == [typo]
     assert unknown_variables({"FUSEDSERVE_PORT": "1", "OTHER_MAX": "2"}) == []
 
@@ -215,9 +223,7 @@ def test_max_rows_per_request(monkeypatch):
     assert load_settings().max_rows_per_request == 40
     assert load_settings(max_rows_per_request=40).max_rows_per_request == 40
     assert load_settings(max_rows_per_request=7).max_rows_per_request == 7
-    with pytest.raises(
-        SettingsError, match=r"FUSEDSERVE_MAX_ROWS_PER_REQUEST \(41\) exceeds FUSEDSERVE_MAX_BATCH_SIZE \(40\)"
-    ):
+    with pytest.raises(SettingsError, match=r"--max-rows-per-request \(41\) exceeds FUSEDSERVE_MAX_BATCH_SIZE \(40\)"):
         load_settings(max_rows_per_request=41)
     monkeypatch.setenv("FUSEDSERVE_MAX_ROWS_PER_REQUEST", "0")
     with pytest.raises(SettingsError, match=r"FUSEDSERVE_MAX_ROWS_PER_REQUEST: Input should be greater than or"):
@@ -228,7 +234,7 @@ def test_grpc_port_is_off_by_default_and_not_the_http_port(monkeypatch):
     assert load_settings().grpc_port is None
     monkeypatch.setenv("FUSEDSERVE_GRPC_PORT", "8001")
     assert load_settings().grpc_port == 8001
-    with pytest.raises(SettingsError, match=r"FUSEDSERVE_GRPC_PORT \(8001\) must differ from FUSEDSERVE_PORT"):
+    with pytest.raises(SettingsError, match=r"FUSEDSERVE_GRPC_PORT \(8001\) must differ from --port"):
         load_settings(port=8001)
     monkeypatch.setenv("FUSEDSERVE_GRPC_PORT", "0")
     with pytest.raises(SettingsError, match=r"FUSEDSERVE_GRPC_PORT: Input should be greater than or equal to 1"):
@@ -304,8 +310,16 @@ def test_serve_invalid_env_exits_2(monkeypatch, no_server, capsys):
     assert "FUSEDSERVE_MAX_DELAY_MS: Input should be greater than or equal to 0 (got '-1')" in err
 
 
-def test_serve_invalid_option_value_names_the_variable(no_server, capsys):
+def test_serve_invalid_option_value_names_the_option_as_typed(no_server, monkeypatch, capsys):
+    """A value from the command line is named as typed (--max-batch-size), one from the environment by its variable;
+    so are the checks across settings."""
     assert main(["serve", "--max-batch-size", "0"]) == 2
+    assert "--max-batch-size: Input should be greater than or equal to 1 (got '0')" in capsys.readouterr().err
+    monkeypatch.setenv("FUSEDSERVE_GRPC_PORT", "8001")
+    assert main(["serve", "--port", "8001"]) == 2
+    assert "FUSEDSERVE_GRPC_PORT (8001) must differ from --port" in capsys.readouterr().err
+    monkeypatch.setenv("FUSEDSERVE_MAX_BATCH_SIZE", "-3")
+    assert main(["serve"]) == 2
     assert "FUSEDSERVE_MAX_BATCH_SIZE: Input should be greater than or equal to 1" in capsys.readouterr().err
 
 
@@ -412,3 +426,12 @@ def test_default_workers_follow_the_cores_and_the_engines():
     assert default_workers(1, cores=4) == 3
     assert default_workers(1, cores=1) == 1
     assert default_workers(8, cores=8) == 1
+
+
+def test_the_top_level_help_says_whole_sentences(capsys):
+    """`fusedserve --help` gave the first line of a sentence and stopped."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "`import` (an ONNX file into a model directory), `ab-report`" in text
+    assert "service/docs_gen.py)." in text

@@ -46,3 +46,14 @@ def test_serve_stops_when_its_grpc_port_is_taken():
         done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done
     assert f"cannot listen on {HOST}:{grpc_port} (FUSEDSERVE_GRPC_PORT)" in done.stderr, done.stderr
+
+
+def test_a_taken_port_typed_on_the_command_line_is_named_as_typed():
+    """--grpc-port typed: the error says --grpc-port, not the variable the user never set (issue 51)."""
+    port, grpc_port = free_port(), free_port()
+    with listen_socket(HOST, grpc_port):
+        argv = [sys.executable, "-m", "service.cli", "serve", "--host", HOST, "--port", str(port), "--grpc-port",
+                str(grpc_port)]  # fmt: skip
+        done = subprocess.run(argv, env=service_env(device="cpu"), cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done
+    assert f"cannot listen on {HOST}:{grpc_port} (--grpc-port)" in done.stderr, done.stderr
