@@ -36,7 +36,9 @@ MAX_BATCH = 64  # small, so that "too many rows" is cheap to send
 # 20 ms: long enough that a concurrent burst shares batches, short enough for serial requests.
 TIMING_EVERY = 2  # every 2nd batch times its kernels (on CUDA: its bucket's timed graph); the others replay a graph
 # float32 in both places (DTYPE's default is float16 on CUDA): the fused-vs-unfused tolerances below are float32's.
-MAIN_ENV = {"max_batch_size": MAX_BATCH, "max_delay_ms": 20, "kernel_timing_every": TIMING_EVERY, "dtype": "float32"}
+# The access log in JSON lines: a line per request on the server's standard output (test_access_log_...).
+MAIN_ENV = {"max_batch_size": MAX_BATCH, "max_delay_ms": 20, "kernel_timing_every": TIMING_EVERY, "dtype": "float32",
+            "access_log": "json"}  # fmt: skip
 # A queue of one and a long batch delay: bursts overflow, and a client can leave before its batch runs.
 SLOW_DELAY_MS = 500
 SLOW_ENV = {"max_batch_size": MAX_BATCH, "max_delay_ms": SLOW_DELAY_MS, "max_queue_requests": 1}
@@ -269,6 +271,32 @@ def test_bad_body_is_refused_with_reason(url, payload, status, needles):
     assert isinstance(detail, str)
     for needle in needles:
         assert needle in detail, f"{needle!r} not in detail {detail!r}"
+
+
+@pytest.mark.timeout(150)
+def test_access_log_has_a_json_line_per_request(url, mode, log_dir):
+    """FUSEDSERVE_ACCESS_LOG=json: one object a line per request with its id, route, status, rows, mode, latency,
+    and a refusal's reason (issue 51: a refused request left no trace but a counter)."""
+    port = url.rsplit(":", 1)[1]
+    ok_id, bad_id = f"ok-{mode}-{port}", f"bad-{mode}-{port}"
+    with httpx.Client(timeout=TIMEOUT) as client:
+        assert client.post(f"{url}/predict", json={"inputs": [GOOD_ROW] * 3}, headers={"x-request-id": ok_id}).is_success
+        bad = client.post(f"{url}/predict", json={"inputs": [[1.0] * 3]}, headers={"x-request-id": bad_id})
+        assert bad.status_code == 422
+    (log,) = log_dir.glob(f"fusedserve-{mode}-{port}.log")
+    lines: dict = {}
+    deadline = time.monotonic() + 10  # written by the front end's access-log thread, a moment later
+    while len(lines) < 2 and time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if line.startswith("{") and (ok_id in line or bad_id in line):
+                doc = json.loads(line)
+                lines[doc["request_id"]] = doc
+        time.sleep(0.1)
+    ok, refused = lines[ok_id], lines[bad_id]
+    assert (ok["method"], ok["route"], ok["status"], ok["rows"], ok["mode"]) == ("POST", "/predict", 200, 3, mode)
+    assert 0 < ok["latency_ms"] < 30_000 and "reason" not in ok and ok["time"].endswith("Z")
+    assert (refused["status"], refused["rows"], refused["mode"]) == (422, None, None)
+    assert refused["reason"] == bad.json()["detail"]
 
 
 @pytest.mark.timeout(150)

@@ -143,6 +143,10 @@ def frontend_main(
     if config is not None:
         state.config_generation, state.config_seen = config
     served = PredictFastPath(app, state)  # POST /predict ahead of FastAPI's routing
+    if settings.access_log != "off":  # off: not even a wrapper
+        from .access_log import AccessLog
+
+        served = AccessLog(served, settings.access_log, settings.access_log_sample)
     sock = listen_socket(settings.host, settings.port)
     config = uvicorn.Config(
         served,

@@ -14,6 +14,7 @@ import orjson
 
 from ..link import wire
 from . import requestid
+from .access_log import note_rows
 from .asgi import CLOSE, JSON, RETRY, Answer, ClientGone, content_length, header, watch_disconnect
 from .auth import CHALLENGE
 from .engine_client import EngineError, EngineGone
@@ -159,6 +160,7 @@ async def run_rows(
     debug level.
     """
     engines = state.engines
+    note_rows(len(rows))  # for the access log, where it is on
     if reservation is None:
         rid, fut = engines.submit(rows, deadline, arrival)
     else:
