@@ -6,6 +6,11 @@ from .runtime import choose_backend, interpreting
 # definition time (see runtime.py).
 choose_backend()
 
+from .compile_deadline import install as _install_compile_deadline  # noqa: E402
+
+# Before any kernel first runs on a device (it looks the compiler up then): every compile gets a deadline.
+_install_compile_deadline()
+
 from .activations import ACTIVATIONS, DEFAULT_NEGATIVE_SLOPE  # noqa: E402
 from .conv import fused_conv2d  # noqa: E402
 from .conv_grouped import fused_conv2d_grouped  # noqa: E402

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from . import precompile
+from .compile_deadline import CompileDeadlineExceeded
 from .launch import precompiling
 from .runtime import EnvChoice, EnvSwitch
 
@@ -266,7 +267,9 @@ def time_candidates(
         if isinstance(times, Times):
             timings[config] = times
         elif times is not None:
-            last_error = times
+            # A compile past its deadline is the error to report when none runs: the caller may fall back on it.
+            if not isinstance(last_error, CompileDeadlineExceeded):
+                last_error = times
     if not timings:
         raise RuntimeError(f"no launch config runs {label}") from last_error
     return timings
@@ -336,6 +339,7 @@ def store_pick(
     it was timed, for the log line)."""
     best = pick(timings, policy)
     times = timings[best]
+    picks_timed.add()
     cache().put(scope, f"{key}|timing={policy_label(policy)}", best, times, offered_hash(candidates))
     cold, hot = regret(times, best_times(timings))
     log.info(
@@ -343,6 +347,22 @@ def store_pick(
         how, scope, key, best.meta(), times.cold_us, times.hot_us, cold, hot, len(timings), policy,
     )  # fmt: skip
     return best
+
+
+class _Count:
+    """A count shared by threads (the start-up's progress reads it from its ticker)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._lock = threading.Lock()
+
+    def add(self) -> None:
+        with self._lock:
+            self.value += 1
+
+
+# Keys this process has timed and picked a config for (start-up progress: service/engine/startup.py).
+picks_timed = _Count()
 
 
 def _graph_times(fn: Callable[[], None]) -> Times:

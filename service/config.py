@@ -159,6 +159,15 @@ class Settings(BaseSettings):
         "one (Triton's AsyncCompileMode; a cold Triton cache makes compiling most of the tuning time); 0 or 1: each "
         "compiles as it is first timed (default: the CPUs the engine may run on, at most 16)",
     )
+    # Compiles of this package's kernels take 0.2-5 s; one specialised into a huge program (SqueezeNet's 13x13 pool
+    # unrolled into a conv's epilogue) compiled for over 5 minutes and kept a start from ever becoming ready.
+    compile_deadline_s: float = Field(
+        30.0,
+        ge=0,
+        description="seconds one Triton kernel compile may take: past them that launch config is dropped (and "
+        "counted in fusedserve_kernel_compiles_late), and a fused step none of whose configs compiles in time runs "
+        "its unfused op, reported in GET /model, the log and fusedserve_steps_unfused_fallback; 0: no deadline",
+    )
     pdl: bool = Field(
         True,
         description="on sm_90+ GPUs, launch each layer's GEMM kernel as a programmatic dependent launch, so it "

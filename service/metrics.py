@@ -273,6 +273,18 @@ class EngineMetrics:
             "fusedserve_graph_recaptures", "CUDA graphs of a batch bucket captured again to run new kernel picks",
             le, registry=r,
         )  # fmt: skip
+        # The compile deadline (FUSEDSERVE_COMPILE_DEADLINE_S, kernels/compile_deadline.py).
+        self.compiles_late = Counter(
+            "fusedserve_kernel_compiles_late",
+            "Triton kernel compiles that missed the compile deadline: that launch config was dropped",
+            le, registry=r,
+        )  # fmt: skip
+        self.steps_unfused_fallback = Gauge(
+            "fusedserve_steps_unfused_fallback",
+            "Fused steps running their unfused op because none of their kernel's configs compiled within the "
+            "deadline (GET /model names them)",
+            le, registry=r, multiprocess_mode="livemax",
+        )  # fmt: skip
         self._model, self._engine, self._device, self._dtype = model, engine, device, dtype
         shadow_labels = {"model": model, "engine": engine}
         self._shadow = (
@@ -399,6 +411,14 @@ class EngineMetrics:
             tuned_keys[tuned].inc()
         if recaptured:
             recaptures.inc(recaptured)
+
+    def compile_late(self, kernel: str = "") -> None:
+        """One kernel compile missed its deadline."""
+        self.compiles_late.labels(model=self._model, engine=self._engine).inc()
+
+    def unfused_fallbacks(self, steps: int) -> None:
+        """How many fused steps run their unfused op for want of a kernel compiled in time."""
+        self.steps_unfused_fallback.labels(model=self._model, engine=self._engine).set(steps)
 
     def render(self) -> bytes:
         return render(self.registry)

@@ -83,7 +83,7 @@ def test_defaults():
         "allow_tf32", "max_batch_size", "max_delay_ms",
         "engine_spin_ms", "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "kernel_timing_every",
         "cuda_graphs", "tuning", "tuning_background", "tuning_startup_s", "tuning_timing", "tuning_cache",
-        "compile_threads", "pdl",
+        "compile_threads", "compile_deadline_s", "pdl",
         "warmup", "workers", "engines",
         "shutdown_grace_s", "max_connections", "header_timeout_s", "body_timeout_s",
         "host", "port", "grpc_port", "log_level",

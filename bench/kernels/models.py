@@ -396,6 +396,8 @@ class ModelProviders:
         if name in ("ours", "ours-unfused-graph"):
             t = time.perf_counter()  # the first batch also pays for building (and warming) the executor
             g = self._graphed_executor("fused" if name == "ours" else "unfused")
+            with torch.inference_mode():  # as the service warms: a kernel past the compile deadline runs unfused
+                g.executor.warm_forward(x)
             # The input is staged into the bucket's graph input once, as the service's H2D copy puts it
             # there, and each call is one replay: the anchors' graphs likewise read an input already in place.
             rows = g.stage(x)

@@ -452,7 +452,7 @@ def build_runner(settings: Settings, device, dtype: str, model, metrics, mode: s
 
     import torch
 
-    from kernels import pdl, precompile, tuning
+    from kernels import compile_deadline, pdl, precompile, tuning
 
     from ..model.runner import ModelRunner
 
@@ -466,6 +466,7 @@ def build_runner(settings: Settings, device, dtype: str, model, metrics, mode: s
     tuning.timing_budget.set(None if math.isinf(settings.tuning_startup_s) else settings.tuning_startup_s)
     tuning.set_timing_policy(settings.tuning_timing)
     precompile.set_threads(settings.compile_threads)
+    compile_deadline.set_deadline(settings.compile_deadline_s)
     pdl.set_enabled(settings.pdl)
     mode = mode or settings.mode
 
@@ -510,6 +511,7 @@ def engine_main(
     signal.signal(signal.SIGTERM, stop)
     if visible_device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_device
+    progress = None
     try:
         from ..backend import prepare_backend
 
@@ -522,6 +524,9 @@ def engine_main(
         from ..metrics import EngineMetrics, config_reloaded
         from ..model.loader import load_model
 
+        from .startup import StartupProgress
+
+        progress = StartupProgress(index, Path(run_dir))
         model = load_model(settings.model_path())
         dtype = settings.compute_dtype(device.type)
         if device.type == "cuda" and not captures_ignore_other_threads():
@@ -531,6 +536,9 @@ def engine_main(
         # The device as the host names it: each engine sees only its own GPU, as cuda:0.
         where = f"cuda:{visible_device}" if device.type == "cuda" and visible_device is not None else str(device)
         metrics = EngineMetrics(model.name, settings.mode, where, dtype, engine=label)
+        from kernels import compile_deadline
+
+        compile_deadline.on_late(metrics.compile_late)
 
         def make_runner(mode: str):
             return faults.maybe_inject(build_runner(settings, device, dtype, model, metrics, mode))
@@ -557,19 +565,27 @@ def engine_main(
         engine.modes.on_loaded = gc.freeze
         if device.type == "cuda":
             engine.spin_s = settings.engine_spin_ms / 1e3
-        if index == 0:
-            from ..link.plan import write_plan
+        from ..link.plan import write_plan
 
+        if index == 0:
             write_plan(Path(run_dir), engine.runner.executor, str(device))
         state.value = wire.WARMING
         if settings.warmup:
+            progress.plan(sum(r.warmup_step_buckets(settings.max_batch_size) for r in runners.values()))
             for mode, runner in runners.items():
                 t = time.perf_counter()
-                sizes = runner.warmup(settings.max_batch_size)
+                sizes = runner.warmup(settings.max_batch_size, progress)
                 log.info(
                     "engine %d warm: %s on %s, %s, batch sizes %s in %.1f s",
                     index, mode, device, dtype, sizes, time.perf_counter() - t,
                 )  # fmt: skip
+            fallbacks = {n: why for r in runners.values() for n, why in r.executor.fallbacks.items()}
+            metrics.unfused_fallbacks(len(fallbacks))
+            if fallbacks:
+                log.warning("engine %d: %d fused step(s) run their unfused op, their kernels not compiling within "
+                            "%g s: %s", index, len(fallbacks), settings.compile_deadline_s, ", ".join(fallbacks))  # fmt: skip
+                if index == 0:  # GET /model shows which
+                    write_plan(Path(run_dir), engine.runner.executor, str(device))
         if settings.tuning and device.type == "cuda":
             from kernels import tuning_background
 
@@ -592,8 +608,11 @@ def engine_main(
         gc.freeze()
     except Exception:
         log.exception("engine %d failed to start", index)
+        if progress is not None:
+            progress.finish()
         state.value = wire.FAILED_START
         sys.exit(3)
+    progress.finish()
     state.value = wire.READY
     try:
         engine.serve()

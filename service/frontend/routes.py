@@ -50,6 +50,12 @@ async def ready(request: Request) -> Response:
         "device": state.plan().get("device"),
         "engines": state.engines.states_named(),
     }
+    if not state.ready:  # what each starting engine is doing (service/engine/startup.py)
+        from ..link.startup_progress import read_progress
+
+        progress = read_progress(state.run_dir)
+        if progress:
+            doc["progress"] = progress
     return _json(doc, 200 if state.ready else 503)
 
 

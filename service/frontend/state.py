@@ -13,7 +13,7 @@ import numpy as np
 
 from ..config import Settings
 from ..link import wire
-from ..link.plan import read_plan
+from ..link.plan import PLAN_FILE, read_plan
 from ..link.tuning_progress import read_tuning
 from ..metrics import RequestMetrics
 from .auth import ApiKeys, Restrictions
@@ -71,6 +71,7 @@ class FrontendState:
     config_generation: object | None = None
     config_seen: int = 0
 
+    _plan_stamp: int | None = None
     def __post_init__(self) -> None:
         if self.api_keys is None:
             self.api_keys = ApiKeys(self.settings)
@@ -158,8 +159,13 @@ class FrontendState:
         return [labels[i] for i in indices.tolist()] if labels else indices.tolist()
 
     def plan(self) -> dict:
-        if self._plan is None:
-            self._plan = read_plan(self.run_dir)
+        # Reread when engine 0 rewrites it (after a warm-up that fell back to unfused ops): one stat per call.
+        try:
+            stamp = (self.run_dir / PLAN_FILE).stat().st_mtime_ns
+        except OSError:
+            stamp = None
+        if self._plan is None or stamp != self._plan_stamp:
+            self._plan, self._plan_stamp = read_plan(self.run_dir), stamp
         return self._plan or {}
 
     def describe(self) -> dict:

@@ -1,5 +1,7 @@
 """The plan file: engine 0 publishes what it runs (steps, dtype, device) in the run directory, and every front end
-reads it for `GET /model`. A file rather than a message: it is written once, before the engine is ready."""
+reads it for `GET /model`. A file rather than a message: it is written before the engine warms, and again after
+if a step fell back to its unfused op (a kernel that did not compile within the deadline); readers reread it when
+it changes."""
 
 from __future__ import annotations
 
@@ -13,8 +15,13 @@ PLAN_FILE = "model.json"  # in the run directory
 
 def write_plan(run_dir: Path, executor, device: str) -> None:
     """Engine side: publish what this engine runs, for the front ends' `GET /model`."""
+    plan = describe_plan(executor.steps, executor.tensors)
+    fallbacks = getattr(executor, "fallbacks", {})
+    for entry in plan:  # steps whose kernel did not compile within the deadline (Executor.warm_forward)
+        if entry.get("kernel") in fallbacks:
+            entry["unfused_fallback"] = fallbacks[entry["kernel"]]
     doc = {
-        "plan": describe_plan(executor.steps, executor.tensors),
+        "plan": plan,
         "dtype": str(executor.dtype).removeprefix("torch."),
         "device": device,
     }

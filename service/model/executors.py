@@ -36,6 +36,11 @@ A part of a step that the kernels lack (a `residual=` keyword, an activation mis
 kernels.activations) runs as torch ops after the kernel in the fused mode (`torch_parts` names them, and
 `fusedserve check-model` shows them), so the plan and its step names never depend on what the kernels can do.
 
+A fused step whose kernel has no launch config that compiles within the compile deadline
+(kernels/compile_deadline.py) runs its unfused op instead: `warm_forward`, the forward of warm-ups, rebinds it as the
+unfused executor binds it (output in the layout the fused plan gives that step) and records why in `fallbacks`,
+which the plan file, the log and a metric report. So a model that imports always becomes ready.
+
 Each step is bound once, at load, to its tensors and parameters, so a forward is a loop of calls over a
 table of live tensors (each dropped after its last reader). Each step can be timed under its plan name: on
 CUDA with events recorded on the stream around the step (or captured into a bucket's timed graph) and read
@@ -46,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,6 +85,8 @@ from .planner import (
     reads,
     step_ops,
 )
+
+log = logging.getLogger(__name__)
 
 Mode = Literal["fused", "unfused"]
 Layer = Callable[..., torch.Tensor]
@@ -257,10 +265,13 @@ class Executor:
         self.tensors = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in model.tensors.items()}
         # Fused, a conv or pool step whose output only image steps read writes channels_last (channels_last_outputs).
         nhwc = channels_last_outputs(self.steps) if mode == "fused" else [False] * len(self.steps)
+        self.channels_last = nhwc
         # (name to time under, or None for a view; the bound layer), and where each takes its tensors from
         self.layers: list[tuple[str | None, Layer]] = [
             self._bind(s, cl) for s, cl in zip(self.steps, nhwc, strict=True)
         ]
+        # step name -> why it runs its unfused op in this fused executor (warm_forward)
+        self.fallbacks: dict[str, str] = {}
         self.input_name = model.input_name if self.steps[0].inputs else "input"
         self.output_name = self.steps[-1].output
         self.wiring = _wire(self.steps, self.input_name)
@@ -534,6 +545,48 @@ class Executor:
             return layer
         return functools.partial(_chain_first, first=layer, then=self._bind(pool, channels_last)[1])
 
+    def warm_forward(
+        self, x: torch.Tensor, on_step: Callable[[int, str | None], None] | None = None
+    ) -> torch.Tensor:
+        """`forward` for warm-ups, where kernels compile and tune: on_step(index, name) before each step (start-up
+        progress), and a fused step whose kernel could not compile within the deadline rebound to its unfused op
+        (`fallbacks`) and run again, so the warm-up goes on."""
+        from kernels.compile_deadline import CompileDeadlineExceeded
+
+        if self._cast_input:
+            x = x.to(self.dtype)
+        live = {self.input_name: x}
+        for i, wiring in enumerate(self.wiring):
+            name, layer = self.layers[i]
+            if on_step is not None:
+                on_step(i, name)
+            args = [live[t] for t in wiring.reads]
+            try:
+                y = layer(*args)
+            except Exception as e:
+                late = _deadline_cause(e, CompileDeadlineExceeded)
+                if late is None or self.mode != "fused":
+                    raise
+                y = self._fall_back(i, late)(*args)
+            live[wiring.output] = y
+            for t in wiring.frees:
+                del live[t]
+        return live[self.output_name]
+
+    def _fall_back(self, index: int, why: Exception) -> Layer:
+        """Rebind step `index` as the unfused executor binds it, its output in the layout the fused plan gives it."""
+        step = self.steps[index]
+        self.mode = "unfused"  # _bind and its helpers read the mode: bind this one step as the unfused executor does
+        try:
+            name, unfused = self._bind(step, False)
+        finally:
+            self.mode = "fused"
+        layer = functools.partial(_in_layout_after, layer=unfused, channels_last=self.channels_last[index])
+        self.layers[index] = (name, layer)
+        self.fallbacks[step.name] = f"runs its unfused op: {why}"
+        log.warning("step %s (%s) runs its unfused op: %s", step.name, type(step).__name__, why)
+        return layer
+
     def forward(self, x: torch.Tensor, timer: StepTimer | None = None) -> torch.Tensor:
         """x: (rows, *input_shape) on the executor's device, in `input_dtype` -> (rows, output_features)."""
         if self._cast_input:
@@ -551,6 +604,26 @@ class Executor:
             for t in wiring.frees:
                 del live[t]
         return live[self.output_name]
+
+
+def _deadline_cause(e: BaseException, kind: type[Exception]) -> Exception | None:
+    """e, or the exception it was raised from or during, if it is of `kind` (a tuner that found no candidate in time
+    raises one; a kernel may wrap it)."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, kind):
+            return e
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return None
+
+
+def _in_layout_after(*args, layer, channels_last):
+    """A fallen-back step's output in its fused layout, so the fused steps after it read what they were bound for."""
+    y = layer(*args)
+    if y.dim() == 4:
+        return y.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    return y
 
 
 def _wire(steps: list[Step], input_name: str) -> list[Wiring]:

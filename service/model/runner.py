@@ -222,15 +222,26 @@ class ModelRunner:
         # .cpu() synchronises with the stream: the batch's one sync, after which the events are ready.
         return y.cpu().to(WIRE_TORCH[self.wire_dtype]).numpy()
 
+    def warmup_step_buckets(self, max_batch_size: int) -> int:
+        """The warm-up's work in step-buckets (steps times batch sizes), for its progress."""
+        return len(warmup_sizes(max_batch_size, self.device)) * len(self.executor.layers)
+
     @torch.inference_mode()
-    def warmup(self, max_batch_size: int) -> list[int]:
-        """Compile, tune and (on CUDA) capture every batch bucket so no request pays for it; returns the sizes run."""
+    def warmup(self, max_batch_size: int, progress=None) -> list[int]:
+        """Compile, tune and (on CUDA) capture every batch bucket so no request pays for it; returns the sizes run.
+        A step whose kernel cannot compile within the deadline runs unfused from then on (Executor.warm_forward).
+        progress: a service.engine.startup.StartupProgress told of each bucket and step, or None."""
         sizes = warmup_sizes(max_batch_size, self.device)
         gen = torch.Generator(device=self.device).manual_seed(0)
-        for n in sizes:
+        ex = self.executor
+        for k, n in enumerate(sizes):
             t = time.perf_counter()
+            if progress is not None:
+                progress.bucket(ex.mode, n, k, len(sizes), len(ex.layers))
             with tuning_background.queue().for_bucket(n):  # keys left for later belong to this bucket's graph
-                y = self.executor.forward(self.executor.example_input(n, gen))
+                y = ex.warm_forward(ex.example_input(n, gen), progress.step if progress is not None else None)
+            if progress is not None:
+                progress.capturing()
             if self.graphs is not None:
                 self.graphs.capture(self.graphs.bucket_for(n))
             if not torch.isfinite(y).all():
