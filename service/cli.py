@@ -1,6 +1,7 @@
 """`fusedserve` command line: `serve` (the HTTP service), `check-model` (validate a model, print its graph and
 fused plan), `import` (an ONNX file into a model directory), `ab-report` (fused against unfused from a service's
 metrics) and `docs` (docs/configuration.md and docs/metrics.md from the code, service/docs_gen.py).
+
 The console script is fusedserve/cli.py, which adds `bench` through `extend`: the service imports
 no benchmark.
 
@@ -155,6 +156,12 @@ def _numbers(text: str) -> list[float]:
         ) from None
 
 
+def _image_fields(args: argparse.Namespace) -> dict | None:
+    """`import --image` (or any --resize, --interpolation, --channels): the model also takes encoded images."""
+    fields = {"resize": args.resize, "interpolation": args.interpolation, "channels": args.channels}
+    return fields if args.image or any(v is not None for v in fields.values()) else None
+
+
 def _import(args: argparse.Namespace) -> int:
     from .model.locate import locate_model
     from .model.onnx_import import read_labels
@@ -165,7 +172,8 @@ def _import(args: argparse.Namespace) -> int:
         labels = read_labels(args.labels) if args.labels else None
         args.model = _onnx_source(locate_model(args.model, _model_dir()))  # found as `serve --model` finds it
         out = import_to_dir(Path(args.model), Path(args.out_dir), name=args.name, labels=labels,
-                            input_dtype=args.input_dtype, mean=args.mean, std=args.std)  # fmt: skip
+                            input_dtype=args.input_dtype, mean=args.mean, std=args.std,
+                            image=_image_fields(args))  # fmt: skip
         from .model.loader import load_model
 
         model = load_model(out)
@@ -218,6 +226,18 @@ def main(argv: list[str] | None = None, extend=None) -> int:
         imp.add_argument(f"--{stat}", type=_numbers, metavar="A,B,C",
                          help=f"the input's {stat}, one per channel (with --{other}): the model computes on "
                          "(x - mean) / std, normalized as its first conv loads x")  # fmt: skip
+    imp.add_argument(
+        "--image",
+        action="store_true",
+        help="clients may also send encoded images (JPEG, PNG, WebP), decoded, resized and center-cropped "
+        "to the input's size by the service (implied by --resize, --interpolation, --channels)",
+    )
+    imp.add_argument("--resize", type=int, metavar="N", help="resize an image's shorter side to N before the crop")
+    imp.add_argument(
+        "--interpolation", choices=["bilinear", "bicubic"], help="the resize's filter (antialiased; default bilinear)"
+    )
+    imp.add_argument("--channels", choices=["RGB", "BGR", "L"], help="the channel order the model takes (default: "
+                     "RGB for 3 channels, L (gray) for 1)")  # fmt: skip
     imp.set_defaults(func=_import)
     from . import ab_report
 

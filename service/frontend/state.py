@@ -40,12 +40,20 @@ class ModelInfo:
     output_features: int
     labels: list[str] | None
     input_dtype: str = "float32"  # what clients send: "float32", or "uint8" pixels (integers 0-255)
+    # A model that also takes encoded images: how they become its input (service/images/preprocess.py's
+    # Preprocess.describe: resize, crop, interpolation, channels, normalize); None: tensors only.
+    image: dict | None = None
 
     @classmethod
     def of(cls, model) -> ModelInfo:
         spec = model.spec
+        image = None
+        if spec.input.image is not None:
+            from ..images.preprocess import Preprocess
+
+            image = Preprocess.of(spec).describe()
         return cls(model.name, spec.description, tuple(model.input_shape), model.output_features, spec.labels,
-                   spec.input.dtype)  # fmt: skip
+                   spec.input.dtype, image)  # fmt: skip
 
     @property
     def input_features(self) -> int:

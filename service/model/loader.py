@@ -25,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from .planner import InputNorm
 from .shapes import conv_out, pool_out
 from .spec import (
+    IMAGE_CHANNELS,
     AddOp,
     BatchNormOp,
     BinaryOp,
@@ -153,7 +154,9 @@ def model_from(spec: ModelSpec, ops: list[Op], tensors: dict[str, torch.Tensor],
 
 
 def _check_input(spec: ModelSpec) -> None:
-    """The input's normalization: an image input, one mean and std per channel."""
+    """The input's normalization: an image input, one mean and std per channel; its image preprocessing: an image
+    input of the channels it names, resized at least to its size."""
+    _check_image(spec)
     norm, shape = spec.input.normalize, tuple(spec.input.shape)
     if norm is None:
         return
@@ -167,6 +170,34 @@ def _check_input(spec: ModelSpec) -> None:
             f"input.normalize: {len(norm.mean)} mean and std values but the input has {shape[0]} channel"
             f"{'s' if shape[0] != 1 else ''} (shape {shape}); one of each per channel"
         )
+
+
+def _check_image(spec: ModelSpec) -> None:
+    image, shape = spec.input.image, tuple(spec.input.shape)
+    if image is None:
+        return
+    if len(shape) != 3:
+        raise ModelFormatError(
+            f"input.image: the input has shape {shape} per row; encoded images need an image input "
+            f"(channels, height, width)"
+        )
+    channels = image_channels(spec)
+    if IMAGE_CHANNELS[channels] != shape[0]:
+        raise ModelFormatError(
+            f"input.image: channels {channels!r} gives {IMAGE_CHANNELS[channels]} channel(s) but the input has "
+            f"{shape[0]} (shape {shape}); use RGB or BGR for 3, L for 1"
+        )
+    if image.resize is not None and image.resize < min(shape[1:]):
+        raise ModelFormatError(
+            f"input.image: resize {image.resize} makes the shorter side smaller than the center crop {shape[1]}x"
+            f"{shape[2]} (the input's height and width); resize to at least {min(shape[1:])}"
+        )
+
+
+def image_channels(spec: ModelSpec) -> str:
+    """The channel order an image input takes: as declared, else RGB for 3 channels and L for 1."""
+    declared = spec.input.image.channels
+    return declared if declared is not None else ("L" if spec.input.shape[0] == 1 else "RGB")
 
 
 def tensor_names(op: Op) -> list[str]:

@@ -71,13 +71,15 @@ def import_onnx(
     input_dtype: str = "float32",
     mean: list[float] | None = None,
     std: list[float] | None = None,
+    image: dict | None = None,
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config, tensors) of the model format for the ONNX file at `path`; ModelFormatError saying what is wrong.
 
     name: the model's name (default: the file's stem); labels: one per output (default: the file's metadata
     `labels`, a JSON list, if it has one); input_dtype, mean, std: what clients send ("uint8" pixels) and the
-    input's per-channel normalization, which the ONNX graph does not hold (spec.input_fields)."""
-    declared = input_fields(input_dtype, mean, std)
+    input's per-channel normalization, which the ONNX graph does not hold, and `image` the preprocessing of encoded
+    images (spec.input_fields)."""
+    declared = input_fields(input_dtype, mean, std, image)
     path = Path(path)
     onnx = _onnx()
     model, external = _read(onnx, path)

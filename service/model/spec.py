@@ -19,7 +19,9 @@ place (`ops[3]`) and what was expected.
 The input may declare `"dtype": "uint8"` (pixels 0-255 as clients send them; default "float32") and, for an image
 input, `"normalize": {"mean": [...], "std": [...]}` with one value per channel: the model then computes on
 (x - mean[c]) / std[c], with the first conv's zero padding after that normalization (torch's
-conv2d((x - mean) / std, padding=p)). Both formats take them.
+conv2d((x - mean) / std, padding=p)). Both formats take them. An image input may also declare
+`"image": {"resize": 256, "interpolation": "bilinear", "channels": "RGB"}` (ImagePreprocess): clients may then send
+JPEG, PNG or WebP files, decoded, resized and center-cropped to the input's size by the service.
 
 `fusedserve-model/2`, a graph: the same ops, each of which may name its input tensors and its output, so
 residual adds and channel concats can be written, and these ops besides:
@@ -355,14 +357,38 @@ class Normalize(BaseModel):
         return self
 
 
-def input_fields(dtype: str = "float32", mean: list[float] | None = None, std: list[float] | None = None) -> dict:
-    """The `input` fields an importer adds for what the user declared: the dtype clients send, and a normalization
-    (mean and std, both or neither). The loader checks them as it checks a hand-written config."""
+class ImagePreprocess(BaseModel):
+    """An image input that clients may also send as an encoded file (JPEG, PNG, WebP), and how the service turns
+    such a file into the input's (channels, height, width) pixels, as torchvision's transforms would:
+    Resize(resize, antialias=True) of the shorter side (aspect kept; none when `resize` is absent), then
+    CenterCrop((height, width)) to the input's own size, in `channels` order (RGB, BGR, or L: one gray channel).
+    The mean and std are the input's `normalize` (pixel units, 0-255), which the first conv folds as for tensors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    resize: Annotated[int, Field(ge=1)] | None = None
+    interpolation: Literal["bilinear", "bicubic"] = "bilinear"
+    channels: Literal["RGB", "BGR", "L"] | None = None  # None: RGB for 3 channels, L for 1
+
+
+IMAGE_CHANNELS = {"RGB": 3, "BGR": 3, "L": 1}
+
+
+def input_fields(
+    dtype: str = "float32",
+    mean: list[float] | None = None,
+    std: list[float] | None = None,
+    image: dict | None = None,
+) -> dict:
+    """The `input` fields an importer adds for what the user declared: the dtype clients send, a normalization
+    (mean and std, both or neither), and `image` (ImagePreprocess's fields) for a model that takes encoded images.
+    The loader checks them as it checks a hand-written config."""
     if (mean is None) != (std is None):
         raise ModelFormatError("input.normalize: give both mean and std (one value of each per channel), or neither")
     fields: dict = {"dtype": dtype}
     if mean is not None:
         fields["normalize"] = {"mean": list(mean), "std": list(std)}
+    if image is not None:
+        fields["image"] = {k: v for k, v in image.items() if v is not None}
     return fields
 
 
@@ -376,6 +402,7 @@ class InputSpec(BaseModel):
     shape: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1, max_length=4)]
     dtype: Literal["float32", "uint8"] = "float32"
     normalize: Normalize | None = None
+    image: ImagePreprocess | None = None
 
 
 class ModelSpec(BaseModel):

@@ -32,15 +32,23 @@ def import_to_dir(
     input_dtype: str = "float32",
     mean: list[float] | None = None,
     std: list[float] | None = None,
+    image: dict | None = None,
 ) -> Path:
     """`fusedserve import`: write config.json + model.safetensors for the ONNX file, checked by loading it back.
-    input_dtype, mean, std: what clients send and the input's normalization (onnx_import.import_onnx)."""
+    input_dtype, mean, std, image: what clients send, the input's normalization and the preprocessing of encoded
+    images (onnx_import.import_onnx)."""
     from .loader import model_from_config
     from .onnx_import import import_onnx, safe_name
 
     out = Path(out_dir)
     config, tensors = import_onnx(
-        path, name=name or safe_name(out.name), labels=labels, input_dtype=input_dtype, mean=mean, std=std
+        path,
+        name=name or safe_name(out.name),
+        labels=labels,
+        input_dtype=input_dtype,
+        mean=mean,
+        std=std,
+        image=image,
     )
     model_from_config(config, tensors, Path(path), Path(path))  # refuse before writing anything
     return write_model(out, config, tensors)
