@@ -106,6 +106,9 @@ def test_the_cli_mirrors_the_families_and_exporters_and_is_registered():
 
     assert tuple(families.FAMILIES) == cli.FAMILIES
     assert exporters.EXPORTERS == cli.EXPORTERS
+    from bench.zoo import gpu
+
+    assert gpu.PROVIDERS == cli.PROVIDERS
     assert BENCHMARKS["zoo"] == "bench.zoo.cli"
     parser = argparse.ArgumentParser()
     importlib.import_module(BENCHMARKS["zoo"]).add_arguments(parser)

@@ -49,6 +49,7 @@ FAMILIES = (
     "convnext_tiny",
 )  # fmt: skip
 EXPORTERS = ("torchscript", "dynamo", "torch.export")
+PROVIDERS = ("ours", "eager-cl", "compile", "compile-max", "ort")  # gpu.PROVIDERS
 MODES = ("unfused", "fused")
 GPU_BATCHES = (1, 256)
 
@@ -85,6 +86,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     gpu.add_argument("--max-autotune", type=_names(FAMILIES, "family"), default=(),
                      help="families that also run torch.compile max-autotune (slow: minutes each) [none]")  # fmt: skip
     gpu.add_argument("--no-ort", action="store_true", help="leave out onnxruntime-gpu even where it imports")
+    gpu.add_argument("--providers", type=_names(PROVIDERS, "provider"), default=PROVIDERS,
+                     help="which to time (others already in the results file are kept) [all]")  # fmt: skip
+    gpu.add_argument("--tuning-s", type=float, default=None,
+                     help="seconds of kernel timing ours may spend per family before it takes untimed picks, as a "
+                     "service's start does (its tuning_startup_s) [no limit: every key timed]")  # fmt: skip
     gpu.add_argument("--fresh", action="store_true", help="start a new results file instead of merging into it")
 
 

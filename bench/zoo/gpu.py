@@ -102,8 +102,12 @@ def execute(args, command: str) -> int:
     out = args.out or results_dir(slug)
     path = out / f"zoo_{slug}.json"
     results = {"meta": {}, "cases": [], "not_run": {}}
+    kept: dict[tuple[str, int], dict] = {}  # (family, batch) -> providers an earlier run timed and this one does not
     if path.exists() and not args.fresh:
         results = json.loads(path.read_text())
+        for c in results["cases"]:
+            if c["family"] in args.families:
+                kept[c["family"], c["batch"]] = c
         results["cases"] = [c for c in results["cases"] if c["family"] not in args.families]
         results.setdefault("not_run", {})
         for f in args.families:
@@ -125,6 +129,13 @@ def execute(args, command: str) -> int:
                 except Exception as e:  # this family reports why; the others still run
                     results["not_run"][family] = describe(e)
                     cases = []
+                for c in cases:  # what an earlier run timed of providers not named this time, and ours's start
+                    old = kept.get((family, c["batch"]), {})
+                    earlier = {k: v for k, v in old.get("providers", {}).items() if k not in args.providers}
+                    c["providers"] = {**earlier, **c["providers"]}
+                    for key in ("ready_s", "tune_s", "tuning_s", "unfused_fallbacks"):
+                        if c.get(key) is None and key in old:
+                            c[key] = old[key]
                 results["cases"] += cases
                 bad |= any(isinstance(v, dict) and v.get("bad") for c in cases for v in
                            c["providers"].get("ours", {}).values())  # fmt: skip
@@ -151,9 +162,12 @@ def _family(args, family: str, workdir: Path) -> list[dict]:
     image = families.image_shape(family, args.size)
     model, source, export_s, load_s = _import(module, image, workdir, family)
     providers = ModelProviders(model, device, dtype, max(args.batches), module)
-    names = [p for p in PROVIDERS if p != "compile-max" or family in args.max_autotune]
+    from kernels import tuning
+
+    tuning.timing_budget.set(args.tuning_s)  # per family: None times every key
+    names = [p for p in PROVIDERS if p in args.providers and (p != "compile-max" or family in args.max_autotune)]
     ort: OrtProvider | Exception | None = None
-    if args.no_ort:
+    if args.no_ort and "ort" in names:
         names.remove("ort")
     timing = Timing()
     cases = []
@@ -193,6 +207,10 @@ def _family(args, family: str, workdir: Path) -> list[dict]:
             case["providers"][name] = res
             if name in COMPILE_MODES:
                 torch._dynamo.reset()  # drop the compiled code before the next provider (bench/kernels does so)
+        if "ours" in names:
+            case["tuning_s"] = args.tuning_s
+            ex = providers._executors.get("fused")
+            case["unfused_fallbacks"] = sorted(ex.fallbacks) if ex is not None else []
         first = case["providers"].get("ours", {}).get("compile_s")
         # The first bucket's binding, tuning and capture from an imported model: time to ready; a later bucket's own
         # tuning and capture.

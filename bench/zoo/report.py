@@ -151,8 +151,8 @@ def gpu_table(cases: list[dict]) -> str:
     from bench.kernels.results import hot, us
 
     providers = list(dict.fromkeys(p for c in cases for p in c.get("providers", {})))
-    head = "| family | batch | " + " | ".join(providers) + " | ours vs best | ready s |"
-    lines = [head, "|---|---|" + "---|" * (len(providers) + 2)]
+    head = "| family | batch | " + " | ".join(providers) + " | ours vs best | ready s | ours tuned |"
+    lines = [head, "|---|---|" + "---|" * (len(providers) + 3)]
     for c in cases:
         cells, times = [], {}
         for p in providers:
@@ -172,8 +172,12 @@ def gpu_table(cases: list[dict]) -> str:
             best = min(anchors, key=anchors.get)
             ratio = f"{anchors[best] / times['ours']:.2f}x vs {best}"
         ready = c.get("ready_s")
+        # every kernel key timed, or the first `tuning_s` seconds' worth (the rest untimed picks, as a start gives)
+        tuned = "every key" if c.get("tuning_s") is None else f"{c['tuning_s']:g} s of timing"
+        if c.get("unfused_fallbacks"):
+            tuned += f"; {len(c['unfused_fallbacks'])} step(s) unfused (compile deadline)"
         lines.append(f"| {c['title']} | {c['batch']} | " + " | ".join(cells) + f" | {ratio} | "
-                     f"{f'{ready:.1f}' if ready is not None else '—'} |")  # fmt: skip
+                     f"{f'{ready:.1f}' if ready is not None else '—'} | {tuned} |")  # fmt: skip
     return "\n".join(lines)
 
 
