@@ -193,6 +193,16 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = Field(
         30.0, gt=0, le=3600, description="on SIGTERM, longest wait for accepted requests to be answered"
     )
+    # 5 s: a Kubernetes endpoint removal reaches kube-proxies and ingresses within a few seconds, and a load balancer
+    # that checks /health/ready every 2 s, out after 2 failures (a common setting), needs 4.
+    drain_delay_s: float = Field(
+        5.0,
+        ge=0,
+        le=600,
+        description="on SIGTERM, how long the service goes on accepting and answering, /health/ready reading 503, "
+        "so that load balancers and Kubernetes endpoints stop sending before it stops accepting; then it drains "
+        "and stops within SHUTDOWN_GRACE_S. A second SIGTERM or Ctrl-C skips it. 0: drain at once",
+    )
     max_connections: int = Field(
         2048,
         ge=2,

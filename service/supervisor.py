@@ -222,9 +222,20 @@ class Supervisor:
             use_multiprocess_dir(multiproc_before)
 
     def _request_stop(self, signum, frame) -> None:
+        s, name = self.settings, signal.Signals(signum).name
         if not self._stop_requested:
-            log.info("%s: stopping (grace %g s)", signal.Signals(signum).name, self.settings.shutdown_grace_s)
-        self._stop_requested = True
+            self._stop_requested = True
+            if s.drain_delay_s > 0:
+                log.info("%s: /health/ready reads 503; still serving for %g s (FUSEDSERVE_DRAIN_DELAY_S) while load "
+                         "balancers notice, then stopping within %g s (FUSEDSERVE_SHUTDOWN_GRACE_S); %s again stops "
+                         "now", name, s.drain_delay_s, s.shutdown_grace_s, name)  # fmt: skip
+            else:
+                log.info("%s: stopping (grace %g s)", name, s.shutdown_grace_s)
+            return
+        # A second signal: the front ends skip the rest of their drain delay (DrainingServer.handle_exit's second call).
+        log.info("%s again: stopping now (accepted requests are still answered)", name)
+        for p in self.frontends:
+            _signal(p, signal.SIGTERM)
 
     def _request_reload(self, signum, frame) -> None:
         self._reload_requested = True
@@ -428,7 +439,7 @@ class Supervisor:
 
     def _shutdown(self, code: int) -> int:
         """Front ends first (they stop accepting and answer what they accepted), then the engines."""
-        deadline = time.monotonic() + self.settings.shutdown_grace_s
+        deadline = time.monotonic() + self.settings.drain_delay_s + self.settings.shutdown_grace_s
         clean = _stop(self.frontends, deadline)
         clean = _stop(self.engines, max(deadline, time.monotonic() + ENGINE_STOP_MIN_S)) and clean
         code = code or (0 if clean else 1)

@@ -119,6 +119,8 @@ def service_env(**env: str | int | float) -> dict[str, str]:
         out["TRITON_INTERPRET"] = _TRITON_INTERPRET_AT_START
     out["PYTHONUNBUFFERED"] = "1"
     out["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    # No drain delay unless a test asks for one: every stop of a test's server would wait its 5 s default.
+    out["FUSEDSERVE_DRAIN_DELAY_S"] = "0"
     for k, v in env.items():
         key = k if k.startswith("FUSEDSERVE_") else "FUSEDSERVE_" + k.upper()
         out[key] = str(v)

@@ -169,17 +169,11 @@ def port_number(container: dict, port) -> int:
     return numbers[0]
 
 
-def prestop_sleep_s(container: dict) -> float:
-    command = container["lifecycle"]["preStop"]["exec"]["command"]
-    assert command[0] == "sleep" and len(command) == 2, command
-    return float(command[1])
-
-
-def shutdown_budget_s(prestop_s: float, settings: Settings) -> float:
-    """The longest a pod takes from the start of preStop to exit: preStop, then the supervisor's shutdown (front
-    ends within FUSEDSERVE_SHUTDOWN_GRACE_S, killed and joined for KILL_JOIN_S past it, then the engines, which
-    get at least ENGINE_STOP_MIN_S)."""
-    return prestop_s + settings.shutdown_grace_s + KILL_JOIN_S + ENGINE_STOP_MIN_S
+def shutdown_budget_s(settings: Settings) -> float:
+    """The longest a pod takes from SIGTERM to exit: the drain delay (serving on while the endpoints drop the pod, as
+    a preStop sleep would), then the supervisor's shutdown (front ends within FUSEDSERVE_SHUTDOWN_GRACE_S, killed and
+    joined for KILL_JOIN_S past it, then the engines, which get at least ENGINE_STOP_MIN_S)."""
+    return settings.drain_delay_s + settings.shutdown_grace_s + KILL_JOIN_S + ENGINE_STOP_MIN_S
 
 
 def metric_types() -> dict[str, str]:
@@ -317,12 +311,13 @@ def test_one_gpu_per_pod(name):
 
 @pytest.mark.parametrize("name", ["base", *OVERLAYS])
 def test_shutdown_timing_matches_the_drain(name):
-    """preStop lets the endpoints drop the pod, then SIGTERM starts the drain; the pod's grace covers the whole."""
+    """The drain delay lets the endpoints drop the pod while it serves on (no preStop sleep: the image needs no sleep
+    binary, and the two would add up), then the drain; the pod's grace covers the whole."""
     dep, pod, container, settings = deployment_parts(variant(name))
-    prestop = prestop_sleep_s(container)
     grace = pod["spec"]["terminationGracePeriodSeconds"]
-    assert 5 <= prestop <= 15, "long enough for kube-proxies and ingresses to drop the endpoint, no longer"
-    need = shutdown_budget_s(prestop, settings)
+    assert "lifecycle" not in container, "FUSEDSERVE_DRAIN_DELAY_S does what a preStop sleep did"
+    assert 5 <= settings.drain_delay_s <= 15, "long enough for kube-proxies and ingresses to drop the endpoint"
+    need = shutdown_budget_s(settings)
     assert need <= grace <= need + 10, f"terminationGracePeriodSeconds {grace}: the shutdown needs {need:g} s"
     # The front end's drain (ready 503, answers close) fits in its grace, with time left to answer the rest.
     assert min(DRAIN_MAX_S, settings.shutdown_grace_s / 2) < settings.shutdown_grace_s
@@ -653,7 +648,8 @@ def storage_model(uri: str):
 def test_kserve_shutdown_fits_the_pods_grace():
     (container,) = runtime()["spec"]["containers"]
     settings = settings_of(container_env([], container))
-    need = shutdown_budget_s(prestop_sleep_s(container), settings)
+    assert "lifecycle" not in container and settings.drain_delay_s >= 5
+    need = shutdown_budget_s(settings)
     for isvc in inference_services():
         grace = isvc["spec"]["predictor"].get("terminationGracePeriodSeconds", DEFAULT_POD_GRACE_S)
         assert need <= grace, f"{isvc['metadata']['name']}: shutdown needs {need:g} s, the pod gets {grace}"

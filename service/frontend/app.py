@@ -168,6 +168,7 @@ def frontend_main(
     drain_s = min(DRAIN_MAX_S, settings.shutdown_grace_s / 2)
     server = _draining_server(uvicorn.Server)(config, app.state.fusedserve, drain_s)
     server.fs_timeouts = (settings.header_timeout_s, settings.body_timeout_s)
+    server.fs_drain_delay_s = settings.drain_delay_s
     server.run(sockets=[sock])
     if not server.started:  # the lifespan failed (logged by uvicorn): say so to the supervisor, which then stops
         from ..processes import STARTUP_FAILED
@@ -192,10 +193,13 @@ def _draining_server(base):
             self._drain_started: float | None = None
             self._quiet_since: float | None = None
             self.fs_timeouts: tuple[float, float] | None = None  # (header, body) read timeouts for guard.sweep
+            self.fs_drain_delay_s = 0.0  # accepting on this long after SIGTERM before the drain
 
         def handle_exit(self, sig, frame) -> None:
             if self._drain_started is None:
-                self._drain_started = time.monotonic()
+                # FUSEDSERVE_DRAIN_DELAY_S: accepting and answering on, /health/ready 503, until load balancers have
+                # seen it; the drain below starts after that.
+                self._drain_started = time.monotonic() + self.fs_drain_delay_s
                 self._fs_state.draining = True
                 return
             super().handle_exit(sig, frame)  # a second signal: shut down now
@@ -203,7 +207,7 @@ def _draining_server(base):
         async def on_tick(self, counter: int) -> bool:
             if self.fs_timeouts is not None and counter % SWEEP_EVERY_TICKS == 0:
                 sweep(self.server_state.connections, time.monotonic(), *self.fs_timeouts)
-            if self._drain_started is not None and not self.should_exit:
+            if self._drain_started is not None and not self.should_exit and time.monotonic() >= self._drain_started:
                 now = time.monotonic()
                 if self.server_state.connections:
                     self._quiet_since = None
