@@ -57,9 +57,24 @@ def small_tile():
         yield
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", AWKWARD, ids=lambda s: "x".join(map(str, s)))
+# Every activation in every dtype on a shape past the small tile's edge in all three dimensions, and every awkward
+# shape in every dtype with the activations taken in turn: the shape decides the masks and the activation only the
+# epilogue, so the full product (198 cases, ~75 CPU-s under the interpreter, issue 51) checked nothing more than these
+# 51 (the GPU test below keeps the full product, compiled).
+EDGE = (17, 33, 33)
+AWKWARD_CASES = sorted(
+    {(EDGE, d, a) for d in DTYPES for a in ACTIVATIONS}
+    | {(s, d, ACTIVATIONS[(i * len(DTYPES) + j) % len(ACTIVATIONS)]) for i, s in enumerate(AWKWARD)
+       for j, d in enumerate(DTYPES)},
+    key=lambda c: (AWKWARD.index(c[0]), DTYPES.index(c[1]), ACTIVATIONS.index(c[2])),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "activation"),
+    AWKWARD_CASES,
+    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v),
+)
 def test_every_dtype_and_activation_on_awkward_shapes(small_tile, shape, dtype, activation):
     _check(*shape, dtype, activation, DEVICE)
 
@@ -210,10 +225,14 @@ def test_gpu_every_dtype_and_activation(shape, dtype, activation):
 ODD_WIDTHS = [(1000, 784), (1536, 1000), (3072, 1536), (784, 3072)]
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("widths", ODD_WIDTHS, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    ("widths", "activation"), [(ODD_WIDTHS[i % len(ODD_WIDTHS)], a) for i, a in enumerate(ACTIVATIONS)],
+    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v,
+)  # fmt: skip
 def test_widths_not_multiples_of_64(widths, activation):
-    """Every activation at the odd widths, three rows, fp32 (the interpreter's default tile crosses each edge)."""
+    """Every activation at one of the odd widths, each width with two or three, three rows, fp32 (the interpreter's
+    default tile crosses each edge). The widths set the masks, the activation the epilogue: all 44 pairs took ~70
+    CPU-s under the interpreter for what these 11 check (the GPU test below runs every pair at every batch)."""
     _check(3, *widths, torch.float32, activation, DEVICE)
 
 
