@@ -180,8 +180,9 @@ class Settings(BaseSettings):
         None,
         ge=1,
         le=64,
-        description="HTTP front-end processes (FastAPI + uvicorn, sharing the port; default: one per core the host "
-        "can spare after the engines, at most 8 per engine: 8 on a 16-core host with one GPU, 16 on 32 cores with two)",
+        description="HTTP front-end processes (FastAPI + uvicorn, sharing the port; default: one per CPU the service "
+        "may use (its CPU affinity, capped by a container's CPU quota: docker --cpus, a Kubernetes CPU limit) left "
+        "after the engines, at most 8 per engine: 8 on a 16-core host with one GPU, 16 on 32 cores with two)",
     )
     engines: int | None = Field(
         None,

@@ -78,10 +78,10 @@ class StartError(RuntimeError):
 
 
 def host_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    """The CPUs the service may use: its affinity, capped by its container's CPU quota (service/cpus.py)."""
+    from .cpus import usable_cpus
+
+    return usable_cpus()
 
 
 def default_workers(engines: int, cores: int | None = None) -> int:
