@@ -260,6 +260,35 @@ def test_compose_ab_profile_is_one_service_in_ab_mode_from_a_reloadable_file():
     assert {k: env[k] for k in same} == {k: fused_env[k] for k in same}
 
 
+def _gpu_reserved(service: dict) -> bool:
+    devices = (((service.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices") or []
+    return any(d.get("driver") == "nvidia" or "gpu" in (d.get("capabilities") or []) for d in devices)
+
+
+def test_compose_cpu_profile_starts_without_a_gpu():
+    """`docker compose up fusedserve-cpu prometheus grafana` (README) starts nothing that reserves a GPU, and serves
+    what the GPU service does, where Prometheus looks for it, on the CPU (issue 51: compose could not start without an
+    NVIDIA GPU)."""
+    services = compose()["services"]
+    cpu = services["fusedserve-cpu"]
+    assert cpu.get("profiles") == ["cpu"] and not _gpu_reserved(cpu)
+    started, todo = set(), ["fusedserve-cpu", "prometheus", "grafana"]
+    while todo:  # what compose starts for these: them and their dependencies
+        name = todo.pop()
+        started.add(name)
+        deps = services[name].get("depends_on") or []
+        todo += [d for d in (deps if isinstance(deps, list) else list(deps)) if d not in started]
+    assert started == {"fusedserve-cpu", "prometheus", "grafana"}
+    assert not any(_gpu_reserved(services[n]) for n in started)
+    assert "fusedserve" in cpu["networks"]["default"]["aliases"], "Prometheus scrapes fusedserve:8000"
+    assert ("8000", SERVICE_PORT) in published_ports(cpu)
+    env, gpu_env = env_of(cpu), env_of(services["fusedserve"])
+    assert resolve(env["FUSEDSERVE_DEVICE"]) == "cpu" and resolve(env["FUSEDSERVE_MODE"]) == "unfused"
+    same = set(gpu_env) - {"FUSEDSERVE_MODE", "FUSEDSERVE_DEVICE"}
+    assert {k: env[k] for k in same} == {k: gpu_env[k] for k in same}, "the same model and settings as the GPU's"
+    assert "fusedserve-cpu prometheus grafana" in (REPO / "README.md").read_text()
+
+
 def test_compose_and_dockerfile_env_vars_are_settings_fields():
     from service.config import Settings  # the service's pydantic-settings class
 
@@ -316,7 +345,7 @@ def test_compose_prometheus_and_grafana_services():
     assert image == "prom/prometheus" and tag and tag != "latest", "pin the prometheus tag"
     assert ("./deploy/prometheus.yml", "/etc/prometheus/prometheus.yml") in volume_specs(prom)
     assert ("9090", 9090) in published_ports(prom)
-    assert "fusedserve" in prom.get("depends_on", [])
+    assert not prom.get("depends_on"), "a dependency on the GPU service would start it beside the CPU profile"
 
     graf = services["grafana"]
     image, _, tag = graf["image"].rpartition(":")
@@ -340,7 +369,7 @@ def test_compose_config_validates_when_docker_compose_is_installed():
     exe = find_binary("docker-compose")
     if exe is None:
         pytest.skip("docker-compose is not on PATH (optional: validates the file against the compose schema)")
-    for args in ([], ["--profile", "ab"]):
+    for args in ([], ["--profile", "ab"], ["--profile", "cpu"]):
         res = subprocess.run(
             [exe, "-f", str(COMPOSE), *args, "config", "--services"],
             cwd=REPO,
