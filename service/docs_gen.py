@@ -242,12 +242,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Every file is named with what happened to it (issue 51: a run that changed nothing printed nothing)."""
     stale = 0
     for name, render in GENERATORS.items():
         path = args.out / name
         want = render()
         have = path.read_text() if path.is_file() else ""
         if have == want:
+            print(f"{path}: matches the code{'' if args.check else ', left as it is'}")
             continue
         if args.check:
             stale += 1
@@ -258,10 +260,12 @@ def run(args: argparse.Namespace) -> int:
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(want)
-            print(f"wrote {path}")
+            print(f"{path}: written from the code ({'new' if not have else 'it differed'})")
     if stale:
         print(f"fusedserve docs: {stale} file(s) differ from the code; run `fusedserve docs` and commit them")
         return 1
+    if args.check:
+        print(f"fusedserve docs: {len(GENERATORS)} file(s) checked, all match the code")
     return 0
 
 

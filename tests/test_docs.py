@@ -255,9 +255,13 @@ def test_generated_docs_match_the_code(tmp_path):
     assert _commands("docs"), "no doc shows the command that generates the reference pages"
     res = _run(_fusedserve_argv(f"{FUSEDSERVE} docs --check"), REPO)
     assert res.returncode == 0, f"the committed docs differ from the code; run `fusedserve docs`:\n{res.stdout}"
+    assert "2 file(s) checked, all match the code" in res.stdout, res.stdout  # it says what it checked
     for out in (tmp_path / "a", tmp_path / "b"):
         res = _run([*_fusedserve_argv(f"{FUSEDSERVE} docs"), "--out", str(out)], REPO)
         assert res.returncode == 0, res.stdout + res.stderr
+        assert f"{out / METRICS.name}: written from the code (new)" in res.stdout, res.stdout  # and what it wrote
+    res = _run([*_fusedserve_argv(f"{FUSEDSERVE} docs"), "--out", str(tmp_path / "a")], REPO)
+    assert f"{tmp_path / 'a' / METRICS.name}: matches the code, left as it is" in res.stdout, res.stdout
     for page in (CONFIGURATION, METRICS):
         assert (tmp_path / "a" / page.name).read_text() == page.read_text() == (tmp_path / "b" / page.name).read_text()
     stale = tmp_path / "a" / METRICS.name
