@@ -108,3 +108,26 @@ def test_exported_cnn_matches_torch(tmp_path, mode):
 def test_unsupported_cnn_module_is_named(tmp_path, module, message):
     with pytest.raises(ValueError, match=message):
         export_sequential(nn.Sequential(module, nn.Flatten()), tmp_path / "bad", input_shape=[2, 6, 6])
+
+
+def test_both_export_helpers_say_what_they_wrote_with_the_same_modes(tmp_path, capsys):
+    """export_sequential and export_module print what they wrote where, and write both files 0644 (one wrote its
+    weights 0600, safetensors' default, and neither printed anything: issue 51)."""
+    import os
+    import stat
+
+    from service.model.export import export_module
+
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2)).eval()
+    old = os.umask(0o077)  # a strict umask must not make the weights unreadable to a server of another user
+    try:
+        seq = export_sequential(model, tmp_path / "seq", input_shape=[6])
+        graph = export_module(model, torch.randn(2, 6), tmp_path / "graph")
+    finally:
+        os.umask(old)
+    lines = capsys.readouterr().out.splitlines()
+    for out, line in zip((seq, graph), lines, strict=True):
+        assert line.startswith(f"wrote {out / 'config.json'} (3 ops) and {out / 'model.safetensors'} (4 tensors, ")
+        assert line.endswith(f"mode 644; serve it: fusedserve serve --model {out}")
+        for name in ("config.json", "model.safetensors"):
+            assert stat.S_IMODE((out / name).stat().st_mode) == 0o644, (out, name)

@@ -13,14 +13,13 @@ Both write config.json + model.safetensors that `fusedserve serve --model model_
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from .spec import FORMAT
+from .writer import write_model, written
 
 
 def _pair(v) -> int | list[int]:
@@ -132,7 +131,6 @@ def export_sequential(
         **({"labels": list(labels)} if labels is not None else {}),
         "ops": ops,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_model(out, config, tensors)
+    print(written(out, config, tensors))
     return out

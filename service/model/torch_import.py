@@ -414,7 +414,7 @@ def export_module(
     """Write config.json + model.safetensors for `module` (checked by loading them back); returns out_dir.
     input_dtype, mean, std: as import_module takes them."""
     from .loader import load_model, model_from_config
-    from .writer import write_model
+    from .writer import write_model, written
 
     out = Path(out_dir)
     config, tensors = import_module(module, example_input, name=name or out.name, labels=labels,
@@ -423,4 +423,5 @@ def export_module(
     model_from_config(config, tensors, out, f"export of {type(module).__name__}")  # refuse before writing
     write_model(out, config, tensors)
     load_model(out)
+    print(written(out, config, tensors))
     return out
