@@ -102,6 +102,30 @@ class Settings(BaseSettings):
     request_timeout_ms: float = Field(
         30_000, gt=0, description="a request still queued after this long is dropped with 504. Changes live on SIGHUP"
     )
+    # 50 MP: a 48 MP phone photo (8000 x 6000, 144 MB decoded as RGB) passes; a 30,000 x 30,000 decompression bomb
+    # (0.9 MB as a PNG, 2.7 GB as RGB) is refused from its header, before any pixel is decoded.
+    image_max_pixels: int = Field(
+        50_000_000,
+        ge=1,
+        description="most pixels (width x height) of one encoded image, read from its header before decoding; a "
+        "larger one is refused with 413 (a model that takes images: service/images/decode.py)",
+    )
+    # 32 MiB: a dozen phone JPEGs of 2-3 MB each, base64 included; an image model's limit for rows of numbers is
+    # larger anyway at 3 x 224 x 224 inputs (4.8 MB of JSON per row)
+    max_image_body_bytes: int = Field(
+        32 << 20,
+        ge=1024,
+        description="the largest request body (or gRPC message) of a model that takes encoded images, when its limit "
+        "for rows of numbers (max_rows_per_request x input values x 32 bytes) is smaller",
+    )
+    image_decode_threads: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="threads per front end that decode and resize encoded images (Pillow and torch let go of "
+        "Python's lock while they work), so that a request's images decode side by side and the front end goes on "
+        "serving meanwhile",
+    )
     kernel_timing_every: int = Field(
         16,
         ge=0,

@@ -347,7 +347,9 @@ BAD_REST = [
     ("binary without header", BINARY_HEAD + b"\0" * 256, None,
      400, "not valid JSON"),
     ("header length", orjson.dumps(_doc(data=ONE_ROW)), "huge", 400, "Inference-Header-Content-Length"),
-    ("gzip", orjson.dumps(_doc(data=ONE_ROW)), "gzip", 400, "Content-Encoding gzip is not supported"),
+    # gzip and deflate bodies are decoded (service/frontend/encoding.py); one that is not what its coding says is 400
+    ("not gzip", orjson.dumps(_doc(data=ONE_ROW)), "gzip", 400, "the body does not decode as gzip"),
+    ("brotli", orjson.dumps(_doc(data=ONE_ROW)), "br", 415, "Content-Encoding 'br' is not supported"),
 ]  # fmt: skip
 
 
@@ -358,8 +360,8 @@ def test_bad_rest_request_is_refused_before_a_batch(servers, what, doc, headers,
         headers = {"Inference-Header-Content-Length": str(len(BINARY_HEAD))}
     elif headers == "huge":
         headers = {"Inference-Header-Content-Length": "99999"}
-    elif headers == "gzip":
-        headers = {"Content-Encoding": "gzip"}
+    elif headers in ("gzip", "br"):
+        headers = {"Content-Encoding": headers}
     before = scrape(url)
     r = _v2(url, doc, headers)
     assert r.status_code == status, r.text

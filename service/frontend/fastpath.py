@@ -14,6 +14,7 @@ import orjson
 from ..v2.rest import handle_v2
 from .asgi import JSON, Answer, header
 from .auth import api_of_path
+from .encoding import maybe_gzip
 from .predict import handle_predict
 from .state import FrontendState
 
@@ -37,12 +38,14 @@ class PredictFastPath:
         gate = self.gate
         if path == "/predict" and scope["method"] == "POST":
             status, body, headers = await handle_predict(self.state, scope, receive)
+            body = maybe_gzip(scope, body, headers)  # Accept-Encoding: gzip, for answers large enough to pay
         elif path == "/v2" or path.startswith("/v2/"):
             refused = gate(self.state, scope, path, "error") if gate is not None else None
             if refused is not None:
                 status, body, headers = refused
             else:
                 status, body, headers = await handle_v2(self.state, scope, receive)
+                body = maybe_gzip(scope, body, headers)
         else:
             refused = gate(self.state, scope, path, "detail") if gate is not None else None
             if refused is None:

@@ -68,6 +68,7 @@ def predict_operation(input_shape: tuple[int, ...], max_rows: int) -> dict:
             "200": _answer("outputs (one row of logits per input row) and the predicted labels", answer),
             "400": _error("the body is not JSON"),
             "413": _error("more rows than MAX_ROWS_PER_REQUEST, or a body too large for that many"),
+            "415": _error("a Content-Type or Content-Encoding it does not take (the message names those it does)"),
             "422": _error('not {"inputs": [...]}, a row of the wrong shape, or a value that is not a finite float32'),
             "500": _error("the forward of the request's batch failed"),
             "503": _error("overloaded, not ready, or out of GPU memory for this request alone (Retry-After: 1)"),
@@ -93,6 +94,25 @@ def describe_routes(schema: dict, input_shape: tuple[int, ...], max_rows: int, m
             "Prometheus text format", {"type": "string"}, "text/plain"
         )
     return schema
+
+
+def describe_images(schema: dict, max_rows: int) -> None:
+    """An image model's /predict also takes an encoded file as the body, files in multipart/form-data, and base64
+    `instances` (service/frontend/image_forms.py)."""
+    operation = schema.get("paths", {}).get("/predict", {}).get("post")
+    if operation is None:
+        return
+    content = operation["requestBody"]["content"]
+    file = {"type": "string", "format": "binary"}
+    for media in ("image/jpeg", "image/png", "image/webp"):
+        content[media] = {"schema": file}
+    content["multipart/form-data"] = {"schema": {"type": "object", "additionalProperties": file}}
+    b64 = {"type": "object", "properties": {"b64": {"type": "string", "format": "byte"}}, "required": ["b64"]}
+    instances = {"type": "object", "properties": {"instances": {"type": "array", "items": b64, "minItems": 1,
+                 "maxItems": max_rows}}, "required": ["instances"], "additionalProperties": False}  # fmt: skip
+    content["application/json"]["schema"] = {"oneOf": [content["application/json"]["schema"], instances]}
+    operation["responses"]["422"]["description"] += "; an image that does not decode (the message names it)"
+    operation["responses"]["413"]["description"] += "; an image over IMAGE_MAX_PIXELS"
 
 
 def describe_security(schema: dict, keys: bool, restrictions: dict[str, tuple[str, bytes]], metrics_port) -> dict:
@@ -136,6 +156,8 @@ def install(app, input_shape: tuple[int, ...], max_rows: int, model_name: str | 
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = describe_routes(generate(), input_shape, max_rows, model_name)
+            if state is not None and state.model.image is not None:
+                describe_images(schema, max_rows)
             if state is not None:
                 describe_security(schema, state.api_keys.on, state.restrictions.rules, state.settings.metrics_port)
             app.openapi_schema = schema
@@ -285,6 +307,7 @@ def v2_infer_operation(input_shape: tuple[int, ...], max_rows: int) -> dict:
                              "datatype or shape, data that does not fill the shape, or a value not finite in it"),
             "404": _v2_error("no such model or version"),
             "413": _v2_error(f"more than {max_rows} rows, or a body larger than the limit"),
+            "415": _v2_error("a Content-Type or Content-Encoding it does not take (the message names those it does)"),
             "500": _v2_error("the forward of the request's batch failed"),
             "503": _v2_error("overloaded, not ready, or out of GPU memory for this request alone (Retry-After: 1)"),
             "504": _v2_error("the request waited longer than REQUEST_TIMEOUT_MS in the queue"),

@@ -1,4 +1,6 @@
-"""POST /predict: {"inputs": [[...], ...]} rows in, {"outputs", "predictions", "model", "mode"} out.
+"""POST /predict: {"inputs": [[...], ...]} rows in, {"outputs", "predictions", "model", "mode"} out; for a model that
+takes encoded images (config.json's input.image) also a JPEG, PNG or WebP file as the body, files in
+multipart/form-data, or base64 images in {"instances": [{"b64": ...}]}, one row each.
 
 Served at the ASGI level by service/frontend/fastpath.py; FastAPI's own /predict route (kept for the OpenAPI schema
 and for any caller that mounts the router alone) calls the same `handle_predict`.
@@ -14,6 +16,7 @@ import orjson
 from . import requestid
 from .asgi import CLOSE, JSON, MODE_HEADER, Answer
 from .inputs import InputError, parse_rows
+from .media import media_type, predict_form
 from .serving import Refused, read_request, run_rows, unauthorized
 from .state import FrontendState
 
@@ -25,6 +28,28 @@ def _answer(status: int, doc: object, *extra: tuple[bytes, bytes]) -> Answer:
 
 def _error(status: int, message: str, *extra: tuple[bytes, bytes]) -> Answer:
     return _answer(status, {"detail": message}, *extra)
+
+
+async def image_rows(state: FrontendState, scope: dict, form: str, body: bytes) -> np.ndarray:
+    """An image model's rows from encoded images: one file as the body ("image"), files in multipart/form-data, or
+    base64 `instances` in JSON (service/frontend/image_forms.py), decoded and preprocessed (images.py)."""
+    from .image_forms import b64_instances, multipart_files
+    from .images import pipeline
+
+    limit = state.settings.max_rows_per_request
+    if form == "image":
+        images = [("the body", body)]
+    elif form == "multipart":
+        images = multipart_files(body, media_type(scope)[1], limit)
+    else:
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as e:
+            raise InputError(400, f"body is not valid JSON: {e}") from None
+        if not isinstance(doc, dict) or "instances" not in doc:  # "instances" was inside a string: rows after all
+            return parse_rows(body, state.model.input_shape, limit, state.model.input_dtype)
+        images = b64_instances(doc, limit)
+    return await pipeline(state).rows(images)
 
 
 async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
@@ -39,9 +64,13 @@ async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
     # While draining (SIGTERM), requests are still answered, each answer closing its connection.
     extra = (ident, CLOSE) if state.draining else (ident,)
     try:
-        body = await read_request(state, scope, receive)
         model = state.model
-        rows = parse_rows(body, model.input_shape, state.settings.max_rows_per_request, model.input_dtype)
+        form = predict_form(scope, model.image is not None)  # 415 for a Content-Type it does not take
+        body = await read_request(state, scope, receive)
+        if form == "json" and (model.image is None or b'"instances"' not in body):
+            rows = parse_rows(body, model.input_shape, state.settings.max_rows_per_request, model.input_dtype)
+        else:
+            rows = await image_rows(state, scope, form, body)
         arrival = time.monotonic()
         deadline = arrival + state.settings.request_timeout_ms / 1e3
         outputs, mode = await run_rows(state, rows, arrival, deadline, receive, ident[1])

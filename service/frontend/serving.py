@@ -17,7 +17,9 @@ from . import requestid
 from .access_log import note_rows
 from .asgi import CLOSE, JSON, RETRY, Answer, ClientGone, content_length, header, watch_disconnect
 from .auth import CHALLENGE
+from .encoding import check_encoding, decode_body, encoded
 from .engine_client import EngineError, EngineGone
+from .inputs import InputError
 from .state import FrontendState
 
 log = logging.getLogger(__name__)
@@ -85,7 +87,7 @@ def unauthorized(state: FrontendState, scope: dict, error_key: str, protocol: st
     return 401, body, [*headers, rid]
 
 
-def admit(state: FrontendState, scope: dict, identity_only: bool = False) -> int:
+def admit(state: FrontendState, scope: dict) -> int:
     """The checks before a body is read (`read_request` says which): the body's size limit, or Refused."""
     if not state.engines.ready():
         raise Refused(503, "overloaded", f"model is not ready ({state.status}); retry shortly")
@@ -93,26 +95,27 @@ def admit(state: FrontendState, scope: dict, identity_only: bool = False) -> int
     length = content_length(scope)
     if length is not None and length > limit:
         raise Refused(413, "too_large", f"body is {length} bytes; at most {limit}", close=True)
-    if identity_only:
-        encoding = header(scope, b"content-encoding")
-        if encoding not in (None, b"identity"):
-            name = encoding.decode(errors="replace")
-            raise Refused(400, "invalid", f"Content-Encoding {name} is not supported; send the body uncompressed", True)
+    try:
+        check_encoding(scope)  # gzip, deflate or identity (service/frontend/encoding.py)
+    except InputError as e:
+        raise Refused(e.status, e.outcome, e.message, close=True) from None
     return limit
 
 
-async def read_request(state: FrontendState, scope: dict, receive, identity_only: bool = False) -> bytes:
-    """The body of an inference request (whose API key `unauthorized` has checked), or Refused: 503 while the model
-    is not ready, 413 past the size limit (counted while the bytes arrive), 499 when the client left, and with
-    `identity_only` 400 for a compressed body.
+async def read_request(state: FrontendState, scope: dict, receive) -> bytes:
+    """The body of an inference request (whose API key `unauthorized` has checked), its gzip or deflate coding
+    undone; or Refused: 503 while the model is not ready, 413 past the size limit (counted while the bytes arrive,
+    and again as they decode), 415 for a coding it cannot decode, 499 when the client left; InputError for a coded
+    body that does not decode.
 
     A body refused before it is all read closes its connection (`Refused.close`): uvicorn then reads no more of it
     (it would otherwise read and discard the rest, 200 MB of it if the client says so, to keep the connection).
     """
-    limit = admit(state, scope, identity_only)
+    limit = admit(state, scope)
     chunks: list[bytes] = []
     await read_chunks(receive, limit, chunks)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return decode_body(scope, body, limit) if encoded(scope) else body
 
 
 async def body_chunk(receive, size: int, limit: int) -> tuple[bytes, bool]:

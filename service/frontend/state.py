@@ -160,7 +160,8 @@ class FrontendState:
 
     @property
     def max_body_bytes(self) -> int:
-        return body_limit(self.settings.max_rows_per_request, self.model.input_features)
+        limit = body_limit(self.settings.max_rows_per_request, self.model.input_features)
+        return limit if self.model.image is None else max(limit, self.settings.max_image_body_bytes)
 
     def predictions(self, indices: np.ndarray) -> list:
         labels = self.model.labels

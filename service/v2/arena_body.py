@@ -31,6 +31,7 @@ import numpy as np
 import orjson
 
 from ..frontend.asgi import content_length, header
+from ..frontend.encoding import decode_body, encoded
 from ..frontend.engine_client import Reservation
 from ..frontend.inputs import InputError
 from ..frontend.serving import Refused, admit, body_chunk, read_chunks
@@ -52,15 +53,17 @@ class Direct(NamedTuple):
 
 
 async def read_infer_body(state: FrontendState, scope: dict, receive) -> bytes | Direct:
-    """The body of a REST infer request, as bytes for `_parse`, or its tensor already in an engine's arena (Direct);
-    Refused as `read_request` refuses (not ready, too large, compressed, the client gone), InputError for rows that
-    are not finite."""
-    limit = admit(state, scope, identity_only=True)
+    """The body of a REST infer request, as bytes for `_parse` (its gzip or deflate coding undone), or its tensor
+    already in an engine's arena (Direct); Refused as `read_request` refuses (not ready, too large, a coding it cannot
+    decode, the client gone), InputError for rows that are not finite or a coded body that does not decode."""
+    limit = admit(state, scope)
     length = content_length(scope)
     given = header(scope, HEADER_LENGTH)
     chunks: list[bytes] = []
     size, more = 0, True
-    if length is not None and given is not None and given.isdigit() and length - int(given) >= DIRECT_MIN_BYTES:
+    coded = encoded(scope)  # a gzipped tensor is decoded whole, then parsed: the ordinary path
+    if (not coded and length is not None and given is not None and given.isdigit()
+            and length - int(given) >= DIRECT_MIN_BYTES):  # fmt: skip
         head_length = int(given)
         # the JSON header, and whatever came with it
         size, more = await read_chunks(receive, limit, chunks, until=head_length)
@@ -75,7 +78,8 @@ async def read_infer_body(state: FrontendState, scope: dict, receive) -> bytes |
                 )
     if more:
         await read_chunks(receive, limit, chunks, size)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return decode_body(scope, body, limit) if coded else body
 
 
 async def _reserve(state: FrontendState, nbytes: int, dtype: np.dtype) -> Reservation | None:

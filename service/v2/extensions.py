@@ -8,6 +8,8 @@ into the same messages (service/v2/grpc_server.py), so the two protocols cannot 
 
 from __future__ import annotations
 
+import orjson
+
 from ..frontend.state import FrontendState
 from ..metrics import PHASES, inference_totals
 from . import tensors as t
@@ -36,6 +38,8 @@ def model_config(state: FrontendState) -> dict:
     parameters = {"mode": s.mode, "engine_max_batch_size": str(s.max_batch_size)}
     if plan.get("dtype"):
         parameters["dtype"] = plan["dtype"]
+    if model.image is not None:  # `input` also takes BYTES tensors of encoded images, prepared so (JSON)
+        parameters["image_preprocess"] = orjson.dumps(model.image).decode()
     return {
         "name": model.name,
         "platform": t.PLATFORM,

@@ -126,6 +126,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             if not state.engines.ready():
                 raise Refused(503, "overloaded", f"model is not ready ({state.status}); retry shortly")
             rows, wanted = _parse(state, request)
+            if isinstance(rows, list):  # encoded images (an image model's BYTES input)
+                from ..frontend.images import pipeline  # imports torch: only a front end of an image model does
+
+                rows = await pipeline(state).rows(rows)
             timeout_s = state.settings.request_timeout_ms / 1e3
             remaining = context.time_remaining()
             if remaining is not None:
@@ -156,15 +160,27 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         await context.abort(code, message)
 
 
-def _parse(state: FrontendState, request) -> tuple[np.ndarray, list[str]]:
+def _parse(state: FrontendState, request) -> tuple[np.ndarray | list[tuple[str, bytes]], list[str]]:
     model = state.model
     t.check_model(model, request.model_name, request.model_version)
     if len(request.inputs) != 1:
         raise InputError(400, f"the request has {len(request.inputs)} inputs; the model takes one, {t.INPUT!r}")
     inp = request.inputs[0]
     shape = list(inp.shape)
-    dtype, _ = t.check_input(model, inp.name, inp.datatype, shape, state.settings.max_rows_per_request)
     raw = request.raw_input_contents
+    if t.is_image_input(model, inp.name, inp.datatype):  # encoded images: decoded by the caller, in the image pool
+        count = t.image_count(inp.name, shape, state.settings.max_rows_per_request)
+        if len(raw) > 1:
+            raise InputError(400, f"raw_input_contents has {len(raw)} entries; one per input (1)")
+        if raw:
+            rows = t.bytes_elements(raw[0], count, inp.name)
+        elif len(inp.contents.bytes_contents) == count:
+            rows = [(f"input {inp.name!r} element {i}", e) for i, e in enumerate(inp.contents.bytes_contents)]
+        else:
+            raise InputError(400, f"input {inp.name!r} has {len(inp.contents.bytes_contents)} bytes_contents; its "
+                             f"shape takes {count}")  # fmt: skip
+        return rows, _wanted(request)
+    dtype, _ = t.check_input(model, inp.name, inp.datatype, shape, state.settings.max_rows_per_request)
     if raw:
         if len(raw) != 1:
             raise InputError(400, f"raw_input_contents has {len(raw)} entries; one per input (1)")
@@ -182,11 +198,15 @@ def _parse(state: FrontendState, request) -> tuple[np.ndarray, list[str]]:
         if not values:
             raise InputError(400, f"input {t.INPUT!r} has no {name.lower()}_contents and no raw_input_contents")
         rows = t.rows_from_buffer(model, np.asarray(values, dtype=dtype).tobytes(), dtype, shape)
+    return rows, _wanted(request)
+
+
+def _wanted(request) -> list[str]:
     wanted = t.check_outputs([o.name for o in request.outputs])
     for o in request.outputs:
         if "classification" in o.parameters:
             raise InputError(400, f"output {o.name!r} asks for classification, an extension this server lacks")
-    return rows, wanted
+    return wanted
 
 
 def _response(state: FrontendState, request, outputs: np.ndarray, wanted: list[str], mode: str):

@@ -25,6 +25,7 @@ import orjson
 from ..frontend import requestid
 from ..frontend.asgi import CLOSE, JSON, MODE_HEADER, Answer, header
 from ..frontend.inputs import InputError
+from ..frontend.media import check_v2
 from ..frontend.serving import Refused, run_rows, unauthorized
 from ..frontend.state import FrontendState
 from . import extensions
@@ -119,6 +120,7 @@ async def handle_infer(state: FrontendState, scope: dict, receive) -> Answer:
     # X-Request-Id answer header, and as the answer's `id` where the body had none.
     rid = requestid.given(scope)
     try:
+        check_v2(scope)  # 415 for a Content-Type other than JSON or binary
         got = await read_infer_body(state, scope, receive)
         if isinstance(got, Direct):  # the tensor already in an engine's arena (service/v2/arena_body.py)
             doc, rows, reservation = got
@@ -130,6 +132,10 @@ async def handle_infer(state: FrontendState, scope: dict, receive) -> Answer:
         else:
             doc, rows, binary_out, wanted = _parse(state, scope, got)
             reservation = None
+            if isinstance(rows, list):  # encoded images: decoded and preprocessed in the image pool
+                from ..frontend.images import pipeline  # imports torch: only a front end of an image model does
+
+                rows = await pipeline(state).rows(rows)
         if rid is None:
             rid = doc["id"].encode() if requestid.valid(doc.get("id")) else requestid.new()
         arrival = time.monotonic()
@@ -150,8 +156,11 @@ async def handle_infer(state: FrontendState, scope: dict, receive) -> Answer:
     return answer
 
 
-def _parse(state: FrontendState, scope: dict, body: bytes) -> tuple[dict, np.ndarray, dict[str, bool], list[str]]:
-    """(the JSON header, the rows, per output whether it goes binary, the outputs to give), or InputError."""
+def _parse(
+    state: FrontendState, scope: dict, body: bytes
+) -> tuple[dict, np.ndarray | list[tuple[str, bytes]], dict[str, bool], list[str]]:
+    """(the JSON header, the rows (or an image model's encoded images), per output whether it goes binary, the outputs
+    to give), or InputError."""
     model = state.model
     header_length = header(scope, HEADER_LENGTH)
     if header_length is not None:
@@ -175,7 +184,12 @@ def _parse(state: FrontendState, scope: dict, body: bytes) -> tuple[dict, np.nda
         raise InputError(400, f"inputs must be a list of one tensor, {t.INPUT!r}; the model takes one input")
     inp = inputs[0]
     shape = inp.get("shape")
-    dtype, _ = t.check_input(model, inp.get("name"), inp.get("datatype"), shape, state.settings.max_rows_per_request)
+    name = inp.get("name")
+    images = t.is_image_input(model, name, inp.get("datatype"))  # BYTES: encoded images, decoded by the caller
+    if images:
+        count = t.image_count(name, shape, state.settings.max_rows_per_request)
+    else:
+        dtype, _ = t.check_input(model, name, inp.get("datatype"), shape, state.settings.max_rows_per_request)
     size = t.parameter(inp.get("parameters"), "binary_data_size")
     if size is not None:
         if "data" in inp:
@@ -185,10 +199,14 @@ def _parse(state: FrontendState, scope: dict, body: bytes) -> tuple[dict, np.nda
                 400, f"input {t.INPUT!r} binary_data_size is {size!r}; the body holds {len(binary)} bytes after "
                 "its JSON header (is Inference-Header-Content-Length set?)"
             )  # fmt: skip
-        rows = t.rows_from_buffer(model, binary[:size], dtype, shape)
+        if images:
+            rows = t.bytes_elements(binary[:size], count, name)
+        else:
+            rows = t.rows_from_buffer(model, binary[:size], dtype, shape)
         binary = binary[size:]
     elif "data" in inp:
-        rows = t.rows_from_json(model, inp["data"], dtype, shape)
+        rows = t.base64_elements(inp["data"], count, name) if images else t.rows_from_json(model, inp["data"], dtype,
+                                                                                             shape)  # fmt: skip
     else:
         raise InputError(400, f"input {t.INPUT!r} has neither data nor parameters.binary_data_size")
     if len(binary):

@@ -34,7 +34,11 @@ def input_datatype(model: ModelInfo) -> str:
 
 
 def model_metadata(model: ModelInfo) -> dict:
-    return {
+    """The model's metadata. An image model's says, in `parameters.image`, that `input` (or `image`) also takes
+    BYTES tensors of encoded images, and how they are prepared: a parameter, not a second input, so that clients that
+    fill every listed input (perf_analyzer) still send one tensor (gRPC's metadata message has no parameters: its
+    clients read the same in the model configuration's `image_preprocess`)."""
+    meta = {
         "name": model.name,
         "versions": [VERSION],
         "platform": PLATFORM,
@@ -44,6 +48,10 @@ def model_metadata(model: ModelInfo) -> dict:
             {"name": LABEL, "datatype": "BYTES", "shape": [-1]},
         ],
     }
+    if model.image is not None:
+        meta["parameters"] = {"image": {"inputs": [INPUT, IMAGE_INPUT], "datatype": "BYTES", "shape": [-1],
+                                        **model.image}}  # fmt: skip
+    return meta
 
 
 def check_model(model: ModelInfo, name: str, version: str | None) -> None:
@@ -185,3 +193,62 @@ def labels_tensor(model: ModelInfo, outputs: np.ndarray) -> bytes:
 
 def parameter(params: object, key: str, default=None):
     return params.get(key, default) if isinstance(params, dict) else default
+
+
+# An image model (service/images) also takes encoded images: a BYTES tensor of shape [N] or [N, 1], each element one
+# JPEG, PNG or WebP file, as Triton's image clients send them, under the input's name or IMAGE_INPUT.
+IMAGE_INPUT = "image"
+
+
+def is_image_input(model: ModelInfo, name: object, datatype: object) -> bool:
+    """Whether an input is encoded images: a BYTES tensor named `input` or `image`, to a model that takes images."""
+    return model.image is not None and datatype == "BYTES" and name in (INPUT, IMAGE_INPUT)
+
+
+def image_count(name: str, shape: object, max_rows: int) -> int:
+    """The images a BYTES input of `shape` holds ([N] or [N, 1]), or InputError."""
+    if not (isinstance(shape, (list, tuple)) and len(shape) in (1, 2) and all(type(d) is int for d in shape)
+            and (len(shape) == 1 or shape[1] == 1)):  # fmt: skip
+        raise InputError(400, f"input {name!r} (BYTES, encoded images) has shape {shape!r}; send [N] or [N, 1]")
+    n = shape[0]
+    if n < 1:
+        raise InputError(400, f"input {name!r} has {n} images; send at least one")
+    if n > max_rows:
+        raise InputError(413, f"input {name!r} has {n} images; at most {max_rows} per request (split it)",
+                         outcome="too_large")  # fmt: skip
+    return n
+
+
+def bytes_elements(buffer, count: int, name: str) -> list[tuple[str, bytes]]:
+    """A BYTES tensor in raw form (each element a 4-byte little-endian length, then its bytes) -> its `count`
+    elements as (what names it in messages, its bytes), or InputError."""
+    view = memoryview(buffer)
+    out, at = [], 0
+    while at < len(view):
+        if at + 4 > len(view):
+            raise InputError(400, f"input {name!r} ends inside element {len(out)}'s 4-byte length")
+        size = int.from_bytes(view[at : at + 4], "little")
+        at += 4
+        if at + size > len(view):
+            raise InputError(
+                400, f"input {name!r} element {len(out)} declares {size} bytes; {len(view) - at} remain in the tensor"
+            )
+        out.append((f"input {name!r} element {len(out)}", bytes(view[at : at + size])))
+        at += size
+    if len(out) != count:
+        raise InputError(400, f"input {name!r} holds {len(out)} elements; its shape takes {count}")
+    return out
+
+
+def base64_elements(data: object, count: int, name: str) -> list[tuple[str, bytes]]:
+    """A BYTES tensor's JSON `data` (flat or nested [[...]]), each element an image in base64 -> (what, bytes)."""
+    from ..frontend.image_forms import from_base64
+
+    flat = data
+    if isinstance(flat, list) and all(isinstance(e, list) and len(e) == 1 for e in flat):
+        flat = [e[0] for e in flat]
+    if not isinstance(flat, list) or not all(isinstance(e, str) for e in flat):
+        raise InputError(400, f"input {name!r} (BYTES, encoded images) data must be a list of base64 strings")
+    if len(flat) != count:
+        raise InputError(400, f"input {name!r} has {len(flat)} elements; its shape takes {count}")
+    return [(f"input {name!r} element {i}", from_base64(e, f"input {name!r} element {i}")) for i, e in enumerate(flat)]
