@@ -1,7 +1,7 @@
 """Build ResNet-18 or ResNet-50 (torchvision's architecture, random weights: bench/resnets.py) as an ONNX file that
 `fusedserve serve` loads like any user's file, and check the file against the torch module through onnxruntime.
 
-    python tools/build_resnet.py resnet50 --out /tmp/resnet50    # /tmp/resnet50/resnet50.onnx (102 MB), ~5 s
+    .venv/bin/python tools/build_resnet.py resnet50 --out /tmp/resnet50    # /tmp/resnet50/resnet50.onnx (102 MB), ~5 s
     FUSEDSERVE_MODEL=/tmp/resnet50 fusedserve serve               # serves it (the importer folds BatchNorm)
 
 `resnet-stem` writes the stem, pools and classifier alone (0.3 MB): the same 224x224 images for little GPU work, to
@@ -18,11 +18,16 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from requires import require
+
+require("numpy", "torch", "onnx", "onnxruntime")  # before importing them or writing anything
+
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import resnets  # noqa: E402
+from bench import resnets
 
 CHECK_ROWS = 2
 MAX_RELATIVE_ERROR = 1e-4  # onnxruntime against torch, float32 (measured: ~1e-6)

@@ -23,6 +23,11 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from requires import require
+
+require("numpy", "torch", "sklearn", "safetensors")  # before importing them or writing anything
+
 import numpy as np
 import sklearn
 import torch

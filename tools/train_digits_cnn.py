@@ -36,6 +36,11 @@ import time  # noqa: E402
 from collections import OrderedDict  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from requires import require
+
+require("numpy", "torch", "sklearn", "safetensors", "triton")  # before importing them or writing anything
+
 import numpy as np
 import sklearn
 import torch

@@ -48,6 +48,11 @@ import time  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from requires import require
+
+require("numpy", "torch", "sklearn", "onnx", "onnxruntime", "onnxscript")  # before importing them or writing anything
+
 import numpy as np
 import sklearn
 import torch
