@@ -47,6 +47,15 @@ def sniff(data: bytes) -> str | None:
     return None
 
 
+def check_size(width: int, height: int, max_pixels: int, what: str) -> None:
+    """ImageError 413 for an image (as its header gives its size) of more than `max_pixels` pixels."""
+    if width * height > max_pixels:
+        raise ImageError(
+            413, f"{what} is {width}x{height} ({width * height:,} pixels); at most {max_pixels:,} "
+            "(FUSEDSERVE_IMAGE_MAX_PIXELS), checked from its header before decoding"
+        )  # fmt: skip
+
+
 def decode(data: bytes, channels: str, max_pixels: int, what: str = "the image") -> np.ndarray:
     """`data` (a JPEG, PNG or WebP file) -> (height, width, 3) uint8 RGB, or (height, width, 1) for `channels` "L"
     (BGR is RGB here: preprocess.py flips it); ImageError otherwise. `what` names the image in messages
@@ -60,12 +69,7 @@ def decode(data: bytes, channels: str, max_pixels: int, what: str = "the image")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Pillow's warnings of odd metadata: the pixels are what count here
             im = Image.open(io.BytesIO(data), formats=[FORMATS[kind]])
-            width, height = im.size
-            if width * height > max_pixels:
-                raise ImageError(
-                    413, f"{what} is {width}x{height} ({width * height:,} pixels); at most {max_pixels:,} "
-                    "(FUSEDSERVE_IMAGE_MAX_PIXELS), checked from its header before decoding"
-                )  # fmt: skip
+            check_size(*im.size, max_pixels, what)
             im.load()
     except ImageError:
         raise

@@ -61,7 +61,10 @@ class Preprocess:
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
         """(height, width, 3 or 1) uint8 (RGB, or gray for L), on any device -> (channels, self.height, self.width)
         uint8 on that device."""
-        x = pixels.permute(2, 0, 1)
+        return self.chw(pixels.permute(2, 0, 1))
+
+    def chw(self, x: torch.Tensor) -> torch.Tensor:
+        """As __call__, for pixels already (3 or 1, height, width): what GPU decoders give."""
         if self.channels == "BGR":
             x = x.flip(0)
         if self.resize is not None:
