@@ -41,6 +41,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -366,6 +367,10 @@ class Supervisor:
             model.name, s.mode, len(devices), [d if d is not None else "cpu" for d in devices], workers, scheme, s.host,
             s.port,
         )  # fmt: skip
+        from .console import TerminalProgress, ready_banner
+        from .link.startup_progress import read_progress
+
+        bar = TerminalProgress(sys.stderr)  # a terminal: the engines' start-up progress, redrawn in place
 
         announced = False
         code = 0
@@ -377,7 +382,10 @@ class Supervisor:
                 self.reload()
             if not announced and all(st.value == wire.READY for st in states):
                 announced = True
-                log.info("fusedserve ready on %s://%s:%d", scheme, s.host, s.port)
+                bar.clear()
+                log.info("%s", ready_banner(s, len(devices)))
+            elif not announced:
+                bar.update(lambda: read_progress(run_dir))
             if self._stop_requested:  # an engine the stop signal reached too (a signal to the group) stays down
                 break
             dead = [(i, p) for i, p in enumerate(self.engines) if not p.is_alive()]

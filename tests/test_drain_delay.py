@@ -43,5 +43,9 @@ def test_a_stopping_replica_serves_through_its_drain_delay_and_a_second_signal_s
         stopped = time.monotonic() - signalled
         assert stopped >= DELAY_S, f"stopped accepting {stopped:.1f} s after SIGTERM"
         log = delayed.log()
+        u = delayed.url  # the ready banner names every endpoint
+        banner = f"fusedserve ready (1 engine): HTTP {u} (/predict, /v2), gRPC off, metrics {u}/metrics, docs {u}/docs"
+        assert banner in log, log
+        assert "WARNING" not in log, "a clean stop warns of nothing"
         assert f"still serving for {DELAY_S:g} s (FUSEDSERVE_DRAIN_DELAY_S)" in log, log
         assert "SIGTERM again: stopping now" in hurried.log()

@@ -239,7 +239,10 @@ class Engine:
         self._replies.pop(conn.owner, None)
         self.selector.unregister(conn.sock)
         conn.sock.close()
-        log.warning("a front end disconnected; %d of its queued requests dropped", n)
+        # A front end that stops cleanly (SIGTERM, a restart) leaves nothing queued: not a warning, one per front end
+        # at every stop. One that leaves requests behind is.
+        level = logging.WARNING if n else logging.INFO
+        log.log(level, "a front end disconnected; %d of its queued requests dropped", n)
 
     def _watch_writes(self, conn: _Conn) -> None:
         want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.pending else 0)
