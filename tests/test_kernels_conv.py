@@ -165,10 +165,12 @@ def test_ints_or_pairs_are_taken():
 
 
 @pytest.mark.parametrize("split", [2, 3], ids=["split2", "split3"])
-@pytest.mark.parametrize("case", [AWKWARD[0], AWKWARD[2], AWKWARD[6], SERVING[2]], ids=_ids)
+@pytest.mark.parametrize("case", [AWKWARD[0], AWKWARD[2], AWKWARD[6], SERVING[1]], ids=_ids)
 def test_split_k_both_k_loops(small_tile, k_loop, case, split):
     """Split-K: each program sums part of the K steps and the tile's last one adds the partials. 3 splits of a
-    1-step K loop (the digits' first layer, flat) leave programs with no step: they add zeros."""
+    1-step K loop (the digits' first layer, flat) leave programs with no step: they add zeros. SERVING[1] has 9 K
+    steps on the small tile, split unevenly (SERVING[2]'s 36 steps on 16 programs took 94 of this test's 121 s under
+    the interpreter, checking nothing more)."""
     with conv_mod.INTERPRETER.override(split_k=split):
         _check(case, torch.float32, "gelu", DEVICE)
         _check(case, torch.float16, "relu", DEVICE, channels_last=True, bias=False)
