@@ -7,6 +7,7 @@ files it uses; and the benchmark figures the docs quote match the committed resu
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -91,11 +92,12 @@ _PYTEST = r"\.venv/bin/python -m pytest(?: -n auto --maxprocesses 4)?"  # the RE
 KINDS = {
     "setup": rf"^\./setup\.sh(?: --test)?(?: && (?:{FUSEDSERVE} serve|{_PYTEST}))?$",
     "pytest": r"^\.venv/bin/python -m pytest .*$",
+    "images": r"^curl .*localhost:8001/.*$",  # an image model's examples, before try-it's curls to :8000
     "try-it": rf"^(?:{FUSEDSERVE} serve &|curl .*)$",
     "help": rf"^{FUSEDSERVE} [\w -]*--help$",
     "serve": rf"^{_ENV}{FUSEDSERVE} serve(?: .*)?$",
     "check-model": rf"^{FUSEDSERVE} check-model \S+$",
-    "import": rf"^{FUSEDSERVE} import \S+\.onnx \S+(?: --name \S+)?$",
+    "import": rf"^{FUSEDSERVE} import \S+\.onnx \S+(?: --name \S+)?(?: --(?:resize|mean|std|channels) \S+)*$",
     "docs": rf"^{FUSEDSERVE} docs(?: --check)?$",
     "bench-smoke": rf"^{FUSEDSERVE} bench kernels --device cpu --quick --out \S+$",
     "gpu": rf"^(?:{_ENV}bash bench/gpu_session\.sh.*|{FUSEDSERVE} bench (?:kernels|serve|pool|soak|zoo)"
@@ -302,8 +304,8 @@ def test_serve_commands_are_valid_settings(monkeypatch):
         words = shlex.split(cmd)
         env = dict(w.split("=", 1) for w in words[: words.index(FUSEDSERVE)])
         argv = words[words.index(FUSEDSERVE) + 2 :]
-        if argv == ["&"]:
-            argv = []
+        if argv[-1:] == ["&"]:
+            argv = argv[:-1]
         for k in [k for k in os.environ if k.startswith(ENV_PREFIX)]:
             monkeypatch.delenv(k)
         for k, v in env.items():
@@ -455,7 +457,7 @@ def test_open_inference_protocol_example_against_a_real_server():
     from .server import free_port, running_server
 
     pytest.importorskip("tritonclient.grpc", reason="tritonclient[http,grpc] is not installed (the test extra)")
-    (snippet,) = [b for b in _blocks(API.read_text(), "python") if "tritonclient" in b]
+    (snippet,) = [b for b in _blocks(API.read_text(), "python") if "tritonclient" in b and "digits-mlp" in b]
     expected = re.search(r"^# (\[.*\])", snippet, re.M).group(1)
     grpc_port = free_port()
     with running_server("unfused", grpc_port=grpc_port, max_batch_size=8):
@@ -463,6 +465,36 @@ def test_open_inference_protocol_example_against_a_real_server():
         res = _run([sys.executable, "-c", code], REPO, 60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == expected, res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_image_examples_against_a_real_server(tmp_path):
+    """The docs' image examples (README's "Try it", docs/api.md's Images): the import command that declares the
+    preprocessing, then every curl to :8001 and the tritonclient snippet against a real server of what it wrote; each
+    answers the labels of the files it sends (examples_labels.json: the images are examples.json's digits)."""
+    from .server import running_server
+
+    pytest.importorskip("tritonclient.http", reason="tritonclient[http,grpc] is not installed (the test extra)")
+    labels = [str(v) for v in json.loads((REPO / "model_weights/digits-resnet/examples_labels.json").read_text())]
+    (imported,) = {c for c in _commands("import") if " digits-images " in c}
+    (tmp_path / "model_weights").symlink_to(REPO / "model_weights")
+    res = _run(_fusedserve_argv(imported), tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    curls = _commands("images")
+    assert len(curls) >= 4 and any(c in README for c in curls)
+    with running_server("unfused", model=str(tmp_path / "digits-images"), max_batch_size=8) as url:
+        for cmd in curls:
+            res = _run(["bash", "-c", "set -o pipefail; " + cmd.replace("localhost:8001", url.removeprefix("http://"))],
+                       REPO, 60)  # fmt: skip
+            assert res.returncode == 0, f"{cmd}:\n{res.stdout}{res.stderr}"
+            sent = re.findall(r"images/(\d)\.", cmd)
+            assert json.loads(res.stdout)["predictions"] == [labels[int(i)] for i in sent], f"{cmd}: {res.stdout}"
+        (snippet,) = [b for b in _blocks(API.read_text(), "python") if "digits-images" in b]
+        expected = re.search(r"^# (\[.*\])", snippet, re.M).group(1)
+        res = _run([sys.executable, "-c", snippet.replace("localhost:8001", url.removeprefix("http://"))], REPO, 60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == expected == str(labels[:3]), res.stdout
 
 
 # ------------------------------------------------------------------------------------ the numbers
