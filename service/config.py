@@ -266,7 +266,8 @@ class Settings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="log level. Changes live on SIGHUP"
     )
-    # Off by default: a line per request is ~4 us of a front end's time, and most deployments log at the proxy.
+    # Off by default: a line per request is 13-15 us of a front end's time (docs/api.md), and many deployments log at
+    # the proxy.
     access_log: Literal["off", "text", "json"] = Field(
         "off",
         description="a line per HTTP request on standard output (the server's log stays on standard error): time, "

@@ -1,11 +1,11 @@
 """The access log (FUSEDSERVE_ACCESS_LOG=text|json): one line per HTTP request on standard output, with its time,
 request id, method and route, status, rows, mode, latency in the server and, for an error, the reason the answer gave.
 
-Never on the hot path's bill beyond a tuple: the ASGI wrapper notes the status and headers as they are sent and puts
-one tuple on a queue; a thread of its own formats the lines and writes them, many per write. On the CI machine's
-cores the wrapper costs about 2 us per request and the thread about 4 us per line (bench/probes/access_log.py;
-docs/api.md, "Access log"), against the ~300 us a front end spends per /predict request. Off (the default), no
-wrapper is installed at all.
+Nothing but a tuple on the request's path: the ASGI wrapper notes the status and headers as they are sent and appends
+one tuple to a deque; a thread of its own formats the lines every 50 ms and writes them, many per write. All told
+(the wrapper, and the thread's formatting, which shares the GIL) 13-15 us a request on the shared 2-core CI machine,
+against the few hundred a front end spends on a /predict request (bench/probes/access_log.py; docs/api.md, "Access
+log"). Off (the default), no wrapper is installed at all.
 
 Sampling (FUSEDSERVE_ACCESS_LOG_SAMPLE < 1) keeps that share of the answers below 400, drawn per request; every error
 is logged, since a refused request otherwise leaves no trace but a counter.
