@@ -109,8 +109,10 @@ def _protocols(text: str) -> tuple[str, ...]:
     if text.strip() == "none":
         return ()
     names = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
-    if not names or any(n not in ("binary", "grpc") for n in names):
-        raise argparse.ArgumentTypeError(f"expected binary, grpc, both (binary,grpc) or none; got {text!r}")
+    if not names or any(n not in ("binary", "grpc", "jpeg", "png") for n in names):
+        raise argparse.ArgumentTypeError(
+            f"expected binary, grpc, jpeg, png (comma-separated: binary,grpc) or none; got {text!r}"
+        )
     return tuple(f"v2_{n}" for n in names)
 
 
@@ -225,7 +227,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--v2",
         type=_protocols,
         help="Open Inference Protocol phases of fusedserve: binary REST and/or gRPC, or none; without grpc the "
-        "default systems leave out empty_grpc [binary,grpc; an image model: binary]",
+        "default systems leave out empty_grpc; jpeg, png: binary REST of encoded files (a BYTES tensor, "
+        "bench/serve/images.py), for a model that declares its image preprocessing [binary,grpc; an image model: "
+        "binary]",
     )
     p.add_argument(
         "--v2-rows", type=int, help=f"rows per request of the v2 phases (gRPC: and 1) [256; an image model: {IMAGES}]"
@@ -257,6 +261,9 @@ def resolve_model(args: argparse.Namespace) -> tuple[served.ModelInfo, int, tupl
     v2 = args.v2 if args.v2 is not None else (_protocols("binary") if model.image else _protocols("binary,grpc"))
     if model.image and not v2:
         raise SystemExit("fusedserve bench serve: an image model runs only the v2 phases: give --v2 binary or grpc")
+    if any(p in ("v2_jpeg", "v2_png") for p in v2) and not model.takes_files:
+        raise SystemExit(f"fusedserve bench serve: --v2 jpeg/png: {model.name} declares no image preprocessing "
+                         "(config.json's input.image; fusedserve import --resize N)")  # fmt: skip
     return model, v2_rows, v2
 
 

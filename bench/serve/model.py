@@ -36,6 +36,7 @@ class ModelInfo:
     path: str  # what `fusedserve serve --model` is given: absolute, since the servers run from the repository
     input_shape: tuple[int, ...]  # one row: (64,) for the digits MLP, (C, H, W) for an image model
     input_dtype: str  # the model format's: float32 (uint8 where the format declares pixels)
+    takes_files: bool = False  # config.json's input declares image preprocessing: encoded files are taken too
 
     @property
     def image(self) -> bool:
@@ -90,7 +91,7 @@ def from_config(config: dict, path: Path) -> ModelInfo:
         inp = config["input"]
         return ModelInfo(
             name=str(config["name"]), path=str(path), input_shape=tuple(int(d) for d in inp["shape"]),
-            input_dtype=str(inp.get("dtype", "float32")),
+            input_dtype=str(inp.get("dtype", "float32")), takes_files=inp.get("image") is not None,
         )  # fmt: skip
     except (KeyError, TypeError, ValueError) as e:
         raise ModelError(f"{path / 'config.json'}: no model name or input shape ({type(e).__name__}: {e})") from None

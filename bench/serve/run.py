@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ..gpu import gpu_name, results_dir, slug_of
 from ..local_server import free_port
-from . import v2
+from . import images, v2
 from .accounting import account, delta, scrape, server_split
 from .gpu_busy import GpuSampler
 from .loadgen import ClientPool, PhaseSpec, make_bodies, percentiles
@@ -431,6 +431,8 @@ def run_phase(pool: ClientPool, server: Server, system: System, phase: dict, pla
         path, headers = v2.rest_path(plan.model.name), f"Inference-Header-Content-Length: {len(head)}\r\n".encode()
     elif protocol == "v2_grpc":
         port, path = server.grpc_port, v2.GRPC_METHOD
+    elif protocol in images.PROTOCOLS:  # encoded files in one BYTES tensor (binary REST)
+        path, headers = v2.rest_path(plan.model.name), images.header()
     spec = PhaseSpec(
         host="127.0.0.1", port=port, path=path, bodies=tuple(bodies[protocol, phase["rows"]]),
         connections=phase["connections"], warmup_s=plan.warmup_s, duration_s=plan.duration_s, rate=rate,
@@ -659,6 +661,8 @@ class _Run:
                     self.bodies["v2_binary", rows] = v2.binary_bodies(rows, n, plan.seed, model.input_shape, dt)[0]
                 if "v2_grpc" in plan.v2:
                     self.bodies["v2_grpc", rows] = v2.grpc_bodies(rows, n, plan.seed, model.input_shape, dt, model.name)
+                for protocol in (p for p in plan.v2 if p in images.PROTOCOLS):
+                    self.bodies[protocol, rows] = images.bodies(protocol, rows, 8, plan.seed, model.input_shape[0])
         if model.image:
             why = f"{model.name} is an image model {model.input_shape}: its requests go through the v2 phases"
             self.skip("every system", "JSON /predict and open-loop phases", why)
