@@ -383,7 +383,7 @@ def test_gpu_graph_capture():
 _COMPILE_CONV = r"""
 import json, re, sys
 import kernels.conv as conv
-from tests.sm90_compile import compile_sm90
+from tests.sm90_compile import compile_sm90, sample
 
 ptr, precision = sys.argv[1], sys.argv[2]
 strides = ["stride_xn", "stride_xc", "stride_xh", "stride_xw", "stride_wo", "stride_wc", "stride_wh", "stride_ww",
@@ -393,7 +393,7 @@ strides = ["stride_xn", "stride_xc", "stride_xh", "stride_xw", "stride_wo", "str
 # image, where the candidates split K (with a residual: test_kernels_compile.py)
 layers = [(1, 8, 8, 16, False, "none", 4096), (16, 4, 4, 32, True, "none", 4096), (64, 32, 32, 128, True, "none", 4096),
           (1, 8, 8, 16, False, "max", 4096), (16, 4, 4, 32, True, "max", 4096), (128, 8, 8, 128, False, "none", 1)]
-for C, H, W, O, nhwc, pool, images in layers:
+for i, (C, H, W, O, nhwc, pool, images) in enumerate(layers):
     pk = 2 if pool != "none" else 1
     units = ["stride_xc", "stride_yc", "stride_wc"] if nhwc else ["stride_xw", "stride_yw", "stride_ww"]
     runtime = {"x_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "y_ptr": ptr, "r_ptr": ptr, "ws_ptr": "*fp32"}
@@ -403,7 +403,8 @@ for C, H, W, O, nhwc, pool, images in layers:
     runtime.update({s: "i32" for s in strides if s not in units})
     fma = ptr == "*fp32" and precision == "ieee"
     size = 4 if ptr == "*fp32" else 2
-    for cfg in conv.cuda_configs(conv.m_bucket(images * H * W), O, C, C * 9, fma, pool != "none", element_size=size):
+    configs = conv.cuda_configs(conv.m_bucket(images * H * W), O, C, C * 9, fma, pool != "none", element_size=size)
+    for cfg in sample(configs, i):
         meta = dict(C=C, H=H, W=W, OH=H // pk, OW=W // pk, KH=3, KW=3, SH=1, SW=1, PH=1, PW=1, DH=1, DW=1,
                     POOL=pool, PKH=pk, PKW=pk, PSH=pk, PSW=pk, HAS_BIAS=True, HAS_RESIDUAL=False,
                     ACTIVATION="relu", INPUT_PRECISION=precision, UPCAST_DOT=False, ROUND_BF16=False, PDL=True,
@@ -423,10 +424,11 @@ for C, H, W, O, nhwc, pool, images in layers:
 def test_conv_candidates_compile_for_sm90_without_spills(ptr, precision):
     """Every candidate of the digits and the wider CNN's layers compiles for sm_90: tensor cores, no spills,
     PDL's wait, y stored in 16-byte vectors (NCHW and NHWC); NHWC layers gather with 16-byte cp.async."""
+    from tests.sm90_compile import every_candidate
     from tests.test_kernels_compile import _compiled
 
     results = _compiled(_COMPILE_CONV.replace("sys.argv[2]", repr(precision)), ptr)
-    assert len(results) > 10
+    assert len(results) > (10 if every_candidate() else 4)
     for r in results:
         assert r["STACK"] == 0, f"spills: {r}"
         tensor_cores = precision != "ieee" or ptr != "*fp32"  # fp32 ieee: FMA

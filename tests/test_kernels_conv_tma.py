@@ -368,7 +368,7 @@ def test_gpu_graph_capture():
 _COMPILE_TMA = r"""
 import json, sys, torch
 import kernels.conv_tma as ct
-from tests.sm90_compile import compile_sm90, pdl_order
+from tests.sm90_compile import compile_sm90, pdl_order, sample
 
 dtype = getattr(torch, sys.argv[1])
 ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
@@ -380,13 +380,13 @@ fixed = dict(HAS_BIAS=True, ACTIVATION="relu", INPUT_PRECISION="tf32" if dtype =
 # the wider CNN's convs as the model runs them (pooled but the first; the last before the flatten: y NCHW) and the
 # digits CNN's second, at 256 images (with a residual: test_kernels_compile.py)
 # and ResNet's strided ones (3x3/2 at 56 -> 28 and 14 -> 7, 1x1/2 at 28 -> 14: x read by parity, 5-D boxes)
-for C, H, OC, pool, y_nhwc, k, s in [(64, 32, 64, "none", True, 3, 1), (64, 32, 64, "max", True, 3, 1),
-                                     (64, 16, 128, "max", True, 3, 1), (128, 8, 128, "max", False, 3, 1),
-                                     (16, 8, 16, "max", False, 3, 1), (64, 56, 128, "none", True, 3, 2),
-                                     (256, 14, 512, "none", True, 3, 2), (256, 28, 512, "none", True, 1, 2)]:
+layers = [(64, 32, 64, "none", True, 3, 1), (64, 32, 64, "max", True, 3, 1), (64, 16, 128, "max", True, 3, 1),
+          (128, 8, 128, "max", False, 3, 1), (16, 8, 16, "max", False, 3, 1), (64, 56, 128, "none", True, 3, 2),
+          (256, 14, 512, "none", True, 3, 2), (256, 28, 512, "none", True, 1, 2)]
+for i, (C, H, OC, pool, y_nhwc, k, s) in enumerate(layers):
     pk = 2 if pool != "none" else 1
     OH = H // s
-    for cfg in ct.cuda_configs(256 * OH * OH, OC, C, OH, OH, (pk, pk), dtype.itemsize, strided=s > 1):
+    for cfg in sample(ct.cuda_configs(256 * OH * OH, OC, C, OH, OH, (pk, pk), dtype.itemsize, strided=s > 1), i):
         meta = dict(C=C, H=H, W=H, KH=k, KW=k, PH=k // 2, PW=k // 2, DH=1, DW=1, SH=s, SW=s, OH=OH, OW=OH, OC=OC,
                     POOL=pool, PKH=pk, PKW=pk, **fixed, HAS_RESIDUAL=False, Y_NHWC=y_nhwc,
                     **{k: v for k, v in cfg.meta().items() if k != "TMA"})
@@ -406,10 +406,11 @@ for C, H, OC, pool, y_nhwc, k, s in [(64, 32, 64, "none", True, 3, 1), (64, 32, 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_tma_conv_compiles_for_sm90_without_spills(dtype):
+    from tests.sm90_compile import every_candidate
     from tests.test_kernels_compile import _compiled
 
     results = _compiled(_COMPILE_TMA, dtype)
-    assert len(results) >= 30, results
+    assert len(results) >= (30 if every_candidate() else 10), results
     assert {tuple(r["layer"][5:]) for r in results} == {(3, 1), (3, 2), (1, 2)}, results
     for got in results:
         # TMA copies of x (4-D, 5-D strided), warpgroup MMAs, a TMA store where y is NHWC, or it is not this kernel
