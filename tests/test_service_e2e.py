@@ -280,7 +280,8 @@ def test_access_log_has_a_json_line_per_request(url, mode, log_dir):
     port = url.rsplit(":", 1)[1]
     ok_id, bad_id = f"ok-{mode}-{port}", f"bad-{mode}-{port}"
     with httpx.Client(timeout=TIMEOUT) as client:
-        assert client.post(f"{url}/predict", json={"inputs": [GOOD_ROW] * 3}, headers={"x-request-id": ok_id}).is_success
+        ok = client.post(f"{url}/predict", json={"inputs": [GOOD_ROW] * 3}, headers={"x-request-id": ok_id})
+        assert ok.status_code == 200, ok.text
         bad = client.post(f"{url}/predict", json={"inputs": [[1.0] * 3]}, headers={"x-request-id": bad_id})
         assert bad.status_code == 422
     (log,) = log_dir.glob(f"fusedserve-{mode}-{port}.log")
@@ -292,7 +293,7 @@ def test_access_log_has_a_json_line_per_request(url, mode, log_dir):
                 doc = json.loads(line)
                 lines[doc["request_id"]] = doc
         time.sleep(0.1)
-    ok, refused = lines[ok_id], lines[bad_id]
+    ok, refused = lines[ok_id], lines[bad_id]  # the access log's lines of the two
     assert (ok["method"], ok["route"], ok["status"], ok["rows"], ok["mode"]) == ("POST", "/predict", 200, 3, mode)
     assert 0 < ok["latency_ms"] < 30_000 and "reason" not in ok and ok["time"].endswith("Z")
     assert (refused["status"], refused["rows"], refused["mode"]) == (422, None, None)

@@ -325,7 +325,7 @@ BAD_REST = [
     ("no inputs", {"outputs": []}, None, 400, "inputs must be a list of one tensor"),
     ("two inputs", {"inputs": [_doc()["inputs"][0]] * 2}, None, 400, "the model takes one input"),
     ("input name", _doc(name="x", data=ONE_ROW), None, 400, "unknown input 'x'"),
-    ("datatype", _doc(datatype="INT32", data=[1] * 64), None, 400, "datatype 'INT32'; this model takes FP32, FP16 or FP64"),
+    ("datatype", _doc(datatype="INT32", data=[1] * 64), None, 400, "'INT32'; this model takes FP32, FP16 or FP64"),
     ("shape", _doc(shape=(1, 63), data=ONE_ROW[:63]), None, 400, "shape [1, 63]; the model takes [-1, 64]"),
     ("no rows", _doc(shape=(0, 64), data=[]), None, 400, "0 rows"),
     ("data size", _doc(shape=(2, 64), data=ONE_ROW), None, 400, "has 64 values; shape [2, 64] takes 128"),
