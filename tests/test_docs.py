@@ -105,7 +105,7 @@ KINDS = {
     "probe": r"^\.venv/bin/python -m bench\.probes\.\w+(?: --out \S+)?$",
     "gpu-suite": r"^bash tests/gpu_suite\.sh (?:PART|kernels-a|kernels-b|service|two-gpu|all|record \S+.*)$",
     "report": r"^\.venv/bin/python -m bench\.kernels\.report \S+$",
-    "docker": r"^docker compose (?:--profile \w+ )?up --build$",
+    "docker": r"^docker compose (?:--profile \w+ )?up --build(?: [\w-]+)*$",
     "git": r"^git show [0-9a-f]{7,40}:\S+$",
 }
 
@@ -427,6 +427,8 @@ def test_docker_commands_match_the_compose_file():
         profile = re.search(r"--profile (\w+)", cmd)
         if profile:
             assert any(profile.group(1) in s.get("profiles", []) for s in services.values()), cmd
+        named = cmd.split("--build", 1)[1].split()  # services started by name (the cpu profile's)
+        assert all(n in services for n in named), cmd
 
 
 @pytest.mark.slow
