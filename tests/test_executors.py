@@ -521,22 +521,32 @@ def test_cnn_runner_times_every_step_by_name(mode):
     assert runner.warmup(4) == ([1, 2, 4] if DEVICE.type == "cuda" else [1, 4])
 
 
+# Under Triton's interpreter the fused passes check a third of the digits, against the unfused answers: all 360 fused
+# in both dtypes took 85 s of the CPU suite (issue 51). The accuracy is the weights' (the unfused passes, all 360);
+# the fused mode's part is to agree with them. On a GPU every pass takes all 360.
+INTERPRETED_FUSED_ROWS = 120
+
+
 @pytest.mark.timeout(300)
 def test_shipped_cnn_accuracy_on_held_out_digits():
-    """The README's figure: at least 98% of the 360 held-out digits, fused and unfused, float32 and float16."""
+    """The README's figure: at least 98% of the 360 held-out digits, fused and unfused, float32 and float16 (fused
+    on the first INTERPRETED_FUSED_ROWS under the interpreter, where it must agree with unfused on 99%)."""
     x_test, y_test = _held_out()
     model = load_model(SHIPPED_CNN)
     rows = x_test.reshape(-1, 1, 8, 8)
     for dtype in ("float32", "float16"):
         preds = {}
         for mode in ("fused", "unfused"):
-            logits = ModelRunner(model, mode, DEVICE, dtype).run(rows)
-            assert logits.shape == (360, 10) and np.isfinite(logits).all()
+            n = INTERPRETED_FUSED_ROWS if (mode, DEVICE.type) == ("fused", "cpu") else len(rows)
+            logits = ModelRunner(model, mode, DEVICE, dtype).run(rows[:n])
+            assert logits.shape == (n, 10) and np.isfinite(logits).all()
             preds[mode] = logits.argmax(axis=1)
-            accuracy = float((preds[mode] == y_test).mean())
-            assert accuracy >= 0.98, f"{mode} {dtype}: held-out accuracy {accuracy:.4f}"
-        agree = float((preds["fused"] == preds["unfused"]).mean())
-        assert agree >= 0.99, f"{dtype}: fused and unfused disagree on {math.ceil((1 - agree) * 360)} of 360 digits"
+            if n == len(rows):
+                accuracy = float((preds[mode] == y_test).mean())
+                assert accuracy >= 0.98, f"{mode} {dtype}: held-out accuracy {accuracy:.4f}"
+        n = len(preds["fused"])
+        agree = float((preds["fused"] == preds["unfused"][:n]).mean())
+        assert agree >= 0.99, f"{dtype}: fused and unfused disagree on {math.ceil((1 - agree) * n)} of {n} digits"
 
 
 def test_this_torch_records_events_inside_graphs():
