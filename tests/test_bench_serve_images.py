@@ -106,12 +106,14 @@ def test_an_image_models_plan():
     from bench.serve.run import phase_list, pick_perf_analyzer_system, pick_sigterm_system
 
     plan = _plan("--model", "digits-cnn", "--workers", "8", "--input-dtype", "fp16")
-    assert [s.key for s in plan.systems] == ["empty@8", "fused@8", "unfused@8"]
+    assert [s.key for s in plan.systems] == ["empty@8", "fused@8", "unfused@8", "pil@8"]
     assert (plan.rows, plan.v2, plan.v2_rows, plan.connections) == ((), ("v2_binary",), 32, (16, 64, 256))
     assert plan.input_dtype == "FP16" and plan.open_systems == ()
     sig = pick_sigterm_system(plan)
     assert sig.key == "fused@8" and pick_perf_analyzer_system(plan) == sig
-    for system in plan.systems:
+    assert plan.systems[-1].cannot_serve(plan.model) == "pil prepares encoded files: digits-cnn declares no input.image"
+    assert phase_list(plan.systems[-1], plan, sig) == []  # the CPU-preprocessing peer: files only
+    for system in plan.systems[:-1]:
         phases = phase_list(system, plan, sig)
         closed = [(p["protocol"], p["rows"], p["connections"], p["priority"]) for p in phases if p["kind"] == "closed"]
         assert closed == [("v2_binary", 32, c, 1) for c in (16, 64, 256)]  # the pair is the target: both essential

@@ -8,14 +8,14 @@ from pathlib import Path
 
 from .model import ModelInfo, resolve
 
-SYSTEMS = ("empty", "empty_grpc", "eager", "fused", "unfused")
+SYSTEMS = ("empty", "empty_grpc", "eager", "fused", "unfused", "pil")
 FUSEDSERVE = ("fused", "unfused")
 GRPC_ONLY = ("empty_grpc",)  # no HTTP: only the single-row gRPC phases (bench/serve/apps/empty_grpc.py)
 
 
 @dataclass(frozen=True)
 class System:
-    name: str  # empty | empty_grpc | eager | fused | unfused
+    name: str  # empty | empty_grpc | eager | fused | unfused | pil
     workers: int
 
     @property
@@ -33,6 +33,8 @@ class System:
     def cannot_serve(self, model: ModelInfo) -> str | None:
         """Why this system cannot serve `model` (None: it can): the comparison apps answer for the digits MLP only,
         but the empty route takes an image model's binary requests in too (its v2 route reads no tensor)."""
+        if self.name == "pil":  # the CPU-preprocessing peer (bench/serve/apps/pil.py): files in, tensors upstream
+            return None if model.takes_files else f"pil prepares encoded files: {model.name} declares no input.image"
         if self.fusedserve or model.shipped_mlp or (self.name == "empty" and model.image):
             return None
         return f"{self.name} answers only for the digits MLP's 64-value rows, not {model.name}'s {model.input_shape}"

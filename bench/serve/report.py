@@ -399,6 +399,12 @@ def markdown(results: dict) -> str:
                 "so its single-row req/s is the most a grpc.aio server answers on this host: the gRPC counterpart of "
                 "the `empty` route.", "",
             ] if any(r["name"] == "empty_grpc" for r in v2) else []),
+            *([
+                "`pil` (the CPU-preprocessing peer): a FastAPI front end that opens each file with Pillow, resizes "
+                "and crops it there as the model declares, and sends the uint8 batch to a fused fusedserve over "
+                "binary REST, as a TorchServe handler or a Python front end before Triton does "
+                "(bench/serve/apps/pil.py).", "",
+            ] if any(r["name"] == "pil" for r in v2) else []),
             f"| system (protocol) | workers | {unit} | conns | req/s | {unit}/s | MB/s | p50 ms | p90 ms | p99 ms | "
             f"queue wait ms | forward µs/batch | {unit}/batch | GPU busy % | client cores | lost |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -526,7 +532,7 @@ def plot(results: dict, path: Path) -> Path | None:
     if not phases:
         return plot_v2(results, path, plt)
     systems = list(dict.fromkeys(r["system"] for r in phases))
-    colors = {"empty": "tab:gray", "eager": "tab:orange", "fused": "tab:red", "unfused": "tab:blue"}
+    colors = {"empty": "tab:gray", "eager": "tab:orange", "fused": "tab:red", "unfused": "tab:blue", "pil": "tab:green"}
     fig, axes = plt.subplots(2, 2, figsize=(12, 9))
 
     def style(system: str) -> dict:

@@ -46,7 +46,8 @@ REPO = Path(__file__).resolve().parents[2]
 PHASE_OVERHEAD_S = 0.5
 SHUTDOWN_GRACE_S = 30.0  # fusedserve's default FUSEDSERVE_SHUTDOWN_GRACE_S
 STOP_WAIT_S = SHUTDOWN_GRACE_S + 15.0
-START_GUESS_S = {"empty": 3.0, "empty_grpc": 3.0, "eager": 12.0, "fused": 20.0, "unfused": 12.0}
+# pil starts a fused fusedserve as its upstream first (bench/serve/apps/pil.py)
+START_GUESS_S = {"empty": 3.0, "empty_grpc": 3.0, "eager": 12.0, "fused": 20.0, "unfused": 12.0, "pil": 25.0}
 FIRST_FUSED_GPU_START_S = 120.0  # kernel tuning of every batch bucket, once per run (about 100 s seen on an H200)
 ESSENTIAL_CONNECTIONS = (1, 64, 256)
 # The API key every request carries, for a fusedserve started with keys on (its FUSEDSERVE_API_KEY or
@@ -107,6 +108,11 @@ class Server:
                 sys.executable, "-m", "service.cli", "serve", *host, "--mode", s.name, "--workers", str(s.workers),
                 "--dtype", p.dtype, "--device", p.device, "--tuning-cache", str(self.tuning_cache),
                 "--log-level", "info", "--grpc-port", str(self.grpc_port), "--model", p.model.path,
+            ]  # fmt: skip
+        if s.name == "pil":
+            return [
+                sys.executable, "-m", "bench.serve.apps.pil", *host, "--workers", str(s.workers), "--model",
+                p.model.path, "--device", p.device, "--dtype", p.dtype, "--tuning-cache", str(self.tuning_cache),
             ]  # fmt: skip
         if s.grpc_only:
             return [sys.executable, "-m", f"bench.serve.apps.{s.name}", "--host", "127.0.0.1", "--port",
@@ -249,6 +255,8 @@ def phase_list(system: System, plan: Plan, sigterm_system: System | None) -> lis
         return []
     if system.grpc_only:
         return grpc_ceiling_phases(system, plan)
+    if system.name == "pil":  # files in only: the encoded-image phases, against fused@N's own
+        return [p for p in v2_phases(system, plan) if p["protocol"] in ("v2_jpeg", "v2_png")]
     essential_system = system.name != "eager"
     out = []
     for rows in plan.rows:
@@ -288,7 +296,7 @@ def v2_phases(system: System, plan: Plan) -> list[dict]:
     conns = v2_connections(plan)
     # An image model's targets compare fused with unfused at N, and images in with the empty route's ceiling: all
     # three essential there.
-    targeted = ("fused", "unfused", "empty") if plan.model.image else ("fused",)
+    targeted = ("fused", "unfused", "empty", "pil") if plan.model.image else ("fused",)
     prio = 1 if system.name in targeted and system.workers == plan.workers else 2
     out = []
     for protocol in plan.v2:
