@@ -239,9 +239,17 @@ class Settings(BaseSettings):
     header_timeout_s: float = Field(
         10.0,
         gt=0,
+    max_connections_per_client: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="open connections one front end takes from one client address (its IP), TLS handshakes included; "
+        "one more is closed as it is accepted (plain HTTP: after a 503). Unset: no limit per client (clients behind "
+        "one proxy or NAT share an address: leave it unset there, or set it above their sum)",
+    )
         le=3600,
         description="a connection whose request headers are not complete this long after its first byte (or its "
-        "opening) is closed (408)",
+        "opening) is closed (408); over TLS the handshake too must end this long after the connection opens",
     )
     body_timeout_s: float = Field(
         30.0,

@@ -129,7 +129,7 @@ def frontend_main(
         raise SystemExit(2)
     import uvicorn
 
-    from .auth import uvicorn_tls
+    from .auth import check_tls
     from .engine_client import EngineClient, arena_bytes
     from .guard import guarded_protocol
 
@@ -157,11 +157,17 @@ def frontend_main(
         timeout_keep_alive=30,
         # Slow clients (service/frontend/guard.py): header and body read timeouts, and a cap on open connections past
         # which a request gets 503 at once, counted as overloaded.
-        http=guarded_protocol(settings.max_connections, lambda: state.metrics.observe_request("overloaded")),
+        # TLS (FUSEDSERVE_TLS_*) too: the protocol wraps each accepted connection, its handshake under the header
+        # timeout and counted against the cap (service/frontend/accept.py), so uvicorn is given no TLS settings.
+        http=guarded_protocol(
+            settings.max_connections,
+            lambda: state.metrics.observe_request("overloaded"),
+            tls=check_tls(settings),
+            handshake_s=settings.header_timeout_s,
+            per_client=settings.max_connections_per_client,
+        ),
         server_header=False,
         date_header=False,
-        # FUSEDSERVE_TLS_*: uvicorn wraps the socket passed to server.run with these too (loop.create_server(ssl=)).
-        **uvicorn_tls(settings),
     )
     log.info("front end %d (pid %d) serving on %s://%s:%d", index, os.getpid(), "https" if settings.tls else "http",
              settings.host, settings.port)  # fmt: skip

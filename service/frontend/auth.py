@@ -370,14 +370,3 @@ def grpc_credentials(settings: Settings):
     ca = Path(settings.tls_client_ca).read_bytes() if settings.tls_client_ca is not None else None
     pair = (Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes())
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
-
-
-def uvicorn_tls(settings: Settings) -> dict:
-    """uvicorn.Config's ssl_* arguments (empty without TLS). uvicorn wraps the sockets it is given with them too
-    (Server.startup passes config.ssl to loop.create_server for each socket)."""
-    if not settings.tls:
-        return {}
-    out = {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)}
-    if settings.tls_client_ca is not None:
-        out |= {"ssl_ca_certs": str(settings.tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
-    return out

@@ -19,6 +19,7 @@ from .asgi import CLOSE, JSON, RETRY, Answer, ClientGone, content_length, header
 from .auth import CHALLENGE
 from .encoding import check_encoding, decode_body, encoded
 from .engine_client import EngineError, EngineGone
+from .guard import DROP_UNREAD
 from .inputs import InputError
 from .state import FrontendState
 
@@ -29,8 +30,8 @@ log = logging.getLogger(__name__)
 # gains nothing from being dropped.
 WATCH_AFTER_S = 0.05
 # A request refused 401 keeps its connection when its body is at most this long (uvicorn reads and drops that much);
-# one that announces more, or a chunked one, has its connection closed, so that no body of an unauthenticated client
-# is read.
+# one that announces more, or a chunked one, has its connection closed unread (guard.drop_unread: reading stops, then
+# the socket is aborted), so that an unauthenticated body costs at most what came with its headers.
 UNAUTHORIZED_KEEP_BYTES = 64 * 1024
 UNAUTHORIZED_MESSAGE = "a valid API key is needed: Authorization: Bearer <key>"
 _STATUS_OF = {
@@ -83,6 +84,7 @@ def unauthorized(state: FrontendState, scope: dict, error_key: str, protocol: st
     rid = (requestid.HEADER, requestid.of_scope(scope))
     length = content_length(scope)
     if length is None or length > UNAUTHORIZED_KEEP_BYTES:
+        scope[DROP_UNREAD] = True
         return 401, body, [*headers, rid, CLOSE]
     return 401, body, [*headers, rid]
 

@@ -1,0 +1,125 @@
+"""What a connection goes through before its first request is parsed (issue 53): the limit per client address, and
+over TLS the handshake, under a deadline and counted among the front end's connections.
+
+Handed a TLS context, uvicorn passes it to loop.create_server, whose handshake runs before the HTTP protocol sees
+the connection: up to 60 s (uvloop's default, which uvicorn does not expose) and outside uvicorn's connection count,
+so that 700 connections each sending 3 bytes of a ClientHello held a front end for a minute while MAX_CONNECTIONS
+was never reached. So a front end listens in plain TCP and wraps each accepted connection itself, with the loop's
+own SSLProtocol (the class create_server would use): the handshake must end within `handshake_s` (the header
+timeout) of the accept, the connection counts against MAX_CONNECTIONS from the accept, and one accepted with the cap
+reached is closed before any handshake work.
+
+`admit` is called by the protocol (service/frontend/guard.py) once per accepted connection; `wrap_tls` then hands the
+connection to TLS, and the protocol's connection_made runs again with the TLS transport once the handshake is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+log = logging.getLogger(__name__)
+
+# Longest wait for a client's close_notify once the front end closes a TLS connection (uvloop's default: 30 s); a
+# refused body's lingering close over TLS is this wait, the client's bytes discarded meanwhile (guard.py).
+TLS_SHUTDOWN_S = 1.0
+
+_REFUSED_BODY = b'{"detail":"too many open connections from this address; retry shortly"}'
+_REFUSED = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: %d\r\nretry-after: 1\r\n"
+    b"connection: close\r\n\r\n%s" % (len(_REFUSED_BODY), _REFUSED_BODY)
+)
+
+
+def client_ip(transport) -> str | None:
+    peer = transport.get_extra_info("peername")
+    return peer[0] if isinstance(peer, tuple) and peer else None
+
+
+def admit(protocol, transport) -> bool:
+    """Count `transport` (just accepted) against its address's limit, or refuse it: closed at once, after a 503 in
+    plain HTTP (a TLS client cannot read one before a handshake, which is the work refused). Over TLS a connection
+    accepted with MAX_CONNECTIONS reached is refused too; in plain HTTP it is kept and its request answered 503
+    (guard.py), which costs less than the handshake a TLS one would need first."""
+    tls = protocol.fs_tls is not None
+    cap = protocol.fs_max_connections
+    if tls and cap is not None and len(protocol.connections) >= cap:
+        log.debug("TLS connection refused at the accept: %d connections open (the cap)", len(protocol.connections))
+        transport.abort()
+        return False
+    per_client = protocol.fs_per_client
+    if per_client is None:
+        return True
+    ip = client_ip(transport)
+    if ip is None:
+        return True
+    counts = protocol.fs_clients
+    n = counts.get(ip, 0)
+    if n >= per_client:
+        log.debug("connection from %s refused: %d open from it (MAX_CONNECTIONS_PER_CLIENT)", ip, n)
+        if tls:
+            transport.abort()
+        else:
+            transport.write(_REFUSED)
+            transport.close()
+        return False
+    counts[ip] = n + 1
+    protocol.fs_client_ip = ip
+    return True
+
+
+def release(protocol) -> None:
+    """The connection counted by `admit` is gone (idempotent)."""
+    ip = protocol.fs_client_ip
+    if ip is None:
+        return
+    protocol.fs_client_ip = None
+    counts = protocol.fs_clients
+    n = counts.get(ip, 1) - 1
+    if n > 0:
+        counts[ip] = n
+    else:
+        counts.pop(ip, None)
+
+
+def _ssl_protocol_class(loop):
+    try:
+        import uvloop
+        from uvloop.loop import SSLProtocol as UvSSLProtocol
+    except ImportError:  # pragma: no cover  (uvloop is a dependency; asyncio's class takes the same arguments)
+        uvloop = None
+    if uvloop is not None and isinstance(loop, uvloop.Loop):
+        return UvSSLProtocol
+    from asyncio.sslproto import SSLProtocol
+
+    return SSLProtocol
+
+
+def wrap_tls(protocol, transport, on_failed) -> None:
+    """Start the TLS handshake of `transport` (accepted in plain TCP) for `protocol`, whose connection_made the
+    SSLProtocol calls with the TLS transport once the handshake is done. A handshake not done within
+    `protocol.fs_handshake_s` is aborted by the SSLProtocol itself (ConnectionAbortedError, logged at debug level, as
+    a failed handshake is); `on_failed()` then runs, as it does for every handshake that does not end in
+    connection_made (failed, aborted, or closed by the client)."""
+    loop = protocol.loop
+    waiter = loop.create_future()
+
+    def over(fut: asyncio.Future) -> None:
+        if not fut.cancelled():
+            fut.exception()  # retrieved: a failed handshake is the client's doing, not an unhandled error
+        if not protocol.fs_tls_done:
+            on_failed()
+
+    waiter.add_done_callback(over)
+    tls = _ssl_protocol_class(loop)(
+        loop,
+        protocol,
+        protocol.fs_tls,
+        waiter,
+        server_side=True,
+        ssl_handshake_timeout=protocol.fs_handshake_s,
+        ssl_shutdown_timeout=TLS_SHUTDOWN_S,
+    )
+    # Called from the transport's connection_made, before it starts reading: its first bytes go to the SSLProtocol.
+    transport.set_protocol(tls)
+    tls.connection_made(transport)
