@@ -25,6 +25,9 @@ SECRET_SETTINGS = ("api_key", "restricted_api")  # never echoed in an error or a
 # Triton has the API (statistics, model-config), ours for the rest. Health is never restricted; inference takes the
 # API keys instead.
 RESTRICTABLE_APIS = ("metrics", "model", "docs", "statistics", "model-config")
+# What API keys close beside inference when they are on (issue 53): what tells a caller about the model and its traffic.
+# /metrics is left to its header or its own port, where Prometheus scrapes without a key.
+KEYED_APIS = ("docs", "model", "statistics", "model-config")
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP header name (RFC 9110 token)
 _VALUE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")  # printable ASCII, no space at either end
 
@@ -236,9 +239,6 @@ class Settings(BaseSettings):
         "(Retry-After: 1, counted overloaded); on the gRPC port, calls in flight per front end (past it: "
         "RESOURCE_EXHAUSTED)",
     )
-    header_timeout_s: float = Field(
-        10.0,
-        gt=0,
     max_connections_per_client: int | None = Field(
         None,
         ge=1,
@@ -247,6 +247,9 @@ class Settings(BaseSettings):
         "one more is closed as it is accepted (plain HTTP: after a 503). Unset: no limit per client (clients behind "
         "one proxy or NAT share an address: leave it unset there, or set it above their sum)",
     )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
         le=3600,
         description="a connection whose request headers are not complete this long after its first byte (or its "
         "opening) is closed (408); over TLS the handshake too must end this long after the connection opens",
@@ -310,6 +313,12 @@ class Settings(BaseSettings):
         "V]]/stats, gRPC ModelStatistics), model-config (/v2/models/NAME[/versions/V]/config, gRPC ModelConfig). "
         "Without the header and value: 403 (gRPC PERMISSION_DENIED). Health is always open",
     )
+    public_api: str | None = Field(
+        None,
+        description="with API keys on, the APIs left open without a key, comma-separated: any of docs, model, "
+        "statistics, model-config (default: none, so with keys on each of them needs `Authorization: Bearer <key>` "
+        "too, or its RESTRICTED_API header where one is set). Without keys they are open anyway",
+    )
     metrics_port: int | None = Field(
         None,
         ge=1,
@@ -351,6 +360,7 @@ class Settings(BaseSettings):
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError(f"{ENV_PREFIX}TLS_CLIENT_CA needs {ENV_PREFIX}TLS_CERT and {ENV_PREFIX}TLS_KEY")
         self.restrictions()  # a malformed rule stops the start with its error
+        self.public_apis()
         return self
 
     def restrictions(self) -> dict[str, tuple[str, bytes]]:
@@ -360,6 +370,17 @@ class Settings(BaseSettings):
         if self.restricted_api is None:
             return {}
         return parse_restricted(self.restricted_api.get_secret_value())
+
+    def public_apis(self) -> frozenset[str]:
+        """FUSEDSERVE_PUBLIC_API as a set of API names; ValueError naming an unknown one."""
+        if self.public_api is None:
+            return frozenset()
+        names = frozenset(a.strip() for a in self.public_api.split(",") if a.strip())
+        unknown = sorted(names - set(KEYED_APIS))
+        if unknown:
+            raise ValueError(f"{ENV_PREFIX}PUBLIC_API: unknown API {', '.join(map(repr, unknown))}; known: "
+                             f"{', '.join(KEYED_APIS)}")  # fmt: skip
+        return names
 
     @property
     def tls(self) -> bool:

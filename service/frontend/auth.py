@@ -45,7 +45,7 @@ import os
 import ssl
 from pathlib import Path
 
-from ..config import ENV_PREFIX, Settings
+from ..config import ENV_PREFIX, KEYED_APIS, Settings
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +271,13 @@ def api_of_path(path: str) -> str | None:
     if path in _DOCS_PATHS:
         return "docs"
     return None
+
+
+def needs_key(api: str | None, restrictions: Restrictions, public: frozenset[str]) -> bool:
+    """Whether, with API keys on, a request to `api` (api_of_path's name) needs a valid key beside inference (issue
+    53): docs, model, statistics and model-config (config.KEYED_APIS) do, unless FUSEDSERVE_PUBLIC_API opens them on
+    purpose or a FUSEDSERVE_RESTRICTED_API header guards them instead (that header alone then decides)."""
+    return api in KEYED_APIS and api not in public and restrictions.header_for(api) is None
 
 
 class Restrictions:

@@ -4,7 +4,9 @@ grpcio's asyncio server runs on the front end's own event loop, beside uvicorn, 
 same checks (service/v2/tensors.py), engine link (`run_rows`) and metrics (protocol "v2_grpc") as REST. Every front
 end binds the same port: grpcio sets SO_REUSEPORT on Linux, so the kernel spreads connections over them as it
 does uvicorn's. A message larger than the front end's body limit is refused by grpcio with RESOURCE_EXHAUSTED
-before it is read in full (in grpcio's core, before any handler: so it is not counted in fusedserve_requests_total);
+before it is read in full (in grpcio's core, before any handler: so it is not counted in fusedserve_requests_total),
+metadata past MAX_METADATA_BYTES likewise, and with API keys on a call without a valid key is refused at its metadata,
+before its message is read (service/v2/grpc_guard.py);
 the client's deadline, when it has one, shortens the request's timeout in the queue. On shutdown the server stops
 after uvicorn's drain, giving RPCs under way half the grace to finish. ModelConfig and ModelStatistics (Triton's
 extensions) answer the documents REST's /config and /stats do (service/v2/extensions.py).
@@ -34,6 +36,7 @@ from . import extensions
 from . import grpc_predict_v2_pb2 as pb
 from . import grpc_predict_v2_pb2_grpc as pb_grpc
 from . import tensors as t
+from .grpc_guard import keys_interceptor
 from .rest import SERVER_METADATA
 
 log = logging.getLogger(__name__)
@@ -236,6 +239,8 @@ def address(host: str, port: int) -> str:
 # grpcio takes a message size as a C int: a larger one fails the server's construction (OverflowError), as the
 # JSON-sized limit of 1,024 images of 224x224 (3.7 GB) did. gRPC messages stop at 2 GB anyway (protobuf's limit).
 GRPC_MAX_MESSAGE = 2**31 - 1
+# The metadata (HTTP/2 headers) of one call: as the HTTP port's request head (frontend/guard.py MAX_HEADER_BYTES).
+MAX_METADATA_BYTES = 32 * 1024
 
 
 def new_server(max_receive_bytes: int, max_calls: int, interceptors=()) -> grpc.aio.Server:
@@ -245,8 +250,14 @@ def new_server(max_receive_bytes: int, max_calls: int, interceptors=()) -> grpc.
         interceptors=list(interceptors) or None,
         options=[
             ("grpc.so_reuseport", 1),
+            # Without BDP probing a stream's window stays at HTTP/2's 64 KiB until the handler reads: with it, grpcio
+            # grew the windows on loopback until the 2 MB messages of 1,000 calls refused at their metadata were
+            # read anyway (200 at once: a front end from 82 to 590 MB, where without it 85 MB; issue 53).
+            ("grpc.http2.bdp_probe", 0),
             ("grpc.max_receive_message_length", min(max_receive_bytes, GRPC_MAX_MESSAGE)),
             ("grpc.max_send_message_length", -1),
+            ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+            ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
         ],
         # The HTTP side's cap on open connections (frontend/guard.py), as calls in flight: past it grpcio answers
         # RESOURCE_EXHAUSTED at once (uncounted in the metrics, as its size refusals are).
@@ -259,8 +270,10 @@ async def start(state: FrontendState) -> grpc.aio.Server:
     s = state.settings
     # FUSEDSERVE_RESTRICTED_API's statistics and model-config rules, as metadata (service/frontend/auth.py); no
     # interceptor, so no cost per RPC, where neither is restricted.
-    restricted = grpc_interceptor(state.restrictions)
-    server = new_server(state.max_body_bytes, s.max_connections, [restricted] if restricted else ())
+    # API keys at the metadata (service/v2/grpc_guard.py), then the restricted RPCs' headers; none of either where
+    # neither is configured (no cost per call).
+    interceptors = [i for i in (keys_interceptor(state), grpc_interceptor(state.restrictions)) if i is not None]
+    server = new_server(state.max_body_bytes, s.max_connections, interceptors)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(state), server)
     if s.tls:
         server.add_secure_port(address(s.host, s.grpc_port), grpc_credentials(s))
