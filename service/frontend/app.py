@@ -54,9 +54,16 @@ def create_app(settings: Settings, model, engines, run_dir: Path, keys=None) -> 
                 await grpc_server.stop(settings.shutdown_grace_s / 2)
             engines.close()
 
-    # FUSEDSERVE_DOCS=false: no /docs, /redoc or /openapi.json (404), as the container image runs.
-    docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="fusedserve", version="0.1.0", lifespan=lifespan, **docs)
+    # FUSEDSERVE_DOCS=false: no /docs, /redoc or /openapi.json (404), as the container image runs. The pages are
+    # service/frontend/docs_pages.py's (pinned scripts with integrity), not FastAPI's. No redirect of /path/ to /path:
+    # Starlette's takes its URL from the Host header (`POST /predict/` answered `location: http://<Host>/predict`).
+    from .docs_pages import OPENAPI_URL
+    from .docs_pages import install as install_docs
+
+    app = FastAPI(title="fusedserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=OPENAPI_URL if settings.docs else None, redirect_slashes=False)  # fmt: skip
+    if settings.docs:
+        install_docs(app)
     app.state.fusedserve = state
     app.include_router(router)
     from .openapi import install
