@@ -266,10 +266,9 @@ def time_candidates(
         times = time_one(config, run, measure, label)
         if isinstance(times, Times):
             timings[config] = times
-        elif times is not None:
-            # A compile past its deadline is the error to report when none runs: the caller may fall back on it.
-            if not isinstance(last_error, CompileDeadlineExceeded):
-                last_error = times
+        # A compile past its deadline is the error to report when none runs: the caller may fall back on it.
+        elif times is not None and not isinstance(last_error, CompileDeadlineExceeded):
+            last_error = times
     if not timings:
         raise RuntimeError(f"no launch config runs {label}") from last_error
     return timings

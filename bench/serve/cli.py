@@ -63,7 +63,8 @@ from .plan import SYSTEMS, Plan, System
 DEFAULT_SYSTEMS = "empty@1,empty@N,empty_grpc@1,empty_grpc@N,fused@1,fused@N,unfused@1,unfused@N,eager@N,eager@1"
 QUICK_SYSTEMS = "empty@1,empty_grpc@1,unfused@1"
 DEFAULT_OPEN = "empty@N,fused@N,unfused@N"
-IMAGE_SYSTEMS = "empty@N,fused@N,unfused@N,pil@N"  # the eager app knows only the digits MLP; the empty route takes any body
+# The eager app knows only the digits MLP; the empty route takes any body; pil prepares files for fused (apps/pil.py).
+IMAGE_SYSTEMS = "empty@N,fused@N,unfused@N,pil@N"
 QUICK_IMAGE_SYSTEMS = "fused@1,unfused@1"
 IMAGE_CONNECTIONS = (16, 64, 256)
 IMAGES = 32  # a request's images: issue 34's case (32-image binary requests at 64 connections)

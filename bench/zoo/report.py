@@ -193,10 +193,10 @@ def gpu_md(results: dict) -> str:
         "ours: the service's GraphedExecutor over the fused executor, the model imported from its TorchScript ONNX "
         "file; eager-cl: the torch module in channels_last; compile / compile-max: torch.compile of it with BatchNorm "
         "folded, default and max-autotune; ort: onnxruntime-gpu's CUDA provider on the same file in fp16. ready: "
-        "ours's first forward at batch 1 (executor, tuning, graph capture), seconds; ours tuned: every kernel key timed, "
-        "or only the first seconds' worth (the rest take untimed picks, as a start past its timing budget does, "
-        "until background tuning times them). **BAD**: an error relative to the float64 forward of the same weights "
-        "beyond the larger of 1e-2 and twice eager channels_last's own (bench/zoo/gpu.py, rebound).",
+        "ours's first forward at batch 1 (executor, tuning, graph capture), seconds; ours tuned: every kernel key "
+        "timed, or only the first seconds' worth (the rest take untimed picks, as a start past its timing budget does, "
+        "until background tuning times them). **BAD**: an error relative to the float64 forward of the same "
+        "weights beyond the larger of 1e-2 and twice eager channels_last's own (bench/zoo/gpu.py, rebound).",
         gpu_table(results["cases"]),
         *(["## Errors", "\n".join(errors)] if errors else []),
         *(["## Not run", "\n".join(skipped)] if skipped else []),

@@ -526,7 +526,6 @@ def engine_main(
         torch.set_num_threads(1 if device.type == "cuda" else threads)
         from ..metrics import EngineMetrics, config_reloaded
         from ..model.loader import load_model
-
         from .startup import StartupProgress
 
         progress = StartupProgress(index, Path(run_dir))
@@ -585,8 +584,8 @@ def engine_main(
             fallbacks = {n: why for r in runners.values() for n, why in r.executor.fallbacks.items()}
             metrics.unfused_fallbacks(len(fallbacks))
             if fallbacks:
-                log.warning("engine %d: %d fused step(s) run their unfused op, their kernels not compiling within "
-                            "%g s: %s", index, len(fallbacks), settings.compile_deadline_s, ", ".join(fallbacks))  # fmt: skip
+                log.warning("engine %d: %d fused step(s) run their unfused op, no kernel compiling within %g s: %s",
+                            index, len(fallbacks), settings.compile_deadline_s, ", ".join(fallbacks))  # fmt: skip
                 if index == 0:  # GET /model shows which
                     write_plan(Path(run_dir), engine.runner.executor, str(device))
         if settings.tuning and device.type == "cuda":

@@ -71,6 +71,7 @@ class FrontendState:
     run_dir: Path
     draining: bool = False  # SIGTERM came: answers close their connections, /health/ready reads 503
     _plan: dict | None = None
+    _plan_stamp: int | None = None
     # Who may call what (service/frontend/auth.py): inference's API keys (a served front end's are the supervisor's,
     # taken again at each reload by `take_keys`, never read from the keys file) and the restricted routes' header rules.
     api_keys: ApiKeys = field(default=None)  # type: ignore[assignment]  (made from settings when not given)
@@ -79,7 +80,6 @@ class FrontendState:
     config_generation: object | None = None
     config_seen: int = 0
 
-    _plan_stamp: int | None = None
     def __post_init__(self) -> None:
         if self.api_keys is None:
             self.api_keys = ApiKeys(self.settings)

@@ -545,9 +545,7 @@ class Executor:
             return layer
         return functools.partial(_chain_first, first=layer, then=self._bind(pool, channels_last)[1])
 
-    def warm_forward(
-        self, x: torch.Tensor, on_step: Callable[[int, str | None], None] | None = None
-    ) -> torch.Tensor:
+    def warm_forward(self, x: torch.Tensor, on_step: Callable[[int, str | None], None] | None = None) -> torch.Tensor:
         """`forward` for warm-ups, where kernels compile and tune: on_step(index, name) before each step (start-up
         progress), and a fused step whose kernel could not compile within the deadline rebound to its unfused op
         (`fallbacks`) and run again, so the warm-up goes on."""

@@ -1,12 +1,13 @@
 """The CPU-preprocessing peer: images decoded and prepared on the CPU with Pillow in a Python front end, then sent to
 the model as uint8 tensors, as a TorchServe handler (PIL + torchvision transforms) or a hand-written FastAPI front end
-in front of Triton does it. `fusedserve bench serve --systems pil@N --v2 jpeg` times it beside fusedserve taking the
-same files itself.
+in front of Triton does it. `fusedserve bench serve --systems pil@N --v2 jpeg` times it beside fusedserve taking
+the same files itself.
 
     python -m bench.serve.apps.pil --port P --workers N --model DIR [--mode fused --device cuda --dtype float16]
 
-starts fusedserve (--mode, fused by default; N front ends, the model DIR, which declares its preprocessing in config.json's input.image)
-on a free loopback port as its upstream, waits until it is ready, then serves N uvicorn workers of `app` on P:
+starts fusedserve (--mode, fused by default; N front ends; the model DIR, which declares its preprocessing in
+config.json's input.image) on a free loopback port as its upstream, waits until it is ready, then serves N uvicorn
+workers of `app` on P:
 
 - POST /v2/models/{name}/infer with Triton's binary extension and a BYTES tensor of encoded files (what
   bench/serve/images.py sends): each file opened with Pillow, converted to RGB (or L), its shorter side resized
