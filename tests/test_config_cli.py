@@ -86,9 +86,11 @@ def test_defaults():
         "cuda_graphs", "tuning", "tuning_background", "tuning_startup_s", "tuning_timing", "tuning_cache",
         "compile_threads", "compile_deadline_s", "pdl",
         "warmup", "workers", "engines",
-        "shutdown_grace_s", "drain_delay_s", "max_connections", "header_timeout_s", "body_timeout_s",
+        "shutdown_grace_s", "drain_delay_s", "max_connections", "max_connections_per_client", "header_timeout_s",
+        "body_timeout_s",
         "host", "port", "grpc_port", "log_level", "access_log", "access_log_sample",
-        "api_key", "api_keys_file", "restricted_api", "metrics_port", "docs", "tls_cert", "tls_key", "tls_client_ca",
+        "api_key", "api_keys_file", "restricted_api", "public_api", "metrics_port", "docs", "tls_cert", "tls_key",
+        "tls_client_ca",
     }  # fmt: skip
     # Issue 51: no access log, a 5 s drain delay (load balancers notice before the port closes)
     assert (s.access_log, s.access_log_sample, s.drain_delay_s) == ("off", 1.0, 5.0)
