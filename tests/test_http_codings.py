@@ -46,7 +46,8 @@ def test_anything_else_is_415_naming_what_is_taken(ctype, images, named):
 
 
 def test_v2_takes_json_and_binary():
-    for ctype in (None, "application/json", "application/octet-stream"):
+    # perf_analyzer (libcurl) and urllib label a body they were given no type for as a form: Triton reads it anyway
+    for ctype in (None, "application/json", "application/octet-stream", "application/x-www-form-urlencoded"):
         check_v2(_scope(content_type=ctype) if ctype else _scope())
     with pytest.raises(Refused, match="'text/plain' is not accepted here; send application/json"):
         check_v2(_scope(content_type="text/plain"))

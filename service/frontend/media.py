@@ -13,6 +13,9 @@ from .serving import Refused
 JSON = b"application/json"
 MULTIPART = b"multipart/form-data"
 OCTETS = b"application/octet-stream"
+# What libcurl (Triton's C++ client, perf_analyzer) and Python's urllib send for a POST body they were given no type
+# for. Triton reads its infer bodies whatever they are labelled, so its clients never say otherwise.
+FORM = b"application/x-www-form-urlencoded"
 # The encoded images /predict takes, by media type (service/images/decode.py sniffs the bytes too).
 IMAGES = {b"image/jpeg": "jpeg", b"image/png": "png", b"image/webp": "webp"}
 
@@ -51,9 +54,10 @@ def predict_form(scope: dict, takes_images: bool) -> str:
 
 def check_v2(scope: dict) -> None:
     """The Open Inference Protocol's REST infer takes JSON, or JSON followed by binary tensors (Triton's binary
-    extension, which tritonclient sends without a Content-Type or as application/octet-stream)."""
+    extension, which tritonclient sends without a Content-Type or as application/octet-stream, and libcurl-based
+    clients such as perf_analyzer as application/x-www-form-urlencoded, libcurl's default for a POST)."""
     kind, value = media_type(scope)
-    if _is_json(kind) or kind == OCTETS:
+    if _is_json(kind) or kind in (OCTETS, FORM):
         return
     raise Refused(415, "invalid", f"Content-Type {_shown(value)} is not accepted here; send application/json (with "
                   "binary tensors after its JSON header, Inference-Header-Content-Length) or "
