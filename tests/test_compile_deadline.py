@@ -20,11 +20,12 @@ from tests.modelgen import write_cnn_model
 
 
 class _Source:
-    """What triton.compiler.compile takes, as far as the deadline reads it: a hash and a function's name."""
+    """What triton.compiler.compile takes, as far as the deadline reads it: a hash, and the name and module of the
+    kernel's function (one of this package's, unless `module` says otherwise)."""
 
-    def __init__(self, key: str, name: str = "toy_kernel"):
+    def __init__(self, key: str, name: str = "toy_kernel", module: str = "kernels.toy"):
         self._key = key
-        self.fn = type("Fn", (), {"__name__": name})()
+        self.fn = type("Fn", (), {"__name__": name, "__module__": module})()
 
     def hash(self) -> str:
         return self._key
@@ -79,6 +80,18 @@ def test_a_compile_in_time_returns_its_result_and_its_errors(deadline):
 
     with pytest.raises(ValueError, match="out of shared memory"):
         compile_deadline.with_deadline(broken)(_Source("broken"), "cuda", {})
+
+
+def test_other_packages_kernels_compile_without_a_deadline(deadline):
+    """torch.compile's inductor kernels (a benchmark's anchors) in the same process are not this package's to drop."""
+    deadline(0.05)
+    release, calls = threading.Event(), []
+    compile = compile_deadline.with_deadline(_slow_compiler(release, calls))
+    threading.Timer(0.2, release.set).start()
+    assert compile(_Source("inductor-1", "triton_poi_fused_add_0", "torch._inductor.x"), "cuda", {}) == (
+        "binary of inductor-1"
+    )
+    assert calls == ["inductor-1"]
 
 
 def test_no_deadline_calls_the_compiler_on_the_callers_thread(deadline):
