@@ -44,6 +44,8 @@ SECONDS_BUCKETS = tuple(1e-6 * 2**i for i in range(25))
 ROWS_BUCKETS = tuple(float(2**i) for i in range(17))
 # unauthorized: an inference request without a valid API key (401), refused before its body was read.
 OUTCOMES = ("ok", "invalid", "too_large", "overloaded", "timeout", "cancelled", "error", "unauthorized")
+# Why a connection or a request head was refused before any route ran (fusedserve_connections_refused).
+REFUSAL_REASONS = ("request_line", "header_bytes", "header_count", "per_client", "tls_capacity")
 # How the request came: POST /predict, the Open Inference Protocol over REST (/v2/...), or over gRPC.
 PROTOCOLS = ("predict", "v2_rest", "v2_grpc")
 
@@ -111,6 +113,17 @@ class RequestMetrics:
             "error (any outcome but ok); one refused before any work (unauthorized, an unknown model) adds no time",
             lm, registry=r,
         )  # fmt: skip
+        # Refused before any route ran, so in no request count (service/frontend/guard.py and accept.py).
+        self.connections_refused = Counter(
+            "fusedserve_connections_refused",
+            "Connections or request heads refused before any route ran, by reason: request_line (414), header_bytes "
+            "and header_count (431), per_client (MAX_CONNECTIONS_PER_CLIENT), tls_capacity (a TLS connection past "
+            "MAX_CONNECTIONS, refused at the accept)",
+            ["model", "reason"], registry=r,
+        )  # fmt: skip
+        self._refused = {why: self.connections_refused.labels(model=model, reason=why) for why in REFUSAL_REASONS}
+        global _FRONT_END
+        _FRONT_END = self  # the process's front end: connection_refused() counts there
         self._model = model
         # Children resolved once (labels() costs a dict lookup and a lock per call), keyed (protocol, outcome, mode)
         # and (protocol, mode).
@@ -448,6 +461,16 @@ class SupervisorMetrics:
 
 
 _ENGINE_RELOADS: Counter | None = None
+# The front end of this process (the last RequestMetrics made), for refusals made where no request state is at hand.
+_FRONT_END: RequestMetrics | None = None
+
+
+def connection_refused(reason: str) -> None:
+    """One connection or request head refused before any route ran (REFUSAL_REASONS), in this process's front end's
+    fusedserve_connections_refused; nothing where no front end runs."""
+    metrics = _FRONT_END
+    if metrics is not None:
+        metrics._refused[reason].inc()
 
 
 def config_reloaded(model: str, outcome: str) -> None:

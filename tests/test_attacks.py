@@ -206,12 +206,25 @@ def unauthorized_count(metrics_url: str, protocol: str) -> float:
     return float(found[0]) if found else 0.0
 
 
+def refused_counts(metrics_url: str) -> dict[str, float]:
+    """fusedserve_connections_refused_total by reason, summed over the front ends."""
+    text = httpx.get(metrics_url, timeout=10).text
+    out: dict[str, float] = {}
+    for reason, value in re.findall(
+        r'^fusedserve_connections_refused_total{[^}]*reason="(\w+)"[^}]*} (\S+)$', text, re.M
+    ):
+        out[reason] = out.get(reason, 0.0) + float(value)
+    return out
+
+
 # ------------------------------------------------------------------ a request's head
 
 
 @pytest.mark.timeout(120)
 def test_a_request_head_past_its_limits_is_refused_and_closed(servers):
     port = servers["plain"].port
+    metrics = f"http://127.0.0.1:{servers['metrics']}/metrics"
+    before = refused_counts(metrics)
     cases = [
         (b"GET /health/live?" + b"a" * 8200 + b" HTTP/1.1\r\nhost: t\r\n\r\n", b"414"),
         (b"GET /health/live HTTP/1.1\r\nhost: t\r\nx-big: " + b"a" * 33_000 + b"\r\n\r\n", b"431"),
@@ -228,6 +241,16 @@ def test_a_request_head_past_its_limits_is_refused_and_closed(servers):
         assert answer.startswith(b"HTTP/1.1 " + status), (status, answer[:200])
         if status != b"200":
             assert b"connection: close" in answer.lower(), answer[:300]
+    # Each refusal is counted by its reason (no request count sees them: no route ran).
+    want = {"request_line": 1, "header_bytes": 1, "header_count": 1}
+    end = time.monotonic() + 5  # the front ends' counters reach the metrics port's rendering within a moment
+    while True:
+        after = refused_counts(metrics)
+        grown = {r: after.get(r, 0.0) - before.get(r, 0.0) for r in want}
+        if all(grown[r] >= n for r, n in want.items()) or time.monotonic() > end:
+            break
+        time.sleep(0.1)
+    assert grown == want, grown
 
 
 @pytest.mark.timeout(180)

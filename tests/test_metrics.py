@@ -35,3 +35,14 @@ def test_observe_many_renders_what_observing_each_value_renders():
     assert samples(r1) == samples(r2)  # every bucket and the count
     assert b'h_count{engine="0"} 504.0' in samples(r2)
     assert math.isclose(total(r1), total(r2), rel_tol=1e-12)  # summed in another order
+
+
+def test_refusals_before_any_route_count_in_the_processs_front_end_by_reason():
+    from service.metrics import REFUSAL_REASONS, RequestMetrics, connection_refused
+
+    metrics = RequestMetrics("m-refusals", "fused")
+    for reason in ("per_client", "per_client", "tls_capacity"):
+        connection_refused(reason)
+    got = {s.labels["reason"]: s.value for f in metrics.registry.collect() if f.name == "fusedserve_connections_refused"
+           for s in f.samples if s.name.endswith("_total")}  # fmt: skip
+    assert got == {r: {"per_client": 2.0, "tls_capacity": 1.0}.get(r, 0.0) for r in REFUSAL_REASONS}

@@ -36,6 +36,12 @@ def client_ip(transport) -> str | None:
     return peer[0] if isinstance(peer, tuple) and peer else None
 
 
+def _refused(reason: str) -> None:
+    from ..metrics import connection_refused  # here: prometheus-client reads its multiprocess setting at import
+
+    connection_refused(reason)
+
+
 def admit(protocol, transport) -> bool:
     """Count `transport` (just accepted) against its address's limit, or refuse it: closed at once, after a 503 in
     plain HTTP (a TLS client cannot read one before a handshake, which is the work refused). Over TLS a connection
@@ -45,6 +51,7 @@ def admit(protocol, transport) -> bool:
     cap = protocol.fs_max_connections
     if tls and cap is not None and len(protocol.connections) >= cap:
         log.debug("TLS connection refused at the accept: %d connections open (the cap)", len(protocol.connections))
+        _refused("tls_capacity")
         transport.abort()
         return False
     per_client = protocol.fs_per_client
@@ -57,6 +64,7 @@ def admit(protocol, transport) -> bool:
     n = counts.get(ip, 0)
     if n >= per_client:
         log.debug("connection from %s refused: %d open from it (MAX_CONNECTIONS_PER_CLIENT)", ip, n)
+        _refused("per_client")
         if tls:
             transport.abort()
         else:

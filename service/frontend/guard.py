@@ -85,6 +85,7 @@ _TOO_LONG_414 = _refusal(b"414 URI Too Long", b"request line longer than %d byte
 _TOO_LARGE_431 = _refusal(b"431 Request Header Fields Too Large",
                           b"request headers larger than %d bytes\n" % MAX_HEADER_BYTES)  # fmt: skip
 _TOO_MANY_431 = _refusal(b"431 Request Header Fields Too Large", b"more than %d request headers\n" % MAX_HEADERS)
+_REASONS = {_TOO_LONG_414: "request_line", _TOO_LARGE_431: "header_bytes", _TOO_MANY_431: "header_count"}
 
 
 class _HeadRefused(Exception):
@@ -194,6 +195,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _fs_refuse(self, answer: bytes) -> None:
         log.debug("request head refused: %s", answer.split(b"\r\n", 1)[0].decode())
+        from ..metrics import connection_refused  # here: prometheus-client reads its multiprocess setting at import
+
+        connection_refused(_REASONS[answer])
         self.fs_refused = True
         self.fs_phase = IDLE  # out of the sweep's view
         transport = self.transport
