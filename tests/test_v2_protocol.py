@@ -732,3 +732,37 @@ def test_grpc_server_starts_when_the_body_limit_passes_a_c_int():
                          timeout=60)  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == ["True", str(2**31 - 1)]
+
+
+@pytest.mark.timeout(120)
+def test_grpc_calls_have_access_log_lines(tmp_path, digits):
+    """FUSEDSERVE_ACCESS_LOG=json: a gRPC ModelInfer has its line as a REST request does (issue 51): method GRPC,
+    route the full method name, REST's status for its outcome, request id, rows, mode, and a refusal's reason."""
+    from service.frontend.access_log import GRPC_ROUTE
+
+    grpc_port = free_port()
+    env = {"workers": 1, "max_batch_size": MAX_BATCH, "grpc_port": grpc_port, "access_log": "json"}
+    with running_servers({"s": ("unfused", env)}, tmp_path) as servers:
+        server = servers["s"]
+        client = tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        try:
+            good = tgrpc.InferInput("input", [3, 64], "FP32")
+            good.set_data_from_numpy(digits[:3])
+            client.infer(MODEL, [good], request_id="grpc-ok")
+            bad = tgrpc.InferInput("input", [1, 5], "FP32")
+            bad.set_data_from_numpy(np.ones((1, 5), np.float32))
+            with pytest.raises(InferenceServerException):
+                client.infer(MODEL, [bad], request_id="grpc-bad")
+        finally:
+            client.close()
+        lines: dict[str, dict] = {}
+        deadline = time.monotonic() + 10  # the access-log thread writes a moment later
+        while len(lines) < 2 and time.monotonic() < deadline:
+            for line in server.log().splitlines():
+                if line.startswith("{") and '"grpc-' in line:
+                    doc = orjson.loads(line)
+                    lines[doc["request_id"]] = doc
+            time.sleep(0.1)
+    ok, refused = lines["grpc-ok"], lines["grpc-bad"]
+    assert (ok["method"], ok["route"], ok["status"], ok["rows"], ok["mode"]) == ("GRPC", GRPC_ROUTE, 200, 3, "unfused")
+    assert refused["status"] == 400 and refused["route"] == GRPC_ROUTE and "64" in refused["reason"], refused

@@ -1,5 +1,7 @@
-"""The access log (FUSEDSERVE_ACCESS_LOG=text|json): one line per HTTP request on standard output, with its time,
+"""The access log (FUSEDSERVE_ACCESS_LOG=text|json): one line per request on standard output, with its time,
 request id, method and route, status, rows, mode, latency in the server and, for an error, the reason the answer gave.
+A gRPC ModelInfer has a line too (`grpc_call`): method GRPC, route its full method name, and as its status the HTTP
+status its outcome has on REST (200, 401, 4xx, 503, 504, 499 for a client that left, 500).
 
 Nothing but a tuple on the request's path: the ASGI wrapper notes the status and headers as they are sent and appends
 one tuple to a deque; a thread of its own formats the lines every 50 ms and writes them, many per write. All told
@@ -44,6 +46,8 @@ class AccessLog:
         self.app = app
         self.sample = sample
         self.writer = Writer(fmt, fd)
+        global _grpc
+        _grpc = (self.writer, sample)  # the same front end's gRPC server logs through it (grpc_call)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -79,6 +83,25 @@ class AccessLog:
                     (time.time(), scope["method"], scope["path"], status, seen[1], cell[0], seen[2],
                      time.perf_counter() - started, seen[3] or b"")
                 )  # fmt: skip
+
+
+GRPC_ROUTE = "/inference.GRPCInferenceService/ModelInfer"
+_grpc: tuple[Writer, float] | None = None  # (writer, sample) where the access log is on in this process
+
+
+def grpc_call(started: float, status: int, request_id: str | None, rows: int | None, mode: str | None,
+              message: str | None = None) -> None:  # fmt: skip
+    """One gRPC ModelInfer answered (`status` as REST would answer it; `message` the error's), where the access log
+    is on; nothing where it is off."""
+    on = _grpc
+    if on is None:
+        return
+    writer, sample = on
+    if status >= 400 or sample >= 1.0 or random.random() < sample:
+        body = orjson.dumps({"error": message}) if message else b""
+        rid = request_id.encode("ascii", "replace") if request_id else None
+        writer.put((time.time(), "GRPC", GRPC_ROUTE, status, rid, rows, mode.encode() if mode else None,
+                    time.perf_counter() - started, body))  # fmt: skip
 
 
 class Writer:

@@ -28,6 +28,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from ..frontend import requestid
+from ..frontend.access_log import grpc_call
 from ..frontend.auth import grpc_credentials, grpc_interceptor
 from ..frontend.inputs import InputError
 from ..frontend.serving import Refused, run_rows
@@ -122,9 +123,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             rid = request.id if requestid.valid(request.id) else requestid.new().decode()
         if keys.digests is not None and not keys.allows(next((v for k, v in metadata if k == "authorization"), None)):
             metrics.observe_request("unauthorized", protocol=PROTOCOL)
+            grpc_call(started, 401, rid, None, None, "a valid API key is needed")
             context.set_trailing_metadata((("x-request-id", rid),))
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is needed: metadata authorization: "
                                 "Bearer <key>")  # fmt: skip
+        rows = None
         try:
             if not state.engines.ready():
                 raise Refused(503, "overloaded", f"model is not ready ({state.status}); retry shortly")
@@ -142,25 +145,36 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         except (InputError, Refused) as e:
             outcome, failed_mode = e.outcome, getattr(e, "mode", None)
             code, message = _CODE_OF.get(e.status, grpc.StatusCode.INTERNAL), e.message
+            status = e.status
         except asyncio.CancelledError:
             # The client left, or its deadline passed (grpcio cancels the handler either way).
             remaining = context.time_remaining()
-            metrics.observe_request("timeout" if remaining is not None and remaining <= 0 else "cancelled",
-                                    time.perf_counter() - started, protocol=PROTOCOL)  # fmt: skip
+            timed_out = remaining is not None and remaining <= 0
+            metrics.observe_request("timeout" if timed_out else "cancelled", time.perf_counter() - started,
+                                    protocol=PROTOCOL)  # fmt: skip
+            grpc_call(started, 504 if timed_out else 499, rid, _count(rows), None, "deadline passed" if timed_out
+                      else "the client left")  # fmt: skip
             raise
         except Exception as e:  # a bug, not a bad request: count it and say so, never an uncounted failure
             log.exception("unexpected error serving ModelInfer")
             outcome, code, message = "error", grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
-            failed_mode = None
+            failed_mode, status = None, 500
         else:
             response = _response(state, request, outputs, wanted, mode)
             if not request.id:
                 response.id = rid
             metrics.observe_request("ok", time.perf_counter() - started, protocol=PROTOCOL, mode=mode)
+            grpc_call(started, 200, rid, _count(rows), mode)
             return response
         metrics.observe_request(outcome, time.perf_counter() - started, protocol=PROTOCOL, mode=failed_mode)
+        grpc_call(started, status, rid, _count(rows), failed_mode, message)
         context.set_trailing_metadata((("x-request-id", rid),))
         await context.abort(code, message)
+
+
+def _count(rows) -> int | None:
+    """A request's rows, for the access log: an array's length, None before the request was parsed."""
+    return len(rows) if rows is not None else None
 
 
 def _parse(state: FrontendState, request) -> tuple[np.ndarray | list[tuple[str, bytes]], list[str]]:
