@@ -90,6 +90,11 @@ def _prepare_all(prepare: Prepare, files: list[bytes]) -> np.ndarray:
     return np.stack([prepare(f) for f in files])
 
 
+def _passed(request: Request) -> dict[str, str]:
+    """The request's headers upstream needs: its body's type and header length, and its key."""
+    return {k: v for k, v in request.headers.items() if k.lower() in ("content-type", HEADER, "authorization")}
+
+
 def make_app() -> FastAPI:
     upstream = os.environ.get(UPSTREAM_ENV, "http://127.0.0.1:8000")
     prepare = Prepare(Path(os.environ[MODEL_ENV])) if os.environ.get(MODEL_ENV) else None
@@ -105,7 +110,7 @@ def make_app() -> FastAPI:
     async def infer(name: str, request: Request) -> Response:
         body = await request.body()
         head_len = request.headers.get(HEADER)
-        passed = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", HEADER, "authorization")}
+        passed = _passed(request)
         if head_len is None or prepare is None:
             return await forward("POST", request.url.path, body, passed)
         head = orjson.loads(body[: int(head_len)])
@@ -127,7 +132,7 @@ def make_app() -> FastAPI:
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def other(path: str, request: Request) -> Response:
-        passed = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", HEADER, "authorization")}
+        passed = _passed(request)
         return await forward(request.method, "/" + path, await request.body(), passed)
 
     return app
