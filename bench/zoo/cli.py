@@ -91,6 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     gpu.add_argument("--tuning-s", type=float, default=None,
                      help="seconds of kernel timing ours may spend per family before it takes untimed picks, as a "
                      "service's start does (its tuning_startup_s) [no limit: every key timed]")  # fmt: skip
+    gpu.add_argument("--steps", type=int, default=0, metavar="N",
+                     help="also time each fused step against its unfused ops (the service's timed graph) and keep "
+                     "the N slowest per case, to show where a family's time goes [0: not timed]")  # fmt: skip
     gpu.add_argument("--fresh", action="store_true", help="start a new results file instead of merging into it")
 
 

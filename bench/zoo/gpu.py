@@ -209,6 +209,8 @@ def _family(args, family: str, workdir: Path) -> list[dict]:
                 torch._dynamo.reset()  # drop the compiled code before the next provider (bench/kernels does so)
         if "ours" in names:
             case["tuning_s"] = args.tuning_s
+            if args.steps:
+                case["steps"] = _slowest_steps(providers, x, args.steps)
             ex = providers._executors.get("fused")
             case["unfused_fallbacks"] = sorted(ex.fallbacks) if ex is not None else []
         rebound(case)
@@ -222,6 +224,21 @@ def _family(args, family: str, workdir: Path) -> list[dict]:
     for c in cases:
         c["ready_s"] = ready
     return cases
+
+
+def _slowest_steps(providers, x: torch.Tensor, n: int) -> dict:
+    """The fused plan's n slowest steps at x's batch, each with its unfused ops' time (ModelProviders.step_times),
+    and the sums over every step: where the family's time goes, and what fusion saves step by step."""
+    try:
+        steps = providers.step_times(x)
+    except Exception as e:  # the per-step timing is extra; the case's timings stand without it
+        return {"error": describe(e)}
+    total = sum(s["fused_us"] for s in steps)
+    unfused = sum(s["unfused_us"] or 0.0 for s in steps)
+    top = sorted(steps, key=lambda s: -s["fused_us"])[:n]
+    rows = [{"step": s["step"], "fused_us": round(s["fused_us"], 2),
+             "unfused_us": None if s["unfused_us"] is None else round(s["unfused_us"], 2)} for s in top]  # fmt: skip
+    return {"count": len(steps), "fused_us": round(total, 1), "unfused_us": round(unfused, 1), "slowest": rows}
 
 
 # A whole network in fp16 against the float64 forward of the same weights drifts further than one kernel's 1e-2:

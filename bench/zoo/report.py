@@ -200,7 +200,28 @@ def gpu_md(results: dict) -> str:
         gpu_table(results["cases"]),
         *(["## Errors", "\n".join(errors)] if errors else []),
         *(["## Not run", "\n".join(skipped)] if skipped else []),
+        *steps_md(results["cases"]),
     ])  # fmt: skip
+
+
+def steps_md(cases: list[dict]) -> list[str]:
+    """`--steps`' sections: per case, its slowest fused steps against their unfused ops (device µs per step, the
+    median of the timed graph's replays; the sum of the steps runs above the hot forward: each step's events)."""
+    out = []
+    for c in cases:
+        st = c.get("steps")
+        if not st:
+            continue
+        head = f"### {c['title']}, batch {c['batch']}"
+        if "error" in st:
+            out += [head, f"per-step timing failed: {st['error']}"]
+            continue
+        rows = "\n".join(f"| {r['step']} | {r['fused_us']:.1f} | "
+                         f"{'-' if r['unfused_us'] is None else format(r['unfused_us'], '.1f')} |"
+                         for r in st["slowest"])  # fmt: skip
+        out += [f"{head}: {st['count']} steps, {st['fused_us']:.0f} µs fused, {st['unfused_us']:.0f} unfused",
+                "| step | fused µs | unfused µs |\n|---|---:|---:|\n" + rows]  # fmt: skip
+    return (["## Slowest fused steps", *out]) if out else []
 
 
 # ---- files ----
