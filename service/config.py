@@ -129,6 +129,21 @@ class Settings(BaseSettings):
         "Python's lock while they work), so that a request's images decode side by side and the front end goes on "
         "serving meanwhile",
     )
+    image_decode: Literal["auto", "cpu", "gpu"] = Field(
+        "auto",
+        description="where JPEGs are decoded: gpu: in the engine, each batch's JPEGs in one nvJPEG call "
+        "(torchvision.io.decode_jpeg on CUDA), then resized and cropped on the GPU, the front ends checking each "
+        "file's header first; cpu: in the front ends (Pillow), as PNG and WebP always are; auto: gpu where the engine "
+        "runs on CUDA and torchvision decodes a JPEG there, else cpu (service/images/gpu_decode.py)",
+    )
+    pinned_arenas: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="on CUDA, register each front end's shared-memory arena with CUDA (cudaHostRegister) so that a "
+        "batch's rows are copied to the GPU from where the front end wrote them, one asynchronous copy per contiguous "
+        "run, with no staging copy on the engine's thread; auto: for inputs of at least 16 KiB a row (images), where "
+        "the staging copy costs more than the copies it saves; off: every batch is staged into pinned memory first "
+        "(service/engine/pinned.py)",
+    )
     kernel_timing_every: int = Field(
         16,
         ge=0,

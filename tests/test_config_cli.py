@@ -82,7 +82,7 @@ def test_defaults():
         "mode", "ab_unfused_percent", "shadow_every", "config_file", "device", "model", "model_dir", "dtype",
         "allow_tf32", "max_batch_size", "max_delay_ms",
         "engine_spin_ms", "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "image_max_pixels",
-        "max_image_body_bytes", "image_decode_threads", "kernel_timing_every",
+        "max_image_body_bytes", "image_decode_threads", "image_decode", "pinned_arenas", "kernel_timing_every",
         "cuda_graphs", "tuning", "tuning_background", "tuning_startup_s", "tuning_timing", "tuning_cache",
         "compile_threads", "compile_deadline_s", "pdl",
         "warmup", "workers", "engines",
@@ -94,6 +94,8 @@ def test_defaults():
     }  # fmt: skip
     # Issue 51: no access log, a 5 s drain delay (load balancers notice before the port closes)
     assert (s.access_log, s.access_log_sample, s.drain_delay_s) == ("off", 1.0, 5.0)
+    # Issue 50: JPEGs decoded on the GPU and arenas registered with CUDA where the engine can (off on a CPU engine)
+    assert (s.image_decode, s.pinned_arenas) == ("auto", "auto")
     # Who may call what (docs/security.md): everything open, plain text, docs on, until configured.
     assert s.api_key is None and s.api_keys_file is None and s.restricted_api is None and s.restrictions() == {}
     assert s.metrics_port is None and s.docs is True and not s.tls and s.tls_client_ca is None

@@ -186,6 +186,8 @@ class Shadow:
     def keep(self, mode: str, parts: list[np.ndarray], outputs: np.ndarray) -> None:
         """Keep a batch for comparison: its rows copied (they are views of the front ends' memory, reused once the
         batch is answered) and its outputs (memory of their own)."""
+        # rows decoded on the GPU (service/images/gpu_decode.py) are torch tensors there: brought back
+        parts = [p.cpu().numpy() if not isinstance(p, np.ndarray) else p for p in parts]
         rows = parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
         if len(self.pending) >= MAX_PENDING:
             self.pending.popleft()

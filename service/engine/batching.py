@@ -29,10 +29,12 @@ class Pending:
 
     owner: object  # the front end's connection, as the engine names it
     id: int
-    rows: np.ndarray  # (n, *input_shape) float32
+    rows: np.ndarray  # (n, *input_shape) float32; an image request: (n, 0) until its images are decoded
     enqueued_at: float  # time.monotonic(), the same clock in every process of the host
     deadline: float  # absolute time.monotonic()
     cancelled: bool = False
+    # An image request (wire.SUBMIT_IMAGES): per image (wire kind, bytes, height, width), decoded when its batch runs
+    images: list | None = None
 
 
 class BatchQueue:

@@ -85,6 +85,11 @@ class Engine:
         self.run_dir: Path | None = None
         # FUSEDSERVE_TUNING_BACKGROUND: the tuning keys start-up left untimed, timed while no request waits.
         self.tuning: BackgroundTuning | None = None
+        # FUSEDSERVE_IMAGE_DECODE: the JPEG decoder of image requests (service/images/gpu_decode.py's BatchDecoder),
+        # None where the front ends decode every image; FUSEDSERVE_PINNED_ARENAS: the arenas registered with CUDA
+        # (engine/pinned.py), None where they are not. Both set by engine_main.
+        self.jpeg = None
+        self.pinned = None
 
     # ------------------------------------------------------------------ loop
 
@@ -144,6 +149,8 @@ class Engine:
     def _idle(self) -> None:
         """Wait for work: spin for `spin_s` (selector polls with no timeout), then block. The answered-request counts
         kept since the last write go out first, so that an idle engine's are exact."""
+        if self.pinned is not None:
+            self.pinned.release_retired()  # no batch in flight: no copy reads a gone front end's arena
         self.metrics.write_answered()
         if self.spin_s and not self._quiet_for(self.spin_s):
             return
@@ -173,7 +180,7 @@ class Engine:
                 fds = [] if conn.fresh else None  # a front end's first bytes bring its arena (service/link/arena.py)
                 messages, closed = stream.read_available(conn.sock, conn.reader, fds)
                 if fds:
-                    conn.map_arena(fds)
+                    conn.map_arena(fds, self.pinned)
                 if messages:
                     conn.fresh = False
                 for message in messages:
@@ -195,6 +202,12 @@ class Engine:
                 if self.queue.cancel(owner, rid):  # dropped unrun: say so, the front end frees its rows then
                     self._reply(owner, rid, wire.CANCELLED, 0, b"")
                 continue
+            if at < 0:  # after a malformed images block: where this message's payloads are is unknown
+                self._reply(owner, rid, wire.FAILED, 0, b"an earlier request of its message was malformed")
+                continue
+            if kind in (wire.SUBMIT_IMAGES, wire.SUBMIT_IMAGES_SHARED):
+                at = self._handle_images(conn, kind, rid, n, offset, deadline, arrival, view, at)
+                continue
             dtype = wire.DTYPES[code]
             size = n * features * dtype.itemsize
             # A view of the message or of the front end's arena: the rows are copied once, into the graph's pinned
@@ -214,6 +227,54 @@ class Engine:
             if not self.queue.push(req):
                 self._reply_error(req, wire.OVERLOADED, f"queue full: {len(self.queue)} requests waiting")
 
+    def _handle_images(self, conn: _Conn, kind: int, rid: int, n: int, offset: int, deadline: float, arrival: float,
+                       view, at: int) -> int:  # fmt: skip
+        """Queue an image request (its IMAGES block inside the message at `at`, or in the arena at `offset`); where
+        the block ends in the message (-1: it does not parse)."""
+        owner = conn.owner
+        shared = kind == wire.SUBMIT_IMAGES_SHARED
+        try:
+            if shared:
+                if conn.arena is None:
+                    raise ValueError("no arena")
+                images, _ = wire.unpack_images(conn.arena, offset, n, len(conn.arena))
+            else:
+                images, at = wire.unpack_images(view, at, n, len(view))
+        except ValueError as e:  # a front end's bug: fail the request, not the engine
+            log.warning("request %s: its images block is malformed (%s)", wire.request_name(rid), e)
+            self._reply(owner, rid, wire.FAILED, 0, f"the request's images block is malformed: {e}".encode())
+            return at if shared else -1  # inline: the rest of this message cannot be found
+        if self.jpeg is None:  # this engine does not decode (a front end that had not heard its HELLO)
+            self._reply(owner, rid, wire.DECODE_ON_CPU, 0, b"this engine does not decode images")
+            return at
+        if any(k == wire.PREPARED_ROW and len(data) != self.features for k, data, _, _ in images):
+            self._reply(owner, rid, wire.FAILED, 0, b"a prepared image row is not one row of the model's input")
+            return at
+        req = Pending(owner, rid, np.empty((n, 0), np.uint8), arrival, deadline, images=images)
+        if not self.queue.push(req):
+            self._reply_error(req, wire.OVERLOADED, f"queue full: {len(self.queue)} requests waiting")
+        return at
+
+    def _decode_images(self, batch: list[Pending]) -> list[Pending]:
+        """Decode the batch's image requests (every JPEG of the batch in one GPU call) into their rows; a request whose
+        file the GPU does not take is answered DECODE_ON_CPU (its front end decodes it) and leaves the batch."""
+        image_reqs = [r for r in batch if r.images is not None]
+        try:
+            rows = self.jpeg([r.images for r in image_reqs])
+        except Exception as err:  # noqa: BLE001 - the decoder itself failed: every image request to the CPU path
+            log.warning("GPU image decoding failed on a batch of %d image requests (%s: %s); their front ends decode "
+                        "them", len(image_reqs), type(err).__name__, err)  # fmt: skip
+            rows = [None] * len(image_reqs)
+        failed = set()
+        for req, got in zip(image_reqs, rows, strict=True):
+            req.images = None  # the files' bytes are no longer needed (their slot goes with the answer)
+            if got is None:
+                failed.add(id(req))
+                self._reply(req.owner, req.id, wire.DECODE_ON_CPU, 0, b"the GPU decoder did not take a file")
+            else:
+                req.rows = got
+        return [r for r in batch if id(r) not in failed] if failed else batch
+
     def _accept(self) -> None:
         while True:
             try:
@@ -226,7 +287,8 @@ class Engine:
             self._conns[conn.owner] = conn
             self.selector.register(sock, selectors.EVENT_READ, conn)
             # The dtype this engine wants rows in and answers in (service/link/wire.py); a new socket takes 6 bytes.
-            if not stream.send_some(sock, conn.pending, stream.frame(wire.hello(self.runner.wire_dtype))):
+            flags = wire.DECODES_JPEG if self.jpeg is not None else 0
+            if not stream.send_some(sock, conn.pending, stream.frame(wire.hello(self.runner.wire_dtype, flags))):
                 self._drop(conn)
             else:
                 self._watch_writes(conn)
@@ -237,6 +299,8 @@ class Engine:
             return
         n = self.queue.drop_owner(conn.owner)
         self._replies.pop(conn.owner, None)
+        if conn.arena is not None and self.pinned is not None:
+            self.pinned.retire(conn.arena)  # unregistered between batches: one in flight may still read it
         self.selector.unregister(conn.sock)
         conn.sock.close()
         # A front end that stops cleanly (SIGTERM, a restart) leaves nothing queued: not a warning, one per front end
@@ -255,6 +319,8 @@ class Engine:
         batch, expired = self.queue.take(now)
         for req in expired:
             self._reply_error(req, wire.TIMEOUT, f"deadline passed {now - req.deadline:.3f} s before its batch ran")
+        if batch and self.jpeg is not None:
+            batch = self._decode_images(batch)
         if batch:
             rows = 0
             waits = []
@@ -268,6 +334,8 @@ class Engine:
             self.metrics.batch(rows, mode)
             self.metrics.queue_depth(len(self.queue))
             self._forward(batch, rows, mode, now)
+        if self.pinned is not None:
+            self.pinned.release_retired()
         self._flush()
 
     def _forward(self, batch: list[Pending], rows: int, mode: str, taken: float) -> None:
@@ -438,19 +506,28 @@ class _Conn:
         self.fresh = True  # nothing read yet: the first read looks for the arena's file descriptor
         self.arena: mmap.mmap | None = None  # the front end's rows (service/link/arena.py), read-only here
 
-    def map_arena(self, fds: list[int]) -> None:
+    def map_arena(self, fds: list[int], pinned=None) -> None:
         """Map the front end's arena (the first descriptor; any other is closed). Requests whose rows are in it
-        keep views of the mapping, so it lives as long as they do, past the connection if need be."""
+        keep views of the mapping, so it lives as long as they do, past the connection if need be. With `pinned`
+        (engine/pinned.py) it is registered with CUDA, for which it is mapped writable (CUDA pins writable pages);
+        the engine still only reads it."""
         try:
-            self.arena = mmap.mmap(fds[0], os.fstat(fds[0]).st_size, prot=mmap.PROT_READ)
+            size = os.fstat(fds[0]).st_size
+            if pinned is not None and pinned.enabled:
+                self.arena = mmap.mmap(fds[0], size)
+                pinned.register(self.arena)
+            else:
+                self.arena = mmap.mmap(fds[0], size, prot=mmap.PROT_READ)
         finally:
             for fd in fds:
                 os.close(fd)
 
 
-def build_runner(settings: Settings, device, dtype: str, model, metrics, mode: str | None = None):
+def build_runner(settings: Settings, device, dtype: str, model, metrics, mode: str | None = None,
+                 direct_input: bool = False):  # fmt: skip
     """The model runner of `mode` (default: settings.mode) for this engine, with the kernel switches set from the
-    settings; its metrics carry `mode`."""
+    settings; its metrics carry `mode`. `direct_input`: its graphs leave their input to the runner's direct copies
+    (registered arenas, rows decoded on the GPU: service/model/runner.py)."""
     import functools
 
     import torch
@@ -486,7 +563,26 @@ def build_runner(settings: Settings, device, dtype: str, model, metrics, mode: s
         max_batch_size=settings.max_batch_size,
         observe_kernel=labelled(metrics.observe_kernel),
         observe_forward=labelled(metrics.observe_forward),
+        direct_input=direct_input,
     )
+
+
+def image_setup(settings: Settings, device, dtype: str, model):
+    """(the JPEG decoder of image requests or None, the PinnedArenas or None, whether the runners take their input
+    directly) for this engine: FUSEDSERVE_IMAGE_DECODE and FUSEDSERVE_PINNED_ARENAS resolved on its device."""
+    from ..images import gpu_decode
+    from . import pinned
+
+    jpeg = None
+    if model.spec.input.image is not None and gpu_decode.resolve(settings.image_decode, device.type):
+        from ..images.preprocess import Preprocess
+
+        jpeg = gpu_decode.BatchDecoder(Preprocess.of(model.spec), device)
+    value_bytes = 1 if model.spec.input.dtype == "uint8" else (4 if dtype != "float16" else 2)
+    pin = pinned.wanted(settings.pinned_arenas, device.type, settings.cuda_graphs, model.input_features * value_bytes)
+    arenas = pinned.PinnedArenas(True) if pin else None
+    direct = device.type == "cuda" and settings.cuda_graphs and (jpeg is not None or pin)
+    return jpeg, arenas, direct
 
 
 def engine_main(
@@ -542,8 +638,12 @@ def engine_main(
 
         compile_deadline.on_late(metrics.compile_late)
 
+        jpeg, arenas, direct = image_setup(settings, device, dtype, model)
+
         def make_runner(mode: str):
-            return faults.maybe_inject(build_runner(settings, device, dtype, model, metrics, mode))
+            runner = build_runner(settings, device, dtype, model, metrics, mode, direct_input=direct)
+            runner.pinned = arenas
+            return faults.maybe_inject(runner)
 
         runners = {m: make_runner(m) for m in needed_modes(settings.mode, settings.shadow_every)}
         listener = stream.new_socket()
@@ -551,6 +651,12 @@ def engine_main(
         listener.listen(256)
         engine = Engine(runners, listener, settings, model.input_shape, metrics, dtype)
         engine.device_type = device.type
+        engine.jpeg, engine.pinned = jpeg, arenas
+        if jpeg is not None or arenas is not None or direct:
+            log.info("engine %d: JPEGs decoded %s; front ends' arenas %s; batches copied into the graphs %s", index,
+                     "on the GPU (nvJPEG)" if jpeg is not None else "in the front ends",
+                     "registered with CUDA" if arenas is not None else "not registered",
+                     "directly" if direct else "through pinned staging")  # fmt: skip
         engine.on_broken = lambda: setattr(state, "value", wire.BROKEN)
         if config is not None:
             engine.config_generation, engine.config_seen = config

@@ -66,6 +66,20 @@ class EngineGone(EngineError):
 
 
 @dataclass
+class ImageRequest:
+    """An image request for an engine that decodes JPEGs on its GPU (FUSEDSERVE_IMAGE_DECODE): per image (wire kind,
+    bytes, height, width), ENCODED_JPEG files as sent and PREPARED_ROW rows prepared here (service/frontend/
+    images.py), and the files as sent ((what names each, its bytes)), which the front end prepares itself where the
+    engine answers DECODE_ON_CPU."""
+
+    items: list[tuple[int, bytes, int, int]]
+    files: list[tuple[str, bytes]]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+@dataclass
 class Reservation:
     """A slot of an engine's arena held for rows written in place (`EngineClient.reserve`)."""
 
@@ -102,6 +116,7 @@ class EngineClient:
         # Each engine's wire dtype (link/wire.py) as its index into wire.DTYPES, from its HELLO; None until then,
         # and rows go as float32.
         self._wire: list[int | None] = [None] * len(endpoints)
+        self._flags = [0] * len(endpoints)  # each engine's HELLO flags (wire.DECODES_JPEG)
         # Each engine's arena (service/link/arena.py), and the slot of every request whose rows are in one, until the
         # engine answers it.
         self._arenas: list[Arena | None] = [None] * len(endpoints)
@@ -143,6 +158,7 @@ class EngineClient:
         self._socks[i] = sock
         self._readers[i] = stream.Reader()
         self._wire[i] = None
+        self._flags[i] = 0
         self._arenas[i] = arena
         self._loop.add_reader(sock.fileno(), self._drain, i)
 
@@ -184,6 +200,11 @@ class EngineClient:
 
     # ------------------------------------------------------------------ requests
 
+    def decodes_jpeg(self) -> bool:
+        """Whether the engines decode JPEGs themselves (their HELLO says so): then an image request's JPEGs go to them
+        encoded (ImageRequest). Every engine runs the same settings; one not heard yet answers DECODE_ON_CPU."""
+        return any(self._flags[i] & wire.DECODES_JPEG for i in range(len(self._flags)) if self._ready(i))
+
     def submit(self, rows: np.ndarray, deadline: float, arrival: float) -> tuple[int, asyncio.Future]:
         """Send `rows` ((n, *input_shape) float32, or uint8 for a uint8 model) to the least-loaded ready engine, float
         rows cast to its wire dtype here, on
@@ -197,6 +218,8 @@ class EngineClient:
         if best < 0:
             fut.set_exception(EngineGone("no engine is ready"))
             return rid, fut
+        if isinstance(rows, ImageRequest):
+            return self._submit_images(best, rid, fut, rows, deadline, arrival)
         self._pending[rid] = (fut, best)
         load[best] += 1
         headers, frames = self._outbox[best]
@@ -220,6 +243,29 @@ class EngineClient:
                 headers.append(wire.REQUEST.pack(wire.SUBMIT, code, rid, rows.shape[0], 0, deadline, arrival))
                 frames.append(rows)
         self._sent(best)
+        return rid, fut
+
+    def _submit_images(self, i: int, rid: int, fut: asyncio.Future, request: ImageRequest, deadline: float,
+                       arrival: float) -> tuple[int, asyncio.Future]:  # fmt: skip
+        """`submit` of an ImageRequest to engine i: its IMAGES block in the arena (or inside the message where the
+        arena has no room); DECODE_ON_CPU at once where engine i does not decode JPEGs."""
+        if not self._flags[i] & wire.DECODES_JPEG:
+            fut.set_exception(EngineError(wire.DECODE_ON_CPU, f"engine {i} does not decode images"))
+            return rid, fut
+        self._pending[rid] = (fut, i)
+        self._load[i] += 1
+        headers, frames = self._outbox[i]
+        size = wire.images_size(request.items)
+        arena = self._arenas[i]
+        slot = arena.take(size) if arena is not None else None
+        n = len(request.items)
+        if slot is not None:
+            wire.pack_images(request.items, memoryview(arena.buf)[slot[0] : slot[0] + size])
+            self._shared(i, rid, wire.UINT8, n, slot, deadline, arrival, wire.SUBMIT_IMAGES_SHARED)
+        else:
+            headers.append(wire.REQUEST.pack(wire.SUBMIT_IMAGES, wire.UINT8, rid, n, 0, deadline, arrival))
+            frames.append(wire.pack_images(request.items))
+        self._sent(i)
         return rid, fut
 
     def _least_loaded(self) -> int:
@@ -323,11 +369,12 @@ class EngineClient:
         self._sent(i)
         return rid, fut
 
-    def _shared(self, i: int, rid: int, code: int, n: int, slot: list, deadline: float, arrival: float) -> None:
-        """Request `rid`'s n rows are in engine i's arena at `slot`: held there until it answers, and the message that
-        says where queued in its outbox."""
+    def _shared(self, i: int, rid: int, code: int, n: int, slot: list, deadline: float, arrival: float,
+                kind: int = wire.SUBMIT_SHARED) -> None:  # fmt: skip
+        """Request `rid`'s n rows (or images) are in engine i's arena at `slot`: held there until it answers, and the
+        message that says where queued in its outbox."""
         self._slots[rid] = (i, slot)
-        self._outbox[i][0].append(wire.REQUEST.pack(wire.SUBMIT_SHARED, code, rid, n, slot[0], deadline, arrival))
+        self._outbox[i][0].append(wire.REQUEST.pack(kind, code, rid, n, slot[0], deadline, arrival))
 
     def cancel(self, rid: int) -> None:
         """The client left: forget the request and tell its engine to drop it if it is still queued."""
@@ -388,7 +435,8 @@ class EngineClient:
         for message in messages:
             if dtype is None:  # the first message of a connection: the engine's HELLO
                 try:
-                    code = self._wire[i] = wire.read_hello(message)
+                    code, self._flags[i] = wire.read_hello(message)
+                    self._wire[i] = code
                 except ValueError as e:
                     self._engine_gone(i, f"engine {i}: {e}")
                     return

@@ -18,7 +18,7 @@ from .access_log import note_rows
 from .asgi import CLOSE, JSON, RETRY, Answer, ClientGone, content_length, header, watch_disconnect
 from .auth import CHALLENGE
 from .encoding import check_encoding, decode_body, encoded
-from .engine_client import EngineError, EngineGone
+from .engine_client import EngineError, EngineGone, ImageRequest
 from .guard import DROP_UNREAD
 from .inputs import InputError
 from .state import FrontendState
@@ -145,9 +145,36 @@ async def read_chunks(
     return size, more
 
 
+class _DecodeOnCpu(Exception):
+    """The engine did not decode an ImageRequest's JPEGs (wire.DECODE_ON_CPU): the front end prepares them itself."""
+
+
 async def run_rows(
     state: FrontendState,
-    rows: np.ndarray,
+    rows: np.ndarray | ImageRequest,
+    arrival: float,
+    deadline: float,
+    receive=None,
+    request_id=None,
+    reservation=None,
+) -> tuple[np.ndarray, str]:
+    """`_run_once`; an image request whose JPEGs its engine did not decode (nvJPEG refused one, or the engine does not
+    decode: wire.DECODE_ON_CPU) is prepared here (Pillow) and submitted again as rows, before the same deadline, so
+    that a file the GPU path does not take fails or succeeds as on the CPU path, alone."""
+    if not isinstance(rows, ImageRequest):
+        return await _run_once(state, rows, arrival, deadline, receive, request_id, reservation)
+    try:
+        return await _run_once(state, rows, arrival, deadline, receive, request_id)
+    except _DecodeOnCpu:
+        from .images import pipeline
+
+        prepared = await pipeline(state).cpu_rows(rows.files)
+        return await _run_once(state, prepared, arrival, deadline, receive, request_id)
+
+
+async def _run_once(
+    state: FrontendState,
+    rows: np.ndarray | ImageRequest,
     arrival: float,
     deadline: float,
     receive=None,
@@ -188,6 +215,8 @@ async def run_rows(
     except EngineGone as e:
         raise Refused(503, "overloaded", f"engine unavailable: {e.message}") from None
     except EngineError as e:
+        if e.status == wire.DECODE_ON_CPU:
+            raise _DecodeOnCpu(e.message) from None
         status, outcome, prefix = _STATUS_OF[e.status]
         log.log(logging.WARNING if status == 500 else logging.DEBUG, "request %s (engine request %s): %d %s%s",
                 _text(request_id), wire.request_name(rid), status, prefix, e.message)  # fmt: skip

@@ -2,14 +2,20 @@
 cropped on the GPU by the same torch code as the CPU path (preprocess.py): the engine-side step for JPEG requests on a
 GPU host, where a front end's core would otherwise spend about 3 ms per 500x375 photo (decode 2 ms, resize 1 ms).
 
-Optional: `GpuJpegDecoder.available()` is True only where torchvision imports beside this torch and decodes a JPEG on
-the GPU (its PyPI wheel is built against the CUDA torch and fails at import beside the CPU one, so CI never has it);
-everywhere else, and for any file it does not take, the CPU path (prepare.py) runs. Each file's header is read on the
-CPU first (Pillow, no pixels decoded), so that the pixel limit, the format and the colour mode are checked before any
-GPU work: a CMYK or non-JPEG file goes to the CPU path, which converts it as users expect.
+The split (FUSEDSERVE_IMAGE_DECODE, service/config.py): a front end reads each file's header (`header`: Pillow, no
+pixel decoded), so that the format, the pixel limit and the colour mode are checked before the request joins a batch;
+a JPEG nvJPEG takes travels encoded to the engine (service/link/wire.py's IMAGES block), every other file (PNG, WebP,
+CMYK, or a bad file, which the CPU path refuses with its 4xx) is prepared in the front end as before. The engine
+decodes its batch's JPEGs in one decode_jpeg call (`BatchDecoder`, chunked past GPU_BATCH_PIXELS), resizes them a
+size at a time on the GPU, and copies the rows into the graph's input; the first conv normalizes as for tensors.
+
+Optional: `available()` is True only where torchvision imports beside this torch and decodes a JPEG on the GPU (its
+PyPI wheel is built against the CUDA torch and fails at import beside the CPU one, so CI never has it); everywhere
+else the CPU path (prepare.py) runs. A JPEG nvJPEG refuses fails only its own request, which the front end then
+decodes with Pillow (wire.DECODE_ON_CPU).
 
 tests/test_images_gpu.py (marked gpu) checks its rows against the CPU path's on the same files, and the digits
-model's top-1 on them.
+model's top-1 on them; tests/test_images_routing.py the split, the wire and the fallbacks on the CPU.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import functools
 import io
 import logging
+import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -27,8 +35,13 @@ from .preprocess import Preprocess
 
 log = logging.getLogger(__name__)
 
-# nvJPEG decodes these as they are; anything else (CMYK, YCCK, 16-bit lossless JPEG) takes the CPU path.
-GPU_MODES = ("RGB", "L")
+# Colour modes (Pillow's names, from the header) nvJPEG decodes into the model's channels as Pillow would: RGB into
+# RGB or BGR, RGB and L into L (its luma). Anything else (a grayscale JPEG for an RGB model, CMYK, YCCK) is prepared in
+# the front end, which converts it as users expect (decode.py).
+GPU_MODES = {"RGB": ("RGB",), "BGR": ("RGB",), "L": ("L", "RGB")}
+# Pixels decoded by one decode_jpeg call: nvJPEG's outputs (3 bytes a pixel) and its buffers stay within ~0.5 GB
+# however large the batch's files are (a 256-image batch of 500x375 photos is 48 MP: one call).
+GPU_BATCH_PIXELS = 64_000_000
 
 
 @functools.cache
@@ -60,44 +73,170 @@ def available(device: str = "cuda") -> bool:
         return False
 
 
+def resolve(setting: str, device_type: str) -> bool:
+    """Whether an engine on `device_type` decodes JPEGs (FUSEDSERVE_IMAGE_DECODE: auto, cpu, gpu); gpu where they
+    cannot decode there is a RuntimeError at start, not a silent fallback."""
+    if setting == "cpu":
+        return False
+    works = device_type == "cuda" and available()
+    if setting == "gpu" and not works:
+        why = "the engine runs on the CPU" if device_type != "cuda" else (
+            "torchvision does not import beside this torch" if _decode_jpeg() is None
+            else "torchvision.io.decode_jpeg(device='cuda') fails here")  # fmt: skip
+        raise RuntimeError(f"FUSEDSERVE_IMAGE_DECODE=gpu but JPEGs cannot be decoded on the GPU: {why}")
+    return works
+
+
+def header(data: bytes, max_pixels: int, channels: str, what: str = "the image") -> tuple[int, int] | None:
+    """A file the GPU decoder takes as it is: (height, width) from its header, read with Pillow's lazy open (no pixel
+    decoded, ~20 us); ImageError 413 past `max_pixels`; None for anything else (not a JPEG, a mode nvJPEG does not
+    convert as Pillow would, a header Pillow cannot read, no end-of-image marker), which the CPU path prepares or
+    refuses with its own words."""
+    # No end-of-image marker: truncated. libjpeg-turbo says so (and the CPU path refuses it); nvJPEG may not.
+    if sniff(data) != "jpeg" or not bytes(data[-16:]).rstrip(b"\0").endswith(b"\xff\xd9"):
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Image.open(io.BytesIO(data), formats=["JPEG"]) as im:
+                (width, height), mode = im.size, im.mode
+    except Exception:  # noqa: BLE001 - a header Pillow cannot read: the CPU path says what is wrong with it
+        return None
+    check_size(width, height, max_pixels, what)
+    if mode not in GPU_MODES.get(channels, ()) or width < 1 or height < 1:
+        return None
+    return height, width
+
+
+def _nvjpeg(files: list[torch.Tensor], gray: bool, device: torch.device) -> list[torch.Tensor]:
+    decode_jpeg, mode = _decode_jpeg()
+    return decode_jpeg(files, mode=mode.GRAY if gray else mode.RGB, device=device)
+
+
+class BatchDecoder:
+    """An engine's batch of image requests -> each request's rows, (n, channels, height, width) uint8 on the device:
+    every JPEG of the batch decoded in one call (`decode`: nvJPEG by default), the rows prepared in the front end
+    (wire.PREPARED_ROW) copied over. A request of which a file fails to decode gets None (its front end then decodes it
+    on the CPU); the others are not affected."""
+
+    def __init__(self, preprocess: Preprocess, device: str | torch.device = "cuda",
+                 decode: Callable[[list[torch.Tensor], bool, torch.device], list[torch.Tensor]] | None = None,
+                 batch_pixels: int = GPU_BATCH_PIXELS):  # fmt: skip
+        self.preprocess = preprocess
+        self.device = torch.device(device)
+        self.gray = preprocess.channels == "L"
+        self.channels = 1 if self.gray else 3
+        self.decode = decode or _nvjpeg
+        self.batch_pixels = batch_pixels
+        self.calls = 0  # decode calls made (the test of one call per batch reads it)
+
+    def __call__(self, requests: list[list[tuple[int, memoryview, int, int]]]) -> list[torch.Tensor | None]:
+        """`requests`: per request its images as (wire kind, bytes, height, width)."""
+        from ..link import wire
+
+        pre = self.preprocess
+        shape = (self.channels, pre.height, pre.width)
+        total = sum(len(r) for r in requests)
+        out = torch.empty((total, *shape), dtype=torch.uint8, device=self.device)
+        jpegs: list[tuple[int, int, memoryview, int]] = []  # (request, row in out, bytes, pixels)
+        row = 0
+        for r, images in enumerate(requests):
+            for kind, data, height, width in images:
+                if kind == wire.ENCODED_JPEG:
+                    jpegs.append((r, row, data, height * width))
+                else:
+                    with warnings.catch_warnings():  # read-only bytes: only read
+                        warnings.simplefilter("ignore", UserWarning)
+                        out[row].copy_(torch.frombuffer(data, dtype=torch.uint8).view(shape))
+                row += 1
+        failed: set[int] = set()
+        decoded: list[tuple[int, torch.Tensor]] = []  # (row in out, (C, H, W) on the device)
+        for chunk in _chunks(jpegs, self.batch_pixels):
+            decoded += self._decode_chunk(chunk, failed)
+        if decoded:
+            rows = [at for at, _ in decoded]
+            prepared = pre.many([im for _, im in decoded])
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                out[rows[0] : rows[0] + len(rows)] = prepared
+            else:
+                out[torch.tensor(rows, device=self.device)] = prepared
+        results: list[torch.Tensor | None] = []
+        row = 0
+        for r, images in enumerate(requests):
+            results.append(None if r in failed else out[row : row + len(images)])
+            row += len(images)
+        return results
+
+    def _decode_chunk(self, chunk: list[tuple[int, int, memoryview, int]], failed: set[int]):
+        """One decode call for the chunk; if it raises (one file nvJPEG refuses fails the call), each file alone, so
+        that only the requests of the files that fail alone are marked `failed`."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # frombuffer of read-only bytes: decode_jpeg only reads them
+            files = [torch.frombuffer(data, dtype=torch.uint8) for _, _, data, _ in chunk]
+        self.calls += 1
+        try:
+            images = self.decode(files, self.gray, self.device)
+            if len(images) != len(files):
+                raise RuntimeError(f"{len(images)} images decoded from {len(files)} files")
+        except Exception as e:  # noqa: BLE001 - nvJPEG's RuntimeError for a file it does not take, whatever its words
+            if len(chunk) == 1:
+                log.info("GPU JPEG decoding refused a file (%s: %s); its request is decoded on the CPU",
+                         type(e).__name__, e)  # fmt: skip
+                failed.add(chunk[0][0])
+                return []
+            return [got for one in chunk for got in self._decode_chunk([one], failed)]
+        out = []
+        for (r, at, _, _), im in zip(chunk, images, strict=True):
+            if im.dim() == 3 and im.shape[0] == self.channels and im.shape[1] > 0 and im.shape[2] > 0:
+                out.append((at, im))
+            else:  # not what was asked for (a decoder's channels for an odd file): the CPU path decides
+                failed.add(r)
+        return out
+
+
+def _chunks(jpegs: list, budget: int):
+    """`jpegs` in runs of at most `budget` pixels (a file larger than that alone)."""
+    run, pixels = [], 0
+    for j in jpegs:
+        if run and pixels + j[3] > budget:
+            yield run
+            run, pixels = [], 0
+        run.append(j)
+        pixels += j[3]
+    if run:
+        yield run
+
+
 class GpuJpegDecoder:
-    """Encoded files -> (n, channels, height, width) uint8 on the GPU: the JPEGs in one nvJPEG batch, the rest (and
-    any JPEG the header check sends there) decoded on the CPU and copied over."""
+    """Encoded files -> (n, channels, height, width) uint8 on the GPU, in one process (tests, tools): the JPEGs the
+    header check sends to the GPU in one nvJPEG batch (BatchDecoder), the rest (and any JPEG nvJPEG refuses) decoded
+    on the CPU (Pillow) and copied over; ImageError for the first file that cannot be read, as the CPU path words it."""
 
     def __init__(self, preprocess: Preprocess, max_pixels: int, device: str = "cuda"):
         self.preprocess = preprocess
         self.max_pixels = max_pixels
-        self.device = torch.device(device)
-        self.gray = preprocess.channels == "L"
+        self.batch = BatchDecoder(preprocess, device)
+        self.device = self.batch.device
 
     def __call__(self, files: list[tuple[str, bytes]]) -> torch.Tensor:
-        """`files`: (what names it in messages, its bytes); ImageError for the first that cannot be read."""
-        on_gpu = [i for i, (what, data) in enumerate(files) if self._gpu_takes(data, what)]
-        rows: list[torch.Tensor | None] = [None] * len(files)
-        if on_gpu:
-            decode_jpeg, mode = _decode_jpeg()
-            data = [torch.frombuffer(bytearray(files[i][1]), dtype=torch.uint8) for i in on_gpu]
-            try:
-                images = decode_jpeg(data, mode=mode.GRAY if self.gray else mode.RGB, device=self.device)
-            except RuntimeError:  # one file nvJPEG refuses fails the batch: each on the CPU path, which words it
-                images, on_gpu = [], []
-            for i, image in zip(on_gpu, images, strict=True):
-                rows[i] = self.preprocess.chw(image)
-        for i, (what, data) in enumerate(files):
-            if rows[i] is None:
-                pixels = decode(data, "L" if self.gray else "RGB", self.max_pixels, what)
-                rows[i] = self.preprocess(torch.from_numpy(np.ascontiguousarray(pixels)).to(self.device))
-        return torch.stack(rows)
+        from ..link import wire
 
-    def _gpu_takes(self, data: bytes, what: str) -> bool:
-        """A JPEG of a mode nvJPEG decodes, within the pixel limit (ImageError past it); False for the CPU path."""
-        # No end-of-image marker: truncated. libjpeg-turbo says so (and the CPU path refuses it); nvJPEG may not.
-        if sniff(data) != "jpeg" or not data.rstrip(b"\0").endswith(b"\xff\xd9"):
-            return False
-        try:
-            with Image.open(io.BytesIO(data), formats=["JPEG"]) as im:
-                width, height, mode = *im.size, im.mode
-        except Exception:  # noqa: BLE001 - a header Pillow cannot read: the CPU path says what is wrong with it
-            return False
-        check_size(width, height, self.max_pixels, what)
-        return mode in GPU_MODES
+        pre = self.preprocess
+        gray = pre.channels == "L"
+        images = []
+        for what, data in files:
+            hw = header(data, self.max_pixels, pre.channels, what)
+            if hw is not None:
+                images.append((wire.ENCODED_JPEG, memoryview(data), *hw))
+            else:
+                pixels = decode(data, "L" if gray else "RGB", self.max_pixels, what)
+                row = pre(torch.from_numpy(np.ascontiguousarray(pixels))).numpy()
+                images.append((wire.PREPARED_ROW, memoryview(row.tobytes()), 0, 0))
+        rows = self.batch([[im] for im in images])
+        out = []
+        for (what, data), got in zip(files, rows, strict=True):
+            if got is None:  # nvJPEG refused it: the CPU path, as the front end would take it
+                pixels = decode(data, "L" if gray else "RGB", self.max_pixels, what)
+                got = pre(torch.from_numpy(np.ascontiguousarray(pixels)).to(self.device))[None]
+            out.append(got)
+        return torch.cat(out)

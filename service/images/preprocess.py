@@ -64,12 +64,34 @@ class Preprocess:
         return self.chw(pixels.permute(2, 0, 1))
 
     def chw(self, x: torch.Tensor) -> torch.Tensor:
-        """As __call__, for pixels already (3 or 1, height, width): what GPU decoders give."""
+        """As __call__, for pixels already (3 or 1, height, width): what GPU decoders give; also a stack of images of
+        one size, (n, channels, height, width), each prepared as alone (the resize treats them one by one)."""
         if self.channels == "BGR":
-            x = x.flip(0)
+            x = x.flip(-3)
         if self.resize is not None:
             x = resize_shorter(x, self.resize, self.interpolation)
         return center_crop(x, self.height, self.width).contiguous()
+
+    def many(self, images: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """A list of (channels, height, width) images of any sizes -> (n, channels, self.height, self.width) uint8, in
+        `out` where given. Images of one size are prepared together (one resize for all of them: a batch of 500x375
+        photos is a few kernels, not a few per photo), with the same code as one image alone, so each row is what
+        `chw` gives it."""
+        if out is None:
+            c = images[0].shape[0] if images else 0
+            out = torch.empty((len(images), c, self.height, self.width), dtype=torch.uint8,
+                              device=images[0].device if images else "cpu")  # fmt: skip
+        by_size: dict[tuple[int, ...], list[int]] = {}
+        for i, im in enumerate(images):
+            by_size.setdefault(tuple(im.shape), []).append(i)
+        for idx in by_size.values():
+            stack = images[idx[0]][None] if len(idx) == 1 else torch.stack([images[i] for i in idx])
+            rows = self.chw(stack)
+            if idx == list(range(idx[0], idx[0] + len(idx))):
+                out[idx[0] : idx[0] + len(idx)] = rows
+            else:
+                out[torch.tensor(idx, device=out.device)] = rows
+        return out
 
 
 def resized_size(height: int, width: int, shorter: int) -> tuple[int, int]:
@@ -82,23 +104,26 @@ def resized_size(height: int, width: int, shorter: int) -> tuple[int, int]:
 
 def resize_shorter(x: torch.Tensor, shorter: int, interpolation: str = "bilinear") -> torch.Tensor:
     """(C, H, W) uint8 -> (C, H', W') uint8 with min(H', W') == shorter, antialiased, rounded to the nearest
-    integer (torch.round, as torchvision rounds a uint8 tensor it resized in float)."""
-    size = resized_size(x.shape[1], x.shape[2], shorter)
-    if size == tuple(x.shape[1:]):
+    integer (torch.round, as torchvision rounds a uint8 tensor it resized in float). (N, C, H, W): each image alike."""
+    size = resized_size(x.shape[-2], x.shape[-1], shorter)
+    if size == tuple(x.shape[-2:]):
         return x
-    y = F.interpolate(x[None].float(), size=size, mode=interpolation, antialias=True, align_corners=False)[0]
+    one = x.dim() == 3
+    y = F.interpolate((x[None] if one else x).float(), size=size, mode=interpolation, antialias=True,
+                      align_corners=False)  # fmt: skip
+    y = y[0] if one else y
     return y.round_().clamp_(0, 255).to(torch.uint8)
 
 
 def center_crop(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """torchvision's CenterCrop: the middle (height, width) of (C, H, W), the top-left offset rounded
     (int(round((H - height) / 2))); an image smaller than the crop is zero-padded first, its extra pixel of odd
-    padding on the bottom and right."""
-    _, h, w = x.shape
+    padding on the bottom and right. (N, C, H, W): each image alike."""
+    h, w = x.shape[-2:]
     if h < height or w < width:
         left, top = max(width - w, 0) // 2, max(height - h, 0) // 2
         right, bottom = max(width - w, 0) - left, max(height - h, 0) - top
         x = F.pad(x, (left, right, top, bottom))
-        _, h, w = x.shape
+        h, w = x.shape[-2:]
     top, left = int(round((h - height) / 2.0)), int(round((w - width) / 2.0))
-    return x[:, top : top + height, left : left + width]
+    return x[..., top : top + height, left : left + width]

@@ -14,6 +14,9 @@ With `host_io`, each bucket's graph also holds the batch's copies: pinned host i
 kernels, graph output -> pinned host output. A batch is then one host cast into `host_in`, one replay and
 one synchronisation, where copies issued from Python are two more torch calls and two more submissions
 to the GPU, each waited on in turn. Those copies move whole buckets (at most twice the batch's rows).
+With `copy_in=False` the graph holds only the kernels and the copy out: the caller fills the bucket's input
+(`input_of`) itself, with copies straight from the front ends' registered arenas or rows decoded on the GPU
+(service/model/runner.py), where staging a batch of images in `host_in` first cost milliseconds of host memcpy.
 
 With `timed` (host_io only), each bucket also gets a second graph whose steps are bracketed by CUDA event-record
 nodes (StepTimer with external events): a batch whose kernels are timed replays it instead, for about the host
@@ -42,7 +45,10 @@ def graph_buckets(max_batch_size: int) -> list[int]:
 class GraphedExecutor:
     """Runs an Executor's forward through captured CUDA graphs, one per batch bucket."""
 
-    def __init__(self, executor: Executor, max_batch_size: int, *, host_io: bool = False, timed: bool = False):
+    def __init__(
+        self, executor: Executor, max_batch_size: int, *, host_io: bool = False, timed: bool = False,
+        copy_in: bool = True,
+    ):  # fmt: skip
         if executor.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA executor; this one runs on {executor.device}")
         self.executor = executor
@@ -53,6 +59,7 @@ class GraphedExecutor:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._timed: dict[int, tuple[torch.cuda.CUDAGraph, StepTimer]] | None = {} if timed else None
         self._pool = torch.cuda.graph_pool_handle()  # one memory pool: buckets never run at once
+        self.copy_in = copy_in  # host_io: whether the graph copies host_in into its input (else the caller fills it)
         # host_io: pinned staging that every bucket's graph copies from and to (buckets never run at once). The
         # input starts as zeros: pad rows are whatever earlier batches left, always finite.
         self.host_in: torch.Tensor | None = None
@@ -91,8 +98,11 @@ class GraphedExecutor:
         else:
             host_in, host_out = self.host_in[:rows], self.host_out[:rows]
 
+            copy_in = self.copy_in
+
             def step(timer: StepTimer | None = None):
-                static_in.copy_(host_in, non_blocking=True)
+                if copy_in:
+                    static_in.copy_(host_in, non_blocking=True)
                 out = ex.forward(static_in, timer)
                 host_out.copy_(out, non_blocking=True)
                 return out
@@ -107,6 +117,14 @@ class GraphedExecutor:
                 timer = StepTimer(ex.device, external=True)
                 timed_graph, _ = capture(lambda: step(timer), warmups=1, device=ex.device, pool=self._pool)
                 self._timed[rows] = (timed_graph, timer)
+
+    def input_of(self, rows: int) -> torch.Tensor:
+        """The graph input of the bucket of `rows` (captured first if need be), for a caller that fills it itself
+        (copy_in=False): the first `rows` rows are the batch, the rest pad."""
+        bucket = self.bucket_for(rows)
+        if bucket not in self._graphs:
+            self.capture(bucket)
+        return self._graphs[bucket][1]
 
     def recapture(self, rows: int) -> bool:
         """Capture the bucket `rows` again, if it was captured: its kernels' launchers now pick other configs (a pick

@@ -5,6 +5,7 @@ Called only from the engine's one thread, which owns the device (and its CUDA st
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import logging
 import time
@@ -76,6 +77,12 @@ def events_in_graphs() -> bool:
     return "external" in inspect.signature(torch.cuda.Event.__new__).parameters
 
 
+def _host(part):
+    """A batch part as a numpy array on the host (rows decoded on the device come back: a path only a runner without
+    direct input takes, which an engine that decodes on its GPU never is)."""
+    return part.cpu().numpy() if isinstance(part, torch.Tensor) else part
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -89,19 +96,25 @@ class ModelRunner:
         max_batch_size: int = 256,
         observe_kernel: Callable[[str, float], None] | None = None,
         observe_forward: Callable[[float], None] | None = None,
+        direct_input: bool = False,
     ):
         self.model = model
         self.device = device
         self.executor = Executor(model, mode, device, DTYPES[dtype])
         # On CUDA a forward replays one captured graph per batch bucket, the batch's copies in and out inside
         # it (graphs.py, host_io); batches whose kernels are timed replay the bucket's timed graph, whose steps
-        # record CUDA events.
+        # record CUDA events. `direct_input`: the graphs leave their input to `_stage_direct`, which copies each batch
+        # from the front ends' registered arenas (service/engine/pinned.py) and from rows decoded on the GPU
+        # (service/images/gpu_decode.py) straight into it.
         timing = bool(kernel_timing_every and observe_kernel) and events_in_graphs()
         self.graphs = (
-            GraphedExecutor(self.executor, max_batch_size, host_io=True, timed=timing)
+            GraphedExecutor(self.executor, max_batch_size, host_io=True, timed=timing, copy_in=not direct_input)
             if (cuda_graphs and device.type == "cuda")
             else None
         )
+        self.direct_input = self.graphs is not None and direct_input
+        self.pinned = None  # the engine's PinnedArenas (service/engine/pinned.py), where direct_input
+        self.direct_copies = 0  # copies from registered memory queued (tests read it)
         self._stream = torch.cuda.current_stream(device) if self.graphs is not None else None
         self.kernel_timing_every = kernel_timing_every
         self._observe_kernel = observe_kernel
@@ -146,12 +159,17 @@ class ModelRunner:
         # launch by launch rather than failing.
         graphs = self.graphs
         if graphs is not None and rows <= graphs.max_batch_size and (timer is None or graphs.timed):
-            self._stage(parts, rows)
+            if self.direct_input:
+                self._stage_direct(parts, rows)
+            else:
+                self._stage([_host(p) for p in parts], rows)
             if timer is not None:
                 host_out, timer = graphs.replay_host_timed(rows)
             else:
                 host_out = graphs.replay_host(rows)
             done = None
+        elif any(isinstance(p, torch.Tensor) for p in parts):  # rows decoded on the device, beyond the graphs
+            host_out, done = None, self._run_launched(None, timer, parts)
         else:
             batch = parts[0] if len(parts) == 1 else np.concatenate(parts)
             host_out, done = None, self._run_launched(batch, timer)
@@ -198,6 +216,65 @@ class ModelRunner:
             np.concatenate(parts, out=staging, casting="same_kind")
         self.graphs.host_in[:rows].copy_(torch.from_numpy(staging))
 
+    @torch.inference_mode()  # the graphs' inputs are inference tensors
+    def _stage_direct(self, parts: list, rows: int) -> None:
+        """Fill the bucket's graph input with the batch, every copy queued on the stream (none waited for): rows on the
+        device (decoded there) by a device copy; rows in a registered arena by one asynchronous H2D copy per run of
+        requests adjacent in that arena (a front end's ring puts consecutive requests next to each other: a batch
+        from 8 front ends is ~8 copies); any other rows (inside their message, or no registration) copied into the
+        pinned `host_in` first, as `_stage` does, then one H2D copy per run of them."""
+        graphs = self.graphs
+        dst = graphs.input_of(rows)
+        dtype = self._host_in_np.dtype if self._host_in_np is not None else None
+        pinned = self.pinned
+        runs: list[list] = []  # [kind, at, rows, payload]: "dev" tensor, "reg" [ptr, nbytes], "host" [parts]
+        at = 0
+        for p in parts:
+            n = p.shape[0]
+            last = runs[-1] if runs else None
+            if isinstance(p, torch.Tensor):
+                runs.append(["dev", at, n, p])
+            elif (pinned is not None and p.dtype == dtype and p.flags.c_contiguous
+                  and pinned.contains(p.ctypes.data, p.nbytes)):  # fmt: skip
+                ptr = p.ctypes.data
+                if last is not None and last[0] == "reg" and last[3][0] + last[3][1] == ptr:
+                    last[2] += n
+                    last[3][1] += p.nbytes
+                else:
+                    runs.append(["reg", at, n, [ptr, p.nbytes]])
+            elif last is not None and last[0] == "host":
+                last[2] += n
+                last[3].append(p)
+            else:
+                runs.append(["host", at, n, [p]])
+            at += n
+        shape = tuple(dst.shape[1:])
+        for kind, a, n, payload in runs:
+            if kind == "dev":
+                dst[a : a + n].copy_(payload, non_blocking=True)
+            elif kind == "reg":
+                ptr, nbytes = payload
+                src = np.frombuffer((ctypes.c_ubyte * nbytes).from_address(ptr), dtype=dtype).reshape(n, *shape)
+                dst[a : a + n].copy_(torch.from_numpy(src), non_blocking=True)
+                self.direct_copies += 1
+            else:
+                self._stage_host(payload, a, n)
+                dst[a : a + n].copy_(graphs.host_in[a : a + n], non_blocking=True)
+
+    def _stage_host(self, parts: list[np.ndarray], at: int, n: int) -> None:
+        """Rows `at`..`at + n` of the batch into the pinned host_in, cast to its dtype where they are not in it."""
+        host = self._host_in_np
+        if host is not None and all(p.dtype == host.dtype for p in parts):
+            if n * host[0].nbytes >= PARALLEL_COPY_BYTES:
+                self._copy_in_pieces(parts, host[at : at + n])
+            elif len(parts) == 1:
+                np.copyto(host[at : at + n], parts[0])
+            else:
+                np.concatenate(parts, out=host[at : at + n])
+            return
+        rows = parts[0] if len(parts) == 1 else np.concatenate([p.astype(np.float32, copy=False) for p in parts])
+        self.graphs.host_in[at : at + n].copy_(torch.from_numpy(np.ascontiguousarray(rows)))
+
     def _copy_in_pieces(self, parts: list[np.ndarray], host: np.ndarray) -> None:
         """Copy the parts one after the other into host, in pieces of about COPY_PIECE_BYTES (whole rows), by
         COPY_THREADS threads."""
@@ -214,10 +291,14 @@ class ModelRunner:
             f.result()
 
     @torch.inference_mode()  # no autograd bookkeeping in either mode: the baseline is served as fast as it can be
-    def _run_launched(self, batch: np.ndarray, timer: StepTimer | None) -> np.ndarray:
-        if not batch.flags.writeable:
-            batch = batch.copy()  # torch wants writable memory; a message's bytes are not
-        x = torch.from_numpy(batch).to(self.executor.input_dtype)
+    def _run_launched(self, batch: np.ndarray | None, timer: StepTimer | None, parts: list | None = None) -> np.ndarray:
+        if parts is not None:  # some rows already on the device (decoded there): joined there
+            x = torch.cat([p.to(self.device) if isinstance(p, torch.Tensor) else torch.from_numpy(np.array(p))
+                           .to(self.device) for p in parts]).to(self.executor.input_dtype)  # fmt: skip
+        else:
+            if not batch.flags.writeable:
+                batch = batch.copy()  # torch wants writable memory; a message's bytes are not
+            x = torch.from_numpy(batch).to(self.executor.input_dtype)
         y = self.executor.forward(x.to(self.device), timer)
         # .cpu() synchronises with the stream: the batch's one sync, after which the events are ready.
         return y.cpu().to(WIRE_TORCH[self.wire_dtype]).numpy()
