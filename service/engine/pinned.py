@@ -89,7 +89,8 @@ class PinnedArenas:
         bisect.insort(self._starts, start)
         self._ends[start] = start + len(buf)
         self.registered_total += 1
-        log.debug("arena of %d MB registered with CUDA at %#x", len(buf) >> 20, start)
+        log.info("a front end's arena of %d MB registered with CUDA: its rows are copied to the GPU where they are",
+                 len(buf) >> 20)  # fmt: skip
         return True
 
     def contains(self, ptr: int, nbytes: int) -> bool:
