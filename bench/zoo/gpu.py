@@ -133,9 +133,11 @@ def execute(args, command: str) -> int:
                     old = kept.get((family, c["batch"]), {})
                     earlier = {k: v for k, v in old.get("providers", {}).items() if k not in args.providers}
                     c["providers"] = {**earlier, **c["providers"]}
-                    for key in ("ready_s", "tune_s", "tuning_s", "unfused_fallbacks"):
-                        if c.get(key) is None and key in old:
-                            c[key] = old[key]
+                    if "ours" not in args.providers:  # ours's start is this run's where it timed ours
+                        for key in ("ready_s", "tune_s", "tuning_s", "unfused_fallbacks", "steps"):
+                            if key in old:
+                                c[key] = old[key]
+                    rebound(c)  # against the eager-cl error the case now holds, this run's or an earlier one's
                 results["cases"] += cases
                 bad |= any(isinstance(v, dict) and v.get("bad") for c in cases for v in
                            c["providers"].get("ours", {}).values())  # fmt: skip
