@@ -158,3 +158,76 @@ def layernorm_channels(
     else:
         y = F.layer_norm(x.permute(0, 2, 3, 1), (x.shape[1],), weight, bias, eps).permute(0, 3, 1, 2)
     return torch_activation(y, activation, negative_slope)
+
+
+# ---- float8 (kernels/conv_fp8.py, kernels/linear_fp8.py): dequantize, compute in fp32, quantize ----
+
+
+def _fp8_operand(x: torch.Tensor, x_scale: float) -> torch.Tensor:
+    """x as the fp8 kernels multiply it: e4m3 as given, or fp16/fp32 quantized with x_scale (fp8.quantize)."""
+    from .fp8 import E4M3, quantize
+
+    return x if x.dtype == E4M3 else quantize(x, x_scale)
+
+
+def _fp8_output(acc, scale, bias, residual, residual_scale, activation, negative_slope, out_scale, out_dtype, channel):
+    """The fp8 epilogue in fp32 (fp8.fp8_epilogue): acc * scale[o] + bias + residual (e4m3 times its scale), the
+    activation, then e4m3 with out_scale, or out_dtype."""
+    from .fp8 import E4M3, quantize
+
+    shape = [1] * acc.dim()
+    shape[channel] = -1
+    y = acc * scale.float().reshape(shape)
+    if bias is not None:
+        y = y + bias.float().reshape(shape)
+    if residual is not None:
+        y = y + (residual.float() * residual_scale if residual.dtype == E4M3 else residual.float())
+    y = torch_activation(y, activation, negative_slope)
+    return quantize(y, out_scale) if out_scale is not None else y.to(out_dtype)
+
+
+def conv2d_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+    *,
+    stride=(1, 1),
+    padding=(0, 0),
+    dilation=(1, 1),
+    negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
+    x_scale: float = 1.0,
+    residual: torch.Tensor | None = None,
+    residual_scale: float = 1.0,
+    out_scale: float | None = None,
+    out_dtype: torch.dtype = torch.float16,
+) -> torch.Tensor:
+    """fused_conv2d_fp8 in torch: the e4m3 operands (x quantized with x_scale unless it is e4m3) widened to fp32,
+    F.conv2d in fp32 (each e4m3 product is exact in fp32; only the order of the sums differs from the kernel's), then
+    the epilogue in fp32 and one rounding: e4m3 with out_scale (saturating at +-448, nearest even), or out_dtype. The
+    unfused mode's float8 steps run this."""
+    xq = _fp8_operand(x, x_scale).float()
+    acc = F.conv2d(xq, weight.float(), None, stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation))
+    return _fp8_output(acc, scale, bias, residual, residual_scale, activation, negative_slope, out_scale, out_dtype, 1)
+
+
+def linear_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+    *,
+    negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
+    x_scale: float = 1.0,
+    residual: torch.Tensor | None = None,
+    residual_scale: float = 1.0,
+    out_scale: float | None = None,
+    out_dtype: torch.dtype = torch.float16,
+) -> torch.Tensor:
+    """fused_linear_fp8 in torch, as conv2d_fp8: act(e4m3(x) @ W^T * scale + bias [+ residual]) in fp32, then one
+    rounding."""
+    xq = _fp8_operand(x, x_scale).float()
+    acc = torch.mm(xq, weight.float().t())
+    return _fp8_output(acc, scale, bias, residual, residual_scale, activation, negative_slope, out_scale, out_dtype, 1)
