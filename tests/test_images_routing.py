@@ -161,6 +161,15 @@ def test_a_file_the_decoder_refuses_fails_its_request_alone():
     np.testing.assert_array_equal(rows[2].numpy(), _cpu(files[3:]))  # a prepared row, copied as it came
 
 
+def test_one_refused_file_in_many_is_found_by_halving():
+    rng = np.random.default_rng(13)
+    files = [jpeg(rng, refuse=i == 5) for i in range(8)]
+    dec = gpu_decode.BatchDecoder(PRE, "cpu", decode=pillow_decode)
+    rows = dec([_items([f]) for f in files])
+    assert dec.calls == 7  # 8 fail; 4 ok, 4 fail; 2 ok, 2 fail; 1 ok, 1 fail
+    assert [r is None for r in rows] == [i == 5 for i in range(8)]
+
+
 def test_decode_calls_are_bounded_by_pixels():
     rng = np.random.default_rng(3)
     files = [jpeg(rng, 40, 50) for _ in range(5)]  # 2,000 pixels each
