@@ -88,6 +88,15 @@ def test_header_sends_jpegs_nvjpeg_takes_and_keeps_the_rest_on_the_cpu():
     assert gpu_decode.header(b"\xff\xd8\xff" + b"\0" * 40 + b"\xff\xd9", MAX_PIXELS, "RGB") is None  # unreadable
 
 
+def test_an_adobe_rgb_coded_jpeg_stays_on_the_cpu():
+    """APP14 "Adobe" with transform 0: the file holds RGB, not YCbCr (Pillow reads it so; nvJPEG may not)."""
+    data = jpeg(np.random.default_rng(14))
+    app14 = b"\xff\xee" + struct.pack(">H", 14) + b"Adobe" + struct.pack(">HHHB", 100, 0, 0, 0)
+    assert gpu_decode.header(data[:2] + app14 + data[2:], MAX_PIXELS, "RGB") is None
+    ycc = b"\xff\xee" + struct.pack(">H", 14) + b"Adobe" + struct.pack(">HHHB", 100, 0, 0, 1)
+    assert gpu_decode.header(data[:2] + ycc + data[2:], MAX_PIXELS, "RGB") == (40, 56)
+
+
 def test_a_bomb_is_refused_from_its_header_before_it_travels():
     with pytest.raises(ImageError) as e:
         gpu_decode.header(jpeg_of_size(30_000, 30_000), MAX_PIXELS, "RGB", "part 2")

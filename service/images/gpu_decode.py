@@ -100,10 +100,12 @@ def header(data: bytes, max_pixels: int, channels: str, what: str = "the image")
             warnings.simplefilter("ignore")
             with Image.open(io.BytesIO(data), formats=["JPEG"]) as im:
                 (width, height), mode = im.size, im.mode
+                # An Adobe JPEG whose colour transform is 0 holds RGB itself, not YCbCr: Pillow knows, nvJPEG may not.
+                rgb_coded = im.info.get("adobe") is not None and im.info.get("adobe_transform") == 0
     except Exception:  # noqa: BLE001 - a header Pillow cannot read: the CPU path says what is wrong with it
         return None
     check_size(width, height, max_pixels, what)
-    if mode not in GPU_MODES.get(channels, ()) or width < 1 or height < 1:
+    if mode not in GPU_MODES.get(channels, ()) or width < 1 or height < 1 or rgb_coded:
         return None
     return height, width
 
