@@ -224,6 +224,7 @@ def test_the_service_keeps_the_digits_top1_with_jpegs_decoded_on_the_gpu(tmp_pat
     raw, images, _ = digit_images(360)
     pixels = np.rint(raw * DIGIT_SCALE).clip(0, 255).astype(np.uint8)
     timeout = httpx.Timeout(120.0, connect=5.0)
+    (tmp_path / "logs").mkdir()
     with running_servers({"s": ("fused", env)}, tmp_path / "logs", timeout_s=600) as s:
         url = s["s"].url
         top1 = []
