@@ -96,6 +96,28 @@ def _onnx_source(found: Path) -> Path:
     return onnx_files[0]
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .model.calibrate import calibrate, main_progress
+    from .model.loader import load_model
+    from .model.locate import locate_model
+    from .model.spec import ModelFormatError
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)  # fmt: skip
+    try:
+        model = load_model(locate_model(args.model, _model_dir()))
+        path, cal = calibrate(model, Path(args.samples), device, batch_size=args.batch_size,
+                              percentile=args.percentile, out=args.out, progress=main_progress())  # fmt: skip
+    except (ModelFormatError, OSError) as e:
+        print(f"cannot calibrate: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}: {len(cal.ranges)} tensors' {cal.statistic} over {cal.samples} rows "
+          f"(samples sha256 {cal.samples_sha256[:12]}); serve it with --dtype float8")  # fmt: skip
+    return 0
+
+
 def describe_model(model) -> str:
     """check-model's report: a summary line, the fused plan's kernels on one line, then the graph (format 2) and
     each step: the ops it runs, what it reads, and what the fused mode runs as torch ops instead of a kernel."""
@@ -239,6 +261,22 @@ def main(argv: list[str] | None = None, extend=None) -> int:
     imp.add_argument("--channels", choices=["RGB", "BGR", "L"], help="the channel order the model takes (default: "
                      "RGB for 3 channels, L (gray) for 1)")  # fmt: skip
     imp.set_defaults(func=_import)
+    cal = sub.add_parser(
+        "calibrate",
+        help="measure a model's activation ranges on samples, for serving it in float8",
+        description="Run the model (float32, unfused) over sample inputs and write each tensor's largest |value| "
+        "(or a percentile) to calibration.json in the model's directory: what `serve --dtype float8` quantizes "
+        "activations with. Samples: .npy or .safetensors rows, or, for a model that takes images, image files.",
+    )
+    cal.add_argument("model", help="a model as `serve --model` takes it")
+    cal.add_argument("--samples", required=True, metavar="FILE|DIR",
+                     help="a .npy/.safetensors file or an image, or a directory of them (name order)")  # fmt: skip
+    cal.add_argument("--batch-size", type=int, default=64, help="rows per forward (default 64)")
+    cal.add_argument("--percentile", type=float, default=None,
+                     help="record this percentile of |x| (e.g. 99.99) instead of the maximum")  # fmt: skip
+    cal.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="where to run (default auto)")
+    cal.add_argument("--out", type=Path, default=None, help="the file to write (default: the model's calibration.json)")
+    cal.set_defaults(func=_calibrate)
     from . import ab_report
 
     report = sub.add_parser(

@@ -244,6 +244,9 @@ class Executor:
         *,
         whole_mlp: bool = True,
         conv_pool: bool = True,
+        precision: str | None = None,
+        calibration=None,
+        fp16_steps: tuple[str, ...] | None = None,
     ):
         if mode not in ("fused", "unfused"):
             raise ValueError(f"unknown mode {mode!r}; expected 'fused' or 'unfused'")
@@ -252,6 +255,14 @@ class Executor:
         self.device = device
         self.dtype = dtype
         self.support = kernel_support()
+        # float8 (service/model/float8.py): the steps the fp8 kernels can run, but for those kept in `dtype` (the
+        # first conv and the classifier by default), run with e4m3 weights (per output channel) and activations (per
+        # tensor, calibrated); the rest in `dtype`. Layer by layer: the whole-MLP kernel has no fp8 variant.
+        self.precision = precision or str(dtype).removeprefix("torch.")
+        if self.precision not in ("float8", str(dtype).removeprefix("torch.")):
+            raise ValueError(f"precision {precision!r}: float8, or the dtype {dtype}")
+        if self.precision == "float8":
+            whole_mlp = conv_pool = False  # a pooled conv would stay fp16: the pool runs apart instead
         # Both modes run one plan, so their per-step timings line up under the same names.
         self.steps: list[Step] = fused_steps(
             model.ops,
@@ -266,6 +277,13 @@ class Executor:
         # Fused, a conv or pool step whose output only image steps read writes channels_last (channels_last_outputs).
         nhwc = channels_last_outputs(self.steps) if mode == "fused" else [False] * len(self.steps)
         self.channels_last = nhwc
+        self.fp8: dict = {}  # step name -> calibrate.Fp8Step, for the steps run in float8
+        if self.precision == "float8":
+            from .float8 import DEFAULT_FP16_STEPS, load_calibration, plan_float8
+
+            calibration = calibration if calibration is not None else load_calibration(model)
+            keep = DEFAULT_FP16_STEPS if fp16_steps is None else tuple(fp16_steps)
+            self.fp8 = plan_float8(self.steps, calibration, model.name, keep)
         # (name to time under, or None for a view; the bound layer), and where each takes its tensors from
         self.layers: list[tuple[str | None, Layer]] = [
             self._bind(s, cl) for s, cl in zip(self.steps, nhwc, strict=True)
@@ -323,6 +341,8 @@ class Executor:
 
         fused = self.mode == "fused"
         support = self.support
+        if step.name in self.fp8:
+            return step.name, self._bind_fp8(step, channels_last)
         if isinstance(step, FlattenStep):
             return None, _flatten
         if isinstance(step, MLPStep):
@@ -432,6 +452,53 @@ class Executor:
         if isinstance(step, SoftmaxStep):
             return step.name, _softmax
         raise TypeError(f"no implementation for step {step!r}")
+
+    def precisions(self) -> dict[str, str]:
+        """Each step's precision by name: float8 for the fp8 steps, else the compute dtype (GET /model)."""
+        other = str(self.dtype).removeprefix("torch.")
+        return {s.name: "float8" if s.name in self.fp8 else other for s in self.steps}
+
+    def _bind_fp8(self, step: LinearStep | Conv2dStep, channels_last: bool) -> Layer:
+        """A conv or linear step in float8: e4m3 weights per output channel (batch norm and layer scale folded in
+        float64 first, in both modes), the calibrated scales of its input, residual and output (calibrate.Fp8Step).
+        Fused: kernels/conv_fp8.py, kernels/linear_fp8.py; unfused: their torch references (dequantize, fp32, round)."""
+        from kernels import reference
+        from kernels.fp8 import dequant_scale, quantize_weight
+
+        plan = self.fp8[step.name]
+        src = self.model.tensors
+        w, b = src[step.weight].double(), src[step.bias].double() if step.bias else None
+        if step.batchnorm is not None:
+            w, b = fold_batchnorm(w, b, step.batchnorm, src)
+        if step.scale is not None:
+            s = src[step.scale].double().reshape(-1)
+            s = s.expand(w.shape[0]) if s.numel() == 1 else s
+            w, b = w * s.reshape(-1, *([1] * (w.dim() - 1))), None if b is None else b * s
+        wq, w_scale = quantize_weight(w)
+        conv = isinstance(step, Conv2dStep)
+        wq = wq.to(self.device).contiguous(memory_format=torch.channels_last if conv else torch.contiguous_format)
+        kw = {
+            "weight": wq,
+            "scale": dequant_scale(plan.x_scale, w_scale).to(self.device),
+            "bias": None if b is None else b.float().to(self.device),
+            "activation": step.activation,
+            "negative_slope": step.negative_slope,
+            "x_scale": plan.x_scale,
+            "residual_scale": plan.residual_scale or 1.0,
+            "out_scale": plan.out_scale,
+            "out_dtype": self.dtype,
+        }
+        if conv:
+            kw.update(stride=step.stride, padding=step.padding, dilation=step.dilation)
+        if self.mode == "unfused":
+            fn = reference.conv2d_fp8 if conv else reference.linear_fp8
+        elif conv:
+            from kernels.conv_fp8 import fused_conv2d_fp8 as fn
+
+            kw["memory_format"] = _memory_format(channels_last)
+        else:
+            from kernels.linear_fp8 import fused_linear_fp8 as fn
+        return functools.partial(_fp8_layer, fn=fn, **kw)
 
     def _global_pool(self, step: Pool2dStep) -> bool:
         """Whether a pool step reduces each channel's whole image to one value (no padding, one window)."""
@@ -602,6 +669,13 @@ class Executor:
             for t in wiring.frees:
                 del live[t]
         return live[self.output_name]
+
+
+def _fp8_layer(x, residual=None, *, fn, weight, scale, bias, activation, **kw):
+    """An fp8 step: its input (and residual) as the wiring gives them, the rest bound."""
+    if x.dim() == 2:
+        x = x.contiguous()
+    return fn(x, weight, scale, bias, activation=activation, residual=residual, **kw)
 
 
 def _deadline_cause(e: BaseException, kind: type[Exception]) -> Exception | None:

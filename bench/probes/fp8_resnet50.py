@@ -1,0 +1,195 @@
+"""Does float8 pay on ResNet-50, and what does it cost in accuracy? (issue 52)
+
+ResNet-50 (bench/resnets.py: torchvision's architecture, random weights with BatchNorm statistics from random
+images), exported to ONNX and imported as a user's model; calibrated (service/model/calibrate.py, absmax) on
+--calib random images; then fused float16 and fused float8 (the first conv and the classifier fp16, the other 52
+convs e4m3: kernels/conv_fp8.py) each captured as a CUDA graph per batch size and timed: hot (median of 50 replays,
+each between two CUDA events) and cold (L2 cleared before each replay, kernels/cold_timing.py). Accuracy on --check
+other random images (never the calibration ones): the logits' cosine similarity with float16's (mean and worst row)
+and top-1 agreement, beside float16's own against float32 (unfused) for scale.
+
+    python -m bench.probes.fp8_resnet50 --out DIR [--batches 1,256] [--tune-budget 300]
+
+Writes DIR/probe_fp8_resnet50.md (the table) and .json (--out ending in .md: that file, the json beside it).
+Tuning is on (FUSEDSERVE_TUNING_CACHE keeps picks between runs); --tune-budget bounds the seconds spent timing
+candidates, after which the rest take untimed picks (kernels/tuning.py, timing_budget): run once per batch size
+within a device call's limit if needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+IMAGE = (3, 224, 224)
+
+
+def build_model(image: tuple[int, int, int] = IMAGE, out_dir: Path | None = None):
+    """The ResNet-50 as fusedserve loads it (ONNX import), from bench/resnets.py."""
+    from bench import resnets
+    from service.model.loader import load_model
+
+    out_dir = Path(out_dir or tempfile.mkdtemp(prefix="fp8-resnet50-"))
+    path, _ = resnets.write("resnet50", out_dir, seed=0, image=image)
+    return load_model(path)
+
+
+def random_images(n: int, image: tuple[int, int, int], seed: int, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, *image, generator=g).to(device)
+
+
+def calibration_on(model, images: torch.Tensor, device, batch_size: int = 32):
+    """A Calibration from random images (in memory: no file written)."""
+    from service.model.calibrate import measure
+    from service.model.float8 import Calibration
+
+    rows = images.cpu().numpy()
+    ranges, seen = measure(model, iter([rows]), device, batch_size=batch_size)
+    return Calibration(ranges, seen, "random-images")
+
+
+def agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """Logits a against b (rows): cosine mean and worst row, top-1 agreement."""
+    a, b = a.double(), b.double()
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=1)
+    return {
+        "cosine_mean": float(cos.mean()),
+        "cosine_min": float(cos.min()),
+        "top1_agree": float((a.argmax(1) == b.argmax(1)).double().mean()),
+    }
+
+
+def _graph(fn):
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _hot_us(replay, reps: int = 50) -> float:
+    replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def run(batches: list[int], calib: int, check: int, tune_budget: float | None) -> dict:
+    from kernels import tuning
+    from kernels.cold_timing import cold_us
+    from kernels.fp8 import fp8_capable
+    from service.model.executors import Executor
+
+    dev = torch.device("cuda")
+    if not fp8_capable(dev):
+        raise SystemExit(f"{torch.cuda.get_device_name()}: no fp8 tensor cores (compute capability < 8.9)")
+    tuning.timing_budget.set(tune_budget)
+    t = time.perf_counter()
+    model = build_model()
+    cal = calibration_on(model, random_images(calib, IMAGE, 1, dev), dev)
+    print(f"model and calibration: {time.perf_counter() - t:.1f} s ({calib} images)", flush=True)
+    executors = {
+        "float16": Executor(model, "fused", dev, torch.float16),
+        "float8": Executor(model, "fused", dev, torch.float16, precision="float8", calibration=cal),
+    }
+    fp8_steps = len(executors["float8"].fp8)
+    exact = Executor(model, "unfused", dev, torch.float32)
+    result = {"gpu": torch.cuda.get_device_name(), "fp8_steps": fp8_steps, "steps": len(exact.steps), "rows": []}
+    # accuracy, on images never calibrated on
+    images = random_images(check, IMAGE, 2, dev)
+    with torch.no_grad():
+        ref = torch.cat([exact.forward(images[i : i + 64]) for i in range(0, check, 64)]).float()
+        outs = {
+            p: torch.cat([e.forward(images[i : i + 64].half()) for i in range(0, check, 64)]).float()
+            for p, e in executors.items()
+        }
+    result["accuracy"] = {
+        "float8_vs_float16": agreement(outs["float8"], outs["float16"]),
+        "float16_vs_float32": agreement(outs["float16"], ref),
+        "float8_vs_float32": agreement(outs["float8"], ref),
+        "images": check,
+    }
+    print(json.dumps(result["accuracy"]), flush=True)
+    for batch in batches:
+        x = random_images(batch, IMAGE, 3, dev).half()
+        row = {"batch": batch}
+        for p, e in executors.items():
+            t = time.perf_counter()
+            with torch.no_grad():
+                graph = _graph(lambda e=e, x=x: e.forward(x))  # the first calls tune (and compile)
+            row[f"{p}_ready_s"] = round(time.perf_counter() - t, 1)
+            row[f"{p}_hot_us"] = round(_hot_us(graph.replay), 1)
+            row[f"{p}_cold_us"] = round(cold_us(graph.replay, warmup_ms=5, rep_ms=30), 1)
+        row["speedup_hot"] = round(row["float16_hot_us"] / row["float8_hot_us"], 3)
+        row["speedup_cold"] = round(row["float16_cold_us"] / row["float8_cold_us"], 3)
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    return result
+
+
+def markdown(result: dict, command: str) -> str:
+    acc = result["accuracy"]
+    lines = [
+        f"# float8 against float16, fused ResNet-50 ({result['gpu']})",
+        "",
+        f"`{command}`: {result['fp8_steps']} of {result['steps']} steps in float8 (first conv and classifier fp16); "
+        "random weights, calibrated on random images other than those checked.",
+        "",
+        "| batch | float16 hot µs | float8 hot µs | speed-up hot | float16 cold µs | float8 cold µs | speed-up cold |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['batch']} | {r['float16_hot_us']} | {r['float8_hot_us']} | {r['speedup_hot']}x | "
+            f"{r['float16_cold_us']} | {r['float8_cold_us']} | {r['speedup_cold']}x |"
+        )
+    lines += ["", f"Accuracy over {acc['images']} images:", ""]
+    lines += ["| pair | cosine mean | cosine worst | top-1 agreement |", "|---|---|---|---|"]
+    for pair in ("float8_vs_float16", "float16_vs_float32", "float8_vs_float32"):
+        a = acc[pair]
+        lines.append(f"| {pair.replace('_', ' ')} | {a['cosine_mean']:.5f} | {a['cosine_min']:.5f} | "
+                     f"{a['top1_agree']:.1%} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    import sys
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("/tmp/probes"), help="a directory, or a .md file")
+    parser.add_argument("--batches", default="1,256", help="comma-separated batch sizes (default 1,256)")
+    parser.add_argument("--calib", type=int, default=64, help="random images to calibrate on (default 64)")
+    parser.add_argument("--check", type=int, default=256, help="other random images to compare on (default 256)")
+    parser.add_argument("--tune-budget", type=float, default=None, help="seconds of candidate timing at most")
+    args = parser.parse_args()
+    result = run([int(b) for b in args.batches.split(",")], args.calib, args.check, args.tune_budget)
+    if args.out.suffix == ".md":
+        md_path, json_path = args.out, args.out.with_suffix(".json")
+    else:
+        md_path, json_path = args.out / "probe_fp8_resnet50.md", args.out / "probe_fp8_resnet50.json"
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    text = markdown(result, "python -m bench.probes.fp8_resnet50 " + " ".join(sys.argv[1:]))
+    md_path.write_text(text)
+    json_path.write_text(json.dumps(result, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

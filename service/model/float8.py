@@ -1,0 +1,158 @@
+"""The float8 plan: a model's calibration (calibration.json, written by `fusedserve calibrate`: calibrate.py) and
+which steps run in float8 with which scales. The executor reads it (executors.py, precision "float8"); a model
+without a calibration is refused with the command that makes one (`CalibrationMissing`).
+
+Each fp8 step's input, residual and output are quantized per tensor with scale = calibrated range / 448
+(kernels/fp8.py); weights per output channel at load. The first conv (or linear) and the classifier stay in the
+compute dtype by default (`DEFAULT_FP16_STEPS`, FUSEDSERVE_FLOAT8_FP16_STEPS).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .loader import Model
+from .planner import Conv2dStep, LinearStep, Step, reads
+from .spec import ModelFormatError
+
+CALIBRATION_FILE = "calibration.json"
+FORMAT = "fusedserve-calibration/1"
+DEFAULT_FP16_STEPS = ("first", "last")  # the first conv (or linear) and the classifier stay fp16
+
+
+class CalibrationMissing(ModelFormatError):
+    """A model asked to serve in float8 has no calibration (or one that lacks a tensor it needs)."""
+
+
+def calibration_path(model: Model) -> Path:
+    """Where a model's calibration lives: CALIBRATION_FILE in its directory (beside its .onnx file for one given
+    as a file)."""
+    path = Path(model.path)
+    return (path if path.is_dir() else path.parent) / CALIBRATION_FILE
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The ranges calibrate() measured, by tensor name."""
+
+    ranges: dict[str, float]
+    samples: int
+    samples_sha256: str
+    statistic: str = "absmax"
+
+    def to_json(self, model_name: str) -> dict:
+        return {
+            "format": FORMAT,
+            "model": model_name,
+            "statistic": self.statistic,
+            "samples": self.samples,
+            "samples_sha256": self.samples_sha256,
+            "created": _now(),
+            "tensors": self.ranges,
+        }
+
+
+def load_calibration(model: Model) -> Calibration:
+    """The model's calibration, or CalibrationMissing naming the command that makes it."""
+    path = calibration_path(model)
+    if not path.is_file():
+        raise CalibrationMissing(
+            f"model {model.name!r} has no float8 calibration ({path} is missing): run `fusedserve calibrate "
+            f"{model.name} --samples FILE|DIR` with a few hundred representative inputs, then serve it in float8"
+        )
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"format {doc.get('format')!r}, expected {FORMAT!r}")
+        ranges = {str(k): float(v) for k, v in doc["tensors"].items()}
+        return Calibration(ranges, int(doc["samples"]), str(doc["samples_sha256"]), str(doc.get("statistic", "absmax")))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CalibrationMissing(
+            f"{path}: unreadable calibration ({e}); run `fusedserve calibrate {model.name} --samples FILE|DIR` again"
+        ) from None
+
+
+# ---- the float8 plan ----
+
+
+@dataclass(frozen=True)
+class Fp8Step:
+    """How one step runs in float8: its input's scale, its residual's (None: none), its output's (None: the output
+    is written in the compute dtype, for a reader that is not an fp8 step)."""
+
+    x_scale: float
+    residual_scale: float | None
+    out_scale: float | None
+
+
+def _weighted(step: Step) -> bool:
+    return isinstance(step, (Conv2dStep, LinearStep))
+
+
+def fp8_eligible(step: Step) -> bool:
+    """A step the fp8 kernels can run: a linear, or a conv of groups 1 with no gate, input normalization or pool."""
+    if isinstance(step, LinearStep):
+        return True
+    return (
+        isinstance(step, Conv2dStep)
+        and step.groups == 1
+        and step.gate is None
+        and step.normalize is None
+        and step.pool is None
+    )
+
+
+def kept_fp16(steps: list[Step], fp16_steps: tuple[str, ...]) -> set[str]:
+    """Step names kept in the compute dtype: those named, `first` (the first conv or linear) and `last` (the last one:
+    the classifier)."""
+    weighted = [s.name for s in steps if _weighted(s)]
+    keep = {n for n in fp16_steps if n not in ("first", "last")}
+    if "first" in fp16_steps and weighted:
+        keep.add(weighted[0])
+    if "last" in fp16_steps and weighted:
+        keep.add(weighted[-1])
+    return keep
+
+
+def plan_float8(
+    steps: list[Step], calibration: Calibration, model_name: str, fp16_steps: tuple[str, ...] = DEFAULT_FP16_STEPS
+) -> dict[str, Fp8Step]:
+    """{step name: Fp8Step} for the steps that run in float8: every fp8_eligible step not kept fp16. A step writes e4m3
+    where every reader of its output is an fp8 step (as input or residual) and the output is not the model's."""
+    from kernels.fp8 import scale_of
+
+    keep = kept_fp16(steps, fp16_steps)
+    names = {s.name for s in steps if fp8_eligible(s) and s.name not in keep}
+    readers: dict[str, list[Step]] = {}
+    for s in steps:
+        for t in reads(s):
+            readers.setdefault(t, []).append(s)
+    final = steps[-1].output if steps else ""
+
+    def scale(tensor: str) -> float:
+        if tensor not in calibration.ranges:
+            raise CalibrationMissing(
+                f"model {model_name!r}: the calibration has no range for tensor {tensor!r} (made for another version "
+                f"of the model?); run `fusedserve calibrate {model_name} --samples FILE|DIR` again"
+            )
+        return scale_of(calibration.ranges[tensor])
+
+    plan = {}
+    for s in steps:
+        if s.name not in names:
+            continue
+        fp8_out = s.output != final and bool(readers.get(s.output)) and all(r.name in names for r in readers[s.output])
+        plan[s.name] = Fp8Step(
+            x_scale=scale(s.inputs[0]),
+            residual_scale=scale(s.residual) if s.residual else None,
+            out_scale=scale(s.output) if fp8_out else None,
+        )
+    return plan
+
+
+def _now() -> str:
+    import datetime
+
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
