@@ -411,3 +411,34 @@ def test_the_registry_knows_its_ranges():
     assert reg.contains(1000, 1000) and reg.contains(5000, 64) and reg.contains(8000, 1000)
     assert not reg.contains(1999, 2) and not reg.contains(999, 10) and not reg.contains(3000, 1)
     assert not reg.contains(8999, 2)
+
+
+def test_direct_staging_copies_each_contiguous_run_once():
+    """runner._stage_direct on the CPU, its graphs replaced by a stand-in (input_of, host_in) and its registry given
+    one range: adjacent parts in registered memory are one copy, read from where they are (by address); other parts
+    go through host_in; device parts (decoded there) are copied as they are; the input holds the batch in order."""
+    import mmap
+
+    from service.model.runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)  # no executor: only the staging is under test
+    dst = torch.zeros((64, *SHAPE), dtype=torch.uint8)
+    host_in = torch.zeros((64, *SHAPE), dtype=torch.uint8)
+    runner.graphs = SimpleNamespace(input_of=lambda rows: dst, host_in=host_in)
+    runner._host_in_np, runner._copier, runner.direct_copies = host_in.numpy(), None, 0
+    buf = mmap.mmap(-1, 1 << 16)
+    reg = pinned.PinnedArenas(True)
+    start = pinned.address(buf)
+    reg._starts.append(start)
+    reg._ends[start] = start + len(buf)
+    runner.pinned = reg
+    x = np.random.default_rng(15).integers(0, 256, (20, *SHAPE), dtype=np.uint8)
+    arena = np.frombuffer(buf, dtype=np.uint8, count=x[:12].size, offset=192).reshape(12, *SHAPE)
+    arena[:] = x[:12]
+    # arena[9:12] follows arena[5:9] in memory but not in the batch (two parts between): a run of its own
+    parts = [arena[:5], arena[5:9], x[12:14].copy(), torch.from_numpy(x[14:15].copy()), arena[9:12], x[15:].copy()]
+    want = np.concatenate([np.asarray(p) for p in parts])
+    runner._stage_direct(parts, len(want))
+    np.testing.assert_array_equal(dst[: len(want)].numpy(), want)
+    assert runner.direct_copies == 2  # arena[:9] as one copy, arena[9:12] as another
+    del arena, parts
