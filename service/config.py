@@ -73,10 +73,17 @@ class Settings(BaseSettings):
         description="where model names are looked up (left at its default where the working directory has none: "
         "the model_weights beside the package)",
     )
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+    dtype: Literal["auto", "float32", "float16", "bfloat16", "float8"] = Field(
         "auto",
         description="compute dtype; weights are cast at load, kernels accumulate in fp32. auto: float16 on CUDA, "
-        "float32 on the CPU",
+        "float32 on the CPU. float8: convs and linears in e4m3 (weights per output channel, activations per tensor "
+        "from the model's calibration.json: `fusedserve calibrate MODEL --samples DIR`; refused without it), the "
+        "rest in float16 (FLOAT8_FP16_STEPS)",
+    )
+    float8_fp16_steps: str = Field(
+        "first,last",
+        description="with dtype float8, the steps kept in float16: step names, `first` (the first conv or linear) "
+        "and `last` (the classifier), comma-separated; empty: every step the fp8 kernels can run",
     )
     allow_tf32: bool = Field(False, description="let float32 matmuls use TF32 on GPU (both modes alike)")
     # 1024: with 64-row requests under load a 256-row batch held 4 requests and the engine's ~0.1 ms of host

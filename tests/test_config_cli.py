@@ -80,7 +80,7 @@ def test_defaults():
     assert s.ab_unfused_percent == 50.0 and s.shadow_every == 0 and s.config_file is None
     assert set(FIELDS) == {
         "mode", "ab_unfused_percent", "shadow_every", "config_file", "device", "model", "model_dir", "dtype",
-        "allow_tf32", "max_batch_size", "max_delay_ms",
+        "float8_fp16_steps", "allow_tf32", "max_batch_size", "max_delay_ms",
         "engine_spin_ms", "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "image_max_pixels",
         "max_image_body_bytes", "image_decode_threads", "image_decode", "pinned_arenas", "kernel_timing_every",
         "cuda_graphs", "tuning", "tuning_background", "tuning_startup_s", "tuning_timing", "tuning_cache",
@@ -159,7 +159,11 @@ INVALID = [
     ("FUSEDSERVE_MAX_DELAY_MS", "-1", r"FUSEDSERVE_MAX_DELAY_MS: Input should be greater than or equal to 0"),
     ("FUSEDSERVE_REQUEST_TIMEOUT_MS", "0", r"FUSEDSERVE_REQUEST_TIMEOUT_MS: Input should be greater than 0"),
     ("FUSEDSERVE_WARMUP", "maybe", r"FUSEDSERVE_WARMUP: Input should be a valid boolean"),
-    ("FUSEDSERVE_DTYPE", "float64", r"FUSEDSERVE_DTYPE: Input should be 'auto', 'float32', 'float16' or 'bfloat16'"),
+    (
+        "FUSEDSERVE_DTYPE",
+        "float64",
+        r"FUSEDSERVE_DTYPE: Input should be 'auto', 'float32', 'float16', 'bfloat16' or 'float8'",
+    ),
     ("FUSEDSERVE_KERNEL_TIMING_EVERY", "-2", r"FUSEDSERVE_KERNEL_TIMING_EVERY: Input should be greater than or equal"),
     ("FUSEDSERVE_TUNING_TIMING", "warm", r"FUSEDSERVE_TUNING_TIMING: Input should be 'both', 'cold' or 'hot'"),
     ("FUSEDSERVE_TUNING_STARTUP_S", "-5", r"FUSEDSERVE_TUNING_STARTUP_S: Input should be greater than or equal to 0"),
@@ -278,7 +282,7 @@ def _help_lists_everything(text: str) -> None:
         assert re.search(rf"--{name.replace('_', '-')}\b", text), f"--{name.replace('_', '-')} missing from --help"
         assert ENV_PREFIX + name.upper() in text, f"{ENV_PREFIX + name.upper()} missing from --help"
     assert "--warmup" in text and "--no-warmup" in text
-    assert "{fused,unfused,ab}" in text and "{auto,float32,float16,bfloat16}" in text
+    assert "{fused,unfused,ab}" in text and "{auto,float32,float16,bfloat16,float8}" in text
 
 
 def test_serve_help_lists_every_setting(capsys):

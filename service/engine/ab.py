@@ -47,7 +47,9 @@ MAX_PENDING = 4  # shadow copies waiting for an idle moment; beyond this the old
 # matmul, the bias and the activation, the fused one once, so both sit within a few units in the last place of the
 # dtype (float16's is 9.8e-4 at 1, bfloat16's 7.8e-3), and their difference can only be smaller than the batch's
 # largest output by the same factor. float32 under TF32 rounds each operand to 10 mantissa bits (~5e-4).
-TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+# float8: both modes quantize the same e4m3 operands and differ in the order of fp32 sums, which moves a value across an
+# e4m3 rounding boundary now and then: one step there is 2**-3 of it, and the next layer carries it on.
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2, "float8": 1e-1}
 TOLERANCE_TF32 = 5e-3
 WARN_EVERY_S = 10.0  # after the first, at most one warning this often; the next one says how many were not logged
 

@@ -564,6 +564,7 @@ def build_runner(settings: Settings, device, dtype: str, model, metrics, mode: s
         observe_kernel=labelled(metrics.observe_kernel),
         observe_forward=labelled(metrics.observe_forward),
         direct_input=direct_input,
+        fp16_steps=tuple(s.strip() for s in settings.float8_fp16_steps.split(",") if s.strip()),
     )
 
 

@@ -17,9 +17,12 @@ def write_plan(run_dir: Path, executor, device: str) -> None:
     """Engine side: publish what this engine runs, for the front ends' `GET /model`."""
     plan = describe_plan(executor.steps, executor.tensors)
     fallbacks = getattr(executor, "fallbacks", {})
+    precisions = executor.precisions() if hasattr(executor, "precisions") else {}
     for entry in plan:  # steps whose kernel did not compile within the deadline (Executor.warm_forward)
         if entry.get("kernel") in fallbacks:
             entry["unfused_fallback"] = fallbacks[entry["kernel"]]
+        if entry.get("kernel") in precisions:  # float8: which steps run in e4m3 (service/model/float8.py)
+            entry["precision"] = precisions[entry["kernel"]]
     doc = {
         "plan": plan,
         "dtype": str(executor.dtype).removeprefix("torch."),

@@ -24,7 +24,8 @@ from .loader import Model
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# float8 computes its fp16 steps in float16 and takes rows and gives outputs in it (service/model/float8.py)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float8": torch.float16}
 NUMPY_DTYPES = {
     torch.float32: np.dtype(np.float32),
     torch.float16: np.dtype(np.float16),
@@ -97,10 +98,12 @@ class ModelRunner:
         observe_kernel: Callable[[str, float], None] | None = None,
         observe_forward: Callable[[float], None] | None = None,
         direct_input: bool = False,
+        fp16_steps: tuple[str, ...] | None = None,
     ):
         self.model = model
         self.device = device
-        self.executor = Executor(model, mode, device, DTYPES[dtype])
+        precision = "float8" if dtype == "float8" else None
+        self.executor = Executor(model, mode, device, DTYPES[dtype], precision=precision, fp16_steps=fp16_steps)
         # On CUDA a forward replays one captured graph per batch bucket, the batch's copies in and out inside
         # it (graphs.py, host_io); batches whose kernels are timed replay the bucket's timed graph, whose steps
         # record CUDA events. `direct_input`: the graphs leave their input to `_stage_direct`, which copies each batch

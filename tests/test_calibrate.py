@@ -1,0 +1,121 @@
+"""`fusedserve calibrate` and serving in float8 without and with a calibration (issue 52), on the CPU: the shipped
+digits CNN copied to a temporary directory, calibrated on the 360 held-out digits saved as .npy, then run in float8 by
+the unfused executor (the fp8 kernels' torch references: tests/test_kernels_fp8.py checks the kernels against them,
+tests/test_fp8_gpu.py the fused float8 executor on the GPU)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from service.cli import main
+from service.config import Settings
+from service.model.calibrate import files_sha256
+from service.model.executors import Executor
+from service.model.float8 import CalibrationMissing, load_calibration
+from service.model.loader import load_model
+from service.model.spec import ModelFormatError
+from tests.digits import held_out_split
+from tests.server import REPO
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "digits-cnn"
+    shutil.copytree(REPO / "model_weights" / "digits-cnn", d)
+    return d
+
+
+@pytest.fixture
+def samples(tmp_path):
+    X, y = held_out_split()
+    path = tmp_path / "samples" / "held_out.npy"
+    path.parent.mkdir()
+    np.save(path, X.astype(np.float32))  # flat rows of 64: read as (1, 8, 8) rows
+    return path, X, y
+
+
+def test_float8_is_refused_without_a_calibration(model_dir):
+    model = load_model(model_dir)
+    with pytest.raises(CalibrationMissing, match="fusedserve calibrate digits-cnn --samples"):
+        Executor(model, "unfused", CPU, torch.float32, precision="float8")
+
+
+def test_calibrate_writes_the_models_calibration_and_float8_serves_from_it(model_dir, samples, capsys):
+    path, X, y = samples
+    assert main(["calibrate", str(model_dir), "--samples", str(path.parent), "--batch-size", "100"]) == 0
+    out, err = capsys.readouterr()
+    assert "calibrate: 100 rows" in err and "calibrate: 360 rows" in err  # progress, one line per forward
+    assert f"wrote {model_dir / 'calibration.json'}" in out
+    doc = json.loads((model_dir / "calibration.json").read_text())
+    assert doc["format"] == "fusedserve-calibration/1" and doc["model"] == "digits-cnn"
+    assert doc["samples"] == 360 and doc["statistic"] == "absmax"
+    assert doc["samples_sha256"] == files_sha256([path])
+    assert doc["tensors"]["input"] == 16.0  # the digits' largest pixel
+    model = load_model(model_dir)
+    cal = load_calibration(model)
+    x = torch.tensor(X, dtype=torch.float32).reshape(-1, *model.input_shape)
+    acc = {}
+    for precision in ("float32", "float8"):
+        ex = Executor(model, "unfused", CPU, torch.float32, precision=precision, calibration=cal)
+        acc[precision] = float((ex.forward(x).argmax(1).numpy() == y).mean())
+        if precision == "float8":
+            # the first conv and the classifier stay in the compute dtype; the second conv runs in float8
+            kinds = ex.precisions()
+            assert kinds["conv2d_0_relu"] == "float32" and kinds["linear_1"] == "float32", kinds
+            assert "float8" in kinds.values(), kinds
+            from service.link.plan import read_plan, write_plan
+
+            write_plan(model_dir, ex, "cpu")  # what GET /model shows: each step's precision
+            plan = read_plan(model_dir)["plan"]
+            assert {e["kernel"]: e["precision"] for e in plan if e.get("kernel")} == {
+                k: v for k, v in kinds.items() if not k.startswith("flatten")
+            }
+    assert abs(acc["float8"] - acc["float32"]) <= 0.005, acc
+
+
+def test_float8_fp16_steps_configurable(model_dir, samples):
+    path, _, _ = samples
+    assert main(["calibrate", str(model_dir), "--samples", str(path)]) == 0
+    model = load_model(model_dir)
+    every = Executor(model, "unfused", CPU, torch.float32, precision="float8", fp16_steps=())
+    # with nothing kept: every conv the fp8 kernels can run (the first reads the raw input: fp32, quantized as read)
+    assert set(every.fp8) == {s.name for s in every.steps if s.name.startswith(("conv2d", "linear"))}
+    assert every.fp8["linear_1"].out_scale is None  # the model's output: written in the compute dtype
+
+
+def test_calibrate_refusals(model_dir, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["calibrate", str(model_dir), "--samples", str(tmp_path / "empty")]) == 1
+    assert "no sample files" in capsys.readouterr().err
+    np.save(tmp_path / "bad.npy", np.zeros((3, 7), np.float32))
+    assert main(["calibrate", str(model_dir), "--samples", str(tmp_path / "bad.npy")]) == 1
+    assert "rows of shape (1, 8, 8)" in capsys.readouterr().err
+    image = REPO / "model_weights" / "digits-resnet" / "images" / "0.png"
+    with pytest.raises(ModelFormatError, match="does not take images"):
+        from service.model.calibrate import calibrate
+
+        calibrate(load_model(model_dir), image, CPU)
+
+
+def test_float8_setting():
+    s = Settings(dtype="float8")
+    assert s.compute_dtype("cuda") == "float8" and s.float8_fp16_steps == "first,last"
+
+
+def test_runner_serves_float8(model_dir, samples):
+    """The engine's runner with dtype float8 (FUSEDSERVE_DTYPE=float8): float16 rows in and out, the plan in float8."""
+    from service.model.runner import ModelRunner
+
+    path, X, y = samples
+    assert main(["calibrate", str(model_dir), "--samples", str(path)]) == 0
+    runner = ModelRunner(load_model(model_dir), "unfused", CPU, "float8", fp16_steps=("first",))
+    assert runner.executor.precision == "float8" and "linear_1" in runner.executor.fp8
+    out = runner.run(X[:16].astype(np.float32).reshape(16, 1, 8, 8))
+    assert out.shape == (16, 10) and (out.argmax(1) == y[:16]).mean() >= 0.9
