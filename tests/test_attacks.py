@@ -8,6 +8,7 @@ Bounds (docs/security.md names each with its test here):
 - a request head: request line 8 KiB (414), head 32 KiB or 100 headers (431); one connection sending 100 MB of
   headers and a flood of 200 such connections grow the front end by at most 50 MB, back near its baseline after;
 - an unauthenticated body: nothing read after its 401 (the bound asserted is the issue's 64 KB), in plain HTTP and TLS;
+- 1,000 refused TLS uploads whose clients keep writing: the front end grows by at most 50 MB and comes back;
 - a stalled TLS handshake: dropped within the header timeout, counted against MAX_CONNECTIONS meanwhile;
 - MAX_CONNECTIONS_PER_CLIENT: one address's connections past it are refused at the accept, others served;
 - gRPC: 1,000 unauthenticated 2 MB ModelInfer calls (200 at once) refused at their metadata, the front end growing by
@@ -15,9 +16,10 @@ Bounds (docs/security.md names each with its test here):
 - the metrics port: resets are no tracebacks, threads stay bounded, the backlog is 128;
 - with keys on: docs, /model, statistics and model configuration need the key; no redirect takes the Host header; the
   docs pages load pinned scripts with integrity;
-- a 30 s soak mixing these attacks (from other loopback addresses) with authorised HTTP and gRPC traffic: every
-  authorised request answered, the front end never restarted (its memory is printed, not bounded: refused TLS uploads
-  leave ~50 KB each in uvloop's TLS layer, an open item).
+- a 20 s soak mixing these attacks (from other loopback addresses) with authorised HTTP and gRPC traffic: every
+  authorised request answered, the front end never restarted, its memory within 50 MB of where it was and back near
+  it after. The throughput authorised traffic keeps under the attacks is a benchmark's number (bench/soak/attacks.py),
+  printed here, not asserted.
 """
 
 from __future__ import annotations
@@ -333,6 +335,35 @@ def test_an_unauthenticated_body_is_not_read_after_its_401(servers, certs, schem
         assert cpu < 0.5, f"{cpu:.2f} s of front-end CPU for one refused upload"
 
 
+@pytest.mark.timeout(120)
+def test_refused_tls_uploads_whose_clients_keep_writing_leave_nothing_behind(servers, certs):
+    """1,000 TLS uploads without a key whose clients push 2 MB past the 401 (8 at once, from the attackers'
+    addresses): the front end grows by at most 50 MB and comes back. Before, each such connection (aborted by
+    drop_unread) stayed alive 30 s in uvicorn's keep-alive timer, which a connection lost with an error never
+    cancelled, with its SSLProtocol and SSLObject: 2,400 of them in 11 s took a front end from 70 to 409 MB."""
+    server = servers["tls"]
+    pid = frontend_pid(server)
+    baseline = rss_bytes(pid)
+    tls = client_tls(certs)
+    piece = b"1" * 65536
+
+    def upload(i: int) -> bytes:
+        with contextlib.suppress(OSError), connect(server.port, ATTACKERS[i % 4], tls) as sock:
+            sock.sendall(b"POST /predict HTTP/1.1\r\nhost: t\r\ncontent-length: 10000000000\r\n\r\n")
+            sock.settimeout(1.0)
+            for _ in range(32):
+                sock.sendall(piece)
+        return b""
+
+    with PeakRss(pid) as peak, ThreadPoolExecutor(8) as pool:
+        list(pool.map(upload, range(1000)))
+    after = settle(pid, baseline)
+    print(f"1,000 refused TLS uploads: RSS {baseline / MB:.0f} MB, peak {peak.peak / MB:.0f} MB, "
+          f"{after / MB:.0f} MB after")  # fmt: skip
+    assert peak.peak - baseline <= GROWTH, (baseline, peak.peak)
+    assert after - baseline <= SETTLED, (baseline, after)
+
+
 # ------------------------------------------------------------------ connections: TLS handshakes, per client
 
 
@@ -612,7 +643,7 @@ def test_the_docs_pages_load_pinned_scripts_with_integrity(servers):
 # ------------------------------------------------------------------ a soak: the attacks together, with real traffic
 
 
-SOAK_S = 30.0
+SOAK_S = 20.0
 
 
 @pytest.mark.timeout(240)
@@ -622,7 +653,8 @@ def test_a_soak_of_attacks_beside_authorised_traffic_loses_no_authorised_request
     127.0.0.1 authorised /predict over HTTPS (keep-alive) and ModelInfer over gRPC with TLS, one at a time each. Every
     authorised request must be answered 200 (OK), the front end never restarted. The throughput beside the attacks is
     printed against two quiet seconds before them (the issue's target: 80%; here the attackers' own Python shares the
-    two cores), and the front end's peak memory (see the comment at the end)."""
+    two cores; bench/soak/attacks.py measures it), and the front end's memory: at most 50 MB above where it was, and
+    back near it once the attacks stop."""
     server = servers["tls"]
     pid = frontend_pid(server)
     baseline = rss_bytes(pid)
@@ -736,6 +768,9 @@ def test_a_soak_of_attacks_beside_authorised_traffic_loses_no_authorised_request
                                                "idle connections", "unauthenticated gRPC calls")), attacks  # fmt: skip
     assert server.process.proc.poll() is None and frontend_pid(server) == pid
     assert server.log().count("starting it again") == restarts_before
-    # Not asserted here: the front end's growth. Refused TLS uploads whose client keeps writing leave about 50 KB
-    # each in uvloop's TLS layer (its SSLProtocols' MemoryBIOs stay alive, no object of ours), so 1,200 of them grow
-    # it by 250 MB or more: an open item of issue 53 (docs/security.md). The other attacks stay within 50 MB here.
+    # The front end's memory under all of these at once: within the issue's 50 MB of where it was, and back near it
+    # once they stop (service/frontend/heap.py hands freed memory back every 5 s).
+    after = settle(pid, baseline)
+    print(f"soak: front end RSS {after / MB:.0f} MB after")
+    assert peak.peak - baseline <= GROWTH, (baseline, peak.peak)
+    assert after - baseline <= SETTLED, (baseline, after)

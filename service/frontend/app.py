@@ -191,6 +191,7 @@ def frontend_main(
 
 def _draining_server(base):
     from .guard import SWEEP_EVERY_TICKS, sweep
+    from .heap import TRIM_EVERY_TICKS, trimmer
 
     class DrainingServer(base):
         """uvicorn's server with a drain before its shutdown. On SIGTERM, /health/ready turns 503 and every answer
@@ -207,6 +208,7 @@ def _draining_server(base):
             self._quiet_since: float | None = None
             self.fs_timeouts: tuple[float, float] | None = None  # (header, body) read timeouts for guard.sweep
             self.fs_drain_delay_s = 0.0  # accepting on this long after SIGTERM before the drain
+            self.fs_trim = trimmer()
 
         def handle_exit(self, sig, frame) -> None:
             if self._drain_started is None:
@@ -220,6 +222,8 @@ def _draining_server(base):
         async def on_tick(self, counter: int) -> bool:
             if self.fs_timeouts is not None and counter % SWEEP_EVERY_TICKS == 0:
                 sweep(self.server_state.connections, time.monotonic(), *self.fs_timeouts)
+            if self.fs_trim is not None and counter % TRIM_EVERY_TICKS == 0:
+                self.fs_trim()  # freed memory back to the system (service/frontend/heap.py)
             if self._drain_started is not None and not self.should_exit and time.monotonic() >= self._drain_started:
                 now = time.monotonic()
                 if self.server_state.connections:

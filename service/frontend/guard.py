@@ -149,6 +149,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         accept.release(self)
         if self.fs_made:
             super().connection_lost(exc)
+            # uvicorn cancels the keep-alive timer only on a clean close (exc None): after a reset or an abort its
+            # TimerHandle kept the protocol, with the SSLProtocol, the SSLObject and its buffers, for the 30 s of
+            # timeout_keep_alive. Each refused TLS upload is aborted (drop_unread): ~130 KB each held 30 s, so that
+            # 600 of them in 3 s grew a front end by 60-75 MB (issue 53).
+            self._unset_keepalive_if_required()
         else:  # refused at the accept, or its handshake never ended: nothing of HTTP was set up
             self.connections.discard(self)
         # Break the cycle protocol -> cycle -> _LingeringClose -> protocol: with a TLS transport in it the collector
@@ -257,6 +262,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_response_complete()  # resumes reading (uvicorn), which a connection dropped unread must not
         if self.fs_dropped:
             (self.fs_raw or self.transport).pause_reading()
+            self._unset_keepalive_if_required()  # its close is under way (drop_unread): no keep-alive wait
         if self.fs_phase == HANDLING:
             self.fs_phase = IDLE  # uvicorn's keep-alive timeout applies until the next request's first byte
 
