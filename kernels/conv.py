@@ -59,9 +59,11 @@ from .pool import channels_last as _channels_last
 from .runtime import check_device, interpreting
 from .tiles import (
     SplitKWorkspace,
+    channels_last_alignment,
     device_limits,
     gemm_flags,
     grouped_tile,
+    known_strides,
     launch_options,
     residual_like,
     split_k_sum,
@@ -174,8 +176,15 @@ def _conv2d_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,  # programs per output tile, each over 1/SPLIT_K of the K steps; only with POOL "none"
     HAS_INPUT_NORM: tl.constexpr = False,  # A = x * scale[c] + shift[c] inside the image, 0 in the padding
+    # what x's, the weight's and y's (and the residual's) pixel strides are multiples of (tiles.channels_last_alignment)
+    X_ALIGN: tl.constexpr = 1, W_ALIGN: tl.constexpr = 1, Y_ALIGN: tl.constexpr = 1,
 ):  # fmt: skip
     tl.static_assert(POOL == "none" or not HAS_RESIDUAL, "a residual is added to the conv's output, never pooled")
+    # Said where Triton cannot see it (it specializes multiples of 16 only): 104 channels (RegNetY) in channels_last
+    # are 8-element strides, so a channel run's loads and stores are 16-byte vectors, not 2-byte ones.
+    stride_xn, stride_xh, stride_xw = known_strides(stride_xn, stride_xh, stride_xw, X_ALIGN)
+    stride_wo, stride_wh, stride_ww = known_strides(stride_wo, stride_wh, stride_ww, W_ALIGN)
+    stride_yn, stride_yh, stride_yw = known_strides(stride_yn, stride_yh, stride_yw, Y_ALIGN)
     # A = x * gate[n, c] (fused_conv2d's x_scale): flagged by a None shift pointer, which Triton makes a compile-time
     # constant, rather than a parameter of its own, so the kernel's signature (and every other launch's code) is as
     # before this flag.
@@ -563,6 +572,8 @@ def fused_conv2d(
             float(negative_slope),
             **geometry, OH=oh, OW=ow, **window, HAS_RESIDUAL=has_residual, **fixed, CHANNELS_LAST=channels_last,
             Y_PLANES=y.stride()[1:] == (oh * ow, ow, 1), HAS_INPUT_NORM=has_norm, **meta, **launch_options(fixed),
+            X_ALIGN=channels_last_alignment(x), W_ALIGN=channels_last_alignment(weight),
+            Y_ALIGN=channels_last_alignment(y),
         )  # fmt: skip
 
     # The TMA kernel (conv_tma.py) where it can run: x and weight channels_last, 16-byte rows, strides that divide

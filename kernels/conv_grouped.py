@@ -43,7 +43,7 @@ from .pdl import gdc_launch_dependents, gdc_wait
 from .pool import channels_last as _channels_last
 from .pool import pair
 from .runtime import check_device, interpreting
-from .tiles import gemm_flags, launch_options, residual_like
+from .tiles import channels_last_alignment, gemm_flags, known_strides, launch_options, residual_like
 from .tuning import LaunchConfig, scope_for, tune
 from .tuning_background import on_new_picks
 
@@ -119,7 +119,12 @@ def _conv2d_direct_kernel(
     PC: tl.constexpr,  # the tile is (BLOCK_P, BLOCK_C), channels fastest (NHWC x); else (BLOCK_C, BLOCK_P)
     Y_PLANES: tl.constexpr,  # y is contiguous NCHW: each (n, o) plane one run of OH * OW elements
     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    # what x's, the weight's and y's pixel strides are multiples of (tiles.channels_last_alignment)
+    X_ALIGN: tl.constexpr = 1, W_ALIGN: tl.constexpr = 1, Y_ALIGN: tl.constexpr = 1,
 ):  # fmt: skip
+    stride_xn, stride_xh, stride_xw = known_strides(stride_xn, stride_xh, stride_xw, X_ALIGN)  # conv.py: why
+    stride_wo, stride_wh, stride_ww = known_strides(stride_wo, stride_wh, stride_ww, W_ALIGN)
+    stride_yn, stride_yh, stride_yw = known_strides(stride_yn, stride_yh, stride_yw, Y_ALIGN)
     if PDL:  # the next layer may start; this one waits for the previous layer (below) before reading x
         gdc_launch_dependents()
     # Channel blocks fastest: neighbouring programs read the same pixels' neighbouring channels (NHWC: the same lines).
@@ -208,7 +213,14 @@ def _conv2d_grouped_kernel(
     CHANNELS_LAST: tl.constexpr,  # x is NHWC: gathered as (BLOCK_M, BLOCK_K), channels contiguous; else transposed
     Y_PLANES: tl.constexpr,  # y is contiguous NCHW: each (n, o) plane one run of OH * OW elements
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    # what x's, the weight's and y's pixel strides are multiples of (tiles.channels_last_alignment)
+    X_ALIGN: tl.constexpr = 1, W_ALIGN: tl.constexpr = 1, Y_ALIGN: tl.constexpr = 1,
 ):  # fmt: skip
+    # Said where Triton cannot see it: RegNetY's 104 channels in groups of 8 are 8-element strides, so the tile's
+    # channel runs load as 16-byte vectors, not 2-byte ones (conv.py's kernel does the same).
+    stride_xn, stride_xh, stride_xw = known_strides(stride_xn, stride_xh, stride_xw, X_ALIGN)
+    stride_wo, stride_wh, stride_ww = known_strides(stride_wo, stride_wh, stride_ww, W_ALIGN)
+    stride_yn, stride_yh, stride_yw = known_strides(stride_yn, stride_yh, stride_yw, Y_ALIGN)
     # A tile's columns: GPT whole groups when a group is narrower than the tile, else BLOCK_N channels of one group
     # (SUBS such tiles a group). KT: the input channels of the tile's groups, the K of one tap.
     GPT: tl.constexpr = BLOCK_N // OCG if OCG < BLOCK_N else 1
@@ -407,6 +419,8 @@ def fused_conv2d_grouped(
     geometry = dict(H=H, W=W, OH=OH, OW=OW, KH=KH, KW=KW, SH=s[0], SW=s[1], PH=p[0], PW=p[1], DH=d[0], DW=d[1])
     args = (x, weight, bias if bias is not None else weight, out, residual if has_residual else out, N,
             *x.stride(), *weight.stride(), *out.stride(), float(negative_slope))  # fmt: skip
+    align = dict(X_ALIGN=channels_last_alignment(x), W_ALIGN=channels_last_alignment(weight),
+                 Y_ALIGN=channels_last_alignment(out))  # fmt: skip
 
     def run(config: LaunchConfig):
         meta = config.meta()
@@ -415,14 +429,14 @@ def fused_conv2d_grouped(
             epilogue = {k: fixed[k] for k in ("HAS_BIAS", "ACTIVATION", "ROUND_BF16", "PDL")}
             return grid_launch(_conv2d_direct_kernel, (grid,))(
                 *args, OC=OC, CG=CG, OCG=OCG, **geometry, HAS_RESIDUAL=has_residual, **epilogue,
-                PC=meta.pop("PC"), Y_PLANES=y_planes, **meta, **launch_options(fixed),
+                PC=meta.pop("PC"), Y_PLANES=y_planes, **meta, **align, **launch_options(fixed),
             )  # fmt: skip
         bn = meta["BLOCK_N"]
         n_tiles = triton.cdiv(G, bn // OCG) if bn > OCG else G * triton.cdiv(OCG, bn)
         grid = triton.cdiv(M, meta["BLOCK_M"]) * n_tiles
         return grid_launch(_conv2d_grouped_kernel, (grid,))(
             *args, G=G, CG=CG, OCG=OCG, **geometry, HAS_RESIDUAL=has_residual, **fixed,
-            CHANNELS_LAST=channels_last, Y_PLANES=y_planes, **meta, **launch_options(fixed),
+            CHANNELS_LAST=channels_last, Y_PLANES=y_planes, **meta, **align, **launch_options(fixed),
         )  # fmt: skip
 
     if interpreting():

@@ -82,6 +82,24 @@ def pow2_alignment(*sizes: int) -> int:
     return align
 
 
+def channels_last_alignment(t: torch.Tensor) -> int:
+    """What a conv kernel may say of a 4-D tensor's pixel strides (its ALIGN constexprs, for known_multiple): with the
+    channels contiguous (stride(1) == 1), the largest power of two, at most 16, dividing the strides of its other
+    dimensions (height or width of size 1: only ever indexed at 0, so left out); else 1, nothing said. 104 channels in
+    channels_last (RegNetY) give 8: Triton, which specializes only multiples of 16, saw 2-byte loads there. The
+    image stride counts at any batch, so one layer's batches share one value (and one compiled kernel)."""
+    if t.stride(1) != 1:
+        return 1
+    sizes, strides = t.shape, t.stride()
+    return pow2_alignment(strides[0], *(strides[i] for i in (2, 3) if sizes[i] != 1))
+
+
+@triton.jit
+def known_strides(stride_n, stride_h, stride_w, ALIGN: tl.constexpr):
+    """known_multiple for a channels-last tensor's image, row and pixel strides (channels_last_alignment)."""
+    return known_multiple(stride_n, ALIGN), known_multiple(stride_h, ALIGN), known_multiple(stride_w, ALIGN)
+
+
 @triton.jit
 def known_multiple(value, ALIGN: tl.constexpr):
     """`value`, which the launcher checked is a multiple of ALIGN, written so that Triton's alignment analysis

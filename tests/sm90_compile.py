@@ -3,6 +3,7 @@ test_kernels_compile.py's subprocess scripts (run with TRITON_INTERPRET=0; see t
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import subprocess
@@ -47,7 +48,9 @@ def compile_sm90(
     machine instructions in each loop (sass_loops)."""
     names = kernel.arg_names
     signature = {n: runtime.get(n, "constexpr") for n in names}
-    constexprs = {(names.index(n),): meta[n] for n in names if n not in runtime}
+    defaults = {n: v.default for n, v in inspect.signature(kernel.fn).parameters.items()
+                if v.default is not inspect.Parameter.empty}  # fmt: skip
+    constexprs = {(names.index(n),): meta[n] if n in meta else defaults[n] for n in names if n not in runtime}
     aligned = {(i,): [["tt.divisibility", 16]] for i in [*range(pointers), *(names.index(n) for n in divisible)]}
     src = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
     options = dict(num_warps=num_warps, num_stages=num_stages)

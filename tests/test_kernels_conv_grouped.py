@@ -12,10 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.conv as conv_mod
 import kernels.conv_grouped as grouped_mod
 from kernels import ACTIVATIONS, reference
-from kernels.conv import conv_output_size
+from kernels.conv import conv_output_size, fused_conv2d
 from kernels.conv_grouped import fused_conv2d_grouped
+from kernels.tiles import channels_last_alignment
 from tests.tolerances import RTOL, assert_close_to
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -208,6 +210,53 @@ def test_kernels_and_tiles_agree():
                 results.append(fused_conv2d_grouped(x, w, b, "silu", padding=1, groups=4, allow_tf32=False))
     for r in results[1:]:
         assert_close_to(r, results[0].double(), RTOL[torch.float32], "kernel / tile")
+
+
+def test_channels_last_alignment_says_what_the_pixel_strides_are_multiples_of():
+    """The conv kernels' X_ALIGN/W_ALIGN/Y_ALIGN: 104 channels (RegNetY) in channels_last -> 8, 58 (ShuffleNetV2)
+    -> 2, 64 -> 16; channels not contiguous -> 1; a 1x1 window's or image's unit strides left out."""
+
+    def nhwc(*shape):
+        return torch.empty(shape).contiguous(memory_format=NHWC)
+
+    assert channels_last_alignment(nhwc(2, 104, 28, 28)) == 8 and channels_last_alignment(nhwc(3, 58, 7, 7)) == 2
+    assert channels_last_alignment(nhwc(1, 64, 5, 5)) == 16 and channels_last_alignment(torch.empty(2, 104, 9, 9)) == 1
+    assert channels_last_alignment(nhwc(104, 8, 1, 1)) == 8 and channels_last_alignment(torch.empty(2, 40, 1, 1)) == 8
+    assert channels_last_alignment(nhwc(4, 1, 6, 6)) == 1  # one channel: its pixel stride is 1
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="spies on the interpreter's launch")
+@pytest.mark.parametrize("kernel", ["direct", "gemm", "conv"])
+def test_the_launchers_pass_the_alignment_and_stay_exact_with_it(monkeypatch, kernel):
+    """Groups of 8 over 24 channels in channels_last (x, weight, y and residual: strides of 24 -> 8), as RegNetY's
+    104: the launch says 8 for all three, and the output equals the reference's. `known_multiple` rounds a stride
+    down to the hint, so a wrong hint would move every load and fail here."""
+    module = conv_mod if kernel == "conv" else grouped_mod
+    seen, real = [], module.grid_launch
+
+    def spy(k, grid):
+        launch = real(k, grid)
+
+        def record(*args, **meta):
+            seen.append((meta["X_ALIGN"], meta["W_ALIGN"], meta["Y_ALIGN"]))
+            return launch(*args, **meta)
+
+        return record
+
+    monkeypatch.setattr(module, "grid_launch", spy)
+    case = (2, 24, 5, 6, 24, 1 if kernel == "conv" else 24 if kernel == "direct" else 3, 3, 1, 1, 1)
+    x, w, b = _inputs(case, torch.float32, DEVICE, x_format=NHWC)
+    w = w.contiguous(memory_format=NHWC)
+    r = torch.randn(_out_shape(case)).contiguous(memory_format=NHWC)
+    if kernel == "conv":
+        y = fused_conv2d(x, w, b, padding=1, activation="relu", residual=r, allow_tf32=False)
+    else:
+        with grouped_mod.INTERPRETER.override(path=kernel):
+            y = fused_conv2d_grouped(x, w, b, "relu", padding=1, groups=case[5], residual=r, allow_tf32=False)
+    want = reference.conv2d_grouped(x.double(), w.double(), b.double(), "relu", padding=1, groups=case[5],
+                                    residual=r.double())  # fmt: skip
+    assert seen and seen[-1] == (8, 8 if kernel != "direct" else 1, 8), seen
+    assert_close_to(y, want, RTOL[torch.float32], f"{kernel} with the alignment said")
 
 
 def test_default_kernel_and_interpreter_choice():
