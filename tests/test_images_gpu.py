@@ -32,7 +32,11 @@ from .server import REPO
 pytestmark = pytest.mark.gpu
 
 MAX_PIXELS = 50_000_000
-MEAN_LEVELS, MAX_LEVELS = 1.0, 16
+# nvJPEG against Pillow (libjpeg-turbo) on the same file: their chroma upsampling differs (libjpeg-turbo's "fancy"
+# triangular filter), so colour edges move by tens of levels while the mean stays under one. Measured on an H200:
+# mean 0.80 levels, max 20, 41% of the values off by one or more (six synthetic photos, quality 90). A swapped channel
+# order or a crop off by a pixel moves the mean by tens of levels.
+MEAN_LEVELS, MAX_LEVELS = 1.0, 48
 
 
 @pytest.fixture(scope="module", autouse=True)
