@@ -88,9 +88,11 @@ def _layernorm_channels_kernel(
 
     x_ptrs = x_ptr + n * stride_xn + pix[:, None] * stride_xp + ch[None, :] * stride_xc
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=1) / C
+    # IEEE divisions (div_rn): Triton's fp32 `/` is div.full.f32, 2 ulp off, so seven equal channels of 5.0 had a mean
+    # of 4.9999998 and y = bias + 1.2e-4 * weight where torch gives bias exactly (H200, eps 1e-5).
+    mean = tl.div_rn(tl.sum(x, axis=1), C + 0.0)
     d = tl.where(mask, x - mean[:, None], 0.0)  # masked channels must not add (0 - mean)^2
-    var = tl.sum(d * d, axis=1) / C  # biased, as torch's layer_norm
+    var = tl.div_rn(tl.sum(d * d, axis=1), C + 0.0)  # biased, as torch's layer_norm
     y = d * tl.rsqrt(var + eps)[:, None]
     if HAS_WEIGHT:
         y = y * w[None, :]
