@@ -1,20 +1,24 @@
-"""`fusedserve ab-report`: fused against unfused, per plan step, for the whole forward and for the request, from one
-service in ab mode (or any services whose series carry both modes), as a markdown table.
+"""`fusedserve ab-report`: A against B (fused against unfused, or two precisions such as fused:float8 against
+fused:float16 with FUSEDSERVE_AB_OTHER), per plan step, for the whole forward and for the request, from one service
+that runs both (ab mode, or a shadow), as a markdown table. A and B are the `mode` labels fusedserve_ab_info names
+(fused and unfused where it is absent).
 
     fusedserve ab-report --url http://localhost:8001/metrics                 # everything since the service started
     fusedserve ab-report --prometheus http://localhost:9090 --since 1h       # the last hour, from Prometheus
 
-Each row gives, per mode, the p50 and p99 (interpolated within their bucket, as Prometheus' histogram_quantile does)
-and the count, then the speedup: unfused p50 / fused p50, with the interval the histogram's buckets allow. The p50 of
-each mode lies for certain in the bucket where its cumulative count crosses half its total, between that bucket's
-lower and upper bounds; so the true ratio of the two p50s lies between (the unfused bucket's lower bound / the fused
-bucket's upper bound) and (the unfused upper / the fused lower). With fusedserve's x2 buckets that interval spans up
-to 4x: it bounds the bucketing's error, not the sampling's. The ratio of the means is exact (each mode's _sum /
-_count) and is given beside it. Steps are device time (CUDA events on every KERNEL_TIMING_EVERY-th batch), the
-forward is host wall time per batch, the request is the time in the server of the requests each mode answered.
+Each row gives, per configuration, the p50 and p99 (interpolated within their bucket, as Prometheus' histogram_quantile
+does) and the count, then the speedup: B p50 / A p50 (unfused / fused), with the interval the histogram's buckets allow
+(written here for fused and unfused). The p50 of each mode lies for certain in the bucket where its cumulative count
+crosses half its total, between that bucket's lower and upper bounds; so the true ratio of the two p50s lies between
+(the unfused bucket's lower bound / the fused bucket's upper bound) and (the unfused upper / the fused lower). With
+fusedserve's x2 buckets that interval spans up to 4x: it bounds the bucketing's error, not the sampling's. The ratio of
+the means is exact (each mode's _sum / _count) and is given beside it. Steps are device time (CUDA events on every
+KERNEL_TIMING_EVERY-th batch), the forward is host wall time per batch, the request is the time in the server of the
+requests each mode answered.
 
-With --prometheus the counts are increases over --since (the window of `increase()`), from the instances in ab mode
-now (fusedserve_model_info{mode="ab"} == 1) unless --instance names others; with --url they are the service's totals.
+With --prometheus the counts are increases over --since (the window of `increase()`), from the instances that compare
+two executors now (fusedserve_ab_info == 1: ab mode, or a shadow) unless --instance names others; with --url they are
+the service's totals. The shadow's top-1 agreement is 1 - mismatched rows / compared rows.
 """
 
 from __future__ import annotations
@@ -79,10 +83,13 @@ class Hist:
 
 @dataclass
 class Readings:
-    """What a report needs: histograms by (family, mode[, kernel]) and the shadow counters."""
+    """What a report needs: histograms by (family, mode[, kernel]) and the shadow counters; `a` and `b`: the two
+    executors' mode labels."""
 
     model: str
     source: str
+    a: str = MODES[0]
+    b: str = MODES[1]
     steps: dict[tuple[str, str], Hist] = field(default_factory=dict)  # (kernel, mode)
     forward: dict[str, Hist] = field(default_factory=dict)
     request: dict[str, Hist] = field(default_factory=dict)
@@ -90,6 +97,7 @@ class Readings:
     shadow_error: Hist = field(default_factory=Hist)
     shadow_batches: float = 0.0
     shadow_mismatches: float = 0.0
+    shadow_rows: float = 0.0
 
 
 def _hist(where: dict, key) -> Hist:
@@ -103,7 +111,7 @@ def _target(r: Readings, family: str, labels: dict[str, str]) -> Hist | None:
     mode = labels.get("mode")
     if family == "fusedserve_shadow_error":
         return r.shadow_error
-    if mode not in MODES:
+    if mode not in (r.a, r.b):
         return None
     if family == "fusedserve_kernel_seconds":
         return _hist(r.steps, (labels.get("kernel", "?"), mode))
@@ -112,6 +120,11 @@ def _target(r: Readings, family: str, labels: dict[str, str]) -> Hist | None:
     return None if where is None else _hist(where, mode)
 
 
+SHADOW_COUNTERS = {
+    "fusedserve_shadow_batches": "shadow_batches",
+    "fusedserve_shadow_argmax_mismatch": "shadow_mismatches",
+    "fusedserve_shadow_rows": "shadow_rows",
+}
 HISTOGRAMS = (
     "fusedserve_kernel_seconds",
     "fusedserve_forward_seconds",
@@ -138,6 +151,10 @@ def from_metrics_text(text: str, source: str, model: str | None = None) -> Readi
                      if "model" in s.labels})  # fmt: skip
     model = _one_model(model, models, source)
     r = Readings(model, source)
+    pairs = [(s.value, s.labels["a"], s.labels["b"]) for f in families if f.name == "fusedserve_ab_info"
+             for s in f.samples if s.labels.get("model") == model]  # fmt: skip
+    if pairs:  # the pair compared now (value 1), else the last one
+        r.a, r.b = max(pairs)[1:]
     for f in families:
         if f.name in HISTOGRAMS:
             for s in f.samples:
@@ -152,12 +169,9 @@ def from_metrics_text(text: str, source: str, model: str | None = None) -> Readi
                     h.sum += s.value
                 elif s.name.endswith("_count"):
                     h.count += s.value
-        elif f.name in ("fusedserve_shadow_batches", "fusedserve_shadow_argmax_mismatch"):
+        elif f.name in SHADOW_COUNTERS:
             total = sum(s.value for s in f.samples if s.name.endswith("_total") and s.labels.get("model") == model)
-            if f.name == "fusedserve_shadow_batches":
-                r.shadow_batches += total
-            else:
-                r.shadow_mismatches += total
+            setattr(r, SHADOW_COUNTERS[f.name], getattr(r, SHADOW_COUNTERS[f.name]) + total)
     return r
 
 
@@ -181,12 +195,13 @@ def _query(prom: str, expr: str) -> list[dict]:
 def from_prometheus(prom: str, since: str, model: str | None = None, instance: str | None = None) -> Readings:
     """Readings from Prometheus: increases over the last `since` (a PromQL duration such as 1h)."""
     shown = instance
-    if instance is None:  # the services in ab mode now
-        live = _query(prom, 'fusedserve_model_info{mode="ab"} == 1' if model is None else
-                      f'fusedserve_model_info{{mode="ab", model="{model}"}} == 1')  # fmt: skip
+    if instance is None:  # the services that compare two executors now
+        live = _query(prom, "fusedserve_ab_info == 1" if model is None else
+                      f'fusedserve_ab_info{{model="{model}"}} == 1')  # fmt: skip
         names = sorted({x["metric"].get("instance", "") for x in live})
         if not names:
-            raise SystemExit(f"ab-report: no service is in ab mode now at {prom}; name the services with --instance")
+            raise SystemExit(f"ab-report: no service compares two executors now at {prom} (ab mode, or "
+                             "FUSEDSERVE_SHADOW_EVERY); name the services with --instance")  # fmt: skip
         instance = "|".join(n.replace(".", "\\\\.") for n in names)
         shown = ", ".join(names)
     sel = f'instance=~"{instance}"'
@@ -196,6 +211,10 @@ def from_prometheus(prom: str, since: str, model: str | None = None, instance: s
     model = _one_model(model, models, prom)
     sel += f', model="{model}"'
     r = Readings(model, f"{prom}, the last {since}, instances {shown}")
+    pairs = _query(prom, f"max by (a, b) (max_over_time(fusedserve_ab_info{{{sel}}}[{since}]))")
+    if pairs:  # the pair compared now (value 1), else the last one
+        best = max(pairs, key=lambda x: float(x["value"][1]))["metric"]
+        r.a, r.b = best["a"], best["b"]
     for fam in HISTOGRAMS:
         keys = "mode, kernel" if fam == "fusedserve_kernel_seconds" else "mode"
         for part, by in (("bucket", f"le, {keys}"), ("sum", keys), ("count", keys)):
@@ -210,13 +229,9 @@ def from_prometheus(prom: str, since: str, model: str | None = None, instance: s
                     h.sum += value
                 else:
                     h.count += value
-    for name in ("fusedserve_shadow_batches_total", "fusedserve_shadow_argmax_mismatch_total"):
-        got = _query(prom, f"sum(increase({name}{{{sel}}}[{since}]))")
-        value = float(got[0]["value"][1]) if got else 0.0
-        if name == "fusedserve_shadow_batches_total":
-            r.shadow_batches = value
-        else:
-            r.shadow_mismatches = value
+    for name, attr in SHADOW_COUNTERS.items():
+        got = _query(prom, f"sum(increase({name}_total{{{sel}}}[{since}]))")
+        setattr(r, attr, float(got[0]["value"][1]) if got else 0.0)
     return r
 
 
@@ -246,7 +261,8 @@ def _count(n: float) -> str:
 
 
 def speedup(fused: Hist | None, unfused: Hist | None, q: float = 0.5) -> tuple[float, float, float] | None:
-    """(unfused / fused q-quantile, its lower bound, its upper bound) from the buckets (module docstring)."""
+    """(unfused / fused q-quantile, its lower bound, its upper bound) from the buckets (module docstring); for two
+    configurations A and B, `fused` is A and `unfused` B."""
     if fused is None or unfused is None:
         return None
     f, u = fused.quantile(q), unfused.quantile(q)
@@ -273,46 +289,52 @@ def _row(name: str, fused: Hist | None, unfused: Hist | None, time_unit=_time) -
 
 
 def render(r: Readings) -> str:
+    a, b = r.a, r.b
     lines = [
-        f"# A/B report: {r.model}, fused against unfused",
+        f"# A/B report: {r.model}, {a} against {b}",
         "",
         f"Source: {r.source}.",
         "",
-        "| | fused p50 | fused p99 | fused n | unfused p50 | unfused p99 | unfused n | speedup (p50) [bucket bounds] "
+        f"| | {a} p50 | {a} p99 | {a} n | {b} p50 | {b} p99 | {b} n | speedup (p50) [bucket bounds] "
         "| speedup (means) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for kernel in sorted({k for k, _ in r.steps}):
-        lines.append(_row(f"step `{kernel}`", r.steps.get((kernel, "fused")), r.steps.get((kernel, "unfused"))))
-    lines.append(_row("forward (host, per batch)", r.forward.get("fused"), r.forward.get("unfused")))
-    lines.append(_row("request (in the server)", r.request.get("fused"), r.request.get("unfused")))
+        lines.append(_row(f"step `{kernel}`", r.steps.get((kernel, a)), r.steps.get((kernel, b))))
+    lines.append(_row("forward (host, per batch)", r.forward.get(a), r.forward.get(b)))
+    lines.append(_row("request (in the server)", r.request.get(a), r.request.get(b)))
     lines.append("")
-    batches = {m: r.rows.get(m, Hist()) for m in MODES}
+    batches = {m: r.rows.get(m, Hist()) for m in (a, b)}
     total = sum(h.count for h in batches.values())
     if total:
         mix = ", ".join(
             f"{m} {_count(h.count)} (mean {h.mean:.1f} rows)" if h.count else f"{m} 0" for m, h in batches.items()
         )
-        lines.append(f"Batches: {mix}; {100 * batches['unfused'].count / total:.1f}% unfused.")
+        lines.append(f"Batches: {mix}; {100 * batches[b].count / total:.1f}% {b}.")
     else:
         lines.append("Batches: none counted.")
     lines.append("")
     e = r.shadow_error
     if e.count:
         p50, p99, top = e.quantile(0.5), e.quantile(0.99), e.highest()
+        agree = (
+            f"top-1 agreement {100 * (1 - r.shadow_mismatches / r.shadow_rows):.2f}% of {_count(r.shadow_rows)} rows"
+            if r.shadow_rows
+            else "top-1 agreement -"
+        )
         lines.append(
-            f"Shadow: {_count(r.shadow_batches)} batches run in both modes and compared; max |fused − unfused| over a "
+            f"Shadow: {_count(r.shadow_batches)} batches run in both {a} and {b} and compared; max |{a} − {b}| over a "
             f"batch ÷ its largest output: p50 ≤ {p50[2]:.2g}, p99 ≤ {p99[2]:.2g}, largest ≤ {top:.2g} (bucket upper "
-            f"bounds); {_count(r.shadow_mismatches)} rows predicted another label in the other mode."
+            f"bounds); {agree}: {_count(r.shadow_mismatches)} rows predicted another label in the other configuration."
         )
     else:
         lines.append("Shadow: no batch compared (FUSEDSERVE_SHADOW_EVERY=0, or no idle moment yet).")
     lines += [
         "",
-        "Speedup: unfused ÷ fused. The p50 ratio interpolates within x2 buckets; the bracket is what the buckets "
-        "allow (each p50 lies in the bucket where its count crosses half: unfused lower bound ÷ fused upper bound to "
-        "unfused upper ÷ fused lower). The ratio of the means is exact (_sum ÷ _count). Steps: device time of the "
-        "kernel-timed batches; forward: host wall time per batch; request: time in the server.",
+        f"Speedup: {b} ÷ {a}. The p50 ratio interpolates within x2 buckets; the bracket is what the buckets allow "
+        f"(each p50 lies in the bucket where its count crosses half: {b} lower bound ÷ {a} upper bound to {b} upper "
+        f"÷ {a} lower). The ratio of the means is exact (_sum ÷ _count). Steps: device time of the kernel-timed "
+        "batches; forward: host wall time per batch; request: time in the server.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -325,7 +347,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--since", default="1h", help="with --prometheus: the window, a PromQL duration [1h]")
     p.add_argument("--model", help="the model to report on [the only one there]")
-    p.add_argument("--instance", help="with --prometheus: a regex of the instances to read [those in ab mode now]")
+    p.add_argument("--instance", help="with --prometheus: a regex of the instances to read [those that compare two "
+                   "executors now: fusedserve_ab_info]")  # fmt: skip
     p.add_argument("--out", help="write the markdown here [standard output]")
 
 

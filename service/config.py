@@ -45,15 +45,23 @@ class Settings(BaseSettings):
         50.0,
         ge=0,
         le=100,
-        description="in ab mode, the share of batches run unfused, in percent; chosen per batch-size bucket, so both "
-        "modes see the same mix of batch sizes. Changes live on SIGHUP",
+        description="in ab mode, the share of batches run unfused (by AB_OTHER's configuration where it is set), in "
+        "percent; chosen per batch-size bucket, so both modes see the same mix of batch sizes. Changes live on SIGHUP",
     )
     shadow_every: int = Field(
         0,
         ge=0,
-        description="run every Nth batch in the other mode too, after its answers are sent and only while no request "
-        "waits, and record the difference (fusedserve_shadow_*); 0: off. In fused or unfused mode a value above 0 "
-        "loads the other executor as well. Changes live on SIGHUP",
+        description="run every Nth batch in the other mode (AB_OTHER's configuration where it is set) too, after its "
+        "answers are sent and only while no request waits, and record the difference (fusedserve_shadow_*); 0: off. "
+        "In fused or unfused mode a value above 0 loads the other executor as well. Changes live on SIGHUP",
+    )
+    ab_other: str | None = Field(
+        None,
+        description="the configuration the A/B compares against, MODE:DTYPE (e.g. fused:float16 beside "
+        "DTYPE=float8): the executor that runs AB_UNFUSED_PERCENT of the batches in ab mode and every "
+        "SHADOW_EVERY-th batch again as the shadow (unset: the other mode, fused or unfused, in DTYPE). When its "
+        "DTYPE differs from the served one, both executors' `mode` labels and answers name their precision "
+        "(fused:float8, fused:float16; docs/ab.md)",
     )
     config_file: Path | None = Field(
         None,
@@ -381,6 +389,7 @@ class Settings(BaseSettings):
             raise ValueError(f"{ENV_PREFIX}{given} is set without {ENV_PREFIX}{missing}: set both, or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError(f"{ENV_PREFIX}TLS_CLIENT_CA needs {ENV_PREFIX}TLS_CERT and {ENV_PREFIX}TLS_KEY")
+        self.ab_configs()  # a malformed or self-comparing AB_OTHER stops the start with its error
         self.restrictions()  # a malformed rule stops the start with its error
         self.public_apis()
         return self
@@ -404,6 +413,21 @@ class Settings(BaseSettings):
                              f"{', '.join(KEYED_APIS)}")  # fmt: skip
         return names
 
+    def ab_configs(self, device_type: str | None = None) -> tuple[tuple[str, str], tuple[str, str]]:
+        """The A/B's two configurations, ((mode, dtype) of A, (mode, dtype) of B): A is MODE's executor (fused in ab
+        mode) in DTYPE, B is AB_OTHER, else the other mode in DTYPE. `device_type` resolves DTYPE=auto; without it an
+        auto DTYPE is left as "auto" and B is checked only for its form. ValueError naming FUSEDSERVE_AB_OTHER."""
+        dtype = self.compute_dtype(device_type) if device_type is not None else self.dtype
+        a = ("fused" if self.mode == "ab" else self.mode, dtype)
+        if self.ab_other is None:
+            return a, ("unfused" if a[0] == "fused" else "fused", dtype)
+        b = parse_config(self.ab_other)
+        if b == a:
+            served = f"{ENV_PREFIX}MODE={self.mode}, {ENV_PREFIX}DTYPE={dtype}"
+            raise ValueError(f"{ENV_PREFIX}AB_OTHER ({self.ab_other}) is the served configuration itself ({served}): "
+                             "name another mode or dtype")  # fmt: skip
+        return a, b
+
     @property
     def tls(self) -> bool:
         return self.tls_cert is not None
@@ -424,6 +448,20 @@ class Settings(BaseSettings):
         from .model.locate import locate_model
 
         return locate_model(self.model, self.model_dir)
+
+
+AB_MODES = ("fused", "unfused")
+AB_DTYPES = ("float32", "float16", "bfloat16", "float8")
+
+
+def parse_config(text: str) -> tuple[str, str]:
+    """FUSEDSERVE_AB_OTHER's `MODE:DTYPE` -> (mode, dtype); ValueError saying what is expected."""
+    mode, colon, dtype = text.strip().partition(":")
+    mode, dtype = mode.strip(), dtype.strip()
+    if not colon or mode not in AB_MODES or dtype not in AB_DTYPES:
+        raise ValueError(f"{ENV_PREFIX}AB_OTHER must be MODE:DTYPE with MODE one of {', '.join(AB_MODES)} and DTYPE "
+                         f"one of {', '.join(AB_DTYPES)} (e.g. fused:float16), not {text!r}")  # fmt: skip
+    return mode, dtype
 
 
 def parse_restricted(text: str) -> dict[str, tuple[str, bytes]]:

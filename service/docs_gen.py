@@ -119,7 +119,12 @@ known, so rates are defined from the first scrape. The Grafana dashboard
 # metrics themselves and listed in the table.
 LABELS = {
     "model": "the served model's name, as `GET /model` gives it",
-    "mode": "`fused` or `unfused`",
+    "mode": "`fused` or `unfused`; where `FUSEDSERVE_AB_OTHER` names another precision than the served one, "
+    "`MODE:DTYPE` for both executors (`fused:float8`, `fused:float16`)",
+    "a": "the executor the shadow and the A/B compare (A), by its `mode` label: the configured mode's (fused in ab "
+    "mode)",
+    "b": "the executor A is compared with (B), by its `mode` label: `FUSEDSERVE_AB_OTHER`'s configuration, else the "
+    "other mode",
     "engine": "the engine process's index, from 0 (one engine per GPU)",
     "kernel": "a step of the fused plan, e.g. `linear_0_relu`, `mlp_0_2`, `conv2d_1_relu_maxpool2d_0`: the names "
     "the `check-model` command prints; the unfused mode times the same steps under the same names",
@@ -150,6 +155,9 @@ LABELS = {
 
 # More than a help string holds: where a value comes from.
 NOTES = {
+    "fusedserve_shadow_top1_agreement": "Over many batches, top-1 agreement is 1 - "
+    "`fusedserve_shadow_argmax_mismatch_total` / `fusedserve_shadow_rows_total` (the dashboard's A/B row and the "
+    "A/B report give it); this histogram shows how it spreads over batches.",
     "fusedserve_kernel_seconds": "On CUDA, every `FUSEDSERVE_KERNEL_TIMING_EVERY`-th batch replays a copy of its "
     "bucket's CUDA graph with events recorded between the steps, read after the batch's own synchronisation; on "
     "the CPU, the wall clock around each step.",

@@ -26,7 +26,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.config import Settings
 from service.engine import ab
-from service.engine.ab import FUSED, UNFUSED, LiveMode, Modes, ModeSplit, Shadow, bucket_of, compare, needed_modes
+from service.engine.ab import (
+    FUSED,
+    UNFUSED,
+    Configs,
+    LiveMode,
+    Modes,
+    ModeSplit,
+    Shadow,
+    bucket_of,
+    compare,
+    needed_modes,
+)
 from service.engine.core import Engine
 from service.frontend.engine_client import EngineClient
 from service.link import stream as link
@@ -97,7 +108,41 @@ def test_a_new_share_starts_afresh():
 
 def test_needed_modes():
     assert needed_modes("fused", 0) == ("fused",) and needed_modes("unfused", 0) == ("unfused",)
-    assert needed_modes("ab", 0) == needed_modes("fused", 16) == needed_modes("unfused", 1) == (FUSED, UNFUSED)
+    assert needed_modes("ab", 0) == needed_modes("fused", 16) == (FUSED, UNFUSED)
+    assert needed_modes("unfused", 1) == (UNFUSED, FUSED)  # A, the configured one, first
+
+
+def test_configurations_of_two_precisions_are_labelled_with_their_dtypes():
+    """FUSEDSERVE_AB_OTHER=fused:float16 beside DTYPE=float8: both labels name their precision; of one dtype, the
+    modes alone (today's labels)."""
+    two = Configs("float8", ("fused", "float16"))
+    assert two.pair("fused") == two.pair("ab") == ("fused:float8", "fused:float16")
+    assert two.pair("unfused") == ("unfused:float8", "fused:float16")
+    assert needed_modes("fused", 4, two) == ("fused:float8", "fused:float16") and needed_modes("fused", 0, two) == (
+        "fused:float8",
+    )
+    assert two.config("fused:float16") == ("fused", "float16") and two.name("fused:float8") == "fused:float8"
+    one = Configs("float16", ("unfused", "float16"))
+    assert one.pair("fused") == (FUSED, UNFUSED) and one.name(UNFUSED) == "unfused:float16"
+    with pytest.raises(ValueError, match="AB_OTHER .fused:float16. is the served configuration itself"):
+        Configs("float16", ("fused", "float16")).pair("ab")
+    assert ab.tolerance("float8", "float16") == ab.TOLERANCE_PRECISION["float8"]
+    assert ab.tolerance("float16", "float16") == ab.TOLERANCE["float16"]
+
+
+def test_ab_other_is_checked_with_the_settings(monkeypatch):
+    from service.config import SettingsError, load_settings
+
+    s = Settings(dtype="float8", ab_other="fused:float16")
+    assert s.ab_configs("cuda") == (("fused", "float8"), ("fused", "float16"))
+    assert Settings(mode="unfused").ab_configs("cpu") == (("unfused", "float32"), ("fused", "float32"))
+    for bad, says in (("fused", "MODE:DTYPE"), ("fused:float7", "MODE:DTYPE"), ("fast:float16", "MODE:DTYPE"),
+                      ("fused:float8", "the served configuration itself")):  # fmt: skip
+        monkeypatch.setenv("FUSEDSERVE_AB_OTHER", bad)
+        with pytest.raises(SettingsError, match=f"FUSEDSERVE_AB_OTHER.*{says}"):
+            load_settings(dtype="float8")
+        with pytest.raises(SettingsError, match=f"--ab-other.*{says}"):  # as typed on the command line
+            load_settings(dtype="float8", ab_other=bad)
 
 
 # ------------------------------------------------------------------------------------------- compare
@@ -152,10 +197,12 @@ class Recorder:
 
     def __init__(self):
         self.shadows: list[tuple[float, int]] = []
+        self.pairs: list[tuple[int, str, str]] = []  # (rows, a, b) of each comparison
         self.calls: list[tuple[str, tuple]] = []
 
-    def shadow(self, error, mismatches):
+    def shadow(self, error, mismatches, rows=0, a=FUSED, b=UNFUSED):
         self.shadows.append((error, mismatches))
+        self.pairs.append((rows, a, b))
 
     def __getattr__(self, name):
         return lambda *a, **k: self.calls.append((name, a + tuple(k.values())))
@@ -304,7 +351,7 @@ def test_engine_metrics_carry_the_mode_that_ran():
     m.observe_kernel("mlp_0_2", 2e-5, "fused")
     m.queue_waits([1e-3, 2e-3], "unfused")
     m.batch(3, "fused")
-    m.shadow(1e-3, 2)
+    m.shadow(1e-3, 2, 8, FUSED, UNFUSED)
     text = m.render().decode()
     fams = {f.name: f for f in text_string_to_metric_families(text)}
 
@@ -323,7 +370,10 @@ def test_engine_metrics_carry_the_mode_that_ran():
     assert count("fusedserve_queue_wait_seconds", mode="unfused") == 2
     assert count("fusedserve_batch_rows", mode="fused") == 1
     assert count("fusedserve_shadow_error") == 1
-    assert 'fusedserve_shadow_argmax_mismatch_total{engine="0",model="m"} 2.0' in text
+    assert 'fusedserve_shadow_argmax_mismatch_total{a="fused",b="unfused",engine="0",model="m"} 2.0' in text
+    assert 'fusedserve_shadow_rows_total{a="fused",b="unfused",engine="0",model="m"} 8.0' in text
+    assert 'fusedserve_shadow_top1_agreement_bucket{a="fused",b="unfused",engine="0",le="0.8",model="m"} 1.0' in text
+    assert 'fusedserve_shadow_top1_agreement_bucket{a="fused",b="unfused",engine="0",le="0.5",model="m"} 0.0' in text
     assert 'fusedserve_model_info{device="cpu",dtype="float32",engine="0",mode="ab",model="m"} 1.0' in text
     m.set_mode("fused")
     text = m.render().decode()

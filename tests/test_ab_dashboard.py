@@ -43,7 +43,7 @@ def _finite(result: list[dict]) -> bool:
 def _ab_queries(instance: str) -> dict[str, list[str]]:
     """Each A/B panel's queries with Grafana's variables as Grafana would fill them for this service."""
     values = {"$model": MODEL, "$kernel": ".*", "$instance": re.escape(instance).replace("\\", "\\\\"),
-              "$__rate_interval": RATE_WINDOW}  # fmt: skip
+              "$__rate_interval": RATE_WINDOW, "$a": "fused", "$b": "unfused"}  # fmt: skip
     out = {}
     for p in all_panels(dashboard()):
         if not p["title"].startswith(AB_ROW) or not p.get("targets"):
@@ -105,6 +105,10 @@ def test_every_ab_panel_returns_data_and_ab_report_reads_the_service(tmp_path, c
                 f"{prom}/api/v1/series", params={"match[]": f'fusedserve_model_info{{model="{MODEL}", mode="ab"}}'}
             )
             assert {s["instance"] for s in series.json()["data"]} == {target}
+            # A and B ($a, $b): the two executors the service compares, from fusedserve_ab_info
+            for var, value in (("a", "fused"), ("b", "unfused")):
+                got = client.get(f"{prom}/api/v1/label/{var}/values", params={"match[]": "fusedserve_ab_info"})
+                assert got.json()["data"] == [value], got.text
             modes = client.get(
                 f"{prom}/api/v1/label/mode/values", params={"match[]": "fusedserve_forward_seconds_count"}
             )
@@ -124,7 +128,7 @@ def test_every_ab_panel_returns_data_and_ab_report_reads_the_service(tmp_path, c
         for row in ("| step `mlp_0_2` |", "| forward (host, per batch) |", "| request (in the server) |"):
             line = next((x for x in out.splitlines() if x.startswith(row)), None)
             assert line is not None and line.count(" - ") == 0, out  # every cell filled, both modes
-        assert re.search(r"Shadow: \d+ batches run in both modes", out), out
+        assert re.search(r"Shadow: \d+ batches run in both fused and unfused", out), out
     assert f"instances {target}" in via_prom
     # The service's own totals: 24 requests, 24 batches (one at a time), 12 compared (SHADOW_EVERY=2).
     assert re.search(r"Batches: fused 1\d \(mean [\d.]+ rows\), unfused 1\d ", via_url), via_url

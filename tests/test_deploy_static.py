@@ -41,17 +41,19 @@ HISTOGRAMS = {
     "fusedserve_queue_wait_seconds",
     "fusedserve_batch_rows",
     "fusedserve_shadow_error",
+    "fusedserve_shadow_top1_agreement",
 }
 COUNTERS = {
     "fusedserve_requests_total",
     "fusedserve_shadow_batches_total",
     "fusedserve_shadow_argmax_mismatch_total",
+    "fusedserve_shadow_rows_total",
     "fusedserve_config_reloads_total",
 }
-GAUGES = {"fusedserve_queue_depth", "fusedserve_model_info"}
+GAUGES = {"fusedserve_queue_depth", "fusedserve_model_info", "fusedserve_ab_info"}
 # Series names PromQL may select: histogram series, the counter, the gauges.
 SERIES = {h + s for h in HISTOGRAMS for s in ("_bucket", "_sum", "_count")} | COUNTERS | GAUGES
-METRIC_RE = re.compile(r"\bfusedserve_[a-z_]+")
+METRIC_RE = re.compile(r"\bfusedserve_[a-z0-9_]+")
 
 # Values that Grafana substitutes into the dashboard's queries, for promtool's parser.
 GRAFANA_VARS = {
@@ -60,6 +62,8 @@ GRAFANA_VARS = {
     "$mode": "fused|unfused",
     "$kernel": ".*",
     "$instance": "fusedserve-ab:8000",
+    "$a": "fused",
+    "$b": "unfused",
 }
 AB_ROW = "A/B: "  # the title prefix of the A/B row's panels (tests/test_ab_dashboard.py runs their queries)
 AB_FILE = REPO / "deploy" / "ab" / "fusedserve.env"
@@ -588,8 +592,9 @@ def test_grafana_dashboard_has_the_required_views():
 
 
 def test_grafana_dashboard_has_the_ab_row():
-    """The A/B row: one service's fused against its unfused steps (p50, p99), the speedup per step and for the whole
-    forward, request latency by mode, the split, the shadow comparison, the active mode and the reloads."""
+    """The A/B row: one service's A against its B ($a and $b: fused and unfused, or two precisions) steps (p50, p99),
+    the speedup per step and for the whole forward, request latency by mode, the split, the shadow comparison and its
+    top-1 agreement, the active mode and the reloads."""
     dash = dashboard()
     ab = {
         p["title"]: [t["expr"] for t in p.get("targets", [])] for p in all_panels(dash) if p["title"].startswith(AB_ROW)
@@ -605,15 +610,24 @@ def test_grafana_dashboard_has_the_ab_row():
         return [t for t, exprs in panels.items() if any(all(n in e for n in needles) for e in exprs)]
 
     for q in ("0.5", "0.99"):
-        assert having(f"histogram_quantile({q}", "fusedserve_kernel_seconds_bucket", "kernel, mode", "fused|unfused")
+        assert having(f"histogram_quantile({q}", "fusedserve_kernel_seconds_bucket", "kernel, mode", 'mode=~"$a|$b"')
         assert having(f"histogram_quantile({q}", "fusedserve_request_seconds_bucket", "le, mode")
-    speedup = having('mode="unfused"', 'mode="fused"', "fusedserve_kernel_seconds_bucket")
-    assert speedup and having('mode="unfused"', 'mode="fused"', "fusedserve_forward_seconds_bucket") == speedup
+    speedup = having('mode="$b"', 'mode="$a"', "fusedserve_kernel_seconds_bucket")
+    assert speedup and having('mode="$b"', 'mode="$a"', "fusedserve_forward_seconds_bucket") == speedup
+    assert having("fusedserve_shadow_rows_total", "fusedserve_shadow_argmax_mismatch_total", 'a="$a", b="$b"')
+    assert having("fusedserve_shadow_top1_agreement_bucket")
+    assert all("$a" in t and "$b" in t for t in panels if "shadow" in t or "step" in t), "titles name A and B"
     assert having("fusedserve_shadow_error_bucket") and having("fusedserve_shadow_argmax_mismatch_total")
     assert having("fusedserve_shadow_batches_total") and having("fusedserve_config_reloads_total")
     assert having("fusedserve_batch_rows_count", "mode") and having("fusedserve_model_info", "== 1")
     variables = {v["name"]: v for v in dash["templating"]["list"]}
-    assert 'mode="ab"' in variables["instance"]["query"]["query"], "the A/B service: an instance in ab mode"
+    # the A/B service: an instance that runs two executors (ab mode, or a shadow); A and B: the labels it compares
+    assert "fusedserve_ab_info" in variables["instance"]["query"]["query"]
+    for v in ("a", "b"):
+        assert (
+            variables[v]["query"]["query"]
+            == f'label_values(fusedserve_ab_info{{model="$model", instance=~"$instance"}}, {v})'
+        )
     # The mode variable lists the executors' modes, and All matches every label (ab included, for refusals).
     assert "fusedserve_forward_seconds_count" in variables["mode"]["query"]["query"]
     assert variables["mode"]["allValue"] == ".*"

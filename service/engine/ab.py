@@ -1,5 +1,10 @@
-"""Fused and unfused in one engine: which executor runs each batch, the shadow comparison, and an executor loaded
-while the engine serves.
+"""Two configurations of one model in one engine (A and B: fused and unfused, or two precisions, FUSEDSERVE_AB_OTHER):
+which executor runs each batch, the shadow comparison, and an executor loaded while the engine serves.
+
+Configurations (`Configs`): A is the configured mode's executor (fused in `ab` mode) in FUSEDSERVE_DTYPE; B is
+FUSEDSERVE_AB_OTHER (MODE:DTYPE), else the other mode in that dtype. Each executor is known by its label, the `mode` of
+its answers and metrics: `fused` or `unfused` while both share a dtype, and `MODE:DTYPE` (fused:float8,
+fused:float16) for both when their dtypes differ, so that every series and answer says which precision ran it.
 
 Which mode runs a batch (`ModeSplit`, in `ab` mode): error diffusion per batch-size bucket. The buckets are the
 CUDA graphs' (1, 2, 3-4, 5-8, ..., powers of two), and each keeps an accumulator that starts at 1/2 and gains the
@@ -42,6 +47,7 @@ log = logging.getLogger(__name__)
 
 FUSED, UNFUSED = "fused", "unfused"
 OTHER = {FUSED: UNFUSED, UNFUSED: FUSED}
+PRECISIONS = ("float32", "float16", "bfloat16", "float8")
 MAX_PENDING = 4  # shadow copies waiting for an idle moment; beyond this the oldest is dropped
 # Largest max |fused - unfused| / max |output| over a batch that is rounding: the unfused path rounds after the
 # matmul, the bias and the activation, the fused one once, so both sit within a few units in the last place of the
@@ -51,6 +57,11 @@ MAX_PENDING = 4  # shadow copies waiting for an idle moment; beyond this the old
 # e4m3 rounding boundary now and then: one step there is 2**-3 of it, and the next layer carries it on.
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2, "float8": 1e-1}
 TOLERANCE_TF32 = 5e-3
+# Two precisions (FUSEDSERVE_AB_OTHER with another dtype): the difference is the coarser one's quantization, not a
+# rounding order. float8 against float16: each e4m3 value is off by up to 2**-4 of itself (3 mantissa bits), per-tensor
+# scales leave small activations fewer bits still, and the error of every fp8 layer reaches the output; 0.25 of the
+# largest output is where a batch's worst logit is off by a quarter of the scale of the logits.
+TOLERANCE_PRECISION = {"float8": 0.25, "bfloat16": 5e-2, "float16": 1e-2, "float32": 1e-4}
 WARN_EVERY_S = 10.0  # after the first, at most one warning this often; the next one says how many were not logged
 
 
@@ -88,11 +99,51 @@ def captures_ignore_other_threads() -> bool:
     return True
 
 
-def needed_modes(mode: str, shadow_every: int) -> tuple[str, ...]:
-    """The executors a configuration runs: both in ab mode or with a shadow, else its own."""
+class Configs:
+    """The configurations an engine may build, by label: A of each live mode, and B (`other`, else the other mode in
+    `dtype`). Labels are the modes while A and B share a dtype, MODE:DTYPE when they do not (the module docstring)."""
+
+    def __init__(self, dtype: str | None = None, other: tuple[str, str] | None = None):
+        self.dtype = dtype
+        self.other = other
+        self.qualified = other is not None and other[1] != dtype
+
+    def label(self, mode: str, dtype: str | None = None) -> str:
+        return f"{mode}:{dtype or self.dtype}" if self.qualified else mode
+
+    def config(self, label: str) -> tuple[str, str | None]:
+        """A label's (mode, dtype): `fused` -> ("fused", dtype), `fused:float16` -> ("fused", "float16")."""
+        mode, _, dtype = label.partition(":")
+        return mode, (dtype or self.dtype)
+
+    def pair(self, mode: str) -> tuple[str, str]:
+        """The labels (A, B) under the live `mode` (fused, unfused or ab); ValueError where B would be A."""
+        a = (FUSED if mode == "ab" else mode, self.dtype)
+        b = self.other or (OTHER[a[0]], self.dtype)
+        if b == a:
+            raise ValueError(f"FUSEDSERVE_AB_OTHER ({b[0]}:{b[1]}) is the served configuration itself (mode {mode}, "
+                             f"dtype {self.dtype}): name another mode or dtype")  # fmt: skip
+        return self.label(*a), self.label(*b)
+
+    def name(self, label: str) -> str:
+        """A label as MODE:DTYPE, for logs and reports."""
+        mode, dtype = self.config(label)
+        return f"{mode}:{dtype}" if dtype else mode
+
+
+def needed_modes(mode: str, shadow_every: int, configs: Configs | None = None) -> tuple[str, ...]:
+    """The executors' labels a configuration runs, A first: A and B in ab mode or with a shadow, else A alone."""
+    a, b = (configs or Configs()).pair(mode)
     if mode == "ab" or shadow_every > 0:
-        return (FUSED, UNFUSED)
-    return (mode,)
+        return (a, b)
+    return (a,)
+
+
+def tolerance(dtype_a: str | None, dtype_b: str | None, tf32: bool = False) -> float:
+    """The largest shadow error (`compare`) that is rounding (one dtype) or quantization (two; TOLERANCE_PRECISION)."""
+    if dtype_a != dtype_b and dtype_a in TOLERANCE_PRECISION and dtype_b in TOLERANCE_PRECISION:
+        return max(TOLERANCE_PRECISION[dtype_a], TOLERANCE_PRECISION[dtype_b])
+    return TOLERANCE_TF32 if (tf32 and dtype_a == "float32") else TOLERANCE.get(dtype_a, 1e-2)
 
 
 def bucket_of(rows: int) -> int:
@@ -124,7 +175,8 @@ class ModeSplit:
 
 
 def compare(primary_mode: str, primary: np.ndarray, other: np.ndarray) -> tuple[float, int]:
-    """(max |fused - unfused| / max(|fused|, |unfused|) over the batch, rows whose argmax differs). Outputs that are
+    """(max |fused - unfused| / max(|fused|, |unfused|) over the batch, rows whose argmax differs), symmetric in the
+    two (A and B of any two configurations: `fused` names one side, anything else the other). Outputs that are
     both NaN, or the same infinity, agree; a non-finite value where the other mode has another value is an error of
     inf. Outputs that are all zero in both modes differ by 0.
 
@@ -160,18 +212,28 @@ class _Copy:
 
 
 class Shadow:
-    """Every Nth batch run again in the other mode while the engine is idle, and the two compared."""
+    """Every Nth batch run again in the other configuration while the engine is idle, and the two compared."""
 
     def __init__(self, every: int, metrics, dtype: str, tf32: bool = False):
         self.every = every
         self.metrics = metrics
         self.dtype = dtype
-        self.tolerance = TOLERANCE_TF32 if (tf32 and dtype == "float32") else TOLERANCE.get(dtype, 1e-2)
+        self.tf32 = tf32
+        self.tolerance = tolerance(dtype, dtype, tf32)
+        self.pair = (FUSED, UNFUSED)  # the labels of A and B (Modes.set_pair)
+        self.names = self.pair  # as MODE:DTYPE, for the warning
         self.pending: collections.deque[_Copy] = collections.deque()
         self.dropped = 0
         self._count = 0
         self._warned_at: float | None = None
         self._unwarned = 0
+
+    def set_pair(self, a: str, b: str, configs: Configs) -> None:
+        """Compare A (label `a`) with B (`b`) from now on, with the tolerance of their dtypes."""
+        self.pair = (a, b)
+        self.names = (configs.name(a), configs.name(b))
+        dtypes = [configs.config(x)[1] or self.dtype for x in self.pair]
+        self.tolerance = tolerance(dtypes[0], dtypes[1], self.tf32)
 
     def set_every(self, every: int) -> None:
         self.every = every
@@ -197,19 +259,23 @@ class Shadow:
         self.pending.append(_Copy(mode, rows, outputs))
 
     def run_one(self, runners: dict) -> None:
-        """Run the oldest kept batch in the other mode and record the comparison."""
+        """Run the oldest kept batch in the other configuration and record the comparison."""
         copy = self.pending.popleft()
-        runner = runners.get(OTHER[copy.mode])
+        a, b = self.pair
+        if copy.mode not in self.pair:  # kept before a reload changed the pair: its other side is unknown
+            return
+        other_label = b if copy.mode == a else a
+        runner = runners.get(other_label)
         if runner is None:  # the configuration changed and that executor is gone (it never is today)
             return
         try:
             other = runner.collect(runner.launch([copy.rows], observe=False))
         except Exception as err:
-            log.warning("shadow forward of %d rows in %s mode failed: %s: %s",
-                        len(copy.rows), OTHER[copy.mode], type(err).__name__, err)  # fmt: skip
+            log.warning("shadow forward of %d rows in %s failed: %s: %s",
+                        len(copy.rows), other_label, type(err).__name__, err)  # fmt: skip
             return
-        error, mismatches = compare(copy.mode, copy.outputs, other)
-        self.metrics.shadow(error, mismatches)
+        error, mismatches = compare(FUSED if copy.mode == a else UNFUSED, copy.outputs, other)
+        self.metrics.shadow(error, mismatches, len(copy.rows), a, b)
         if error > self.tolerance:
             self._warn(len(copy.rows), error, mismatches)
 
@@ -219,10 +285,12 @@ class Shadow:
             self._unwarned += 1
             return
         more = f"; {self._unwarned} more batches over it since the last warning" if self._unwarned else ""
+        a, b = self.names
+        dtypes = self.dtype if a.partition(":")[2] == b.partition(":")[2] else f"{a} against {b}"
         log.warning(
-            "shadow: a batch of %d rows differs between fused and unfused by %.3g of its largest output, beyond "
+            "shadow: a batch of %d rows differs between %s and %s by %.3g of its largest output, beyond "
             "%s's tolerance %g; %d of its rows predict another label%s",
-            rows, error, self.dtype, self.tolerance, mismatches, more,
+            rows, a, b, error, dtypes, self.tolerance, mismatches, more,
         )  # fmt: skip
         self._warned_at = now
         self._unwarned = 0
@@ -260,20 +328,35 @@ class LiveMode:
 class Modes:
     """An engine's executors by mode and the configuration that picks among them for each batch."""
 
-    def __init__(self, runners: dict, config: LiveMode, metrics, shadow: Shadow, make: Callable[[str], object] | None):
+    def __init__(self, runners: dict, config: LiveMode, metrics, shadow: Shadow, make: Callable[[str], object] | None,
+                 configs: Configs | None = None):  # fmt: skip
         self.runners = dict(runners)
         self.config = config
         self.metrics = metrics
         self.shadow = shadow
+        self.configs = configs or Configs(shadow.dtype)
+        self.pair = self.configs.pair(config.mode)  # the labels of A and B under the live mode
+        shadow.set_pair(*self.pair, self.configs)
+        self._announce_pair()
         self.split = ModeSplit(config.unfused_percent)
         self.make = make  # builds and warms the runner of a mode (engine_main); None: no loading (tests)
         self.target: LiveMode | None = None  # a configuration waiting for its executors
         self.loading: dict[str, _Loader] = {}
         self.on_failed: Callable[[], None] | None = None  # a load failed (counted as a failed reload)
         self.on_loaded: Callable[[], None] | None = None
-        missing = [m for m in needed_modes(config.mode, config.shadow_every) if m not in self.runners]
+        missing = [m for m in self._needed(config) if m not in self.runners]
         if missing:
             raise ValueError(f"mode {config.mode} (shadow every {config.shadow_every}) needs the {missing} executors")
+
+    def _needed(self, config: LiveMode) -> tuple[str, ...]:
+        return needed_modes(config.mode, config.shadow_every, self.configs)
+
+    def _announce_pair(self) -> None:
+        """fusedserve_ab_info: which two executors this engine compares, while it runs both (ab mode or a shadow)."""
+        both = self.config.mode == "ab" or self.config.shadow_every > 0
+        set_ab = getattr(self.metrics, "set_ab", None)
+        if set_ab is not None:
+            set_ab(*self.pair) if both else set_ab(None, None)
 
     @property
     def mode(self) -> str:
@@ -281,12 +364,13 @@ class Modes:
 
     def pick(self, rows: int) -> str:
         """The mode that runs the next batch, of `rows` rows."""
-        mode = self.config.mode
-        return self.split.pick(rows) if mode == "ab" else mode
+        if self.config.mode != "ab":
+            return self.pair[0]
+        return self.pair[1] if self.split.pick(rows) == UNFUSED else self.pair[0]
 
     def configure(self, config: LiveMode) -> None:
         """Take `config` now if its executors are loaded, else load them in the background and take it then."""
-        missing = [m for m in needed_modes(config.mode, config.shadow_every) if m not in self.runners]
+        missing = [m for m in self._needed(config) if m not in self.runners]
         if not missing:
             self.target = None
             self._apply(config)
@@ -322,7 +406,7 @@ class Modes:
             if self.on_loaded is not None:
                 self.on_loaded()
         target = self.target
-        if target is not None and all(m in self.runners for m in needed_modes(target.mode, target.shadow_every)):
+        if target is not None and all(m in self.runners for m in self._needed(target)):
             self.target = None
             self._apply(target)
         return True
@@ -338,3 +422,9 @@ class Modes:
             self.split.set_percent(config.unfused_percent)
         self.shadow.set_every(config.shadow_every)
         self.config = config
+        pair = self.configs.pair(config.mode)
+        if pair != self.pair:
+            self.pair = pair
+            self.shadow.set_pair(*pair, self.configs)
+            self.shadow.pending.clear()
+        self._announce_pair()

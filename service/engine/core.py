@@ -28,7 +28,7 @@ from ..link import stream, wire
 from ..link.live import read_live
 from ..processes import child_setup, configure_logging, set_log_level
 from . import faults
-from .ab import LiveMode, Modes, Shadow, captures_ignore_other_threads, needed_modes
+from .ab import Configs, LiveMode, Modes, Shadow, captures_ignore_other_threads, needed_modes
 from .background_tuning import BackgroundTuning
 from .batching import BatchQueue, Pending
 
@@ -50,13 +50,17 @@ class Engine:
         input_shape: tuple[int, ...],
         metrics,
         dtype: str = "float32",
+        configs: Configs | None = None,
     ):
-        # `runner`: the runner of settings.mode, or {mode: runner} with every mode the settings need (engine/ab.py).
+        # `runner`: the runner of settings.mode, or {label: runner} with every executor the settings need, A first
+        # (engine/ab.py); `configs`: their labels (default: fused and unfused in `dtype`).
         runners = runner if isinstance(runner, dict) else {settings.mode: runner}
-        self.runner = next(iter(runners.values()))  # any of them: they share the wire dtype
+        # A's: the front ends send rows in its wire dtype and take answers in it; a B of another wire dtype (float32
+        # against float16) takes those rows with a cast (ModelRunner._stage) and its answers are cast (_forward).
+        self.runner = next(iter(runners.values()))
         shadow = Shadow(settings.shadow_every, metrics, dtype, settings.allow_tf32)
         config = LiveMode(settings.mode, settings.ab_unfused_percent, settings.shadow_every)
-        self.modes = Modes(runners, config, metrics, shadow, make=None)
+        self.modes = Modes(runners, config, metrics, shadow, make=None, configs=configs)
         self.listener = listener
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, None)
@@ -363,6 +367,8 @@ class Engine:
         collected = time.monotonic()
         if keep:  # before the answers go: then the front ends may reuse the rows' memory
             shadow.keep(mode, parts, out)
+        if out.dtype != self.runner.wire_dtype:  # B in another wire dtype (FUSEDSERVE_AB_OTHER) answering in ab mode
+            out = out.astype(self.runner.wire_dtype)
         code = wire.MODES.index(mode)
         start = 0
         for req in batch:
@@ -416,7 +422,11 @@ class Engine:
         if self.device_type == "cuda":
             self.spin_s = live["engine_spin_ms"] / 1e3
         set_log_level(live["log_level"])
-        self.modes.configure(LiveMode(live["mode"], live["ab_unfused_percent"], live["shadow_every"]))
+        try:
+            self.modes.configure(LiveMode(live["mode"], live["ab_unfused_percent"], live["shadow_every"]))
+        except ValueError as e:  # a mode whose A would be FUSEDSERVE_AB_OTHER itself (engine/ab.py, Configs.pair)
+            log.error("configuration %d not taken: %s; keeping mode %s", generation, e, self.modes.mode)
+            return
         log.info("configuration %d taken: %s", generation, ", ".join(f"{k}={v}" for k, v in live.items()))
 
     def _forward_failed(self, batch: list[Pending], rows: int, err: Exception, mode: str, taken: float) -> None:
@@ -524,10 +534,11 @@ class _Conn:
 
 
 def build_runner(settings: Settings, device, dtype: str, model, metrics, mode: str | None = None,
-                 direct_input: bool = False):  # fmt: skip
-    """The model runner of `mode` (default: settings.mode) for this engine, with the kernel switches set from the
-    settings; its metrics carry `mode`. `direct_input`: its graphs leave their input to the runner's direct copies
-    (registered arenas, rows decoded on the GPU: service/model/runner.py)."""
+                 direct_input: bool = False, label: str | None = None):  # fmt: skip
+    """The model runner of `mode` (default: settings.mode) in `dtype` for this engine, with the kernel switches set
+    from the settings; its metrics carry `label` (default: `mode`; MODE:DTYPE where the A/B compares precisions,
+    engine/ab.py). `direct_input`: its graphs leave their input to the runner's direct copies (registered arenas, rows
+    decoded on the GPU: service/model/runner.py)."""
     import functools
 
     import torch
@@ -549,9 +560,10 @@ def build_runner(settings: Settings, device, dtype: str, model, metrics, mode: s
     compile_deadline.set_deadline(settings.compile_deadline_s)
     pdl.set_enabled(settings.pdl)
     mode = mode or settings.mode
+    label = label or mode
 
     def labelled(observe):
-        return None if observe is None else functools.partial(observe, mode=mode)
+        return None if observe is None else functools.partial(observe, mode=label)
 
     return ModelRunner(
         model,
@@ -628,6 +640,8 @@ def engine_main(
         progress = StartupProgress(index, Path(run_dir))
         model = load_model(settings.model_path())
         dtype = settings.compute_dtype(device.type)
+        _, b_config = settings.ab_configs(device.type)  # ValueError: AB_OTHER is what DTYPE=auto resolves to
+        configs = Configs(dtype, b_config if settings.ab_other is not None else None)
         if device.type == "cuda" and not captures_ignore_other_threads():
             log.warning("this torch cannot capture CUDA graphs thread-locally: a reload that loads an executor while "
                         "the engine serves may break its serving")  # fmt: skip
@@ -641,16 +655,17 @@ def engine_main(
 
         jpeg, arenas, direct = image_setup(settings, device, dtype, model)
 
-        def make_runner(mode: str):
-            runner = build_runner(settings, device, dtype, model, metrics, mode, direct_input=direct)
+        def make_runner(label: str):  # an executor by its label (engine/ab.py: `fused`, or `fused:float16`)
+            mode, of = configs.config(label)
+            runner = build_runner(settings, device, of, model, metrics, mode, direct_input=direct, label=label)
             runner.pinned = arenas
             return faults.maybe_inject(runner)
 
-        runners = {m: make_runner(m) for m in needed_modes(settings.mode, settings.shadow_every)}
+        runners = {m: make_runner(m) for m in needed_modes(settings.mode, settings.shadow_every, configs)}
         listener = stream.new_socket()
         listener.bind(endpoint)
         listener.listen(256)
-        engine = Engine(runners, listener, settings, model.input_shape, metrics, dtype)
+        engine = Engine(runners, listener, settings, model.input_shape, metrics, dtype, configs)
         engine.device_type = device.type
         engine.jpeg, engine.pinned = jpeg, arenas
         if jpeg is not None or arenas is not None or direct:

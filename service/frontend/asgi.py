@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
+from ..link import wire
+
 Answer = tuple[int, bytes, list[tuple[bytes, bytes]]]  # status, body, headers
 JSON = (b"content-type", b"application/json")
 RETRY = (b"retry-after", b"1")
 CLOSE = (b"connection", b"close")
-# Which executor computed an answer (fused or unfused), on every inference answer: in ab mode they take turns.
-MODE_HEADER = {m: (b"x-fusedserve-mode", m.encode()) for m in ("fused", "unfused")}
+# Which executor computed an answer (fused or unfused, or MODE:DTYPE where the A/B compares precisions), on every
+# inference answer: in ab mode they take turns.
+MODE_HEADER = {m: (b"x-fusedserve-mode", m.encode()) for m in wire.MODES}
 
 
 class ClientGone(Exception):

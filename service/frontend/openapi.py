@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 
+from ..link import wire
 from .inputs import row_layouts
 
 # The largest double that still rounds to a finite float32 (the next one, halfway to 2**128, rounds to inf):
@@ -58,7 +59,7 @@ def predict_operation(input_shape: tuple[int, ...], max_rows: int) -> dict:
             "outputs": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
             "predictions": {"type": "array", "items": {"type": ["string", "integer"]}},
             "model": {"type": "string"},
-            "mode": {"type": "string", "enum": ["fused", "unfused"]},
+            "mode": {"type": "string", "enum": list(wire.MODES)},
         },
         "required": ["outputs", "predictions", "model", "mode"],
     }
@@ -284,7 +285,7 @@ def v2_infer_operation(input_shape: tuple[int, ...], max_rows: int) -> dict:
             "id": {"type": "string"},
             "parameters": {
                 "type": "object",
-                "properties": {"mode": {"type": "string", "enum": ["fused", "unfused"]}},
+                "properties": {"mode": {"type": "string", "enum": list(wire.MODES)}},
                 "description": "mode: the executor that computed the outputs (as the X-Fusedserve-Mode header says)",
             },
             "outputs": {"type": "array", "items": tensor},

@@ -15,7 +15,8 @@ Front end -> engine, one message per event-loop turn (or per FLUSH_EVERY request
 Engine -> front end, one message per front end per batch:
     COUNT, then REPLY records (id, status, mode, rows, payload bytes), then the payloads in order: the outputs
     (rows, output_features) in the engine's wire dtype when OK, else a UTF-8 message. `mode` says which executor
-    computed the outputs (MODES: fused, unfused; NO_MODE where no forward ran), so that in `ab` mode every answer
+    computed the outputs (MODES: fused, unfused, or MODE:DTYPE such as fused:float16 where the A/B compares precisions;
+    NO_MODE where no forward ran), so that in `ab` mode every answer
     and the front end's request metrics name it. Every submitted request
     gets exactly one REPLY, a cancelled one too (CANCELLED), so that the front end knows when the engine is done
     with its rows. DECODE_ON_CPU: the engine's GPU decoder did not take a JPEG of a SUBMIT_IMAGES request (nvJPEG
@@ -54,7 +55,10 @@ IMAGE = struct.Struct("<BIHH")  # kind (ENCODED_JPEG, PREPARED_ROW), bytes, heig
 ENCODED_JPEG = 0
 PREPARED_ROW = 1
 REPLY = struct.Struct("<QBBII")  # id, status, mode (an index into MODES, or NO_MODE), rows, payload bytes
-MODES = ("fused", "unfused")
+# fused and unfused, then MODE:DTYPE for an A/B of two precisions (FUSEDSERVE_AB_OTHER; service/engine/ab.py's labels)
+MODES = ("fused", "unfused") + tuple(
+    f"{m}:{d}" for m in ("fused", "unfused") for d in ("float32", "float16", "bfloat16", "float8")
+)
 NO_MODE = 255
 
 SUBMIT = 1
