@@ -69,7 +69,7 @@ def _shell_commands(text: str) -> list[str]:
 # A command quoted inline (`fusedserve serve --help`), as opposed to an example with a placeholder in it.
 _INLINE = re.compile(r"`((?:\.venv/bin/)?fusedserve [^`]+|(?:\.venv/bin/)?python -m [^`]+|\./setup\.sh[^`]*"
                      r"|(?:[A-Z_]+=\S+ )*bash [^`]+|git show [^`]+)`")  # fmt: skip
-_PLACEHOLDERS = ("NAME", "REV:PATH", "--option")
+_PLACEHOLDERS = ("NAME", "REV:PATH", "--option", "MODEL --samples")
 
 
 def _inline_commands(text: str) -> list[str]:
@@ -99,6 +99,7 @@ KINDS = {
     "check-model": rf"^{FUSEDSERVE} check-model \S+$",
     "import": rf"^{FUSEDSERVE} import \S+\.onnx \S+(?: --name \S+)?(?: --(?:resize|mean|std|channels) \S+)*$",
     "docs": rf"^{FUSEDSERVE} docs(?: --check)?$",
+    "calibrate": rf"^{FUSEDSERVE} calibrate \S+ --samples \S+(?: --percentile [\d.]+)?$",
     "bench-smoke": rf"^{FUSEDSERVE} bench kernels --device cpu --quick --out \S+$",
     "gpu": rf"^(?:{_ENV}bash bench/gpu_session\.sh.*|{FUSEDSERVE} bench (?:kernels|serve|pool|soak|zoo)"
     r"(?! --device cpu).*)$",
@@ -325,6 +326,19 @@ def test_help_commands(tmp_path):
     for cmd in _commands("help"):
         res = _run(_fusedserve_argv(cmd), REPO)
         assert res.returncode == 0 and "usage: fusedserve" in res.stdout, f"{cmd}:\n{res.stdout}{res.stderr}"
+
+
+def test_calibrate_commands_parse(monkeypatch):
+    """docs/models.md's `fusedserve calibrate` commands parse as written (the calibration itself: test_calibrate.py)."""
+    from fusedserve.cli import main
+
+    seen = []
+    monkeypatch.setattr("service.cli._calibrate", lambda args: seen.append(args) or 0)
+    commands = _commands("calibrate")
+    for cmd in commands:
+        assert main(shlex.split(cmd)[1:]) == 0, cmd
+    assert [a.samples for a in seen] == [shlex.split(c)[4] for c in commands]
+    assert any(a.percentile is not None for a in seen), "the percentile form is shown"
 
 
 def test_export_snippet_and_check_model_commands(tmp_path, monkeypatch, capsys):
