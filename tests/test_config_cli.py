@@ -78,9 +78,10 @@ def test_defaults():
     assert s.shutdown_grace_s == 30.0
     assert s.max_connections == 2048 and s.header_timeout_s == 10.0 and s.body_timeout_s == 30.0
     assert s.ab_unfused_percent == 50.0 and s.shadow_every == 0 and s.config_file is None
+    assert s.ab_other is None  # B: the other mode in DTYPE
     assert set(FIELDS) == {
-        "mode", "ab_unfused_percent", "shadow_every", "config_file", "device", "model", "model_dir", "dtype",
-        "float8_fp16_steps", "allow_tf32", "max_batch_size", "max_delay_ms",
+        "mode", "ab_unfused_percent", "shadow_every", "ab_other", "config_file", "device", "model", "model_dir",
+        "dtype", "float8_fp16_steps", "allow_tf32", "max_batch_size", "max_delay_ms",
         "engine_spin_ms", "max_rows_per_request", "max_queue_requests", "request_timeout_ms", "image_max_pixels",
         "max_image_body_bytes", "image_decode_threads", "image_decode", "pinned_arenas", "kernel_timing_every",
         "cuda_graphs", "tuning", "tuning_background", "tuning_startup_s", "tuning_timing", "tuning_cache",
