@@ -46,3 +46,44 @@ def test_refusals_before_any_route_count_in_the_processs_front_end_by_reason():
     got = {s.labels["reason"]: s.value for f in metrics.registry.collect() if f.name == "fusedserve_connections_refused"
            for s in f.samples if s.name.endswith("_total")}  # fmt: skip
     assert got == {r: {"per_client": 2.0, "tls_capacity": 1.0}.get(r, 0.0) for r in REFUSAL_REASONS}
+
+
+def test_requests_counted_on_a_loop_are_written_at_the_end_of_its_turn_as_they_are_without_one():
+    """RequestMetrics.observe_request on an event loop keeps its values until the turn ends (one write per touched
+    value, issue 50), then holds what observing each request at once holds; render() writes them first."""
+    import asyncio
+
+    from service.metrics import RequestMetrics
+
+    def samples(m: RequestMetrics) -> dict:
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model"))): s.value
+                for f in m.registry.collect() if f.name.startswith(("fusedserve_request", "fusedserve_failed"))
+                for s in f.samples if not s.name.endswith("_created")}  # fmt: skip
+
+    cases = [("ok", 3e-4, "predict", "fused")] * 5 + [
+        ("ok", 2e-3, "v2_rest", None),
+        ("ok", None, "predict", "unfused"),
+        ("invalid", 1e-4, "predict", None),
+        ("invalid", 3e-4, "predict", None),
+        ("overloaded", None, "v2_grpc", None),
+    ]
+    now, later, rendered = (RequestMetrics(f"m-{k}", "fused") for k in ("now", "later", "rendered"))
+    for c in cases:
+        now.observe_request(*c)
+
+    async def one_turn() -> tuple[dict, dict]:
+        for c in cases:
+            later.observe_request(*c)
+            rendered.observe_request(*c)
+        unwritten = samples(later)
+        text = rendered.render().decode()  # in the same turn
+        assert 'fusedserve_requests_total{mode="fused",model="m-rendered",outcome="ok",protocol="predict"} 5.0' in text
+        await asyncio.sleep(0)  # the turn ends: the flush runs
+        return unwritten, samples(later)
+
+    unwritten, written = asyncio.run(one_turn())
+    assert written == samples(now) == samples(rendered)
+    assert written[("fusedserve_requests_total", (("mode", "fused"), ("outcome", "ok"), ("protocol", "predict")))] == 5
+    failed = written[("fusedserve_failed_request_seconds_total", (("mode", "fused"), ("protocol", "predict")))]
+    assert math.isclose(failed, 4e-4, rel_tol=1e-12)
+    assert not any(unwritten.values())  # nothing was written during the turn

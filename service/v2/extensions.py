@@ -123,6 +123,7 @@ def statistics(state: FrontendState) -> dict:
     Counts lag by up to ANSWERED_WRITE_EVERY_S (service/metrics.py) under load; an idle service's are exact.
     """
     model = state.model
+    state.metrics.flush()  # this front end's requests of the loop's turn so far (RequestMetrics.flush)
     totals = inference_totals(state.metrics.registry, model.name)
 
     def duration(count: int, seconds: float) -> dict:
