@@ -769,7 +769,7 @@ def test_a_soak_of_attacks_beside_authorised_traffic_loses_no_authorised_request
     assert server.process.proc.poll() is None and frontend_pid(server) == pid
     assert server.log().count("starting it again") == restarts_before
     # The front end's memory under all of these at once: within the 50 MB of where it was, and back near it
-    # once they stop (service/frontend/heap.py hands freed memory back every 5 s).
+    # once they stop (service/frontend/heap.py hands freed memory back every second).
     after = settle(pid, baseline)
     print(f"soak: front end RSS {after / MB:.0f} MB after")
     assert peak.peak - baseline <= GROWTH, (baseline, peak.peak)
