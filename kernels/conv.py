@@ -106,17 +106,19 @@ def _y_tile(base, n, rows, out_h, out_w, cols, stride_yn, stride_yc, stride_yh, 
 
 @triton.jit
 def _normalized(a, a_ok, scale_ptr, shift_ptr, c, c_ok, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr,
-                K_AXIS: tl.constexpr = 1):  # fmt: skip
+                K_AXIS: tl.constexpr = 1, ACTIVATION: tl.constexpr = "none", SLOPE: tl.constexpr = 0.01):  # fmt: skip
     """A gathered (BLOCK_M, BLOCK_K) tile of x at channels `c` (valid where `c_ok`) as the conv's operand (K_AXIS 0:
-    the (BLOCK_K, BLOCK_M) tile): x * scale[c] + shift[c] in fp32 where `a_ok` (inside the image), 0 in the padding,
-    rounded once to DTYPE. ROUND_BF16: to nearest by hand (the interpreter's cast truncates, and 147 truncations of
-    the stem's K, all toward zero, moved outputs by 2e-2)."""
+    the (BLOCK_K, BLOCK_M) tile): ACTIVATION(x * scale[c] + shift[c]) in fp32 where `a_ok` (inside the image), 0 in
+    the padding (torch pads the activated tensor: relu(bn(x)) then conv2d(padding=p)), rounded once to DTYPE.
+    ROUND_BF16: to nearest by hand (the interpreter's cast truncates, and 147 truncations of the stem's K, all toward
+    zero, moved outputs by 2e-2)."""
     scale = tl.load(scale_ptr + c, mask=c_ok, other=0.0)
     shift = tl.load(shift_ptr + c, mask=c_ok, other=0.0)
     if K_AXIS == 1:
-        value = tl.where(a_ok, a.to(tl.float32) * scale[None, :] + shift[None, :], 0.0)
+        value = a.to(tl.float32) * scale[None, :] + shift[None, :]
     else:
-        value = tl.where(a_ok, a.to(tl.float32) * scale[:, None] + shift[:, None], 0.0)
+        value = a.to(tl.float32) * scale[:, None] + shift[:, None]
+    value = tl.where(a_ok, apply_activation(value, ACTIVATION, SLOPE), 0.0)
     if ROUND_BF16:
         value = round_to_bf16(value)
     return value.to(DTYPE)
@@ -178,6 +180,8 @@ def _conv2d_kernel(
     HAS_INPUT_NORM: tl.constexpr = False,  # A = x * scale[c] + shift[c] inside the image, 0 in the padding
     # what x's, the weight's and y's (and the residual's) pixel strides are multiples of (tiles.channels_last_alignment)
     X_ALIGN: tl.constexpr = 1, W_ALIGN: tl.constexpr = 1, Y_ALIGN: tl.constexpr = 1,
+    # HAS_INPUT_NORM's activation of x * scale[c] + shift[c] (a pre-activation BatchNorm + ReLU), before the padding's 0
+    INPUT_ACTIVATION: tl.constexpr = "none", INPUT_SLOPE: tl.constexpr = 0.01,
 ):  # fmt: skip
     tl.static_assert(POOL == "none" or not HAS_RESIDUAL, "a residual is added to the conv's output, never pooled")
     # Said where Triton cannot see it (it specializes multiples of 16 only): 104 channels (RegNetY) in channels_last
@@ -249,7 +253,8 @@ def _conv2d_kernel(
                     x_k = c * stride_xc + (kh * DH) * stride_xh + (kw * DW) * stride_xw
                     a = tl.load(x_corner[:, None] + x_k[None, :], mask=a_ok, other=0.0)
                     if HAS_INPUT_NORM:
-                        a = _normalized(a, a_ok, xs_ptr, xb_ptr, c, k_ok, w_ptr.dtype.element_ty, ROUND_BF16)
+                        a = _normalized(a, a_ok, xs_ptr, xb_ptr, c, k_ok, w_ptr.dtype.element_ty, ROUND_BF16, 1,
+                                        INPUT_ACTIVATION, INPUT_SLOPE)  # fmt: skip
                     if HAS_X_SCALE:
                         a = _gated(a, a_ok, gate_rows, c, w_ptr.dtype.element_ty, ROUND_BF16)
                 else:
@@ -267,7 +272,8 @@ def _conv2d_kernel(
                     x_k = c * stride_xc + (kh * DH) * stride_xh + (kw * DW) * stride_xw
                     a = tl.load(x_corner[None, :] + x_k[:, None], mask=a_ok, other=0.0)
                     if HAS_INPUT_NORM:
-                        a = _normalized(a, a_ok, xs_ptr, xb_ptr, c, k_ok, w_ptr.dtype.element_ty, ROUND_BF16, 0)
+                        a = _normalized(a, a_ok, xs_ptr, xb_ptr, c, k_ok, w_ptr.dtype.element_ty, ROUND_BF16, 0,
+                                        INPUT_ACTIVATION, INPUT_SLOPE)  # fmt: skip
                     if HAS_X_SCALE:
                         a = _gated(a, a_ok, gate_rows, c, w_ptr.dtype.element_ty, ROUND_BF16, 0)
                     a = tl.trans(a)
@@ -296,7 +302,8 @@ def _conv2d_kernel(
                 a_ok = row_ok[:, None] & c_ok[None, :]
                 a = tl.load(a_tile + x_step, mask=a_ok, other=0.0)
                 if HAS_INPUT_NORM:
-                    a = _normalized(a, a_ok, xs_ptr, xb_ptr, c0 + offs_k, c_ok, w_ptr.dtype.element_ty, ROUND_BF16)
+                    a = _normalized(a, a_ok, xs_ptr, xb_ptr, c0 + offs_k, c_ok, w_ptr.dtype.element_ty, ROUND_BF16,
+                                    1, INPUT_ACTIVATION, INPUT_SLOPE)  # fmt: skip
                 if HAS_X_SCALE:
                     a = _gated(a, a_ok, gate_rows, c0 + offs_k, w_ptr.dtype.element_ty, ROUND_BF16)
                 b = tl.load(b_tile + (c0 * stride_wc + kh * stride_wh + kw * stride_ww), mask=c_ok[:, None], other=0.0)
@@ -341,6 +348,13 @@ def _conv2d_kernel(
 
 def conv_output_size(size: int, k: int, s: int, p: int, d: int) -> int:
     return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def channel_slice_of_nhwc(t: torch.Tensor) -> bool:
+    """t (N, C, H, W) has unit channel stride and pixels at least C apart: a run of a channels_last tensor's channels
+    (a concat's buffer[:, a:b], which its producers write in place), gathered as channels_last x is (C contiguous)."""
+    C = t.shape[1]
+    return C > 1 and t.stride(1) == 1 and min(t.stride(0), t.stride(2), t.stride(3)) >= C
 
 
 def m_bucket(m: int) -> int:
@@ -454,6 +468,8 @@ def fused_conv2d(
     residual: torch.Tensor | None = None,
     input_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
     x_scale: torch.Tensor | None = None,
+    input_activation: str = "none",
+    input_negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
 ) -> torch.Tensor:
     """act(conv2d(x, weight, bias) [+ residual]); x (N, C, H, W) contiguous NCHW (or channels_last), weight
     (OC, C, KH, KW); returns (N, OC, OH, OW) in x's dtype, channels_last if x or weight is (as torch does), else
@@ -483,6 +499,11 @@ def fused_conv2d(
     with the padding after the normalization. x may then be uint8 or any float dtype, and y (and the bias and the
     residual) take the weight's dtype. Never the TMA kernel (it copies x's boxes as they are).
 
+    input_activation, input_negative_slope: with input_norm, an activation of the normalized x (any of
+    kernels.activations; the slope for leaky_relu): the conv reads act(x * scale[c] + shift[c]) inside the image and 0
+    in the padding, i.e. conv2d(relu(batch_norm(x)), padding=p) for a pre-activation BatchNorm + ReLU folded into
+    (scale, shift) (DenseNet's BN-ReLU-conv: the activated tensor is never written).
+
     x_scale: None, or a gate per image and channel of x, shape (N, C) or (N, C, 1, 1), contiguous, on x's device, any
     float dtype (read in fp32): the conv reads x[n, c] * x_scale[n, c], i.e. act(conv2d(x * x_scale[:, :, None, None],
     weight, bias) [+ residual]) with the product rounded once to x's dtype and the padding 0, as a squeeze-and-
@@ -490,6 +511,9 @@ def fused_conv2d(
     not with input_norm (ValueError); never the TMA kernel.
     """
     _check(x, weight, bias, activation, input_norm)
+    check_activation(input_activation)
+    if input_activation != "none" and input_norm is None:
+        raise ValueError(f"input_activation {input_activation!r} applies to the normalized x: give input_norm too")
     dtype = weight.dtype  # the compute dtype: x's, or with input_norm the weight's (x may be uint8)
     has_norm = input_norm is not None
     has_xscale = x_scale is not None
@@ -522,11 +546,12 @@ def fused_conv2d(
     if PKH * PKW > MAX_POOL_WINDOW:  # too many K loops to unroll: the conv, then the pool in its own kernel
         y = fused_conv2d(x, weight, bias, stride=s, padding=p, dilation=d, activation=activation,
                          negative_slope=negative_slope, allow_tf32=allow_tf32, memory_format=memory_format,
-                         input_norm=input_norm, x_scale=x_scale)  # fmt: skip
+                         input_norm=input_norm, x_scale=x_scale, input_activation=input_activation,
+                         input_negative_slope=input_negative_slope)  # fmt: skip
         return fused_pool2d(y, POOL, (PKH, PKW), (PSH, PSW), out=out)
     # torch's rule for the output's memory format: channels_last when x or the weight is. (An (N, 1, H, W)
     # input is both; a channels_last weight then asks for NHWC outputs.)
-    channels_last = _channels_last(x)
+    channels_last = _channels_last(x) or channel_slice_of_nhwc(x)
     fmt = torch.channels_last if channels_last or _channels_last(weight) else torch.contiguous_format
     if out is None:
         out = torch.empty((N, OC, OH, OW), device=x.device, dtype=dtype, memory_format=memory_format or fmt)
@@ -550,6 +575,10 @@ def fused_conv2d(
     K = C * KH * KW
     # xs_ptr, xb_ptr: the scale and shift; or the gate and None (the kernel's HAS_X_SCALE); else never read
     norm = tuple(input_norm) if has_norm else (x_scale, None) if has_xscale else (weight, weight)
+    # left out at "none", so that every launch without it compiles the kernel it did before these constexprs
+    input_act = {}
+    if input_activation != "none":
+        input_act = dict(INPUT_ACTIVATION=input_activation, INPUT_SLOPE=float(input_negative_slope))
     workspace = _workspaces.get(x.device)
     if workspace is None:
         workspace = _workspaces[x.device] = SplitKWorkspace(x.device)
@@ -573,7 +602,7 @@ def fused_conv2d(
             **geometry, OH=oh, OW=ow, **window, HAS_RESIDUAL=has_residual, **fixed, CHANNELS_LAST=channels_last,
             Y_PLANES=y.stride()[1:] == (oh * ow, ow, 1), HAS_INPUT_NORM=has_norm, **meta, **launch_options(fixed),
             X_ALIGN=channels_last_alignment(x), W_ALIGN=channels_last_alignment(weight),
-            Y_ALIGN=channels_last_alignment(y),
+            Y_ALIGN=channels_last_alignment(y), **input_act,
         )  # fmt: skip
 
     # The TMA kernel (conv_tma.py) where it can run: x and weight channels_last, 16-byte rows, strides that divide
@@ -604,7 +633,7 @@ def fused_conv2d(
     bucket = m_bucket(M)
     signature = (tuple(weight.shape), weight.stride(), x.shape[1:], x.stride()[1:], x.dtype, s, p, d, activation,
                  bias is not None, fixed["INPUT_PRECISION"], channels_last, y_planes, bucket, POOL, PKH, PKW, PSH, PSW,
-                 tma, has_residual, dtype, has_norm, has_xscale)  # fmt: skip
+                 tma, has_residual, dtype, has_norm, has_xscale, input_activation, input_negative_slope)  # fmt: skip
     config = _configs.get(signature)
     if config is None:
         key = (
@@ -618,6 +647,8 @@ def fused_conv2d(
             key += "|residual"
         if has_norm:  # another kernel variant (HAS_INPUT_NORM), gathering x in its own dtype (uint8: 1 byte)
             key += f"|norm|x={x.dtype}"
+            if input_activation != "none":  # the prologue's activation (a pre-activation BatchNorm's ReLU)
+                key += f"|{input_activation}"
         if has_xscale:  # another kernel variant (HAS_X_SCALE): one more gather per K step
             key += "|xscale"
         if POOL != "none":

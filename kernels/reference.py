@@ -55,6 +55,9 @@ def conv2d(
     residual: torch.Tensor | None = None,
     normalize: tuple | None = None,
     x_scale: torch.Tensor | None = None,
+    input_norm: tuple | None = None,
+    input_activation: str = "none",
+    input_negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
 ) -> torch.Tensor:
     """act(conv2d(x, weight) + bias [+ residual]) as eager torch runs it: F.conv2d with the bias (cuDNN adds it
     in the conv kernel, or as its own add), the residual (the conv's output shape) as its own add, as a ResNet
@@ -67,7 +70,17 @@ def conv2d(
     x_scale: None, or a gate per image and channel, (N, C) or (N, C, 1, 1) (a squeeze-and-excitation block's s): x
     becomes x * x_scale[:, :, None, None] first, in x's dtype (computed in the wider of the two, rounded once: one more
     kernel writing the product, two where x_scale is wider than x), and the conv pads that with zeros. Not with
-    normalize."""
+    normalize.
+
+    input_norm, input_activation: None, or (scale, shift) per input channel (fused_conv2d's): x becomes
+    input_activation(x * scale + shift) first (`affine_activation`: fp32, rounded once to the weight's dtype), and
+    the conv pads that with zeros, as conv2d(relu(batch_norm(x)), padding=p) does. Not with normalize or x_scale."""
+    if input_norm is not None:
+        if normalize is not None or x_scale is not None:
+            raise ValueError("input_norm cannot be given with normalize or x_scale")
+        x = affine_activation(x, *input_norm, input_activation, dtype=weight.dtype, negative_slope=input_negative_slope)
+    elif input_activation != "none":
+        raise ValueError("input_activation applies to the input_norm's output: give input_norm too")
     if x_scale is not None:
         if normalize is not None:
             raise ValueError("x_scale and normalize cannot both be given")
@@ -110,6 +123,24 @@ def normalize_input(x: torch.Tensor, mean, std, *, dtype: torch.dtype) -> torch.
     mean = torch.as_tensor(mean, dtype=work, device=x.device).reshape(shape)
     std = torch.as_tensor(std, dtype=work, device=x.device).reshape(shape)
     return ((x.to(work) - mean) / std).to(dtype)
+
+
+def affine_activation(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    activation: str = "none",
+    *,
+    dtype: torch.dtype,
+    negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
+) -> torch.Tensor:
+    """activation(x * scale[c] + shift[c]) per channel (dim 1) in dtype: computed in fp32 (float64 for a float64 dtype),
+    rounded once to dtype, as fused_conv2d's input_norm prologue makes its operand (a batch norm folded into scale and
+    shift, then its ReLU)."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    y = x.to(work) * scale.to(work).reshape(shape) + shift.to(work).reshape(shape)
+    return torch_activation(y, activation, negative_slope).to(dtype)
 
 
 def pool2d(
