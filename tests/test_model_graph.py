@@ -386,8 +386,9 @@ def test_resnet_graph_matches_float64_in_both_modes(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", ["unfused", "fused"])
 def test_every_new_op_matches_float64_in_both_modes(tmp_path, mode):
-    """relu6, hardswish, silu, gelu; a depthwise conv (groups = channels); concat; a standalone batch norm and add;
-    a pool; an MLP tail with batch norm; softmax at the output."""
+    """relu6, hardswish, silu, gelu; a depthwise conv (groups = channels); concat; a batch norm with no layer before
+    it (applied by the conv after it as it reads x: `_prebn`) and a standalone add; a pool; an MLP tail with batch
+    norm; softmax at the output."""
     t: dict = {}
     ops = [
         _bn("pre", "x", "n", 3, t),
@@ -408,7 +409,7 @@ def test_every_new_op_matches_float64_in_both_modes(tmp_path, mode):
     model = load_model(d)
     steps = fused_steps(model.ops, model.tensors)
     assert kernel_names(steps) == [
-        "batchnorm_0", "conv2d_0_bn_relu6", "conv2d_1_bn_hardswish", "conv2d_2_silu", "concat_0", "conv2d_3_gelu",
+        "conv2d_0_prebn_bn_relu6", "conv2d_1_bn_hardswish", "conv2d_2_silu", "concat_0", "conv2d_3_gelu",
         "add_0", "maxpool2d_0", "add_1_tanh", "avgpool2d_0", "mlp_0_1", "softmax_0",
     ]  # fmt: skip
     x = torch.randn(4, 3, 8, 8)

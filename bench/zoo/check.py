@@ -104,15 +104,15 @@ def agreement(got: np.ndarray, want: np.ndarray) -> dict:
 
 def plan_summary(model) -> dict:
     """How the fused executor runs the model's plan: steps that are one Triton kernel each, steps with parts run as
-    torch ops (and those parts, counted: "conv2d (groups 32)", "concat", ...), and views (flatten)."""
+    torch ops (and those parts, counted: "conv2d (groups 32)", "concat", ...), and views (flatten, in-place concats)."""
     from service.model.executors import torch_parts
-    from service.model.planner import FlattenStep, fused_steps
+    from service.model.planner import fused_steps, is_view
 
-    steps = fused_steps(model.ops, model.tensors, normalize=model.normalize)
+    steps = fused_steps(model.ops, model.tensors, normalize=model.normalize, shapes=model.shapes)  # the executors'
     parts: Counter[str] = Counter()
     fused = torch_ops = views = 0
     for s in steps:
-        if isinstance(s, FlattenStep):
+        if is_view(s):  # a flatten, or a concat whose inputs' producers write into its buffer
             views += 1
             continue
         p = torch_parts(s)

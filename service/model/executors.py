@@ -81,6 +81,7 @@ from .planner import (
     SliceStep,
     SoftmaxStep,
     Step,
+    concat_slots,
     fused_steps,
     reads,
     step_ops,
@@ -127,12 +128,16 @@ def torch_parts(step: Step, support: KernelSupport | None = None) -> list[str]:
         return [kind] + ([step.activation] if step.activation not in support.activations else [])
     if isinstance(step, LayerNormStep):  # kernels/layernorm.py
         return []
+    if isinstance(step, ConcatStep) and step.in_place:  # a view of the buffer its inputs' producers wrote
+        return []
     if isinstance(step, (BatchNormStep, ConcatStep, SoftmaxStep, NormalizeStep, ClampStep, SliceStep,
                          ChannelShuffleStep, PadStep)):  # fmt: skip
         return step_ops(step)
     if isinstance(step, Conv2dStep) and step.groups > 1:  # kernels/conv_grouped.py: all but the gate
         return ["mul"] if step.gate else []
     parts = []
+    if isinstance(step, Conv2dStep) and step.prenorm is not None and step.prenorm_activation not in support.activations:
+        parts += ["batchnorm", step.prenorm_activation]  # Executor._bind_conv: before the kernel, as torch ops
     if isinstance(step, Conv2dStep) and step.gate is not None and (step.pool is not None or step.normalize is not None):
         parts.append("mul")  # Executor._gate_in_kernel: the gate as a torch mul before the kernel
     has_residual = isinstance(step, (Conv2dStep, LinearStep)) and step.residual is not None
@@ -230,6 +235,9 @@ class Wiring:
     reads: tuple[str, ...]  # the step's inputs, then its residual
     output: str
     frees: tuple[str, ...]  # tensors no later step reads: dropped once this step ran
+    # a concat buffer this step allocates before it runs (its first writer): (name, per-row shape (width, H, W))
+    alloc: tuple[str, tuple[int, ...]] | None = None
+    into: tuple[str, int, int] | None = None  # (buffer, offset, channels): the step writes its output there (out=)
 
 
 class Executor:
@@ -284,19 +292,35 @@ class Executor:
             calibration = calibration if calibration is not None else load_calibration(model)
             keep = DEFAULT_FP16_STEPS if fp16_steps is None else tuple(fp16_steps)
             self.fp8 = plan_float8(self.steps, calibration, model.name, keep)
+        # Fused, the concats that place_concats put in buffers: each of their tensors (concat_slots) as a channel run of
+        # its buffer, which the first writer's step allocates (per forward, so a captured graph holds it in its pool).
+        self.slots = {}
+        if mode == "fused" and self.precision != "float8":
+            self.slots = concat_slots(self.steps, model.shapes, self.steps[-1].output)
         # (name to time under, or None for a view; the bound layer), and where each takes its tensors from
         self.layers: list[tuple[str | None, Layer]] = [
-            self._bind(s, cl) for s, cl in zip(self.steps, nhwc, strict=True)
+            self._into_slot(s, self._bind(s, cl)) for s, cl in zip(self.steps, nhwc, strict=True)
         ]
         # step name -> why it runs its unfused op in this fused executor (warm_forward)
         self.fallbacks: dict[str, str] = {}
         self.input_name = model.input_name if self.steps[0].inputs else "input"
         self.output_name = self.steps[-1].output
-        self.wiring = _wire(self.steps, self.input_name)
+        self.wiring = _wire(self.steps, self.input_name, self.slots, model.shapes)
         # The dtype forward takes: the model's uint8 pixels, else the compute dtype. A normalizing step reads them as
         # sent; without one, forward casts them first.
         self.input_dtype = model.input_dtype if model.input_dtype == torch.uint8 else dtype
         self._cast_input = self.input_dtype != dtype and model.normalize is None
+
+    def _into_slot(self, step: Step, bound: tuple[str | None, Layer]) -> tuple[str | None, Layer]:
+        """A step whose output lives in a concat buffer (not a concat: those are views), bound to write it there."""
+        name, layer = bound
+        if step.output not in self.slots or isinstance(step, ConcatStep):
+            return bound
+        from kernels.conv import fused_conv2d
+        from kernels.pool import fused_pool2d
+
+        writes = isinstance(layer, functools.partial) and layer.func in (fused_conv2d, fused_pool2d)
+        return name, functools.partial(_written_into, layer=layer, writes_out=writes)
 
     def example_input(self, rows: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Random rows as forward takes them, on the device: pixels 0-255 for a uint8 input, else N(0, 1) in the
@@ -305,6 +329,10 @@ class Executor:
         if self.input_dtype == torch.uint8:
             return torch.randint(0, 256, shape, generator=generator, device=self.device, dtype=torch.uint8)
         return torch.randn(shape, generator=generator, device=self.device).to(self.dtype)
+
+    def _buffer(self, rows: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """A concat buffer for `rows` images, (rows, *shape) channels_last, written by its concat's producers."""
+        return torch.empty((rows, *shape), device=self.device, dtype=self.dtype, memory_format=torch.channels_last)
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype).contiguous()
@@ -448,6 +476,9 @@ class Executor:
             top, left, bottom, right = step.pads
             return step.name, functools.partial(F.pad, pad=(left, right, top, bottom), value=step.value)
         if isinstance(step, ConcatStep):
+            if step.output in self.slots:  # its inputs were written into their channels of the buffer: a view of it
+                slot = self.slots[step.output]
+                return None, functools.partial(_channels, offset=slot.offset, channels=slot.channels)
             return step.name, _concat
         if isinstance(step, SoftmaxStep):
             return step.name, _softmax
@@ -524,6 +555,11 @@ class Executor:
 
     def _bind_conv(self, step: Conv2dStep, channels_last: bool) -> Layer:
         layer = self._bind_conv_itself(step, channels_last)
+        if step.prenorm is not None and not self._prenorm_in_kernel(step):
+            # unfused (or an activation the kernel lacks): F.batch_norm, then the activation, then the conv
+            pre = functools.partial(_then_torch_activation, first=self._batch_norm(step.prenorm),
+                                    activation=step.prenorm_activation, negative_slope=step.prenorm_slope)  # fmt: skip
+            return functools.partial(_normalized_then, normalize=pre, layer=layer)
         if step.gate is not None:  # the SE gate: in the kernel's gather (x_scale) where it can, else a torch mul
             return functools.partial(_gated_conv, layer=layer, kernel=self._gate_in_kernel(step))
         norm = step.normalize
@@ -534,6 +570,11 @@ class Executor:
         first = functools.partial(reference.normalize_input, mean=self._stat(norm.mean), std=self._stat(norm.std),
                                   dtype=self.dtype)  # fmt: skip
         return functools.partial(_normalized_then, normalize=first, layer=layer)
+
+    def _prenorm_in_kernel(self, step: Conv2dStep) -> bool:
+        """Whether the fused conv kernel applies the step's pre-activation batch norm as it gathers x (input_norm,
+        input_activation): groups 1 and an activation of the kernels' table."""
+        return self.mode == "fused" and step.groups == 1 and step.prenorm_activation in self.support.activations
 
     def _gate_in_kernel(self, step: Conv2dStep) -> bool:
         """Whether the fused conv kernel applies the step's gate (x_scale): the layer is then one fused_conv2d call
@@ -587,6 +628,11 @@ class Executor:
             fused_conv2d = functools.partial(
                 fused_conv2d, input_norm=input_norm_of(step.normalize.mean, step.normalize.std, self.device)
             )
+        elif step.prenorm is not None and self._prenorm_in_kernel(step):  # relu(bn(x)) as the kernel gathers x
+            scale, shift = scale_shift(step.prenorm, self.model.tensors)
+            norm = tuple(t.to(device=self.device, dtype=torch.float32) for t in (scale, shift))
+            fused_conv2d = functools.partial(fused_conv2d, input_norm=norm, input_activation=step.prenorm_activation,
+                                             input_negative_slope=step.prenorm_slope)  # fmt: skip
         else:
             w = weight_for(w, step.stride)  # channels_last where the TMA kernel can run the layer (never normalizing)
         kernel_act = step.activation in support.activations
@@ -625,14 +671,17 @@ class Executor:
             name, layer = self.layers[i]
             if on_step is not None:
                 on_step(i, name)
+            if wiring.alloc is not None:
+                live[wiring.alloc[0]] = self._buffer(x.shape[0], wiring.alloc[1])
             args = [live[t] for t in wiring.reads]
+            kw = {} if wiring.into is None else {"out": live[wiring.into[0]].narrow(1, *wiring.into[1:])}
             try:
-                y = layer(*args)
+                y = layer(*args, **kw)
             except Exception as e:
                 late = _deadline_cause(e, CompileDeadlineExceeded)
                 if late is None or self.mode != "fused":
                     raise
-                y = self._fall_back(i, late)(*args)
+                y = self._fall_back(i, late)(*args, **kw)
             live[wiring.output] = y
             for t in wiring.frees:
                 del live[t]
@@ -647,6 +696,7 @@ class Executor:
         finally:
             self.mode = "fused"
         layer = functools.partial(_in_layout_after, layer=unfused, channels_last=self.channels_last[index])
+        name, layer = self._into_slot(step, (name, layer))
         self.layers[index] = (name, layer)
         self.fallbacks[step.name] = f"runs its unfused op: {why}"
         log.warning("step %s (%s) runs its unfused op: %s", step.name, type(step).__name__, why)
@@ -659,16 +709,34 @@ class Executor:
         live = {self.input_name: x}
         for (name, layer), wiring in zip(self.layers, self.wiring, strict=True):
             args = [live[t] for t in wiring.reads]
+            kw = {}
+            if wiring.alloc is not None:
+                live[wiring.alloc[0]] = self._buffer(x.shape[0], wiring.alloc[1])
+            if wiring.into is not None:
+                kw = {"out": live[wiring.into[0]].narrow(1, *wiring.into[1:])}
             if timer is None or name is None:
-                y = layer(*args)
+                y = layer(*args, **kw)
             else:
                 timer.start(name)
-                y = layer(*args)
+                y = layer(*args, **kw)
                 timer.stop(name)
             live[wiring.output] = y
             for t in wiring.frees:
                 del live[t]
         return live[self.output_name]
+
+
+def _written_into(*args, out, layer, writes_out):
+    """A step writing its output into `out`, its channels of a concat buffer: the kernel's out= where its launcher
+    takes one (writes_out), else a copy after it (a step bound otherwise, or fallen back to its unfused op)."""
+    if writes_out:
+        return layer(*args, out=out)
+    return out.copy_(layer(*args))
+
+
+def _channels(buffer, *, offset, channels):
+    """An in-place concat: its run of its buffer's channels, a view (no kernel)."""
+    return buffer.narrow(1, offset, channels)
 
 
 def _fp8_layer(x, residual=None, *, fn, weight, scale, bias, activation, **kw):
@@ -698,20 +766,41 @@ def _in_layout_after(*args, layer, channels_last):
     return y
 
 
-def _wire(steps: list[Step], input_name: str) -> list[Wiring]:
+def _wire(steps: list[Step], input_name: str, slots: dict | None = None, shapes=None) -> list[Wiring]:
     """Each step's reads and output, and what can be dropped after it. Steps without graph fields (made in a test)
-    form a chain."""
+    form a chain. With concat `slots` (planner.concat_slots): a concat in a buffer reads the buffer alone (its view),
+    each other step whose output has a slot writes into it (`into`), the first of them allocates the buffer (`alloc`,
+    its per-row shape from `shapes`), and the buffer is dropped after its last writer or reader (the views of it that
+    steps still read keep its memory)."""
     if not steps[0].inputs:
         names = [input_name] + [f"s{i}" for i in range(len(steps))]
         return [Wiring((names[i],), names[i + 1], (names[i],)) for i in range(len(steps))]
+    slots = slots or {}
+
+    def reads_of(s: Step) -> tuple[str, ...]:
+        return (slots[s.output].buffer,) if isinstance(s, ConcatStep) and s.output in slots else reads(s)
+
+    def writes_into(s: Step):
+        slot = slots.get(s.output) if not isinstance(s, ConcatStep) else None
+        return None if slot is None else (slot.buffer, slot.offset, slot.channels)
+
     last_read: dict[str, int] = {}
+    allocated: dict[int, tuple[str, tuple[int, ...]]] = {}
+    seen: set[str] = set()
     for i, s in enumerate(steps):
-        for t in reads(s):
+        into = writes_into(s)
+        for t in (*reads_of(s), *((into[0],) if into else ())):
             last_read[t] = i
+        if into and into[0] not in seen:
+            seen.add(into[0])
+            slot = slots[s.output]
+            allocated[i] = (slot.buffer, (slot.width, *shapes[s.output][1:]))
     out = []
     for i, s in enumerate(steps):
-        frees = tuple(t for t in dict.fromkeys(reads(s)) if last_read[t] == i and t != steps[-1].output)
-        out.append(Wiring(reads(s), s.output, frees))
+        into = writes_into(s)
+        used = (*reads_of(s), *((into[0],) if into else ()))
+        frees = tuple(t for t in dict.fromkeys(used) if last_read[t] == i and t != steps[-1].output)
+        out.append(Wiring(reads_of(s), s.output, frees, allocated.get(i), into))
     return out
 
 
@@ -855,6 +944,11 @@ def _scale_shift(x, *, scale, shift):
     """x * scale + shift per channel (dim 1) in one kernel (addcmul)."""
     shape = (-1,) + (1,) * (x.dim() - 2)
     return torch.addcmul(shift.reshape(shape), x, scale.reshape(shape))
+
+
+def _then_torch_activation(x, *, first, activation, negative_slope):
+    """first(x) (the batch norm), then the activation as one eager torch op."""
+    return torch_activation(first(x), activation, negative_slope)
 
 
 def _normalized_then(x, *rest, normalize, layer):

@@ -92,7 +92,8 @@ def _weighted(step: Step) -> bool:
 
 
 def fp8_eligible(step: Step) -> bool:
-    """A step the fp8 kernels can run: a linear, or a conv of groups 1 with no gate, input normalization or pool."""
+    """A step the fp8 kernels can run: a linear, or a conv of groups 1 with no gate, input normalization, pre-activation
+    batch norm or pool."""
     if isinstance(step, LinearStep):
         return True
     return (
@@ -100,6 +101,7 @@ def fp8_eligible(step: Step) -> bool:
         and step.groups == 1
         and step.gate is None
         and step.normalize is None
+        and step.prenorm is None
         and step.pool is None
     )
 

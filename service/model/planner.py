@@ -29,6 +29,14 @@ come from convs rides in the first input's conv (torch's `y + shortcut`: the mai
 the residual the kernel reads in its epilogue. A fused step runs where its last op stood in the graph, so every
 tensor it reads has been written by then.
 
+A BatchNormStep, with the activation that alone reads it, whose result only convs (groups 1) read as their input
+goes into each of those convs (`fold_preactivations`, `conv2d_3_preact_relu`): the kernel applies relu(x * scale[c] +
+shift[c]) as it gathers x, 0 in the padding (DenseNet's BN-ReLU-conv, where the BN follows a concat or a pool).
+
+A concat whose inputs are conv or pool outputs read only by it and by steps that take strided tensors gets a buffer
+(`place_concats`): fused, each producer writes its channels of it and the concat is a view (`concat_slots`; DenseNet's
+nested concats, each the last one and one more feature, share one buffer per dense block).
+
 Then `group_mlps` turns each chain of 2-8 LinearSteps, each read only by the next, whose widths all fit the
 whole-MLP kernel (<= 256 after padding) into one MLPStep (`mlp_0_2`: linear layers 0 to 2, one kernel), and
 `group_conv_pools` folds a pool that reads a conv step's output (its only reader) into that conv step when the
@@ -151,6 +159,11 @@ class Conv2dStep:
     # an (N, C, 1, 1) tensor that x is multiplied by before the conv (a squeeze-and-excitation gate), read by the
     # kernel as it gathers x (kernels/conv.py, x_scale): the product x * gate is never written
     gate: str | None = None
+    # a batch norm of x, then its activation, applied before the conv (a pre-activation BN + ReLU: fold_preactivations),
+    # by the kernel as it gathers x (kernels/conv.py, input_norm + input_activation): relu(bn(x)) is never written
+    prenorm: BatchNorm | None = None
+    prenorm_activation: str = "none"
+    prenorm_slope: float = DEFAULT_NEGATIVE_SLOPE
     inputs: tuple[str, ...] = _Inputs
     output: str = _Output
 
@@ -214,8 +227,21 @@ class NormalizeStep:
 @dataclass(frozen=True)
 class ConcatStep:
     name: str
+    # its inputs' producers write them into their channels of one buffer (place_concats): a view in the fused mode
+    in_place: bool = False
     inputs: tuple[str, ...] = _Inputs
     output: str = _Output
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a tensor lives in a concat buffer (place_concats): channels [offset, offset + channels) of `buffer`
+    (channels_last, (N, width, H, W)), which the fused executor allocates when its first writer runs."""
+
+    buffer: str
+    offset: int
+    channels: int
+    width: int
 
 
 @dataclass(frozen=True)
@@ -576,6 +602,63 @@ def pool_fits_conv(pool: Pool2dStep) -> bool:
     )
 
 
+def fold_preactivations(steps: list[Step], output: str | None = None) -> list[Step]:
+    """Fold each BatchNormStep (a batch norm with no conv before it: DenseNet's and pre-activation ResNets' BN after
+    a concat or a pool), with the ActivationStep that alone reads it if any, into every conv step that reads the
+    result, where only conv steps of groups 1 read it, as their input (not a residual), with no gate, input
+    normalization or earlier prenorm: each conv applies act(x * scale[c] + shift[c]) as it gathers x (kernels/conv.py,
+    input_norm + input_activation; 0 in the padding, as torch pads relu(bn(x))) and reads the batch norm's input.
+    Replaces, per BN: a scale-shift kernel and an activation kernel, each a write and a read of x's size (unfused:
+    F.batch_norm, the activation, then the conv). The conv steps keep their place and are renamed
+    `conv2d_3_preact_relu` (`_prebn_` for a batch norm without activation); the two steps go. `output`: the model's
+    (never folded away; default the last step's)."""
+    if not steps or not steps[0].inputs:  # steps made without graph fields (tests): nothing is wired to fold
+        return steps
+    output = output or steps[-1].output
+    readers: dict[str, list[int]] = {}
+    for i, step in enumerate(steps):
+        for t in dict.fromkeys(reads(step)):
+            readers.setdefault(t, []).append(i)
+
+    def foldable_into(i: int, t: str) -> bool:
+        conv = steps[i]
+        return (
+            isinstance(conv, Conv2dStep)
+            and conv.groups == 1
+            and conv.inputs == (t,)
+            and conv.residual != t
+            and conv.gate is None
+            and conv.normalize is None
+            and conv.prenorm is None
+        )
+
+    dropped: set[int] = set()
+    replaced: dict[int, Step] = {}
+    for b, bn in enumerate(steps):
+        if not isinstance(bn, BatchNormStep) or bn.output == output:
+            continue
+        t, act, a = bn.output, None, None
+        after = readers.get(t, [])
+        if len(after) == 1 and isinstance(steps[after[0]], ActivationStep) and steps[after[0]].output != output:
+            a = after[0]
+            act, t = steps[a], steps[a].output
+        convs = readers.get(t, [])
+        if not convs or any(i in replaced or not foldable_into(i, t) for i in convs):
+            continue
+        activation = act.activation if act is not None else "none"
+        slope = act.negative_slope if act is not None else DEFAULT_NEGATIVE_SLOPE
+        tag = "preact" if act is not None else "prebn"
+        for i in convs:
+            conv = steps[i]
+            head, k, *rest = conv.name.split("_", 2)
+            replaced[i] = dataclasses.replace(
+                conv, name="_".join([head, k, tag, *rest]), inputs=bn.inputs, prenorm=bn.batchnorm,
+                prenorm_activation=activation, prenorm_slope=slope,
+            )  # fmt: skip
+        dropped.update(x for x in (b, a) if x is not None)
+    return [replaced.get(i, step) for i, step in enumerate(steps) if i not in dropped]
+
+
 def group_conv_pools(steps: list[Step]) -> list[Step]:
     """Fold each pool whose input is a conv step's output, read by that pool alone, and that `pool_fits_conv`,
     into that conv step (which then runs where the pool stood): 3 kernels -> 1 in the fused plan (conv + act,
@@ -615,6 +698,107 @@ def _chain(steps: list[Step]) -> list[Step]:
     return out
 
 
+# Steps that may read a tensor living in a concat buffer, a channel run of a channels_last tensor, not dense: image
+# steps (channels_last is what each would get anyway) whose kernels take any strides (conv, grouped conv, pool) or
+# that are torch ops.
+_READS_SLOTS = (Conv2dStep, Pool2dStep, AddStep, ElementwiseStep, BatchNormStep, ClampStep, SliceStep, PadStep)
+
+
+def concat_slots(steps: list[Step], shapes: Mapping[str, tuple[int, ...]] | None, output: str = "") -> dict[str, Slot]:
+    """The concat buffers of a plan (place_concats): each ConcatStep's output, and every input it concatenates, as a
+    run of channels of one buffer. Concats that share inputs at consistent offsets share one buffer (DenseNet's block:
+    layer k's concat is the block input and the k features before it, so each concat is a prefix of the block's last,
+    one buffer per block), and a concat read by another is a run of the outer one's (Inception's nested concats).
+
+    A set of concats gets a buffer where (else each stays a torch.cat, a copy): every concat's output is 4-D and not the
+    model's output; every tensor they concatenate that is not itself one of their outputs (a leaf) is the output of a
+    conv or pool step without a residual (whose kernel writes any strides); each of these tensors is read by those
+    concats and by steps that take strided tensors (_READS_SLOTS) only; and the leaves' channel runs are disjoint (each
+    written once, by its producer). {} without shapes."""
+    if shapes is None or not steps or not steps[0].inputs:
+        return {}
+    output = output or steps[-1].output
+    producer = {s.output: s for s in steps}
+    readers: dict[str, list[Step]] = {}
+    for s in steps:
+        for t in dict.fromkeys(reads(s)):
+            readers.setdefault(t, []).append(s)
+    concats = [s for s in steps if isinstance(s, ConcatStep) and len(shapes.get(s.output, ())) == 3]
+    # Weighted union-find over tensors: offset[t] is t's first channel relative to its root's.
+    parent: dict[str, str] = {}
+    offset: dict[str, int] = {}
+    broken: set[str] = set()  # roots of sets whose offsets contradict each other
+
+    def find(t: str) -> str:
+        parent.setdefault(t, t)
+        offset.setdefault(t, 0)
+        if parent[t] != t:
+            root = find(parent[t])
+            offset[t] += offset[parent[t]]
+            parent[t] = root
+        return parent[t]
+
+    def place(t: str, c: str, rel: int) -> None:
+        """Constrain t's first channel to lie `rel` channels after c's."""
+        rt, rc = find(t), find(c)
+        if rt == rc:
+            if offset[t] - offset[c] != rel:
+                broken.add(rt)
+            return
+        parent[rt] = rc  # offset[t] (relative to rt) + offset[rt] = offset[c] + rel
+        offset[rt] = offset[c] + rel - offset[t]
+        if rt in broken:
+            broken.add(rc)
+
+    for c in concats:
+        rel = 0
+        for t in c.inputs:
+            place(t, c.output, rel)
+            rel += shapes[t][0]
+    sets: dict[str, list[str]] = {}
+    for t in list(parent):
+        sets.setdefault(find(t), []).append(t)
+    outputs = {c.output for c in concats}
+    slots: dict[str, Slot] = {}
+    for root, members in sets.items():
+        if find(root) in broken:
+            continue
+        leaves = [t for t in members if t not in outputs]
+        ok = all(
+            isinstance(producer.get(t), (Conv2dStep, Pool2dStep))
+            and getattr(producer[t], "residual", None) is None
+            and len(shapes.get(t, ())) == 3
+            for t in leaves
+        ) and all(
+            t != output and all(isinstance(r, _READS_SLOTS) or r.output in outputs for r in readers.get(t, []))
+            for t in members
+        )
+        runs = sorted((offset[t], offset[t] + shapes[t][0]) for t in leaves) if ok else []
+        ok = ok and all(a[1] <= b[0] for a, b in zip(runs, runs[1:], strict=False))
+        if not ok:
+            continue
+        first = min(offset[t] for t in members)
+        width = max(offset[t] + shapes[t][0] for t in members) - first
+        buffer = f"{root}:buffer"
+        for t in members:
+            slots[t] = Slot(buffer, offset[t] - first, shapes[t][0], width)
+    return slots
+
+
+def place_concats(steps: list[Step], shapes: Mapping[str, tuple[int, ...]] | None, output: str = "") -> list[Step]:
+    """Mark each ConcatStep that concat_slots puts in a buffer `in_place`: the fused executor has its inputs' producers
+    write straight into their channels of the buffer and the concat becomes a view of it (torch.cat: a read and a
+    write of the concat's size, gone); the unfused mode still runs torch.cat."""
+    slots = concat_slots(steps, shapes, output)
+    return [dataclasses.replace(s, in_place=True) if isinstance(s, ConcatStep) and s.output in slots else s
+            for s in steps]  # fmt: skip
+
+
+def is_view(step: Step) -> bool:
+    """A step the fused executor runs without a kernel: a flatten, or an in-place concat (a view of its buffer)."""
+    return isinstance(step, FlattenStep) or (isinstance(step, ConcatStep) and step.in_place)
+
+
 def attach_normalization(steps: list[Step], norm: InputNorm, input_name: str) -> list[Step]:
     """The input's normalization in the plan: in the conv step that reads the input, where it is a conv (groups 1)
     and the input's only reader (the usual image model: one stem conv); else a NormalizeStep `normalize_0` first,
@@ -622,7 +806,7 @@ def attach_normalization(steps: list[Step], norm: InputNorm, input_name: str) ->
     readers = [s for s in steps if input_name in reads(s)]
     if len(readers) == 1 and list(reads(readers[0])).count(input_name) == 1:
         conv = readers[0]
-        if isinstance(conv, Conv2dStep) and conv.groups == 1 and conv.inputs == (input_name,):
+        if isinstance(conv, Conv2dStep) and conv.groups == 1 and conv.inputs == (input_name,) and conv.prenorm is None:
             return [dataclasses.replace(s, normalize=norm) if s is conv else s for s in steps]
     normalized = f"{input_name}:normalized"
 
@@ -646,17 +830,22 @@ def fused_steps(
     conv_pool: bool = True,
     normalize: InputNorm | None = None,
     shapes: Mapping[str, tuple[int, ...]] | None = None,
+    preact: bool = True,
+    concat_in_place: bool = True,
 ) -> list[Step]:
-    """The plan both executors run: `plan`, then the whole-MLP and conv + pool groupings, and the input's
-    normalization (`attach_normalization`; the ops must be wired, as a loaded model's are)."""
+    """The plan both executors run: `plan`, then the whole-MLP grouping, the pre-activation folding
+    (`fold_preactivations`), the conv + pool grouping, the input's normalization (`attach_normalization`; the
+    ops must be wired, as a loaded model's are), and the concat buffers (`place_concats`, given `shapes`)."""
     steps = plan(ops, shapes, tensors)
     steps = group_mlps(steps, tensors) if whole_mlp else steps
+    steps = fold_preactivations(steps, ops[-1].output) if preact and steps else steps
     steps = group_conv_pools(steps) if conv_pool else steps
-    return steps if normalize is None else attach_normalization(steps, normalize, ops[0].inputs[0])
+    steps = steps if normalize is None else attach_normalization(steps, normalize, ops[0].inputs[0])
+    return place_concats(steps, shapes, ops[-1].output) if concat_in_place and steps else steps
 
 
 def kernel_names(steps: list[Step]) -> list[str]:
-    """The steps that launch work, by name (flatten is a view)."""
+    """The steps that launch work, by name (flatten is a view; an in-place concat keeps its name: unfused, it runs)."""
     return [s.name for s in steps if not isinstance(s, FlattenStep)]
 
 
@@ -668,6 +857,10 @@ def step_ops(step: Step) -> list[str]:
     if isinstance(step, (LinearStep, Conv2dStep)):
         if getattr(step, "gate", None) is not None:
             parts.append("mul")
+        if getattr(step, "prenorm", None) is not None:
+            parts.append("batchnorm")
+            if step.prenorm_activation != "none":
+                parts.append(step.prenorm_activation)
         parts.append("linear" if isinstance(step, LinearStep) else "conv2d")
         if step.batchnorm is not None:
             parts.append("batchnorm")
@@ -712,6 +905,8 @@ def step_extras(step: LinearStep | Conv2dStep) -> dict:
         out["groups"] = step.groups
     if getattr(step, "normalize", None) is not None:  # the model's input, normalized as the conv loads it
         out["normalize"] = {"mean": list(step.normalize.mean), "std": list(step.normalize.std)}
+    if getattr(step, "prenorm", None) is not None:  # a batch norm (+ activation) of x, applied as the conv loads it
+        out["prenorm"] = {"activation": step.prenorm_activation}
     return out
 
 
@@ -734,4 +929,6 @@ def describe_step(step: Step) -> dict:
         doc.update(groups=step.groups)
     if isinstance(step, PadStep):
         doc.update(pads=list(step.pads), value=step.value)
+    if isinstance(step, ConcatStep) and step.in_place:
+        doc.update(in_place=True)
     return doc
