@@ -104,6 +104,7 @@ KINDS = {
     "gpu": rf"^(?:{_ENV}bash bench/gpu_session\.sh.*|{FUSEDSERVE} bench (?:kernels|serve|pool|soak|zoo)"
     r"(?! --device cpu).*)$",
     "probe": r"^\.venv/bin/python -m bench\.probes\.\w+(?: --out \S+)?$",
+    "gpu-script": r"^\.venv/bin/python -m bench\.serve\.issue50 --out \S+$",
     "gpu-suite": r"^bash tests/gpu_suite\.sh (?:PART|kernels-a|kernels-b|service|two-gpu|all|record \S+.*)$",
     "report": r"^\.venv/bin/python -m bench\.kernels\.report \S+$",
     "docker": r"^docker compose (?:--profile \w+ )?up --build(?: [\w-]+)*$",
@@ -413,6 +414,15 @@ def test_probe_commands_name_importable_probes():
     for cmd in _commands("probe"):
         module = shlex.split(cmd)[2]
         assert hasattr(importlib.import_module(module), "main"), cmd
+
+
+def test_gpu_script_commands_parse_their_arguments():
+    """The GPU-host scripts the docs name (bench/serve/issue50.py) import here and accept the documented arguments:
+    --help after them exits 0 (the run itself needs the GPU host)."""
+    for cmd in _commands("gpu-script"):
+        words = shlex.split(cmd)
+        run = _run([sys.executable, "-m", words[2], *words[3:], "--help"], REPO)
+        assert run.returncode == 0 and "--out" in run.stdout, (cmd, run.stderr[-2000:])
 
 
 def test_report_command_rerenders_the_committed_results(tmp_path):
