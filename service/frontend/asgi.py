@@ -20,12 +20,17 @@ class ClientGone(Exception):
     pass
 
 
+# The request's headers as a dict (the first value of each name), made by the first `header` call and kept in its
+# scope: a /predict reads five or six headers (type, length, coding twice, request id), each a look-up, not a scan.
+HEADERS = "fusedserve.headers"
+
+
 def header(scope: dict, name: bytes) -> bytes | None:
     """The first value of header `name` (lower case), or None."""
-    for k, v in scope["headers"]:
-        if k == name:
-            return v
-    return None
+    headers = scope.get(HEADERS)
+    if headers is None:
+        headers = scope[HEADERS] = dict(reversed(scope["headers"]))  # reversed: the first value of a name stays
+    return headers.get(name)
 
 
 def content_length(scope: dict) -> int | None:

@@ -82,7 +82,7 @@ async def handle_predict(state: FrontendState, scope: dict, receive) -> Answer:
         return _error(e.status, e.message, *e.headers, ident)
     doc = {
         "outputs": outputs,
-        "predictions": state.predictions(np.argmax(outputs, axis=1)),
+        "predictions": state.predictions(outputs.argmax(axis=1)),
         "model": state.model.name,
         "mode": mode,
     }

@@ -20,6 +20,8 @@ from __future__ import annotations
 import itertools
 import os
 
+from .asgi import header
+
 HEADER = b"x-request-id"
 MAX_LENGTH = 128
 _PREFIX = os.urandom(4).hex().encode()
@@ -42,15 +44,11 @@ def new() -> bytes:
 
 def of_scope(scope: dict) -> bytes:
     """The request's id: its valid X-Request-Id, else a new one."""
-    for name, value in scope["headers"]:
-        if name == HEADER:
-            return value if valid(value) else new()
-    return new()
+    value = header(scope, HEADER)
+    return value if value is not None and valid(value) else new()
 
 
 def given(scope: dict) -> bytes | None:
     """The request's X-Request-Id if it has a valid one, else None (the v2 routes then look at the body's `id`)."""
-    for name, value in scope["headers"]:
-        if name == HEADER:
-            return value if valid(value) else None
-    return None
+    value = header(scope, HEADER)
+    return value if value is not None and valid(value) else None

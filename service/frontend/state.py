@@ -79,6 +79,7 @@ class FrontendState:
     # SIGHUP reloads (service/link/live.py): the supervisor's shared generation and the one this front end has.
     config_generation: object | None = None
     config_seen: int = 0
+    _body_limit: tuple[Settings, int] | None = None  # (the settings, max_body_bytes under them)
 
     def __post_init__(self) -> None:
         if self.api_keys is None:
@@ -160,8 +161,14 @@ class FrontendState:
 
     @property
     def max_body_bytes(self) -> int:
-        limit = body_limit(self.settings.max_rows_per_request, self.model.input_features)
-        return limit if self.model.image is None else max(limit, self.settings.max_image_body_bytes)
+        settings = self.settings
+        cached = self._body_limit
+        if cached is not None and cached[0] is settings:  # worked out once per settings (a reload makes new ones)
+            return cached[1]
+        limit = body_limit(settings.max_rows_per_request, self.model.input_features)
+        limit = limit if self.model.image is None else max(limit, settings.max_image_body_bytes)
+        self._body_limit = (settings, limit)
+        return limit
 
     def predictions(self, indices: np.ndarray) -> list:
         labels = self.model.labels
