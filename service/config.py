@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -277,6 +278,24 @@ class Settings(BaseSettings):
         "one more is closed as it is accepted (plain HTTP: after a 503). Unset: no limit per client (clients behind "
         "one proxy or NAT share an address: leave it unset there, or set it above their sum)",
     )
+    per_client_connect_rate: float | None = Field(
+        None,
+        gt=0,
+        le=1_000_000,
+        description="new connections a second one front end takes from one client address (its IP), after a burst of "
+        "PER_CLIENT_CONNECT_BURST (a token bucket per address): one more is closed as it is accepted, before any "
+        'TLS handshake, counted in fusedserve_connections_refused_total{reason="connect_rate"}. Keep-alive '
+        "clients open a few connections and keep them; each new TLS connection costs a handshake (docs/security.md: "
+        "the attack benchmark's value). Unset: no bound. Behind a load balancer, a proxy or NAT, every client behind "
+        "it arrives from its one address and shares one bucket: leave it unset there, or set it above their sum",
+    )
+    per_client_connect_burst: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="new connections one client address may open at once before PER_CLIENT_CONNECT_RATE applies "
+        "(a client's connection pool opens at once; unset: twice the rate, rounded up)",
+    )
     header_timeout_s: float = Field(
         10.0,
         gt=0,
@@ -393,6 +412,14 @@ class Settings(BaseSettings):
         self.restrictions()  # a malformed rule stops the start with its error
         self.public_apis()
         return self
+
+    def connect_rate(self) -> tuple[float, int] | None:
+        """(connections a second, burst) per client address, or None: PER_CLIENT_CONNECT_RATE and _BURST."""
+        rate = self.per_client_connect_rate
+        if rate is None:
+            return None
+        burst = self.per_client_connect_burst
+        return rate, burst if burst is not None else max(1, math.ceil(2 * rate))
 
     def restrictions(self) -> dict[str, tuple[str, bytes]]:
         """FUSEDSERVE_RESTRICTED_API as {api: (header name in lower case, sha256 of the value)}; ValueError naming

@@ -146,7 +146,8 @@ LABELS = {
     "reason": "why a connection or request head was refused before any route ran: `request_line` (414, a request "
     "line over 8 KiB), `header_bytes` (431, over 32 KiB of head), `header_count` (431, over 100 headers), "
     "`per_client` (`FUSEDSERVE_MAX_CONNECTIONS_PER_CLIENT` reached), `tls_capacity` (a TLS connection past "
-    "`FUSEDSERVE_MAX_CONNECTIONS`, refused before its handshake); docs/security.md",
+    "`FUSEDSERVE_MAX_CONNECTIONS`, refused before its handshake), `connect_rate` (faster than "
+    "`FUSEDSERVE_PER_CLIENT_CONNECT_RATE`, refused at the accept, before any handshake); docs/security.md",
     "kind": "`oom`: the forward ran out of GPU memory; the batch is retried in halves, down to single requests, "
     "and the service keeps serving. `sticky`: a CUDA error that breaks the context (an illegal memory access, a "
     "launch failure, a device-side assert); the engine answers 503 to what it holds and exits, and so does the "

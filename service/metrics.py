@@ -48,7 +48,7 @@ ROWS_BUCKETS = tuple(float(2**i) for i in range(17))
 # unauthorized: an inference request without a valid API key (401), refused before its body was read.
 OUTCOMES = ("ok", "invalid", "too_large", "overloaded", "timeout", "cancelled", "error", "unauthorized")
 # Why a connection or a request head was refused before any route ran (fusedserve_connections_refused).
-REFUSAL_REASONS = ("request_line", "header_bytes", "header_count", "per_client", "tls_capacity")
+REFUSAL_REASONS = ("request_line", "header_bytes", "header_count", "per_client", "tls_capacity", "connect_rate")
 # How the request came: POST /predict, the Open Inference Protocol over REST (/v2/...), or over gRPC.
 PROTOCOLS = ("predict", "v2_rest", "v2_grpc")
 
@@ -121,7 +121,7 @@ class RequestMetrics:
             "fusedserve_connections_refused",
             "Connections or request heads refused before any route ran, by reason: request_line (414), header_bytes "
             "and header_count (431), per_client (MAX_CONNECTIONS_PER_CLIENT), tls_capacity (a TLS connection past "
-            "MAX_CONNECTIONS, refused at the accept)",
+            "MAX_CONNECTIONS, refused at the accept), connect_rate (PER_CLIENT_CONNECT_RATE, refused at the accept)",
             ["model", "reason"], registry=r,
         )  # fmt: skip
         self._refused = {why: self.connections_refused.labels(model=model, reason=why) for why in REFUSAL_REASONS}

@@ -11,6 +11,8 @@ Bounds (docs/security.md names each with its test here):
 - 1,000 refused TLS uploads whose clients keep writing: the front end grows by at most 50 MB and comes back;
 - a stalled TLS handshake: dropped within the header timeout, counted against MAX_CONNECTIONS meanwhile;
 - MAX_CONNECTIONS_PER_CLIENT: one address's connections past it are refused at the accept, others served;
+- PER_CLIENT_CONNECT_RATE: an address opening connections faster is refused at the accept, before any TLS handshake,
+  counted (connect_rate), while another address's requests are all answered;
 - gRPC: 1,000 unauthenticated 2 MB ModelInfer calls (200 at once) refused at their metadata, the front end growing by
   at most 50 MB and back near its baseline; a message past the size limit and metadata past 32 KiB refused;
 - the metrics port: resets are no tracebacks, threads stay bounded, the backlog is 128;
@@ -447,6 +449,88 @@ def test_past_the_per_client_limit_an_address_is_refused_at_the_accept_and_other
         except OSError:
             assert time.monotonic() < end, "the address stayed refused after its connections closed"
             time.sleep(0.1)
+
+
+CONNECT_RATE, CONNECT_BURST = 2.0, 5
+
+
+@pytest.fixture(scope="module")
+def rate_server(tmp_path_factory, certs):
+    """Keys and TLS on, new connections per client address bounded to CONNECT_RATE a second after CONNECT_BURST."""
+    env = {"workers": 1, "dtype": "float32", "api_key": KEY, "header_timeout_s": HEADER_TIMEOUT_S,
+           "tls_cert": certs.server_cert, "tls_key": certs.server_key, "per_client_connect_rate": CONNECT_RATE,
+           "per_client_connect_burst": CONNECT_BURST}  # fmt: skip
+    specs = {"rate": ("unfused", env, {"verify": ssl.create_default_context(cafile=str(certs.ca))})}
+    with running_servers(specs, tmp_path_factory.mktemp("rate")) as s:
+        yield s["rate"]
+
+
+def test_the_connect_rate_is_a_token_bucket_per_address_that_forgets_full_buckets():
+    from service.frontend.accept import ConnectRate
+
+    rate = ConnectRate(2.0, 3)
+    assert [rate.take("a", 0.0) for _ in range(4)] == [True, True, True, False]  # the burst, then refused
+    assert rate.take("b", 0.0)  # another address has its own bucket
+    assert not rate.take("a", 0.4) and rate.take("a", 0.5) and not rate.take("a", 0.5)  # 2 a second
+    assert not rate.take("a", 0.6)  # a refused connection takes no token, and earns none either
+    assert rate.take("a", 1.0)
+    rate.prune(1.2)
+    assert set(rate.buckets) == {"a"}  # b's bucket is full again: forgotten; a's is not
+    rate.prune(10.0)
+    assert rate.buckets == {}
+
+
+@pytest.mark.timeout(120)
+def test_an_address_opening_connections_too_fast_is_refused_at_the_accept_and_others_are_answered(rate_server, certs):
+    """One address opens TLS connections as fast as it can for FLOOD_S: it gets CONNECT_BURST, then about
+    CONNECT_RATE a second; the rest are closed at the accept, before their handshake, and counted
+    (reason="connect_rate"). Meanwhile 127.0.0.1's authorised requests on a keep-alive connection are all answered."""
+    server = rate_server
+    tls = client_tls(certs)
+    flood_s = 2.0
+    source = ATTACKERS[6]
+    answers: list = []
+    stop = threading.Event()
+    with httpx.Client(verify=tls, timeout=30, headers=AUTH) as client:
+
+        def refused_now() -> float:
+            text = client.get(server.url + "/metrics").text
+            found = re.findall(r'^fusedserve_connections_refused_total{[^}]*reason="connect_rate"[^}]*} (\S+)$', text,
+                               re.M)  # fmt: skip
+            return sum(map(float, found))
+
+        def authorised() -> None:
+            while not stop.is_set():
+                try:
+                    answers.append(client.post(server.url + "/predict", json={"inputs": [ROW]}).status_code)
+                except httpx.HTTPError as e:
+                    answers.append(type(e).__name__)
+
+        before = refused_now()
+        worker = threading.Thread(target=authorised)
+        worker.start()
+        admitted = refused = 0
+        started = time.monotonic()
+        try:
+            while time.monotonic() - started < flood_s:
+                try:
+                    connect(server.port, source=source, tls=tls).close()
+                    admitted += 1
+                except OSError:  # ssl.SSLError too: closed before the handshake could start
+                    refused += 1
+            took = time.monotonic() - started
+        finally:
+            stop.set()
+            worker.join(30)
+        counted = refused_now() - before
+    print(f"connect rate: {admitted} admitted and {refused} refused in {took:.1f} s from one address (counted "
+          f"{counted:.0f}); {len(answers)} authorised requests beside them")  # fmt: skip
+    assert refused > 0, "no connection refused: the rate was not applied"
+    assert CONNECT_BURST <= admitted <= CONNECT_BURST + CONNECT_RATE * took + 1, admitted
+    assert counted == refused, (counted, refused)
+    assert answers and set(answers) == {200}, {a: answers.count(a) for a in set(answers)}
+    time.sleep(1.0 / CONNECT_RATE + 0.1)  # a token earned: the address is admitted again
+    connect(server.port, source=source, tls=tls).close()
 
 
 # ------------------------------------------------------------------ gRPC

@@ -19,6 +19,10 @@ each flat out for the attack phase:
 - idle: `--per-client` TLS connections that finish their handshake and send nothing, reopened when dropped (408);
 - grpc: unauthenticated 2 MB ModelInfer calls over TLS, 64 in flight.
 
+`--connect-rate` (and `--connect-burst`) bound new connections per client address a second
+(FUSEDSERVE_PER_CLIENT_CONNECT_RATE): the attackers then go on flat out, most of their connections refused at the
+accept; their rates count every attempt, refused or not.
+
 On a machine of 2+ cores the server is pinned to core 0 and every client to the other cores (`--no-pin` shares them):
 the attackers and the authorised client share cores, not the server's, as clients elsewhere would; the attackers run
 at nice 10 so that the authorised client gets its CPU first and they take the rest. On a host shared with other work
@@ -136,6 +140,9 @@ def start_server(args, workdir: Path, cert: Path, key: Path, pin: bool) -> tuple
         "header_timeout_s": HEADER_TIMEOUT_S, "body_timeout_s": HEADER_TIMEOUT_S,
         "max_connections_per_client": args.per_client, "drain_delay_s": 0, "max_batch_size": 64,
     }.items()}  # fmt: skip
+    if args.connect_rate is not None:
+        env["FUSEDSERVE_PER_CLIENT_CONNECT_RATE"] = str(args.connect_rate)
+        env["FUSEDSERVE_PER_CLIENT_CONNECT_BURST"] = str(args.connect_burst)
     argv = [sys.executable, "-m", "service.cli", "serve"]
     if pin:
         argv = ["taskset", "-c", "0", *argv]
@@ -392,7 +399,10 @@ def report(result: dict) -> str:
         "# Authorised traffic under attack (issue 53)", "",
         f"`{r['command']}` at {r['commit']}, {r['date']}, on {r['machine']}.", "",
         f"One front end and one engine ({r['mode']} on {r['device']}), API keys and TLS on (HTTPS and gRPC), "
-        f"{r['per_client']} connections per client address, header and body timeouts {HEADER_TIMEOUT_S:g} s. "
+        f"{r['per_client']} connections per client address, "
+        + (f"new connections per client address {r['connect_rate']:g} a second after a burst of {r['connect_burst']} "
+           "(PER_CLIENT_CONNECT_RATE, _BURST), " if r.get("connect_rate") else "no bound on new connections a second, ")
+        + f"header and body timeouts {HEADER_TIMEOUT_S:g} s. "
         f"{r['placement']} Authorised: {r['connections']} keep-alive HTTPS connections, closed loop, single-row "
         f"`POST /predict` with the key, {r['seconds']:g} s a phase. Attackers (bench/soak/attacks.py says what each "
         "sends), one process each on its own loopback address, flat out.", "",
@@ -434,12 +444,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="quiet and attacked phase pairs [3], then one quiet")
     p.add_argument("--connections", type=int, default=8, help="authorised keep-alive connections [8]")
     p.add_argument("--per-client", type=int, default=64, help="MAX_CONNECTIONS_PER_CLIENT [64]")
+    p.add_argument("--connect-rate", type=float, help="PER_CLIENT_CONNECT_RATE, new connections/s per address [unset]")
+    p.add_argument("--connect-burst", type=int, default=10, help="PER_CLIENT_CONNECT_BURST, with --connect-rate [10]")
     p.add_argument("--attacks", default=",".join(ATTACKS), help=f"which, comma-separated [{','.join(ATTACKS)}]")
     p.add_argument(
         "--priority",
         action="store_true",
         help="server and authorised client at nice -10 (root): less sway from other work on a shared host",
     )
+    p.add_argument("--shared", action="store_true", help="say in the report that the host is shared with other work")
     p.add_argument("--no-pin", action="store_true", help="server and clients share every core")
     args = p.parse_args(argv)
     attacks = tuple(a for a in args.attacks.split(",") if a)
@@ -495,12 +508,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": "python -m bench.soak.attacks " + " ".join(argv if argv is not None else sys.argv[1:]),
         "commit": commit.stdout.strip() or "?", "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU" if args.device == "cpu" else args.name,
+        "machine": (f"{platform.machine()}, {os.cpu_count()} cores, no GPU" if args.device == "cpu" else args.name)
+        + (", shared with other work" if args.shared else ""),
         "placement": ("The server pinned to core 0, every client to the other cores (taskset)" if pin
                       else "Server and clients sharing every core")
         + ("; the server's and the authorised client's scheduling groups at nice -10, each attacker in its own."
            if args.priority else "; attackers at nice 10."),
         "mode": args.mode, "device": args.device, "per_client": args.per_client, "connections": args.connections,
+        "connect_rate": args.connect_rate, "connect_burst": args.connect_burst if args.connect_rate else None,
         "seconds": args.seconds, "attacks": attacks, "phases": phases, "summary": summary,
     }  # fmt: skip
     text = report(result)

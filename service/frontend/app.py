@@ -172,6 +172,7 @@ def frontend_main(
             tls=check_tls(settings),
             handshake_s=settings.header_timeout_s,
             per_client=settings.max_connections_per_client,
+            connect_rate=settings.connect_rate(),
         ),
         server_header=False,
         date_header=False,

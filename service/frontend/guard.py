@@ -41,8 +41,14 @@ Its connection then closes without reading more (`drop_unread`): the answer, a F
 later (TLS: the abort at once). Before, the lingering close read and dropped what a client sent for 1 s (5 s over
 TLS): an unauthenticated 10 GB upload was read at 2.2-2.6 GB/s per connection.
 
-Accepting a connection (service/frontend/accept.py): a limit per client address, and over TLS the handshake under the
-header timeout, counted among the connections from the accept.
+Accepting a connection (service/frontend/accept.py): a bound on new connections per client address per second, checked
+first and before uvicorn's protocol is set up (its __init__ runs only for a connection admitted: a refused one costs an
+accept, a look at its address and a close), a limit on open connections per client address, and over TLS the handshake
+under the header timeout, counted among the connections from the accept.
+
+A read that would take an unfinished head (or, between requests, the next one's) past MAX_HEADER_BYTES is parsed only up
+to the limit: if the head is not complete there, it is refused (431) without parsing the rest (a header flood's 64 KiB
+value was parsed whole before its 431, up to 256,000 bytes a read; now at most 32 KiB of head).
 """
 
 from __future__ import annotations
@@ -105,8 +111,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     fs_tls = None  # the TLS context: the front end wraps each accepted connection itself (accept.py)
     fs_handshake_s = 10.0  # longest TLS handshake, from the accept
     fs_per_client: int | None = None  # most open connections from one client address
+    fs_connect_rate: accept.ConnectRate | None = None  # new connections per client address per second (one per class)
     fs_clients: dict[str, int] = {}  # open connections per client address (a dict per class, guarded_protocol)
 
+    fs_init: tuple | None = None  # uvicorn's arguments, until the connection is admitted (connection_made)
     fs_made = False  # connection_made ran with the transport the HTTP requests travel on
     fs_tls_done = False  # the TLS handshake ended in connection_made
     fs_client_ip: str | None = None  # counted in fs_clients (accept.admit)
@@ -114,12 +122,22 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     fs_dropped = False  # `drop_unread` closes it: no more reading
     fs_phase = IDLE
 
+    def __init__(self, config, server_state, app_state, _loop=None) -> None:
+        # uvicorn's __init__ (a parser, loggers looked up, ~20 attributes) waits until the connection is admitted: a
+        # flood of connections refused at the accept (connect_rate) costs no more than the accept and the close.
+        self.fs_init = (config, server_state, app_state, _loop)
+
     def connection_made(self, transport) -> None:
         if self.fs_raw is not None:  # the handshake is done: `transport` is the TLS one
             self.fs_tls_done = True
             self._fs_made(transport)
             return
-        if not accept.admit(self, transport):
+        ip = accept.client_ip(transport)
+        if not accept.within_rate(self.fs_connect_rate, ip, transport):
+            return  # fs_init stays: connection_lost knows it was refused before anything was set up
+        super().__init__(*self.fs_init)
+        self.fs_init = None
+        if not accept.admit(self, transport, ip):
             return
         if self.fs_tls is None:
             self._fs_made(transport)
@@ -146,6 +164,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         accept.release(self)
 
     def connection_lost(self, exc) -> None:
+        if self.fs_init is not None:  # refused by the connect rate: uvicorn's protocol was never set up
+            return
         accept.release(self)
         if self.fs_made:
             super().connection_lost(exc)
@@ -168,30 +188,47 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._unset_keepalive_if_required()
         phase = self.fs_phase
+        # Bytes of head before `data`: the unfinished head's, or none between requests (IDLE: `data` starts the next).
+        head = self.fs_head if phase == HEADERS else 0
+        if phase <= HEADERS and head + len(data) > MAX_HEADER_BYTES:  # IDLE or HEADERS
+            # Past the limit if the head does not end within it: parse up to there, and the rest only if it did.
+            cut = MAX_HEADER_BYTES - head + 1
+            if not self._fs_feed(memoryview(data)[:cut]):
+                return
+            if self.fs_phase == HEADERS:  # a head still unfinished after MAX_HEADER_BYTES + 1 bytes of it
+                self._fs_refuse(_TOO_LARGE_431)
+                return
+            self._fs_feed(memoryview(data)[cut:])
+            return
+        if not self._fs_feed(data):
+            return
+        # Still in an unfinished head that began with or before `data`: all of `data` was head. (A head that begins
+        # after a body in the same read, a pipelined request's, is not counted: at most one read of 256,000 bytes is
+        # parsed past the limit.)
+        if phase <= HEADERS and self.fs_phase == HEADERS:
+            self.fs_head = head + len(data)
+
+    def _fs_feed(self, data) -> bool:
+        """uvicorn's parsing of `data`, its errors answered; False when the connection is answered and done."""
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as e:
             refused = e.__context__ if isinstance(e.__context__, _HeadRefused) else None
             if refused is None:
                 self._fs_invalid()
-                return
+                return False
             self._fs_refuse(refused.answer)
-            return
+            return False
         except httptools.HttpParserUpgrade:
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
             else:
                 self._unsupported_upgrade_warning()
-            return
+            return False
         except httptools.HttpParserError:
             self._fs_invalid()
-            return
-        # Still in the same unfinished head: all of `data` was head. (A read that starts a head after a body is not
-        # counted: at most one read of 256,000 bytes more than the limit is parsed.)
-        if phase == HEADERS and self.fs_phase == HEADERS:
-            self.fs_head += len(data)
-            if self.fs_head > MAX_HEADER_BYTES:
-                self._fs_refuse(_TOO_LARGE_431)
+            return False
+        return not self.fs_refused
 
     def _fs_invalid(self) -> None:
         msg = "Invalid HTTP request received."
@@ -290,10 +327,11 @@ def guarded_protocol(
     tls=None,
     handshake_s: float = 10.0,
     per_client: int | None = None,
+    connect_rate: tuple[float, int] | None = None,
 ) -> type[GuardedHttpToolsProtocol]:
     """The protocol class for one front end: at most `max_connections` open connections are served, at most
-    `per_client` from one address; `tls` (an ssl.SSLContext): TLS handshakes done here (accept.py) within
-    `handshake_s` of the accept."""
+    `per_client` from one address; `connect_rate` (connections a second, burst): new connections per address;
+    `tls` (an ssl.SSLContext): TLS handshakes done here (accept.py) within `handshake_s` of the accept."""
     return type(
         "GuardedHttpToolsProtocol",
         (GuardedHttpToolsProtocol,),
@@ -303,6 +341,7 @@ def guarded_protocol(
             "fs_tls": tls,
             "fs_handshake_s": handshake_s,
             "fs_per_client": per_client,
+            "fs_connect_rate": accept.ConnectRate(*connect_rate) if connect_rate is not None else None,
             "fs_clients": {},
         },
     )
