@@ -125,6 +125,21 @@ def _normalized(a, a_ok, scale_ptr, shift_ptr, c, c_ok, DTYPE: tl.constexpr, ROU
 
 
 @triton.jit
+def _gated_two_images(a, gate_first, gate_second, second, c, c_ok, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """_gated for a (BLOCK_M, BLOCK_K) tile whose rows belong to at most two images (BLOCK_M <= OH * OW): two
+    (BLOCK_K,) loads of the gate, `gate_first` and `gate_second` pointing at the two images' rows and `second`
+    (BLOCK_M,) marking the rows of the second, instead of a gather per element. RegNetY-400MF's SE-gated 1x1 convs at
+    28x28 ran 149-170 us at 256 images with the gather (H200), as slow as torch's three kernels; a 1x1 conv of that
+    size moves 126 MB (30 us at the copy rate). x is 0 where not a_ok (the load's `other`): so is the product."""
+    g1 = tl.load(gate_first + c, mask=c_ok, other=0.0).to(tl.float32)
+    g2 = tl.load(gate_second + c, mask=c_ok, other=0.0).to(tl.float32)
+    value = a.to(tl.float32) * tl.where(second[:, None], g2[None, :], g1[None, :])
+    if ROUND_BF16:
+        value = round_to_bf16(value)
+    return value.to(DTYPE)
+
+
+@triton.jit
 def _gated(a, a_ok, gate_rows, c, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr, K_AXIS: tl.constexpr = 1):
     """A gathered (BLOCK_M, BLOCK_K) tile of x at channels `c` (K_AXIS 0: the (BLOCK_K, BLOCK_M) tile) times its
     gate: x * gate[n, c] in fp32, `gate_rows` (BLOCK_M,) pointing at the gate's row of each tile row's image n, 0
@@ -217,6 +232,12 @@ def _conv2d_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     if HAS_X_SCALE:
         gate_rows = xs_ptr + n * C  # (BLOCK_M,) each row's image's gates; rows past M are masked at every load
+        # A tile no taller than an image spans at most two: the channels-contiguous K loop loads their two gate rows
+        # (_gated_two_images); the other loops, and taller tiles (7x7 maps at 64+ rows), gather per element.
+        n_first = (pid_m * BLOCK_M) // (OH * OW)
+        gate_first = xs_ptr + n_first * C
+        gate_second = xs_ptr + tl.minimum(n_first + 1, NB - 1) * C  # past the batch: its rows are masked (x is 0)
+        second = n != n_first
     if POOL == "max":
         result = tl.full((BLOCK_M, BLOCK_N), float("-inf"), dtype=tl.float32)
     else:
@@ -305,7 +326,11 @@ def _conv2d_kernel(
                     a = _normalized(a, a_ok, xs_ptr, xb_ptr, c0 + offs_k, c_ok, w_ptr.dtype.element_ty, ROUND_BF16,
                                     1, INPUT_ACTIVATION, INPUT_SLOPE)  # fmt: skip
                 if HAS_X_SCALE:
-                    a = _gated(a, a_ok, gate_rows, c0 + offs_k, w_ptr.dtype.element_ty, ROUND_BF16)
+                    if BLOCK_M <= OH * OW:
+                        a = _gated_two_images(a, gate_first, gate_second, second, c0 + offs_k, c_ok,
+                                              w_ptr.dtype.element_ty, ROUND_BF16)  # fmt: skip
+                    else:
+                        a = _gated(a, a_ok, gate_rows, c0 + offs_k, w_ptr.dtype.element_ty, ROUND_BF16)
                 b = tl.load(b_tile + (c0 * stride_wc + kh * stride_wh + kw * stride_ww), mask=c_ok[:, None], other=0.0)
                 if UPCAST_DOT:
                     a = a.to(tl.float32)
