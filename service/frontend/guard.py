@@ -115,6 +115,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     fs_clients: dict[str, int] = {}  # open connections per client address (a dict per class, guarded_protocol)
 
     fs_init: tuple | None = None  # uvicorn's arguments, until the connection is admitted (connection_made)
+    fs_held = False  # refused by the connect rate and held until its close (accept.within_rate)
+    fs_refused = False  # a head past a limit was answered, or the connection was refused: nothing more is parsed
     fs_made = False  # connection_made ran with the transport the HTTP requests travel on
     fs_tls_done = False  # the TLS handshake ended in connection_made
     fs_client_ip: str | None = None  # counted in fs_clients (accept.admit)
@@ -133,7 +135,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._fs_made(transport)
             return
         ip = accept.client_ip(transport)
-        if not accept.within_rate(self.fs_connect_rate, ip, transport):
+        if not accept.within_rate(self.fs_connect_rate, ip, self, transport):
             return  # fs_init stays: connection_lost knows it was refused before anything was set up
         super().__init__(*self.fs_init)
         self.fs_init = None
@@ -165,6 +167,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc) -> None:
         if self.fs_init is not None:  # refused by the connect rate: uvicorn's protocol was never set up
+            if self.fs_held:
+                self.fs_connect_rate.held -= 1
             return
         accept.release(self)
         if self.fs_made:
@@ -184,7 +188,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         """uvicorn's, with the head's limits: bytes while the head is unfinished, the request line, header count."""
-        if self.fs_refused:
+        if self.fs_refused or self.fs_init is not None:  # refused; or held by the connect rate (a read under way)
             return
         self._unset_keepalive_if_required()
         phase = self.fs_phase
