@@ -40,11 +40,16 @@ def _args(*argv: str):
     return p.parse_args(list(argv))
 
 
+# The docs' CPU smoke run of the benchmark, but for its --out folder: tests/test_docs.py holds the README's command to
+# these words, and this module runs and checks it (once for the suite, in this process).
+SMOKE_ARGV = ["bench", "kernels", "--device", "cpu", "--quick", "--out"]
+
+
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     """One CPU smoke run for the module (~8 s: ours runs through Triton's interpreter)."""
     out = tmp_path_factory.mktemp("bench")
-    rc = main(["bench", "kernels", "--device", "cpu", "--quick", "--out", str(out)])
+    rc = main([*SMOKE_ARGV, str(out)])
     return rc, out
 
 
