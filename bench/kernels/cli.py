@@ -8,11 +8,11 @@
 Sections: `layers` (y = act(x @ W^T + b) for 6 shapes x 3 dtypes x relu/gelu_tanh; providers eager,
 linear, cublaslt, compile, compile-max, ours), `models` (the shipped digits MLP and CNN, a wide
 1024-4096-4096-1024 MLP at batch 1..4096 and a wider 3x32x32 CNN at 1, 32, 256; fp16, the digits MLP in bf16 too;
-providers eager, linear, compile, compile-max, and the service's executors) and `convs` (the wider CNN's
-conv layers alone: ours against cuDNN's conv + bias + ReLU, plain and fused, and torch.compile). Every
-provider plain and under a CUDA graph; every graph timed cold (L2 cleared) and hot (replays back to back).
-Writes kernels_<gpu>.md, .json and .png under --out (bench/results/<gpu>) and prints a summary last. How it measures:
-bench/kernels/timing.py.
+providers eager, linear, compile, compile-max, and the service's executors; by name also ours-float8, the fused
+executor in float8 beside float16) and `convs` (the wider CNN's conv layers alone: ours against cuDNN's conv + bias +
+ReLU, plain and fused, and torch.compile). Every provider plain and under a CUDA graph; every graph timed cold (L2
+cleared) and hot (replays back to back). Writes kernels_<gpu>.md, .json and .png under --out (bench/results/<gpu>)
+and prints a summary last. How it measures: bench/kernels/timing.py.
 """
 
 # This module only parses arguments: the `fusedserve` parser imports it for every command, so it
@@ -36,7 +36,11 @@ BATCHES = (1, 8, 32, 256, 4096)
 LAYER_PROVIDERS = ("eager", "linear", "cublaslt", "compile", "compile-max", "ours")
 MODEL_PROVIDERS = (
     "eager", "eager-cl", "eager-folded", "linear", "compile", "compile-max", "ours-unfused-graph", "ours-eager", "ours",
+    "ours-float8",
 )  # fmt: skip
+# Run only when named in --providers: ours-float8 calibrates and tunes its fp8 kernels per model (issue 52), time the
+# default run's budget (budget.py) does not hold; it needs compute capability 8.9+ (else n/a, with the reason).
+BY_NAME_ONLY = ("ours-float8",)
 MODELS = ("digits", "wide", "digits-cnn", "wide-cnn", "mlp-768", "mlp-1000", "resnet18", "resnet50")
 # Run when --models is not given (the ResNets and the odd-width MLPs by name: a ResNet-50 case costs minutes).
 DEFAULT_MODELS = ("digits", "wide", "digits-cnn", "wide-cnn")
@@ -141,7 +145,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--providers",
         type=_names(all_providers, "provider"),
-        help=f"keep only these of {', '.join(all_providers)} [all; --quick: no compile-max]",
+        help=f"keep only these of {', '.join(all_providers)} [all but {', '.join(BY_NAME_ONLY)} (float8, issue 52: "
+        "by name); --quick: no compile-max]",
     )
     p.add_argument(
         "--models",
@@ -189,7 +194,7 @@ def resolve(args: argparse.Namespace) -> Plan:
         dtypes = (default_dtype,) if quick else DTYPE_NAMES
     providers = args.providers
     if providers is None:
-        drop = {"compile-max"} if quick else set()
+        drop = {"compile-max", *BY_NAME_ONLY} if quick else set(BY_NAME_ONLY)
         if cpu:
             drop |= {"compile", "compile-max"}  # inductor on the CPU builds C++ (minutes); ask for it by name
         providers = tuple(p for p in dict.fromkeys(LAYER_PROVIDERS + MODEL_PROVIDERS + CONV_PROVIDERS) if p not in drop)

@@ -13,6 +13,11 @@ provider runs them.
                         staged in the graph's input buffer once (where the service's H2D copy writes it)
     ours-eager          Executor(model, "fused").forward: one launch per step from Python, no graph
     ours-unfused-graph  Executor(model, "unfused") under GraphedExecutor: the service's A/B baseline
+    ours-float8         Executor(model, "fused", precision="float8") in float16 (its fp16 steps, input and output)
+                        under GraphedExecutor as ours, calibrated (service/model/calibrate.measure) on
+                        CALIBRATION_ROWS random rows of another seed than the timed input's; its error has its own
+                        bound (FLOAT8_ERROR_BOUND). Named only (not in the default providers): GPUs of compute
+                        capability 8.9+; on the CPU the executor's forward through Triton's interpreter
 
 The ResNets (bench/resnets.py) come as torch modules, and their anchors are the module as a user runs it:
 
@@ -50,7 +55,19 @@ from .timing import ELEMENT_BYTES, Prepared, describe, synchronize
 
 MODEL_PROVIDERS = (
     "eager", "eager-cl", "eager-folded", "linear", "compile", "compile-max", "ours-unfused-graph", "ours-eager", "ours",
+    "ours-float8",
 )  # fmt: skip
+OURS = ("ours", "ours-unfused-graph", "ours-eager", "ours-float8")  # the service's executors (the rest: anchors)
+# ours-float8's normwise error bound against the float64 reference. Not fp16's 1e-2: e4m3 keeps 3 mantissa bits, each
+# quantized activation and weight is off by up to 2^-4 (6.25%) of itself, and ResNet-50's 52 fp8 convs compound that.
+# The accuracy contract is the logits' cosine >= 0.99 (issue 52; bench/probes/fp8_resnet50.py, tests/test_fp8_gpu.py),
+# and a normwise error e keeps the cosine with the reference >= sqrt(1 - e^2): 0.1 holds it >= 0.995, inside the
+# contract, while a wrong scale or index (an error of about 1) is still flagged.
+FLOAT8_ERROR_BOUND = 0.1
+FLOAT8_DTYPE = torch.float16  # the dtype float8 runs beside: its fp16 steps (first conv, classifier), input, output
+# Random rows calibrate.measure() takes the ranges from (the probe's --calib default), from their own seed
+# (ModelProviders' calibration_seed): never the timed inputs.
+CALIBRATION_ROWS = 64
 MODULE_ONLY = ("eager-cl", "eager-folded")  # anchors of the models built as torch modules (the ResNets)
 STEP_REPS = 20  # replays of the timed graph per mode behind each step's median (ModelProviders.step_times)
 MODELS = ("digits", "wide", "digits-cnn", "wide-cnn", "mlp-768", "mlp-1000", "resnet18", "resnet50")
@@ -274,9 +291,11 @@ class ModelProviders:
         dtype: torch.dtype,
         max_batch_size: int,
         module: nn.Module | None = None,
+        calibration_seed: int = 1,
     ):
         self.model, self.device, self.dtype, self.max_batch_size = model, device, dtype, max_batch_size
         self.module = module
+        self.calibration_seed = calibration_seed  # ours-float8's calibration rows (not the timed inputs' seed)
         self.steps = None if module is not None else bound_steps(model, device, dtype)
         # "eager" (NCHW), "cl", "folded": the module as each anchor runs it; "float64": the reference's
         self._modules: dict[str, nn.Module] = {}
@@ -284,11 +303,43 @@ class ModelProviders:
         self._graphed: dict[str, object] = {}  # mode -> GraphedExecutor, or the NotAvailable/exception it raised
 
     def _executor(self, mode: str):
+        """mode "fused" or "unfused"; "float8": the fused executor in float8, calibrated (calibration)."""
         if mode not in self._executors:
             from service.model.executors import Executor
 
-            self._executors[mode] = Executor(self.model, mode, self.device, self.dtype)
+            if mode == "float8":
+                cal = self.calibration()
+                ex = Executor(self.model, "fused", self.device, self.dtype, precision="float8", calibration=cal)
+            else:
+                ex = Executor(self.model, mode, self.device, self.dtype)
+            self._executors[mode] = ex
         return self._executors[mode]
+
+    def calibration(self, rows: int = CALIBRATION_ROWS):
+        """The model's float8 Calibration (in memory) from `rows` random rows of calibration_seed, drawn on the CPU
+        and rounded to this dtype as the timed inputs are: calibrate.measure(), as `fusedserve calibrate` runs it."""
+        from service.model.calibrate import measure
+        from service.model.float8 import Calibration
+
+        gen = torch.Generator().manual_seed(self.calibration_seed)
+        x = torch.randn((rows, *self.model.input_shape), generator=gen).to(self.dtype).float()
+        ranges, seen = measure(self.model, iter([x.numpy()]), self.device, batch_size=rows)
+        return Calibration(ranges, seen, f"bench kernels: random normal rows, seed {self.calibration_seed}")
+
+    def float8_unavailable(self) -> str | None:
+        """Why ours-float8 cannot run here (NotAvailable's reason), or None."""
+        from kernels.fp8 import fp8_capable
+        from kernels.runtime import interpreting
+
+        if self.dtype != FLOAT8_DTYPE:
+            return "float8 runs beside float16 (its fp16 steps, input and output): --model-dtype float16"
+        if self.device.type == "cuda" and not interpreting() and not fp8_capable(self.device):
+            major, minor = torch.cuda.get_device_capability(self.device)
+            name = torch.cuda.get_device_name(self.device)
+            return f"{name}: no fp8 tensor cores (compute capability {major}.{minor} < 8.9)"
+        if self.device.type != "cuda" and not interpreting():
+            return "the CPU runs the fp8 kernels only through Triton's interpreter (TRITON_INTERPRET=1)"
+        return None
 
     def _graphed_executor(self, mode: str):
         if mode not in self._graphed:
@@ -382,7 +433,7 @@ class ModelProviders:
         return Prepared(torch.no_grad()(lambda: m(x)))
 
     def prepare(self, name: str, x: torch.Tensor) -> Prepared:
-        if self.module is not None and name not in ("ours", "ours-unfused-graph", "ours-eager"):
+        if self.module is not None and name not in OURS:
             return self._prepare_module(name, x)
         if name in MODULE_ONLY:
             raise NotAvailable("only for the models built as torch modules (the ResNets)")
@@ -393,20 +444,33 @@ class ModelProviders:
         if name in COMPILE_MODES:
             steps = self.steps
             return compiled(lambda x: forward(steps, x, "linear"), name, (x,), self.device)
+        if name == "ours-float8":
+            reason = self.float8_unavailable()
+            if reason:
+                raise NotAvailable(reason)
+            if self.device.type != "cuda":  # the interpreter's smoke run: the executor's forward (no CUDA graphs)
+                t = time.perf_counter()  # the first batch also pays for calibrating and building the executor
+                ex = self._executor("float8")
+                return self._warmed(Prepared(lambda: ex.forward(x), plain_only=True), t)
+            return self._replayed("float8", x)
         if name in ("ours", "ours-unfused-graph"):
-            t = time.perf_counter()  # the first batch also pays for building (and warming) the executor
-            g = self._graphed_executor("fused" if name == "ours" else "unfused")
-            with torch.inference_mode():  # as the service warms: a kernel past the compile deadline runs unfused
-                g.executor.warm_forward(x)
-            # The input is staged into the bucket's graph input once, as the service's H2D copy puts it
-            # there, and each call is one replay: the anchors' graphs likewise read an input already in place.
-            rows = g.stage(x)
-            return self._warmed(Prepared(lambda: g.replay(rows), graphed=True), t)
+            return self._replayed("fused" if name == "ours" else "unfused", x)
         if name == "ours-eager":
             t = time.perf_counter()
             ex = self._executor("fused")
             return self._warmed(Prepared(lambda: ex.forward(x), plain_only=True), t)
         raise ValueError(f"unknown model provider {name!r}; expected one of {', '.join(MODEL_PROVIDERS)}")
+
+    def _replayed(self, mode: str, x: torch.Tensor) -> Prepared:
+        """The executor of `mode` under its GraphedExecutor, x staged in the bucket's graph input, one replay a call."""
+        t = time.perf_counter()  # the first batch also pays for building (and warming) the executor
+        g = self._graphed_executor(mode)
+        with torch.inference_mode():  # as the service warms: a kernel past the compile deadline runs unfused
+            g.executor.warm_forward(x)
+        # The input is staged into the bucket's graph input once, as the service's H2D copy puts it
+        # there, and each call is one replay: the anchors' graphs likewise read an input already in place.
+        rows = g.stage(x)
+        return self._warmed(Prepared(lambda: g.replay(rows), graphed=True), t)
 
     def _warmed(self, prep: Prepared, t0: float) -> Prepared:
         for _ in range(3):  # first calls autotune the bucket (and capture its graph)

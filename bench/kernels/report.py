@@ -35,15 +35,27 @@ def ours_failed(results: dict) -> bool:
 
 
 def max_error(case: dict) -> tuple[float | None, list[str]]:
-    """(largest error over every provider and variant, providers over the bound or non-finite)."""
+    """(largest error over every provider and variant but those with a bound of their own (ours-float8:
+    case["error_bounds"]), providers over their bound or non-finite)."""
     errs, bad = [], []
+    own = case.get("error_bounds", {})
     for name, res in case["providers"].items():
         for c in _cells(res):
-            if c.get("err") is not None:
+            if c.get("err") is not None and name not in own:
                 errs.append(c["err"])
             if c.get("bad") and name not in bad:
                 bad.append(name)
     return (max(errs) if errs else None), bad
+
+
+def own_bound_errors(case: dict) -> list[tuple[str, float, float]]:
+    """(provider, its largest error, its bound) for each provider measured with a bound of its own (ours-float8)."""
+    out = []
+    for name, bound in case.get("error_bounds", {}).items():
+        errs = [c["err"] for c in _cells(case["providers"].get(name, {})) if c.get("err") is not None]
+        if errs:
+            out.append((name, max(errs), bound))
+    return out
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -104,8 +116,11 @@ def _cell_text(name: str, res: dict, fields: list, notes: _Notes) -> str:
 def _err_text(case: dict) -> str:
     m, bad = max_error(case)
     text = f"{m:.1e}" if m is not None else "—"
+    text += "".join(f"; {name} {e:.1e} (bound {b:.0e})" for name, e, b in own_bound_errors(case))
     if bad:
-        text += f" **over {case['error_bound']:.0e} or not finite: {', '.join(bad)}**"
+        own = case.get("error_bounds", {})
+        names = ", ".join(f"{n} (over {own[n]:.0e})" if n in own else n for n in bad)
+        text += f" **over {case['error_bound']:.0e} or not finite: {names}**"
     return text
 
 
@@ -255,7 +270,7 @@ def _model_table(cases: list[dict], cuda: bool, notes: _Notes, dtype: str, with_
         "H2D copy puts it). Best anchor: the fastest of "
         f"{', '.join(p for p in ANCHORS if p in providers)}{' (cold, and separately hot)' if with_hot else ''}; "
         "ours / best < 1 means ours is "
-        "faster.",
+        "faster." + _float8_legend(cases),
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join(["---", "---:"] + ["---:"] * (len(head) - 2)) + "|",
@@ -273,6 +288,18 @@ def _model_table(cases: list[dict], cuda: bool, notes: _Notes, dtype: str, with_
         row += [_pct_floor(case, ours) if "floor_us" in case else "—", _err_text(case) if ps else "—"]
         lines.append("| " + " | ".join(row) + " |")
     return lines
+
+
+def _float8_legend(cases: list[dict]) -> str:
+    """A sentence on ours-float8 for a table that has it: what it runs, and its error bound."""
+    with_float8 = [c for c in cases if "ours-float8" in c["providers"]]
+    if not with_float8:
+        return ""
+    bounds = [c["error_bounds"]["ours-float8"] for c in with_float8 if "ours-float8" in c.get("error_bounds", {})]
+    bound = f", against its own bound {max(bounds):.0e} (e4m3 is not fp16)" if bounds else ""
+    return (" ours-float8: the fused executor in float8 (e4m3 steps; the first conv or linear and the classifier in "
+            "fp16), calibrated on other random rows than the timed ones, under the GraphedExecutor as ours; its error "
+            f"is listed apart in the max err column{bound}.")  # fmt: skip
 
 
 def _model_tables(cases: list[dict], cuda: bool, notes: _Notes, default_dtype: str, with_hot: bool = True) -> list[str]:
@@ -389,6 +416,7 @@ def summary(results: dict) -> str:
                 f"{_ratio(wall(eager), wall(ours)):>13s} "
                 f"{_pct_floor(case, ours) if 'floor_us' in case else '-':>6s}  "
                 f"{'-' if m is None else f'{m:.0e}'}{' BAD: ' + ','.join(bad) if bad else ''}"
+                f"{_float8_text(ps, ours, ours_name)}"
             )
 
     if results.get("convs"):
@@ -415,6 +443,22 @@ def summary(results: dict) -> str:
         out += ["", f"== targets: {len(targets) - len(missed)} of {len(targets)} met =="]
         out += [f"not met: {c.target}, {c.case}: {c.measured} (goal {c.goal}) {c.gap}".rstrip() for c in missed]
     return "\n".join(out)
+
+
+def _float8_text(ps: dict, ours: dict, ours_name: str) -> str:
+    """The summary's float8 cell after a model row, where the run has ours-float8: its time (cold/hot) and its ratio to
+    ours in float16 (< 1: float8 faster), its error; or why it did not run."""
+    res = ps.get("ours-float8")
+    if res is None:
+        return ""
+    why = res.get("na") or res.get("error") or res.get("skipped")
+    if why:
+        return f" | float8 {'n/a' if 'na' in res else 'ERR' if 'error' in res else 'skip'}: {why}"
+    errs = [c["err"] for c in _cells(res) if c.get("err") is not None]
+    h = f"/{us(hot(res))}" if hot(res) is not None else ""
+    ratio = _ratio(primary(res), primary(ours)) + (f"/{_ratio(hot(res), hot(ours))}" if h else "")
+    return (f" | float8 {us(primary(res))}{h} us, {ratio} {ours_name}, err "
+            f"{f'{max(errs):.0e}' if errs else '-'}")  # fmt: skip
 
 
 def _finite(obj):
