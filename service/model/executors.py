@@ -20,7 +20,10 @@
              unfused: F.layer_norm over the channels),
              SliceStep (a copy of the channels' run), ChannelShuffleStep (one copy), PadStep (F.pad),
              BatchNormStep (fused: one multiply-add with the folded scale and shift; unfused: F.batch_norm),
-             ConcatStep (torch.cat), SoftmaxStep (torch.softmax).
+             ConcatStep (torch.cat), SoftmaxStep (torch.softmax). Fused, an in-place concat (planner.place_concats)
+             is a view of the buffer its inputs' producers wrote; an in-place shuffle (planner.place_shuffles) is its
+             buffer, its concat a view that copies only the inputs no kernel wrote (x1 slices, strided), and an
+             in-place slice a channel run of it.
     pools:   a global pool (one window over the whole image) of more than kernels.pool.UNROLL_TAPS taps runs as
              torch's mean / amax in the fused mode too (an SE block's squeeze: a parallel reduction, where the pool
              kernel walks the window in one program per image and channel block).
@@ -84,6 +87,7 @@ from .planner import (
     concat_slots,
     fused_steps,
     reads,
+    shuffle_slots,
     step_ops,
 )
 
@@ -129,6 +133,8 @@ def torch_parts(step: Step, support: KernelSupport | None = None) -> list[str]:
     if isinstance(step, LayerNormStep):  # kernels/layernorm.py
         return []
     if isinstance(step, ConcatStep) and step.in_place:  # a view of the buffer its inputs' producers wrote
+        return ["concat"] if step.copied else []  # place_shuffles: a strided copy of the inputs it copies
+    if isinstance(step, (ChannelShuffleStep, SliceStep)) and step.in_place:  # views of a shuffled buffer
         return []
     if isinstance(step, (BatchNormStep, ConcatStep, SoftmaxStep, NormalizeStep, ClampStep, SliceStep,
                          ChannelShuffleStep, PadStep)):  # fmt: skip
@@ -237,7 +243,8 @@ class Wiring:
     frees: tuple[str, ...]  # tensors no later step reads: dropped once this step ran
     # a concat buffer this step allocates before it runs (its first writer): (name, per-row shape (width, H, W))
     alloc: tuple[str, tuple[int, ...]] | None = None
-    into: tuple[str, int, int] | None = None  # (buffer, offset, channels): the step writes its output there (out=)
+    # (buffer, offset, channels, stride): the step writes its output there (out=): channels offset, offset + stride, ...
+    into: tuple[str, int, int, int] | None = None
 
 
 class Executor:
@@ -297,6 +304,8 @@ class Executor:
         self.slots = {}
         if mode == "fused" and self.precision != "float8":
             self.slots = concat_slots(self.steps, model.shapes, self.steps[-1].output)
+            # and the shuffles that place_shuffles put in buffers: their concat's inputs at strided channels of them
+            self.slots |= shuffle_slots(self.steps, model.shapes, self.steps[-1].output)
         # (name to time under, or None for a view; the bound layer), and where each takes its tensors from
         self.layers: list[tuple[str | None, Layer]] = [
             self._into_slot(s, self._bind(s, cl)) for s, cl in zip(self.steps, nhwc, strict=True)
@@ -314,7 +323,7 @@ class Executor:
     def _into_slot(self, step: Step, bound: tuple[str | None, Layer]) -> tuple[str | None, Layer]:
         """A step whose output lives in a concat buffer (not a concat: those are views), bound to write it there."""
         name, layer = bound
-        if step.output not in self.slots or isinstance(step, ConcatStep):
+        if step.output not in self.slots or isinstance(step, (ConcatStep, ChannelShuffleStep)):
             return bound
         from kernels.conv import fused_conv2d
         from kernels.pool import fused_pool2d
@@ -469,13 +478,20 @@ class Executor:
                 return step.name, functools.partial(fused_layernorm_channels, weight=w, bias=b, eps=step.eps)
             return step.name, functools.partial(reference.layernorm_channels, weight=w, bias=b, eps=step.eps)
         if isinstance(step, SliceStep):
+            if step.in_place and step.inputs[0] in self.slots:  # a channel run of a shuffled buffer: a view
+                return None, functools.partial(_channels, offset=step.start, channels=step.end - step.start)
             return step.name, functools.partial(_slice_channels, start=step.start, end=step.end)
         if isinstance(step, ChannelShuffleStep):
+            if step.output in self.slots:  # its concat's inputs were written into their shuffled channels: the buffer
+                return None, functools.partial(_channels, offset=0, channels=self.slots[step.output].width)
             return step.name, functools.partial(_channel_shuffle, groups=step.groups)
         if isinstance(step, PadStep):
             top, left, bottom, right = step.pads
             return step.name, functools.partial(F.pad, pad=(left, right, top, bottom), value=step.value)
         if isinstance(step, ConcatStep):
+            if step.output in self.slots and step.copied:  # place_shuffles: it copies these inputs, then the buffer
+                places = tuple(_place(self.slots, step, t) for t in step.copied)
+                return step.name, functools.partial(_copy_into, places=places)
             if step.output in self.slots:  # its inputs were written into their channels of the buffer: a view of it
                 slot = self.slots[step.output]
                 return None, functools.partial(_channels, offset=slot.offset, channels=slot.channels)
@@ -674,7 +690,7 @@ class Executor:
             if wiring.alloc is not None:
                 live[wiring.alloc[0]] = self._buffer(x.shape[0], wiring.alloc[1])
             args = [live[t] for t in wiring.reads]
-            kw = {} if wiring.into is None else {"out": live[wiring.into[0]].narrow(1, *wiring.into[1:])}
+            kw = {} if wiring.into is None else {"out": _slot_view(live[wiring.into[0]], *wiring.into[1:])}
             try:
                 y = layer(*args, **kw)
             except Exception as e:
@@ -713,7 +729,7 @@ class Executor:
             if wiring.alloc is not None:
                 live[wiring.alloc[0]] = self._buffer(x.shape[0], wiring.alloc[1])
             if wiring.into is not None:
-                kw = {"out": live[wiring.into[0]].narrow(1, *wiring.into[1:])}
+                kw = {"out": _slot_view(live[wiring.into[0]], *wiring.into[1:])}
             if timer is None or name is None:
                 y = layer(*args, **kw)
             else:
@@ -737,6 +753,27 @@ def _written_into(*args, out, layer, writes_out):
 def _channels(buffer, *, offset, channels):
     """An in-place concat: its run of its buffer's channels, a view (no kernel)."""
     return buffer.narrow(1, offset, channels)
+
+
+def _slot_view(buffer, offset, channels, stride=1):
+    """A slot's channels of its buffer: offset, offset + stride, ... (channels of them), a view."""
+    if stride == 1:
+        return buffer.narrow(1, offset, channels)
+    return buffer[:, offset : offset + stride * (channels - 1) + 1 : stride]
+
+
+def _place(slots: dict, step, t: str) -> tuple[int, int, int]:
+    """Where a shuffled concat's input `t` goes in its buffer: (offset, channels, stride), input k at k::groups."""
+    k, g = step.inputs.index(t), len(step.inputs)
+    return (k, slots[step.output].width // g, g)
+
+
+def _copy_into(buffer, *inputs, places):
+    """A shuffled concat (place_shuffles): each input its producer could not write in place (a slice, a view of the
+    last buffer) copied into its strided channels of the buffer, one copy each; the buffer, a view, is the result."""
+    for x, place in zip(inputs, places, strict=True):
+        _slot_view(buffer, *place).copy_(x)
+    return buffer
 
 
 def _fp8_layer(x, residual=None, *, fn, weight, scale, bias, activation, **kw):
@@ -778,11 +815,15 @@ def _wire(steps: list[Step], input_name: str, slots: dict | None = None, shapes=
     slots = slots or {}
 
     def reads_of(s: Step) -> tuple[str, ...]:
-        return (slots[s.output].buffer,) if isinstance(s, ConcatStep) and s.output in slots else reads(s)
+        if isinstance(s, ConcatStep) and s.output in slots:  # its buffer (then the inputs it copies there)
+            return (slots[s.output].buffer, *s.copied)
+        if isinstance(s, ChannelShuffleStep) and s.output in slots:
+            return (slots[s.output].buffer,)
+        return reads(s)
 
     def writes_into(s: Step):
-        slot = slots.get(s.output) if not isinstance(s, ConcatStep) else None
-        return None if slot is None else (slot.buffer, slot.offset, slot.channels)
+        slot = slots.get(s.output) if not isinstance(s, (ConcatStep, ChannelShuffleStep)) else None
+        return None if slot is None else (slot.buffer, slot.offset, slot.channels, slot.stride)
 
     last_read: dict[str, int] = {}
     allocated: dict[int, tuple[str, tuple[int, ...]]] = {}
@@ -791,8 +832,11 @@ def _wire(steps: list[Step], input_name: str, slots: dict | None = None, shapes=
         into = writes_into(s)
         for t in (*reads_of(s), *((into[0],) if into else ())):
             last_read[t] = i
-        if into and into[0] not in seen:
-            seen.add(into[0])
+        buffer = into[0] if into else None
+        if buffer is None and isinstance(s, ConcatStep) and s.output in slots:  # a shuffled concat with no writer first
+            buffer = slots[s.output].buffer
+        if buffer is not None and buffer not in seen:
+            seen.add(buffer)
             slot = slots[s.output]
             allocated[i] = (slot.buffer, (slot.width, *shapes[s.output][1:]))
     out = []

@@ -37,6 +37,11 @@ A concat whose inputs are conv or pool outputs read only by it and by steps that
 (`place_concats`): fused, each producer writes its channels of it and the concat is a view (`concat_slots`; DenseNet's
 nested concats, each the last one and one more feature, share one buffer per dense block).
 
+A channel shuffle (groups g) of a concat of g inputs of equal width gets one buffer too (`place_shuffles`): fused,
+input k lives at channels k::g of it (a conv's kernel writes there; another input, ShuffleNet's x1 slice, the concat
+copies there, one strided copy), the concat and the shuffle are views, and slices of the shuffle's output (the next
+unit's split) are views of channel runs (`shuffle_slots`).
+
 Then `group_mlps` turns each chain of 2-8 LinearSteps, each read only by the next, whose widths all fit the
 whole-MLP kernel (<= 256 after padding) into one MLPStep (`mlp_0_2`: linear layers 0 to 2, one kernel), and
 `group_conv_pools` folds a pool that reads a conv step's output (its only reader) into that conv step when the
@@ -227,8 +232,12 @@ class NormalizeStep:
 @dataclass(frozen=True)
 class ConcatStep:
     name: str
-    # its inputs' producers write them into their channels of one buffer (place_concats): a view in the fused mode
+    # its inputs' producers write them into their channels of one buffer (place_concats, place_shuffles): a view in
+    # the fused mode
     in_place: bool = False
+    # place_shuffles: the inputs whose producers cannot write into the shuffled buffer (slices: views of another
+    # buffer), which the concat copies there, each one strided copy; the others' producers write in place
+    copied: tuple[str, ...] = ()
     inputs: tuple[str, ...] = _Inputs
     output: str = _Output
 
@@ -242,6 +251,8 @@ class Slot:
     offset: int
     channels: int
     width: int
+    # channels offset, offset + stride, ... (place_shuffles: a shuffled concat's input k of g is buffer[:, k::g])
+    stride: int = 1
 
 
 @dataclass(frozen=True)
@@ -299,6 +310,8 @@ class SliceStep:
     name: str
     start: int
     end: int
+    # of a shuffled buffer (place_shuffles), read only by steps that take strided tensors: a view in the fused mode
+    in_place: bool = False
     inputs: tuple[str, ...] = _Inputs
     output: str = _Output
 
@@ -307,6 +320,9 @@ class SliceStep:
 class ChannelShuffleStep:
     name: str
     groups: int
+    # its concat's inputs are written straight into their shuffled channels of one buffer (place_shuffles): fused,
+    # the concat and the shuffle are views of that buffer
+    in_place: bool = False
     inputs: tuple[str, ...] = _Inputs
     output: str = _Output
 
@@ -794,9 +810,99 @@ def place_concats(steps: list[Step], shapes: Mapping[str, tuple[int, ...]] | Non
             for s in steps]  # fmt: skip
 
 
+# Steps that may read a shuffled buffer (dense channels_last, as a conv's output read by image steps is) or a slice
+# of it (a channel run, as in a concat buffer): those that take strided tensors, and concats (torch.cat, or the copy
+# of place_shuffles).
+_READS_SHUFFLED = (*_READS_SLOTS, ConcatStep)
+
+
+def shuffle_slots(steps: list[Step], shapes: Mapping[str, tuple[int, ...]] | None, output: str = "") -> dict[str, Slot]:
+    """The shuffled buffers of a plan (place_shuffles): for each ChannelShuffleStep (groups g) that reads a concat of
+    g inputs of equal width C/g, read by it alone, one channels_last buffer of C channels is the shuffle's output and
+    the concat's; input k of the concat lives at the buffer's channels k::g (cat channel j lands at shuffle position
+    (j % (C/g)) * g + j // (C/g): for input k's channel i, i * g + k). An input made by a conv or pool step without a
+    residual, read by the concat alone, gets that strided slot (its kernel writes any output strides); any other
+    input (ShuffleNet's x1, a slice of the last unit's buffer) is copied there by the concat (ConcatStep.copied).
+
+    A shuffle gets a buffer where its concat and output are 4-D, neither is the model's output, and every reader of
+    its output takes strided tensors (_READS_SHUFFLED: a flatten or linear would want NCHW). {} without shapes."""
+    if shapes is None or not steps or not steps[0].inputs:
+        return {}
+    output = output or steps[-1].output
+    producer = {s.output: s for s in steps}
+    readers: dict[str, list[Step]] = {}
+    for s in steps:
+        for t in dict.fromkeys(reads(s)):
+            readers.setdefault(t, []).append(s)
+    slots: dict[str, Slot] = {}
+    for shuffle in steps:
+        if not isinstance(shuffle, ChannelShuffleStep):
+            continue
+        cat, g = producer.get(shuffle.inputs[0]), shuffle.groups
+        # (place_concats never takes such a concat: a shuffle is no reader of _READS_SLOTS)
+        if not isinstance(cat, ConcatStep) or readers[cat.output] != [shuffle]:
+            continue
+        dims = [shapes.get(t, ()) for t in (*cat.inputs, cat.output, shuffle.output)]
+        if any(len(d) != 3 for d in dims) or output in (cat.output, shuffle.output):
+            continue
+        width = dims[-1][0]
+        if len(cat.inputs) != g or len(set(cat.inputs)) != g or any(d[0] != width // g for d in dims[:g]):
+            continue
+        if width % g or not all(isinstance(r, _READS_SHUFFLED) for r in readers.get(shuffle.output, [])):
+            continue
+        buffer = f"{shuffle.output}:shuffled"
+        for k, t in enumerate(cat.inputs):
+            if t != output and written_in_place(producer.get(t)) and len(readers[t]) == 1:
+                slots[t] = Slot(buffer, k, width // g, width, g)
+        slots[cat.output] = slots[shuffle.output] = Slot(buffer, 0, width, width)
+    return slots
+
+
+def written_in_place(step: Step | None) -> bool:
+    """A step whose kernel can write its output into any strides of a buffer: a conv or pool without a residual."""
+    return isinstance(step, (Conv2dStep, Pool2dStep)) and getattr(step, "residual", None) is None
+
+
+def place_shuffles(steps: list[Step], shapes: Mapping[str, tuple[int, ...]] | None, output: str = "") -> list[Step]:
+    """Mark what shuffle_slots puts in shuffled buffers: each such ChannelShuffleStep and its ConcatStep `in_place`
+    (fused: views of the buffer; the concat copies the inputs whose producers do not write there, `copied`), and each
+    SliceStep of such a shuffle's output read only by steps that take strided tensors `in_place` (fused: a channel
+    run of the buffer, which the conv kernels read as channels_last). Replaces, per ShuffleNet unit: torch.cat, the
+    shuffle's copy and the split's copy of the halves (each a read and a write of the feature map) with, at most, one
+    strided copy of the half the concat copies. The unfused mode runs them all as torch ops, as before."""
+    slots = shuffle_slots(steps, shapes, output)
+    if not slots:
+        return steps
+    readers: dict[str, list[Step]] = {}
+    for s in steps:
+        for t in dict.fromkeys(reads(s)):
+            readers.setdefault(t, []).append(s)
+    shuffled = {s.output for s in steps if isinstance(s, ChannelShuffleStep) and s.output in slots}
+    out = []
+    for s in steps:
+        if isinstance(s, ChannelShuffleStep) and s.output in shuffled:
+            s = dataclasses.replace(s, in_place=True)
+        elif isinstance(s, ConcatStep) and s.output in slots and not s.in_place:
+            copied = tuple(t for t in s.inputs if t not in slots)
+            s = dataclasses.replace(s, in_place=True, copied=copied)
+        elif (
+            isinstance(s, SliceStep)
+            and s.inputs[0] in shuffled
+            and len(shapes.get(s.output, ())) == 3
+            and s.output != (output or steps[-1].output)
+            and all(isinstance(r, _READS_SHUFFLED) for r in readers.get(s.output, []))
+        ):
+            s = dataclasses.replace(s, in_place=True)
+        out.append(s)
+    return out
+
+
 def is_view(step: Step) -> bool:
-    """A step the fused executor runs without a kernel: a flatten, or an in-place concat (a view of its buffer)."""
-    return isinstance(step, FlattenStep) or (isinstance(step, ConcatStep) and step.in_place)
+    """A step the fused executor runs without a kernel: a flatten, an in-place concat (a view of its buffer) that
+    copies nothing, an in-place shuffle (its buffer) or slice (a channel run of a shuffled buffer)."""
+    if isinstance(step, ConcatStep):
+        return step.in_place and not step.copied
+    return isinstance(step, FlattenStep) or (isinstance(step, (ChannelShuffleStep, SliceStep)) and step.in_place)
 
 
 def attach_normalization(steps: list[Step], norm: InputNorm, input_name: str) -> list[Step]:
@@ -832,16 +938,19 @@ def fused_steps(
     shapes: Mapping[str, tuple[int, ...]] | None = None,
     preact: bool = True,
     concat_in_place: bool = True,
+    shuffle_in_place: bool = True,
 ) -> list[Step]:
     """The plan both executors run: `plan`, then the whole-MLP grouping, the pre-activation folding
     (`fold_preactivations`), the conv + pool grouping, the input's normalization (`attach_normalization`; the
-    ops must be wired, as a loaded model's are), and the concat buffers (`place_concats`, given `shapes`)."""
+    ops must be wired, as a loaded model's are), the concat buffers (`place_concats`, given `shapes`) and the shuffled
+    buffers (`place_shuffles`, given `shapes`)."""
     steps = plan(ops, shapes, tensors)
     steps = group_mlps(steps, tensors) if whole_mlp else steps
     steps = fold_preactivations(steps, ops[-1].output) if preact and steps else steps
     steps = group_conv_pools(steps) if conv_pool else steps
     steps = steps if normalize is None else attach_normalization(steps, normalize, ops[0].inputs[0])
-    return place_concats(steps, shapes, ops[-1].output) if concat_in_place and steps else steps
+    steps = place_concats(steps, shapes, ops[-1].output) if concat_in_place and steps else steps
+    return place_shuffles(steps, shapes, ops[-1].output) if shuffle_in_place and steps else steps
 
 
 def kernel_names(steps: list[Step]) -> list[str]:
@@ -930,5 +1039,9 @@ def describe_step(step: Step) -> dict:
     if isinstance(step, PadStep):
         doc.update(pads=list(step.pads), value=step.value)
     if isinstance(step, ConcatStep) and step.in_place:
+        doc.update(in_place=True)
+        if step.copied:
+            doc.update(copied=list(step.copied))
+    if isinstance(step, (ChannelShuffleStep, SliceStep)) and step.in_place:
         doc.update(in_place=True)
     return doc
