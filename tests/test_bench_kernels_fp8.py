@@ -59,8 +59,8 @@ def test_cpu_quick_run_times_float8_beside_float16(tmp_path, monkeypatch, capsys
     head = next(line for line in md.splitlines() if line.startswith("| model"))
     assert "| ours | ours-float8 |" in head
     row = next(line for line in md.splitlines() if line.startswith("| digits-mlp | 4 |"))
-    assert "n/a[" in row and "ours-float8 " in row and "(bound 1e-01)" in row and "**!**" not in row
-    assert "against its own bound 1e-01 (e4m3 is not fp16)" in md
+    assert "n/a[" in row and "ours-float8 " in row and "(bound 0.14)" in row and "**!**" not in row
+    assert "against its own bound 0.14 (e4m3 is not fp16)" in md
     assert "| float8 " in capsys.readouterr().out  # the summary's float8 cell
 
 
@@ -88,15 +88,16 @@ def _fake(err: float) -> dict:
 
 
 def test_a_float8_error_is_held_to_its_own_bound():
-    ok = _fake(0.04)  # over fp16's 1e-2, inside float8's 0.1: not a wrong result
+    assert abs(FLOAT8_ERROR_BOUND - 0.1414) < 1e-4  # the error at the contract's cosine, 0.99
+    ok = _fake(0.04)  # over fp16's 1e-2, inside float8's 0.14: not a wrong result
     row = next(line for line in markdown(ok).splitlines() if line.startswith("| resnet50 | 256 |"))
-    assert row.endswith("| 2.0e-03; ours-float8 4.0e-02 (bound 1e-01) |")  # max err: the fp16 providers' alone
+    assert row.endswith("| 2.0e-03; ours-float8 4.0e-02 (bound 0.14) |")  # max err: the fp16 providers' alone
     assert not ours_failed(ok)
     line = next(line for line in summary(ok).splitlines() if line.startswith("resnet50"))
     assert "BAD" not in line and "| float8 5600/5599 us, 0.67x/0.67x ours, err 4e-02" in line
     wrong = _fake(0.5)
     row = next(line for line in markdown(wrong).splitlines() if line.startswith("| resnet50 | 256 |"))
-    assert "**!**" in row and "not finite: ours-float8 (over 1e-01)**" in row
+    assert "**!**" in row and "not finite: ours-float8 (over 0.14)**" in row
     assert ours_failed(wrong) and "BAD: ours-float8" in summary(wrong)
 
 

@@ -59,11 +59,13 @@ MODEL_PROVIDERS = (
 )  # fmt: skip
 OURS = ("ours", "ours-unfused-graph", "ours-eager", "ours-float8")  # the service's executors (the rest: anchors)
 # ours-float8's normwise error bound against the float64 reference. Not fp16's 1e-2: e4m3 keeps 3 mantissa bits, each
-# quantized activation and weight is off by up to 2^-4 (6.25%) of itself, and ResNet-50's 52 fp8 convs compound that.
-# The accuracy contract is the logits' cosine >= 0.99 (issue 52; bench/probes/fp8_resnet50.py, tests/test_fp8_gpu.py),
-# and a normwise error e keeps the cosine with the reference >= sqrt(1 - e^2): 0.1 holds it >= 0.995, inside the
-# contract, while a wrong scale or index (an error of about 1) is still flagged.
-FLOAT8_ERROR_BOUND = 0.1
+# quantized activation and weight is off by up to 2^-4 (6.25%) of itself, and the errors compound over the fp8 steps
+# (ResNet-18 at 32x32, 19 fp8 convs, interpreted: 0.089, cosine 0.996). The accuracy contract is the logits' cosine
+# >= 0.99 (issue 52; bench/probes/fp8_resnet50.py, tests/test_fp8_gpu.py); a result of the right norm at that cosine
+# is 2 sin(theta / 2) = sqrt(2 (1 - 0.99)) = 0.141 away from the reference, so only a larger error is flagged: a
+# wrong scale or index (an error of about 1) still is.
+FLOAT8_MIN_COSINE = 0.99
+FLOAT8_ERROR_BOUND = math.sqrt(2 * (1 - FLOAT8_MIN_COSINE))
 FLOAT8_DTYPE = torch.float16  # the dtype float8 runs beside: its fp16 steps (first conv, classifier), input, output
 # Random rows calibrate.measure() takes the ranges from (the probe's --calib default), from their own seed
 # (ModelProviders' calibration_seed): never the timed inputs.

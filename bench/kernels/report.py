@@ -116,10 +116,10 @@ def _cell_text(name: str, res: dict, fields: list, notes: _Notes) -> str:
 def _err_text(case: dict) -> str:
     m, bad = max_error(case)
     text = f"{m:.1e}" if m is not None else "—"
-    text += "".join(f"; {name} {e:.1e} (bound {b:.0e})" for name, e, b in own_bound_errors(case))
+    text += "".join(f"; {name} {e:.1e} (bound {b:.2g})" for name, e, b in own_bound_errors(case))
     if bad:
         own = case.get("error_bounds", {})
-        names = ", ".join(f"{n} (over {own[n]:.0e})" if n in own else n for n in bad)
+        names = ", ".join(f"{n} (over {own[n]:.2g})" if n in own else n for n in bad)
         text += f" **over {case['error_bound']:.0e} or not finite: {names}**"
     return text
 
@@ -296,7 +296,7 @@ def _float8_legend(cases: list[dict]) -> str:
     if not with_float8:
         return ""
     bounds = [c["error_bounds"]["ours-float8"] for c in with_float8 if "ours-float8" in c.get("error_bounds", {})]
-    bound = f", against its own bound {max(bounds):.0e} (e4m3 is not fp16)" if bounds else ""
+    bound = f", against its own bound {max(bounds):.2g} (e4m3 is not fp16)" if bounds else ""
     return (" ours-float8: the fused executor in float8 (e4m3 steps; the first conv or linear and the classifier in "
             "fp16), calibrated on other random rows than the timed ones, under the GraphedExecutor as ours; its error "
             f"is listed apart in the max err column{bound}.")  # fmt: skip
