@@ -39,13 +39,21 @@ def sample(configs, offset: int = 0) -> list:
 
 
 def compile_sm90(
-    kernel, runtime: dict[str, str], meta: dict, pointers: int, num_warps: int, num_stages: int, divisible=()
+    kernel,
+    runtime: dict[str, str],
+    meta: dict,
+    pointers: int,
+    num_warps: int,
+    num_stages: int,
+    divisible=(),
+    sass: bool = False,
 ):
-    """(PTX text, {REG, STACK, SHARED, LOCAL, LOOPS}) of `kernel` compiled with `runtime` argument types (the rest
-    are constexprs taken from `meta`), its first `pointers` arguments 16-byte aligned as the service's are,
-    and the integers named in `divisible` multiples of 16, as Triton specializes them at a launch (a
-    stride of 1 it makes a constant: pass it in `meta`). STACK > 0 means registers spilled; LOOPS: the
-    machine instructions in each loop (sass_loops)."""
+    """(PTX text, {REG, STACK, SHARED, LOCAL}, and LOOPS with `sass`) of `kernel` compiled with `runtime` argument
+    types (the rest are constexprs taken from `meta`), its first `pointers` arguments 16-byte aligned as the
+    service's are, and the integers named in `divisible` multiples of 16, as Triton specializes them at a launch
+    (a stride of 1 it makes a constant: pass it in `meta`). STACK > 0 means registers spilled; LOOPS: the
+    machine instructions in each loop (sass_loops), only when asked: disassembling a cubin (cuobjdump -sass) takes
+    ~0.9 CPU-s whatever its size, most of a sweep's time where Triton's cache holds the compiled kernels."""
     names = kernel.arg_names
     signature = {n: runtime.get(n, "constexpr") for n in names}
     defaults = {n: v.default for n, v in inspect.signature(kernel.fn).parameters.items()
@@ -60,12 +68,15 @@ def compile_sm90(
         f.write(compiled.asm["cubin"])
         f.flush()
         usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
-        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        loops = {}
+        if sass:
+            listing = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+            loops["LOOPS"] = sass_loops(listing)
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage.stdout))
-    return compiled.asm["ptx"], {**{k: int(v) for k, v in fields.items()}, "LOOPS": sass_loops(sass)}
+    return compiled.asm["ptx"], {**{k: int(v) for k, v in fields.items()}, **loops}
 
 
-def compile_gemm(kernel, ptr: str, meta: dict, num_warps: int, num_stages: int):
+def compile_gemm(kernel, ptr: str, meta: dict, num_warps: int, num_stages: int, sass: bool = False):
     """compile_sm90 for linear.py's MMA kernel or the GEMV (they share one signature) with `ptr` operands
     ("*fp16", ...), as a launch with contiguous operands specializes them: unit strides constant, the 7 pointers
     aligned (the residual's too, which is y itself where there is none), and sizes and row strides multiples of
@@ -76,7 +87,7 @@ def compile_gemm(kernel, ptr: str, meta: dict, num_warps: int, num_stages: int):
     meta = {"stride_xk": 1, "stride_wk": 1, "stride_yn": 1, "K_ALIGN": 16, "N_ALIGN": 16, **meta}
     hinted_by = {"K": "K_ALIGN", "stride_xm": "K_ALIGN", "stride_wn": "K_ALIGN", "N": "N_ALIGN", "stride_ym": "N_ALIGN"}
     divisible = [name for name, align in hinted_by.items() if meta[align] == 16]
-    return compile_sm90(kernel, runtime, meta, 7, num_warps, num_stages, divisible=divisible)
+    return compile_sm90(kernel, runtime, meta, 7, num_warps, num_stages, divisible=divisible, sass=sass)
 
 
 def sass_loops(sass: str) -> list[int]:

@@ -129,14 +129,14 @@ for config in linear.cuda_configs(1024, 1024, 1024, 132, dtype.itemsize):
     if config["SPLIT_K"] > 1:
         continue
     ptx, usage = compile_gemm(linear._linear_kernel, ptr, {**fixed, **config.meta()}, config.num_warps,
-                              config.num_stages)
+                              config.num_stages, sass=True)
     tile = {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
     bare_meta = {**tile, "INPUT_PRECISION": precision}
     _, bare = compile_sm90(bare_tile_loop, dict(x_ptr=ptr, w_ptr=ptr, y_ptr="*fp32", K="i32"), bare_meta, 3,
-                           config.num_warps, config.num_stages, divisible=("K",))
+                           config.num_warps, config.num_stages, divisible=("K",), sass=True)
     # K = 1000, N = 500 (multiples of 8 and 4, not of 16), as the launcher hints them
     ptx8, usage8 = compile_gemm(linear._linear_kernel, ptr, {**fixed, **config.meta(), "K_ALIGN": 8, "N_ALIGN": 4},
-                                config.num_warps, config.num_stages)
+                                config.num_warps, config.num_stages, sass=True)
     print(json.dumps({"config": config.meta(), "copies": ptx.count("cp.async.cg.shared.global"),
                       "wgmma": ptx.count("wgmma.mma_async"), "bare_loops": bare["LOOPS"], **pdl_order(ptx), **usage,
                       "copies_k1000": ptx8.count("cp.async.cg.shared.global"), "loops_k1000": usage8["LOOPS"]}))
