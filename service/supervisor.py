@@ -320,9 +320,6 @@ class Supervisor:
         return True
 
     def _run(self, model, info, devices: list[str | None], workers: int, run_dir: Path) -> int:
-        from .engine.core import engine_main
-        from .frontend.app import frontend_main
-
         s = self.settings
         endpoints = [str(run_dir / f"engine-{i}.sock") for i in range(len(devices))]
         states = [self._ctx.Value("i", wire.LOADING, lock=False) for _ in devices]
@@ -337,7 +334,7 @@ class Supervisor:
             states[i].value = wire.LOADING
             config = (generation, self._generation)
             p = self._ctx.Process(
-                target=engine_main,
+                target=_engine_main,
                 args=(self.settings, i, endpoints[i], states[i], devices[i], str(run_dir), threads, config),
                 name=f"engine-{i}",
             )
@@ -352,7 +349,7 @@ class Supervisor:
             config = (generation, self._generation)
             keys = self._keys.in_force()
             p = self._ctx.Process(
-                target=frontend_main,
+                target=_frontend_main,
                 args=(self.settings, info, endpoints, states, str(run_dir), k, config, keys),
                 name=f"frontend-{k}",
             )
@@ -453,6 +450,20 @@ class Supervisor:
         code = code or (0 if clean else 1)
         log.info("fusedserve stopped (exit %d)", code)
         return code
+
+
+# The children's targets, named here: the supervisor never runs a model, and importing the engine to hand
+# multiprocessing its entry point imported the kernels and Triton in this process too (0.5 CPU-s a start).
+def _engine_main(*args) -> None:
+    from .engine.core import engine_main
+
+    engine_main(*args)
+
+
+def _frontend_main(*args) -> None:
+    from .frontend.app import frontend_main
+
+    frontend_main(*args)
 
 
 def _stop(procs, deadline: float) -> bool:

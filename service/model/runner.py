@@ -54,15 +54,6 @@ class InFlight:
     observe: bool = True  # False: a shadow forward (service/engine/ab.py), kept out of the forward and kernel metrics
 
 
-def resolve_device(name: str) -> torch.device:
-    """'auto' -> cuda if present, else cpu; 'cuda' without a GPU is an error, not a silent fallback."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("FUSEDSERVE_DEVICE=cuda but torch sees no CUDA device (torch.cuda.is_available() is False)")
-    return torch.device(name)
-
-
 def warmup_sizes(max_batch_size: int, device: torch.device) -> list[int]:
     """Batch sizes to run before ready. On CUDA every power-of-two bucket up to max_batch_size (the
     autotuner keys on the bucket) plus the max itself; under the CPU interpreter nothing compiles,
