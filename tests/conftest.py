@@ -1,5 +1,6 @@
 """Shared pytest set-up: the `gpu` marker skips cleanly where CUDA is absent; the kernels' every-candidate sweeps are
-marked `sweep` and run longest first (tests/sweeps.py); every test gets a seed derived from its
+marked `sweep` and run longest first (tests/sweeps.py), then whole modules, costliest first, and under pytest-xdist
+a module that shares fixtures runs on one worker (tests/schedule.py); every test gets a seed derived from its
 id, printed when it fails (tests/seeding.py: replay one with FUSEDSERVE_TEST_SEED=N); what real servers logged
 during a test is printed after it (pytest shows it when the test failed)."""
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import kernels  # noqa: F401  (chooses interpreter vs compiled before any test module defines kernels)
+from tests.schedule import make_scheduler, order
 from tests.seeding import (  # noqa: F401  (hooks and an autouse fixture, registered by being in this module)
     _test_seed,
     pytest_fixture_setup,
@@ -24,12 +26,18 @@ HAS_CUDA = torch.cuda.is_available()
 @pytest.hookimpl(tryfirst=True)  # before -m selects: `-m sweep` must see the marker
 def pytest_collection_modifyitems(config, items):
     mark_and_order(items)  # the every-candidate sweeps: marked `sweep`, longest first (tests/sweeps.py)
+    order(items, first=sum("sweep" in item.keywords for item in items))  # then modules, costliest first
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs CUDA: on a GPU host, tests/gpu_suite.sh runs it (tests/README.md)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without it (-p no:xdist)
+def pytest_xdist_make_scheduler(config, log):
+    return make_scheduler(config, log)  # None: xdist's own, for --dist other than load or with --maxschedchunk
 
 
 @pytest.fixture(autouse=True)
