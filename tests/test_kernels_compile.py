@@ -1,16 +1,19 @@
 """The kernels compile for Hopper (sm_90) here, without a GPU: what the interpreter cannot check (inline
 PTX, shared memory, the compiled pipeline) fails in CI instead of first on the lent GPU.
 
-Triton compiles to PTX and runs ptxas (shipped in its wheel) with no device present. A subprocess, because
-kernels are defined interpreted or compiled once per process (kernels/runtime.py).
+Triton compiles to PTX and runs ptxas (shipped in its wheel) with no device present. In another process, because
+kernels are defined interpreted or compiled once per process (kernels/runtime.py): a forked child of one compile
+host per test process (_compiled), which imported torch, Triton and the kernels, compiled, once.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,17 +21,76 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The compile host: imports once what every compile script imports (torch is ~4 of the 5 CPU-s a fresh
+# `python -c script` took on the 2-core machine, for each of the 24 scripts of the CPU suite), then runs each script
+# it is sent in a child forked for it, as `python -c script arg` would: its own sys.argv, environment, stdout and
+# stderr (files), module state (a script's monkeypatch dies with its child) and exit status.
+_HOST = r"""
+import json, os, sys, traceback
+import torch, triton, kernels, tests.sm90_compile
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+            os.environ.clear()
+            os.environ.update(req["env"])
+            sys.argv = ["-c", *req["argv"]]
+            exec(compile(req["script"], "<string>", "exec"), {"__name__": "__main__"})
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
+_host: list[subprocess.Popen] = []  # this process's compile host, started at the first script
 
-def _compiled(script: str, arg: str) -> list[dict]:
-    """Run a compile script in a subprocess (compiled mode) with `arg` as its sys.argv[1] (the dtype, for the
-    scripts below); one JSON line per config it printed."""
+
+def _compile_env() -> dict[str, str]:
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO)}
     if torch.cuda.is_available():  # the GPU suite compiles every candidate (tests/sm90_compile.py, sample)
         env.setdefault("FUSEDSERVE_SM90_EVERY", "1")
-    run = subprocess.run([sys.executable, "-c", script, arg], env=env, cwd=REPO, capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return env
+
+
+def _stop_host(host: subprocess.Popen, log: Path) -> None:
+    host.stdin.close()  # its loop ends at the end of its input
+    try:
+        host.wait(10)
+    except subprocess.TimeoutExpired:
+        host.kill()
+    log.unlink(missing_ok=True)
+
+
+def _compiled(script: str, arg: str) -> list[dict]:
+    """Run a compile script in compiled mode, as `python -c script arg` would (in a child of the compile host), with
+    `arg` as its sys.argv[1] (the dtype, for the scripts below); one JSON line per config it printed."""
+    env = _compile_env()
+    log = Path(tempfile.gettempdir()) / f"fusedserve-compile-host-{os.getpid()}.log"
+    if not _host or _host[0].poll() is not None:
+        with open(log, "w") as stderr:
+            _host[:] = [subprocess.Popen([sys.executable, "-c", _HOST], env=env, cwd=REPO, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=stderr, text=True)]  # fmt: skip
+        atexit.register(_stop_host, _host[0], log)
+    host = _host[0]
+    with tempfile.TemporaryDirectory(prefix="fusedserve-compile-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        host.stdin.write(json.dumps({"script": script, "argv": [arg], "env": env, "stdout": str(out),
+                                     "stderr": str(err)}) + "\n")  # fmt: skip
+        host.stdin.flush()
+        reply = host.stdout.readline()
+        assert reply, f"the compile host exited ({host.poll()}):\n{log.read_text()[-3000:]}"
+        assert json.loads(reply)["rc"] == 0, err.read_text()[-3000:]
+        return [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
 
 
 _COMPILE_MLP = r"""
