@@ -72,7 +72,9 @@ def test_blocks_load_and_plan(tmp_path):
     assert isinstance(by_name["layernorm_0"], LayerNormStep)
     assert isinstance(by_name["hardsigmoid_0"], ClampStep) and by_name["hardsigmoid_0"].scale == 0.2
     assert by_name["sub_0"].reverse and by_name["sub_0"].constant == "one"
-    assert torch_parts(by_name["channel_shuffle_0"]) == ["channel_shuffle"]
+    # the shuffle is its buffer (place_shuffles): the concat copies both slices into their strided channels of it
+    assert by_name["channel_shuffle_0"].in_place and torch_parts(by_name["channel_shuffle_0"]) == []
+    assert by_name["concat_0"].in_place and by_name["concat_0"].copied == ("hi", "lo")
     assert torch_parts(by_name["conv2d_2_hardsigmoid"]) == []  # hardsigmoid is in the kernels' table
 
 

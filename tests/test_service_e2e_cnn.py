@@ -78,6 +78,7 @@ def test_model_describes_the_cnn_plan(servers):
         assert conv0 == {
             "kernel": "conv2d_0_relu", "op": "conv2d", "in_channels": 1, "out_channels": 16, "kernel_size": [3, 3],
             "stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "bias": True, "activation": "relu",
+            "precision": "float32",
         }  # fmt: skip
         assert (conv1["kernel"], conv1["in_channels"], conv1["out_channels"]) == ("conv2d_1_relu_maxpool2d_0", 16, 16)
         assert conv1["pool"] == {

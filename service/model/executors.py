@@ -724,10 +724,10 @@ class Executor:
             x = x.to(self.dtype)
         live = {self.input_name: x}
         for (name, layer), wiring in zip(self.layers, self.wiring, strict=True):
+            if wiring.alloc is not None:  # first: a shuffled concat with no writer before it reads its buffer
+                live[wiring.alloc[0]] = self._buffer(x.shape[0], wiring.alloc[1])
             args = [live[t] for t in wiring.reads]
             kw = {}
-            if wiring.alloc is not None:
-                live[wiring.alloc[0]] = self._buffer(x.shape[0], wiring.alloc[1])
             if wiring.into is not None:
                 kw = {"out": _slot_view(live[wiring.into[0]], *wiring.into[1:])}
             if timer is None or name is None:
