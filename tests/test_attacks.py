@@ -599,6 +599,57 @@ def test_unauthenticated_grpc_calls_are_refused_at_their_metadata(servers):
     assert asyncio.run(keyed()) == [{"UNAUTHENTICATED": 1}, {"OK": 1}] * 2 + [{"OK": 4}]
 
 
+def test_refusal_pace_is_a_bucket_per_address_and_a_bounded_count_held():
+    from service.v2.grpc_guard import RefusalPace
+
+    pace = RefusalPace(burst=2, rate=1.0, held_max=3)
+    assert [pace.hold("ipv4:127.0.0.2:5001") for _ in range(3)] == [False, False, True]  # the burst, then held
+    assert not pace.hold("ipv4:127.0.0.3:5001")  # another address: its own burst
+    assert pace.hold("ipv4:127.0.0.2:6002")  # the same address from another port: the same bucket
+    pace.held = 3
+    assert not pace.hold("ipv4:127.0.0.2:5001")  # held_max held: answered at once
+    pace.held = 0
+    assert [pace.hold("ipv6:[::1]:7") for _ in range(3)] == [False, False, True]
+
+
+@pytest.mark.timeout(120)
+def test_unauthenticated_grpc_calls_past_an_address_burst_are_held_and_keyed_calls_are_not(servers):
+    """80 ModelInfer calls without a key at once from one address: past its burst (20, refilled 10 a second) each is
+    held 1 s before its UNAUTHENTICATED (grpc_guard.py: a client refused as fast as it sends comes back once a second
+    per call in flight); calls with the key, sent meanwhile, are answered at once."""
+    from service.v2.grpc_guard import REFUSE_BURST, REFUSE_HOLD_S
+
+    key = (("authorization", f"Bearer {KEY}"),)
+
+    async def timed(channel, metadata, n: int) -> list[tuple[str, float]]:
+        call = channel.unary_unary(INFER)
+
+        async def one() -> tuple[str, float]:
+            t0 = time.monotonic()
+            try:
+                await call(infer_request(1), timeout=30, metadata=metadata)
+                return "OK", time.monotonic() - t0
+            except grpc.aio.AioRpcError as e:
+                return e.code().name, time.monotonic() - t0
+
+        return await asyncio.gather(*(one() for _ in range(n)))
+
+    async def attack():
+        async with grpc_channel(servers["plain_grpc"]) as channel:
+            await timed(channel, key, 1)  # the channel connected
+            refused = asyncio.ensure_future(timed(channel, (), 80))
+            await asyncio.sleep(0.3)
+            keyed = await timed(channel, key, 4)
+            return await refused, keyed
+
+    refused, keyed = asyncio.run(attack())
+    assert {code for code, _ in refused} == {"UNAUTHENTICATED"}, refused
+    held = sorted(t for _, t in refused if t >= REFUSE_HOLD_S * 0.9)
+    assert len(held) >= 80 - REFUSE_BURST - 5, sorted(t for _, t in refused)  # 5: refilled while they were sent
+    assert max(t for _, t in refused) < REFUSE_HOLD_S + 5, sorted(t for _, t in refused)
+    assert [code for code, _ in keyed] == ["OK"] * 4 and max(t for _, t in keyed) < REFUSE_HOLD_S * 0.9, keyed
+
+
 # ------------------------------------------------------------------ the metrics port
 
 
