@@ -65,39 +65,56 @@ def wait_exit(server, timeout_s: float) -> int:
         raise AssertionError(f"the service did not exit within {timeout_s} s\n{server.log()}") from e
 
 
-@pytest.mark.timeout(120)
-def test_two_engines_share_the_traffic_and_metrics_count_it_once():
+@pytest.fixture(scope="module")
+def two_by_two():
+    """Two engines and two front ends, shared by the traffic test and the front-end death test (one start less, ~10
+    CPU-s): the traffic test counts from its own first scrape, and the death test kills a front end alone."""
     env = {"workers": 2, "engines": 2, "max_batch_size": 64, "max_delay_ms": 5}
     with running_servers({"s": ("unfused", env)}) as servers:
-        url = servers["s"].url
-        names = children(servers["s"].process.proc.pid)
-        assert set(names) == {"fs-engine-0", "fs-engine-1", "fs-frontend-0", "fs-frontend-1"}, names
-        sizes = [1 + (i * 7) % 13 for i in range(60)]
-        responses = asyncio.run(post_many(url, [{"inputs": rows(n, i)} for i, n in enumerate(sizes)], connections=16))
-        for n, r in zip(sizes, responses, strict=True):
-            assert not isinstance(r, Exception), r
-            assert r.status_code == 200, r.text[:300]
-            assert len(r.json()["outputs"]) == n
-        # Serial requests too: the tie-break alternates between idle engines.
-        for i in range(6):
-            assert httpx.post(url + "/predict", json={"inputs": rows(1, 100 + i)}, timeout=TIMEOUT).status_code == 200
-        # Every front end answers for the whole deployment: two scrapes over fresh connections agree.
-        first, second = scrape(url), scrape(url)
-        for fam in (first, second):
-            ok = total(fam, "fusedserve_requests", "fusedserve_requests_total", outcome="ok")
-            assert ok == 66, f"{ok} ok requests counted for 66 answered"
-            batched = total(fam, "fusedserve_batch_rows", "fusedserve_batch_rows_sum")
-            assert batched == sum(sizes) + 6, f"the engines saw {batched} rows for {sum(sizes) + 6} sent"
-            per_engine = {
-                s.labels["engine"]: s.value
-                for s in fam["fusedserve_batch_rows"].samples
-                if s.name == "fusedserve_batch_rows_count"
-            }
-            assert set(per_engine) == {"0", "1"} and min(per_engine.values()) > 0, per_engine
-            info = [s for s in fam["fusedserve_model_info"].samples]
-            assert sorted(s.labels["engine"] for s in info) == ["0", "1"], info
-        doc = httpx.get(url + "/health/ready", timeout=TIMEOUT).json()
-        assert doc["engines"] == ["ready", "ready"], doc
+        yield servers["s"]
+
+
+@pytest.mark.timeout(120)
+def test_two_engines_share_the_traffic_and_metrics_count_it_once(two_by_two):
+    url = two_by_two.url
+    names = children(two_by_two.process.proc.pid)
+    assert set(names) == {"fs-engine-0", "fs-engine-1", "fs-frontend-0", "fs-frontend-1"}, names
+    before = scrape(url)  # the server is the module's: counts are taken from here
+    sizes = [1 + (i * 7) % 13 for i in range(60)]
+    responses = asyncio.run(post_many(url, [{"inputs": rows(n, i)} for i, n in enumerate(sizes)], connections=16))
+    for n, r in zip(sizes, responses, strict=True):
+        assert not isinstance(r, Exception), r
+        assert r.status_code == 200, r.text[:300]
+        assert len(r.json()["outputs"]) == n
+    # Serial requests too: the tie-break alternates between idle engines.
+    for i in range(6):
+        assert httpx.post(url + "/predict", json={"inputs": rows(1, 100 + i)}, timeout=TIMEOUT).status_code == 200
+    # Every front end answers for the whole deployment: two scrapes over fresh connections agree.
+    first, second = scrape(url), scrape(url)
+    for fam in (first, second):
+        ok = total(fam, "fusedserve_requests", "fusedserve_requests_total", outcome="ok") - total(
+            before, "fusedserve_requests", "fusedserve_requests_total", outcome="ok"
+        )
+        assert ok == 66, f"{ok} ok requests counted for 66 answered"
+        batched = total(fam, "fusedserve_batch_rows", "fusedserve_batch_rows_sum") - total(
+            before, "fusedserve_batch_rows", "fusedserve_batch_rows_sum"
+        )
+        assert batched == sum(sizes) + 6, f"the engines saw {batched} rows for {sum(sizes) + 6} sent"
+        was, now = batches_per_engine(before), batches_per_engine(fam)
+        per_engine = {e: n - was.get(e, 0) for e, n in now.items()}
+        assert set(per_engine) == {"0", "1"} and min(per_engine.values()) > 0, per_engine
+        info = [s for s in fam["fusedserve_model_info"].samples]
+        assert sorted(s.labels["engine"] for s in info) == ["0", "1"], info
+    doc = httpx.get(url + "/health/ready", timeout=TIMEOUT).json()
+    assert doc["engines"] == ["ready", "ready"], doc
+
+
+def batches_per_engine(fam: dict) -> dict[str, float]:
+    return {
+        s.labels["engine"]: s.value
+        for s in fam["fusedserve_batch_rows"].samples
+        if s.name == "fusedserve_batch_rows_count"
+    }
 
 
 def wait_engine_back(server, old_pid: int, timeout_s: float) -> int:
@@ -164,32 +181,30 @@ def test_an_engine_that_dies_fails_its_requests_at_once_and_is_started_again_in_
 
 
 @pytest.mark.timeout(120)
-def test_a_front_end_that_dies_loses_only_its_connections_and_comes_back():
-    env = {"workers": 2, "max_batch_size": 64}
-    with running_servers({"s": ("unfused", env)}) as servers:
-        server = servers["s"]
-        before = children(server.process.proc.pid)
-        os.kill(before["fs-frontend-1"], signal.SIGKILL)
-        # New connections keep being answered (by the survivor while the other restarts, then by both).
-        deadline = time.monotonic() + 20
-        codes = []
-        while time.monotonic() < deadline:
-            try:
-                r = httpx.post(server.url + "/predict", json={"inputs": rows(1, 0)}, timeout=TIMEOUT)
-                codes.append(r.status_code)
-            except httpx.TransportError as e:  # only a connection the dead process had accepted may fail
-                codes.append(type(e).__name__)
-            now = children(server.process.proc.pid)
-            if now.get("fs-frontend-1") not in (None, before["fs-frontend-1"]) and len(codes) >= 20:
-                break
-            time.sleep(0.05)
-        after = children(server.process.proc.pid)
-        assert after.get("fs-frontend-1") not in (None, before["fs-frontend-1"]), f"not restarted: {after}"
-        assert after["fs-frontend-0"] == before["fs-frontend-0"] and after["fs-engine-0"] == before["fs-engine-0"]
-        assert codes.count(200) >= len(codes) - 1, codes
-        ready = httpx.get(server.url + "/health/ready", timeout=TIMEOUT)
-        assert ready.status_code == 200, ready.text
-        assert server.process.proc.poll() is None
+def test_a_front_end_that_dies_loses_only_its_connections_and_comes_back(two_by_two):
+    server = two_by_two  # the traffic test's server, after it (file order): this test counts nothing
+    before = children(server.process.proc.pid)
+    os.kill(before["fs-frontend-1"], signal.SIGKILL)
+    # New connections keep being answered (by the survivor while the other restarts, then by both).
+    deadline = time.monotonic() + 20
+    codes = []
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.post(server.url + "/predict", json={"inputs": rows(1, 0)}, timeout=TIMEOUT)
+            codes.append(r.status_code)
+        except httpx.TransportError as e:  # only a connection the dead process had accepted may fail
+            codes.append(type(e).__name__)
+        now = children(server.process.proc.pid)
+        if now.get("fs-frontend-1") not in (None, before["fs-frontend-1"]) and len(codes) >= 20:
+            break
+        time.sleep(0.05)
+    after = children(server.process.proc.pid)
+    assert after.get("fs-frontend-1") not in (None, before["fs-frontend-1"]), f"not restarted: {after}"
+    assert after["fs-frontend-0"] == before["fs-frontend-0"] and after["fs-engine-0"] == before["fs-engine-0"]
+    assert codes.count(200) >= len(codes) - 1, codes
+    ready = httpx.get(server.url + "/health/ready", timeout=TIMEOUT)
+    assert ready.status_code == 200, ready.text
+    assert server.process.proc.poll() is None
 
 
 @pytest.mark.timeout(120)
