@@ -120,10 +120,12 @@ def test_a_front_end_handed_no_keys_while_keys_are_configured_does_not_serve(tmp
 # ------------------------------------------------------------------ the real service
 
 
-@pytest.fixture
-def service(tmp_path):
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
     """The service with two front ends, API keys from a file holding KEY, and gRPC; yields (server, keys file, gRPC
-    address)."""
+    address). One for the module's three tests, in file order (two starts less, ~20 CPU-s): the first two leave KEY
+    in force, and the rotation, which makes configuration 1, comes last; each reads the log from its own start."""
+    tmp_path = tmp_path_factory.mktemp("keys-restart")
     keys = tmp_path / "api-keys"
     keys.write_text(f"{KEY}\n")
     grpc_port = free_port()
@@ -223,13 +225,14 @@ def test_an_emptied_keys_file_never_reaches_a_restarted_front_end(service):
 @pytest.mark.timeout(180)
 def test_a_missing_keys_file_keeps_the_last_good_keys_and_no_crash_loop(service):
     server, keys, address = service
+    at = len(server.log())
     keys.unlink()
     hup(server, "API keys not reloaded, those in force stay")
     kill_front_end(server)
     kill_front_end(server, "fs-frontend-0")
     assert_keys(server, address, allowed=KEY)
     assert server.process.proc.poll() is None
-    log = server.log()
+    log = server.log()[at:]
     assert "front end 1 exited with code -9; starting it again" in log and "-th time in" not in log, log[-3000:]
 
 
@@ -237,12 +240,13 @@ def test_a_missing_keys_file_keeps_the_last_good_keys_and_no_crash_loop(service)
 @pytest.mark.timeout(180)
 def test_a_front_end_restarted_after_a_rotation_takes_the_new_key(service):
     server, keys, address = service
+    at = len(server.log())
     tmp = keys.with_name("api-keys.new")
     tmp.write_text(f"{NEW_KEY}\n")
     tmp.replace(keys)  # as a secret update does: the whole file at once
     hup(server, "configuration 1 from")
     end = time.monotonic() + 20
-    while server.log().count("configuration 1 taken") < 3:  # the engine and both front ends took it
+    while server.log()[at:].count("configuration 1 taken") < 3:  # the engine and both front ends took it
         assert time.monotonic() < end, server.log()[-3000:]
         time.sleep(0.05)
     assert_keys(server, None, allowed=NEW_KEY, refused=(KEY,))
