@@ -25,14 +25,17 @@ from .server import running_server
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = 150  # per operation and phase: 127 s alone on a 2-core machine (300 took about 5 minutes; schemathesis 4.32)
+# Per operation and phase (fuzzing, stateful; the coverage phase's boundary cases do not depend on it): 2,679 cases
+# over the 19 operations, every one answered as documented. The module (both runs) takes 150 CPU-s alone on a 2-core
+# machine; at 150 (and 40 below) it took 229 (issue 51; 300 took about 5 minutes a run; schemathesis 4.32).
+EXAMPLES = 50
 CONFIG = """
 [checks.negative_data_rejection]
 expected-statuses = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429", "5xx"]
 """
 
 
-SECURE_EXAMPLES = 40  # the keys + TLS run: the same checks, fewer examples (~25 s)
+SECURE_EXAMPLES = 20  # the keys + TLS run: the same checks and phases, fewer examples (2,169 cases)
 KEY = "fuzz-key-0c1d"
 ADMIN = ("X-Admin-Key", "fuzz-admin-9")
 
