@@ -25,7 +25,10 @@ from service.frontend.inputs import InputError, parse_rows
 
 SHAPES = [(64,), (1, 8, 8)]  # the shipped MLP and CNN
 MAX_ROWS = 16
-FUZZ = settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+# Examples a test, for the 9 that use it (each generator above, each shape): 41 CPU-s for the module alone on a 2-core
+# machine, of which ~15 the memory test's; 150 took 88 (issue 51). A budget: each run draws new examples (not
+# derandomized), so CI's runs keep covering more of the inputs over time.
+FUZZ = settings(max_examples=50, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
 
 numbers = st.one_of(
     st.integers(),  # unbounded: beyond int64 and float32 too
