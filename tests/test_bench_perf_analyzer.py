@@ -4,6 +4,7 @@ real perf_analyzer runs (the GPU host: its wheel needs glibc 2.38), a real run a
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -301,27 +302,35 @@ def test_candidates_prefer_one_that_runs(tmp_path, monkeypatch):
     assert pa.find() == str(broken)  # none runs: the first, so the report says it does not run
 
 
+def test_bench_serve_finds_perf_analyzer_on_the_path(tmp_path, monkeypatch):
+    """Without --perf-analyzer the plan names no binary and the run takes perf_analyzer.find()'s (`binary or find()`
+    in perf_analyzer.run): a stand-in on the PATH, before the venv's own, which needs glibc 2.38. From there a run is
+    the same as with the flag, which the test below runs in full (one bench run fewer: ~20 CPU-s; issue 51)."""
+    from bench.serve import cli as serve_cli
+
+    binary = _fake_serving(tmp_path / "bin", tmp_path / "pa_calls.jsonl")
+    p = argparse.ArgumentParser()
+    serve_cli.add_arguments(p)
+    assert serve_cli.resolve(p.parse_args(["--quick", "--device", "cpu"])).perf_analyzer is None
+    assert serve_cli.resolve(p.parse_args(["--perf-analyzer", binary])).perf_analyzer == binary
+    assert pa.find() != binary  # not on the PATH yet
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert pa.find() == binary
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("how", ["path", "flag"])
-def test_bench_serve_runs_perf_analyzer_phases(tmp_path, how):
-    """`bench serve` with a (stand-in) perf_analyzer found on the PATH, or given with --perf-analyzer: it runs against
-    the server the run started (unfused@1 in this smoke run: fused@N where the run has it), once per level, the level
-    that did not settle again in longer windows, and its rows go into serve_cpu.md beside the server's counts, which
-    agree with what the stand-in sent."""
+def test_bench_serve_runs_perf_analyzer_phases(tmp_path):
+    """`bench serve` with a (stand-in) perf_analyzer given with --perf-analyzer (found on the PATH: the test above): it
+    runs against the server the run started (unfused@1 in this smoke run: fused@N where the run has it), once per
+    level, the level that did not settle again in longer windows, and its rows go into serve_cpu.md beside the
+    server's counts, which agree with what the stand-in sent."""
     log = tmp_path / "pa_calls.jsonl"
     binary = _fake_serving(tmp_path / "bin", log)
-    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
     argv = [sys.executable, "-m", "bench.serve", "--quick", "--device", "cpu", "--out", str(tmp_path / "out"),
             "--systems", "unfused@1", "--v2", "binary", "--v2-rows", "4", "--connections", "1,4", "--no-open",
-            "--duration", "0.3", "--warmup", "0.1", "--time-budget", "120"]  # fmt: skip
-    if how == "flag":
-        argv += ["--perf-analyzer", binary]
-        env["PATH"] = os.environ.get("PATH", "")
-    else:
-        # The venv's own perf_analyzer (beside this Python) needs glibc 2.38: skipped for the one that runs.
-        assert pa.find() != binary
-    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=140)
+            "--duration", "0.3", "--warmup", "0.1", "--time-budget", "120", "--perf-analyzer", binary]  # fmt: skip
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=140)  # not on the PATH: the flag
     out = proc.stdout + proc.stderr
     results = json.loads((tmp_path / "out" / "serve_cpu.json").read_text())
     got = results["perf_analyzer"]
