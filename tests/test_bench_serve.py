@@ -382,11 +382,14 @@ def test_phase_plan_and_open_loop_rates():
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("workers", [1, 2])
-def test_empty_grpc_server_answers_as_fusedserve_and_exits_0_on_sigterm(tmp_path, workers):
+def test_empty_grpc_server_answers_as_fusedserve_and_exits_0_on_sigterm(tmp_path):
     """The gRPC ceiling as `bench serve` runs it: ready through its own ServerReady probe, a Triton client's
     ModelInfer answered with fusedserve's outputs (1 row: logits FP32 [1, 10], label BYTES [1]), and SIGTERM to the
-    parent stops every worker, exit 0. (tritonclient, in this process: the server's stubs stay in its own.)"""
+    parent stops every worker, exit 0. (tritonclient, in this process: the server's stubs stay in its own.)
+
+    Two workers: one worker runs the same code (serve() forks `workers` alike, readiness counts them), and
+    test_quick_end_to_end_run_on_the_cpu runs empty_grpc@1 through bench serve (one server fewer; issue 51)."""
+    workers = 2
     tgrpc = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is not installed (the test extra)")
     port = free_port()
     argv = [sys.executable, "-m", "bench.serve.apps.empty_grpc", "--port", str(port), "--workers", str(workers)]
