@@ -35,7 +35,8 @@ KERNELS = [
     "conv2d_0_bn_relu", "conv2d_1_bn_relu", "conv2d_2_bn_add_relu", "conv2d_3_bn_relu", "conv2d_5_bn",
     "conv2d_4_bn_add_relu", "conv2d_6_bn_relu", "conv2d_7_bn_add_relu", "avgpool2d_0", "linear_0",
 ]  # fmt: skip
-MAX_BATCH = 16  # the CPU warm-up runs batches of 1 and MAX_BATCH, interpreted in the fused server
+MAX_BATCH = 16  # the unfused server's: the held-out set in requests of 16 rows
+FUSED_MAX_BATCH = 8  # the fused server takes FEW rows at most; on the CPU it warms up with 1 and this, interpreted
 COMMON = {"dtype": "float32", "max_batch_size": MAX_BATCH, "max_delay_ms": 5, "kernel_timing_every": 1}
 FEW = 6  # held-out rows the fused (interpreted) server answers
 TIMEOUT = httpx.Timeout(120.0, connect=5.0)
@@ -46,7 +47,8 @@ GRPC_PORT = free_port()
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory) -> dict[str, str]:
     specs = {
-        "fused": ("fused", {**COMMON, "model": "digits-resnet"}),  # by name: the folder holding the .onnx
+        # by name: the folder holding the .onnx
+        "fused": ("fused", {**COMMON, "model": "digits-resnet", "max_batch_size": FUSED_MAX_BATCH}),
         "unfused": ("unfused", {**COMMON, "model": str(ONNX_FILE), "grpc_port": GRPC_PORT}),  # the file itself
     }
     with running_servers(specs, tmp_path_factory.mktemp("e2e-resnet-logs"), timeout_s=300) as s:
