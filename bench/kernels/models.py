@@ -475,7 +475,10 @@ class ModelProviders:
         return self._warmed(Prepared(lambda: g.replay(rows), graphed=True), t)
 
     def _warmed(self, prep: Prepared, t0: float) -> Prepared:
-        for _ in range(3):  # first calls autotune the bucket (and capture its graph)
+        # On CUDA the first calls autotune the bucket (and capture its graph). Without CUDA ours runs through
+        # Triton's interpreter (fixed configs, no graph): one call warms it, and each more was an interpreted forward
+        # for nothing (a ResNet-18 at 3x32x32, batch 2: ~15 CPU-s; issue 51).
+        for _ in range(3 if self.device.type == "cuda" else 1):
             prep.fn()
         synchronize(self.device)
         prep.compile_s = time.perf_counter() - t0

@@ -88,7 +88,9 @@ def layer_provider(
 
         layer = FusedLinear(w, b, act, allow_tf32=tf32)
         t = time.perf_counter()
-        for _ in range(3):  # the first call on CUDA autotunes this batch bucket; later ones launch directly
+        # The first call on CUDA autotunes this batch bucket; later ones launch directly. Triton's interpreter (no
+        # CUDA) has fixed configs: one call warms it (issue 51).
+        for _ in range(3 if device.type == "cuda" else 1):
             layer(x)
         synchronize(device)
         return Prepared(lambda: layer(x), compile_s=time.perf_counter() - t)
