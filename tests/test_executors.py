@@ -288,6 +288,24 @@ def test_warmup_on_cpu(runner_model, max_batch):
 def test_warmup_sizes_on_cuda_cover_every_bucket(max_batch, sizes):
     assert warmup_sizes(max_batch, torch.device("cuda")) == sizes
     assert warmup_sizes(max_batch, torch.device("cpu")) == sorted({1, max_batch})
+    # fused on the CPU: Triton's interpreter picks no new config past 64 rows (runner.INTERPRETER_WARM_ROWS)
+    assert warmup_sizes(max_batch, torch.device("cpu"), "fused") == sorted({1, min(max_batch, 64)})
+    assert warmup_sizes(max_batch, torch.device("cuda"), "fused") == sizes
+
+
+@pytest.mark.parametrize("n,k", [(10, 64), (256, 256), (7, 1000)])
+def test_the_interpreters_launch_configs_stop_changing_by_the_cpu_warm_up_rows(n, k):
+    """Why the fused CPU warm-up stops at INTERPRETER_WARM_ROWS: past it, no kernel's interpreter config changes (the
+    whole MLP runs fixed 16-row tiles under the interpreter)."""
+    import kernels.conv as conv
+    import kernels.linear as linear
+    from service.model.runner import INTERPRETER_WARM_ROWS as rows
+
+    for m in (rows + 1, 1000, 65_536):
+        assert linear._interpreter_config(m, n, k) == linear._interpreter_config(rows, n, k)
+        for pooled in (False, True):
+            assert conv._interpreter_config(m, n, 3, k, pooled) == conv._interpreter_config(rows, n, 3, k, pooled)
+    assert linear._interpreter_config(rows // 2, n, k) != linear._interpreter_config(rows, n, k)  # below it, they do
 
 
 # The overflow is the point of the test; the interpreter's numpy cast warns about it.

@@ -700,8 +700,11 @@ def engine_main(
                 t = time.perf_counter()
                 sizes = runner.warmup(settings.max_batch_size, progress)
                 log.info(
-                    "engine %d warm: %s on %s, %s, batch sizes %s in %.1f s",
+                    "engine %d warm: %s on %s, %s, batch sizes %s in %.1f s%s",
                     index, mode, device, dtype, sizes, time.perf_counter() - t,
+                    "" if sizes[-1] >= settings.max_batch_size else
+                    f" (Triton's interpreter on the CPU: batches up to {settings.max_batch_size} run the same kernel "
+                    f"configs as {sizes[-1]}, so no larger one is run before ready)",
                 )  # fmt: skip
             fallbacks = {n: why for r in runners.values() for n, why in r.executor.fallbacks.items()}
             metrics.unfused_fallbacks(len(fallbacks))

@@ -54,12 +54,19 @@ class InFlight:
     observe: bool = True  # False: a shadow forward (service/engine/ab.py), kept out of the forward and kernel metrics
 
 
-def warmup_sizes(max_batch_size: int, device: torch.device) -> list[int]:
+# Under Triton's interpreter (fused, no GPU) every launch config stops changing by 64 rows: linear's BLOCK_M is
+# next_power_of_2(M) capped at 64, the conv kernels' M counts pixels (capped at 64 too), the whole MLP runs 16-row
+# tiles. Batches 1 and 64 so run every config the CPU path can pick; the largest batch itself only costs time there
+# (digits-mlp's 1,024 rows: 11.5 of a 22 s start on a 2-core machine; a ResNet's would take hours).
+INTERPRETER_WARM_ROWS = 64
+
+
+def warmup_sizes(max_batch_size: int, device: torch.device, mode: str = "unfused") -> list[int]:
     """Batch sizes to run before ready. On CUDA every power-of-two bucket up to max_batch_size (the
-    autotuner keys on the bucket) plus the max itself; under the CPU interpreter nothing compiles,
-    so the smallest and largest batches only check the path."""
+    autotuner keys on the bucket) plus the max itself; on the CPU nothing compiles, so the smallest and
+    largest batches only check the path, the largest at most INTERPRETER_WARM_ROWS in the fused mode."""
     if device.type != "cuda":
-        return sorted({1, max_batch_size})
+        return sorted({1, min(max_batch_size, INTERPRETER_WARM_ROWS) if mode == "fused" else max_batch_size})
     return graph_buckets(max_batch_size)
 
 
@@ -299,14 +306,14 @@ class ModelRunner:
 
     def warmup_step_buckets(self, max_batch_size: int) -> int:
         """The warm-up's work in step-buckets (steps times batch sizes), for its progress."""
-        return len(warmup_sizes(max_batch_size, self.device)) * len(self.executor.layers)
+        return len(warmup_sizes(max_batch_size, self.device, self.executor.mode)) * len(self.executor.layers)
 
     @torch.inference_mode()
     def warmup(self, max_batch_size: int, progress=None) -> list[int]:
         """Compile, tune and (on CUDA) capture every batch bucket so no request pays for it; returns the sizes run.
         A step whose kernel cannot compile within the deadline runs unfused from then on (Executor.warm_forward).
         progress: a service.engine.startup.StartupProgress told of each bucket and step, or None."""
-        sizes = warmup_sizes(max_batch_size, self.device)
+        sizes = warmup_sizes(max_batch_size, self.device, self.executor.mode)
         gen = torch.Generator(device=self.device).manual_seed(0)
         ex = self.executor
         for k, n in enumerate(sizes):
