@@ -30,19 +30,19 @@ ROOT = Path(__file__).resolve().parents[1]
 _SHARED_FIXTURE = re.compile(r"@pytest\.fixture\(\s*scope\s*=\s*[\"'](module|session)[\"']")
 
 # CPU seconds of each module's tests on the 2-core CI machine without a GPU (one process, servers' processes
-# included, Triton's cache warm; measured at 87a5783, less what issue 51's changes since took off). Only the order
-# depends on them: a module not listed counts as DEFAULT_S.
+# included, Triton's cache warm; measured at 87a5783, scaled by what issue 51's changes since took off, each module
+# measured alone before and after). Only the order depends on them: a module not listed counts as DEFAULT_S.
 MODULE_CPU_S = {
-    "test_fuzz_openapi": 234, "test_zoo": 229, "test_kernels_pool": 200, "test_kernels_conv": 170,
-    "test_v2_protocol": 118, "test_bench_kernels": 115, "test_kernels_linear": 100, "test_load_balancer": 97,
-    "test_kernels_conv_norm": 90, "test_kernels_conv_tma": 85, "test_executors": 80, "test_kernels_compile": 80,
-    "test_service_e2e": 75, "test_fuzz_inputs": 69, "test_kernels_conv_xscale": 65, "test_multiprocess": 64,
-    "test_attacks": 62, "test_keys_restart": 60, "test_import_onnx_blocks": 57, "test_docs": 50, "test_bench_serve": 48,
-    "test_kernels_mlp": 45, "test_service_e2e_resnet": 43, "test_import_torch_blocks": 40, "test_service_e2e_cnn": 37,
+    "test_fuzz_openapi": 91, "test_zoo": 229, "test_kernels_pool": 152, "test_kernels_conv": 170,
+    "test_v2_protocol": 100, "test_bench_kernels": 89, "test_kernels_linear": 52, "test_load_balancer": 97,
+    "test_kernels_conv_norm": 49, "test_kernels_conv_tma": 68, "test_executors": 80, "test_kernels_compile": 80,
+    "test_service_e2e": 75, "test_fuzz_inputs": 32, "test_kernels_conv_xscale": 45, "test_multiprocess": 59,
+    "test_attacks": 62, "test_keys_restart": 41, "test_import_onnx_blocks": 57, "test_docs": 50, "test_bench_serve": 44,
+    "test_kernels_mlp": 31, "test_service_e2e_resnet": 41, "test_import_torch_blocks": 40, "test_service_e2e_cnn": 36,
     "test_security": 37, "test_import_onnx": 37, "test_hostile_http": 37, "test_kernels_conv_grouped": 32,
-    "test_service_e2e_images": 27, "test_gpu_faults": 27, "test_service_e2e_uint8": 25, "test_bench_perf_analyzer": 23,
+    "test_service_e2e_images": 27, "test_gpu_faults": 27, "test_service_e2e_uint8": 25, "test_bench_perf_analyzer": 14,
     "test_reload": 21, "test_kernels_conv_matrix": 20, "test_v2_extensions": 19, "test_import_torch": 19,
-    "test_seeding": 17, "test_startup_progress": 16, "test_drain_delay": 15, "test_bench_serve_images": 15,
+    "test_seeding": 17, "test_startup_progress": 12, "test_drain_delay": 15, "test_bench_serve_images": 15,
     "test_model_format": 14, "test_bench_soak": 14, "test_prometheus_scrape": 13, "test_bench_serve_files": 13,
     "test_v2_arena_body": 12, "test_model_input_norm": 12, "test_supervisor_ports": 11, "test_import_onnx_source": 10,
     "test_ab": 9, "test_images_preprocess": 8, "test_deploy_k8s": 8, "test_ab_dashboard": 8,
