@@ -238,7 +238,10 @@ def test_bad_residuals_are_named():
 
 def test_k_loops_and_tiles_agree():
     """Flat K and per-tap K, small and serving tile: the same result up to the order of fp32 sums."""
-    x, w, b = _inputs((2, 20, 7, 6, 24, 3, 1, 1, 1), torch.float32, DEVICE)
+    # One image, not two (issue 51): 42 pixels still make 3 M blocks of the small tile (the last partial) and one
+    # partial block of the serving tile, C=20 and O=24 still cross the 16 blocks; the sums' order does not depend
+    # on the image count (~2 CPU-s of ~4.5 under the interpreter).
+    x, w, b = _inputs((1, 20, 7, 6, 24, 3, 1, 1, 1), torch.float32, DEVICE)
     results = []
     for flat in (True, False):
         for tile in (None, conv_mod.SMALL_INTERPRETER_TILE):
@@ -509,9 +512,16 @@ def test_conv_act_pool_dtypes(dtype, activation):
 )
 def test_conv_then_pool_apart(small_tile, case, pool, channels_last):
     """The tuner's APART candidates: the conv to its full output (split-K allowed), then fused_pool2d."""
+    # Each case with both layouts and both checks, the pairing taken in turn (case index + layout), so every case
+    # meets fp32/silu/bias and bf16/relu/no bias and each layout meets both: the layout sets the conv's stores and
+    # the pool's loads, the dtype only the loads and final roundings of both; running both checks in both layouts of
+    # every case (12 calls, issue 51) ran nothing these 6 do not (~5 CPU-s of ~10 under the interpreter).
+    i = (POOLED[:2] + POOLED[3:4]).index((case, pool))
     with conv_mod.INTERPRETER.override(pool_apart=True, split_k=2):
-        _check_pooled(case, pool, torch.float32, "silu", DEVICE, channels_last=channels_last)
-        _check_pooled(case, pool, torch.bfloat16, "relu", DEVICE, channels_last=channels_last, bias=False)
+        if (i + channels_last) % 2 == 0:
+            _check_pooled(case, pool, torch.float32, "silu", DEVICE, channels_last=channels_last)
+        else:
+            _check_pooled(case, pool, torch.bfloat16, "relu", DEVICE, channels_last=channels_last, bias=False)
 
 
 @pytest.mark.parametrize("pool", [None, ("max", 2)], ids=["conv", "conv-pool"])
