@@ -33,7 +33,7 @@ _SHARED_FIXTURE = re.compile(r"@pytest\.fixture\(\s*scope\s*=\s*[\"'](module|ses
 # included, Triton's cache warm; measured at 87a5783, scaled by what issue 51's changes since took off, each module
 # measured alone before and after). Only the order depends on them: a module not listed counts as DEFAULT_S.
 MODULE_CPU_S = {
-    "test_fuzz_openapi": 91, "test_zoo": 229, "test_kernels_pool": 152, "test_kernels_conv": 170,
+    "test_fuzz_openapi": 91, "test_zoo": 229, "test_kernels_pool": 152, "test_kernels_conv": 106,
     "test_v2_protocol": 100, "test_bench_kernels": 89, "test_kernels_linear": 52, "test_load_balancer": 97,
     "test_kernels_conv_norm": 49, "test_kernels_conv_tma": 68, "test_executors": 80, "test_kernels_compile": 80,
     "test_service_e2e": 75, "test_fuzz_inputs": 32, "test_kernels_conv_xscale": 45, "test_multiprocess": 59,
