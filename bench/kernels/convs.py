@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from .models import WIDE_CNN_CONVS, WIDE_CNN_INPUT
 from .providers import COMPILE_MODES, NotAvailable, compiled
-from .timing import ELEMENT_BYTES, Prepared, describe, synchronize
+from .timing import ELEMENT_BYTES, Prepared, describe, synchronize, warm_ours
 
 CONV_PROVIDERS = ("cudnn", "cudnn-fused", "compile", "ours")
 NHWC = torch.channels_last
@@ -89,11 +89,7 @@ def conv_provider(name: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, 
             return fused_conv2d(x, w, b, padding=PADDING, activation="relu", memory_format=NHWC)
 
         t = time.perf_counter()
-        # The first call on CUDA tunes this layer's batch bucket; later ones launch directly. Triton's interpreter
-        # (no CUDA) has fixed configs: one call warms it (issue 51).
-        for _ in range(3 if device.type == "cuda" else 1):
-            fn()
-        synchronize(device)
+        warm_ours(fn, device)
         return Prepared(fn, compile_s=time.perf_counter() - t)
     raise ValueError(f"unknown conv provider {name!r}; expected one of {', '.join(CONV_PROVIDERS)}")
 

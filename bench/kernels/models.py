@@ -51,7 +51,7 @@ from service.model.loader import Model, load_model
 from service.model.planner import ActivationStep, Conv2dStep, FlattenStep, LinearStep, Pool2dStep, plan
 
 from .providers import COMPILE_MODES, NotAvailable, compiled
-from .timing import ELEMENT_BYTES, Prepared, describe, synchronize
+from .timing import ELEMENT_BYTES, Prepared, describe, synchronize, warm_ours
 
 MODEL_PROVIDERS = (
     "eager", "eager-cl", "eager-folded", "linear", "compile", "compile-max", "ours-unfused-graph", "ours-eager", "ours",
@@ -475,11 +475,6 @@ class ModelProviders:
         return self._warmed(Prepared(lambda: g.replay(rows), graphed=True), t)
 
     def _warmed(self, prep: Prepared, t0: float) -> Prepared:
-        # On CUDA the first calls autotune the bucket (and capture its graph). Without CUDA ours runs through
-        # Triton's interpreter (fixed configs, no graph): one call warms it, and each more was an interpreted forward
-        # for nothing (a ResNet-18 at 3x32x32, batch 2: ~15 CPU-s; issue 51).
-        for _ in range(3 if self.device.type == "cuda" else 1):
-            prep.fn()
-        synchronize(self.device)
+        warm_ours(prep.fn, self.device)
         prep.compile_s = time.perf_counter() - t0
         return prep

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from kernels.activations import torch_activation
 
-from .timing import Prepared, describe, synchronize
+from .timing import Prepared, describe, synchronize, warm_ours
 
 LAYER_PROVIDERS = ("eager", "linear", "cublaslt", "compile", "compile-max", "ours")
 COMPILE_MODES = {"compile": "default", "compile-max": "max-autotune-no-cudagraphs"}
@@ -88,11 +88,7 @@ def layer_provider(
 
         layer = FusedLinear(w, b, act, allow_tf32=tf32)
         t = time.perf_counter()
-        # The first call on CUDA autotunes this batch bucket; later ones launch directly. Triton's interpreter (no
-        # CUDA) has fixed configs: one call warms it (issue 51).
-        for _ in range(3 if device.type == "cuda" else 1):
-            layer(x)
-        synchronize(device)
+        warm_ours(lambda: layer(x), device)
         return Prepared(lambda: layer(x), compile_s=time.perf_counter() - t)
     raise ValueError(f"unknown layer provider {name!r}; expected one of {', '.join(LAYER_PROVIDERS)}")
 

@@ -73,6 +73,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def warm_ours(fn: Callable[[], object], device: torch.device) -> None:
+    """Ours' calls before it is timed: on CUDA three (the first autotunes the batch bucket and, for a model, captures
+    its graph; later ones launch directly); without CUDA one, since Triton's interpreter has fixed configs and no
+    graph (each more call was an interpreted forward for nothing: a ResNet-18 at 3x32x32, batch 2, ~15 CPU-s)."""
+    for _ in range(3 if device.type == "cuda" else 1):
+        fn()
+    synchronize(device)
+
+
 def back_to_back_us(fn: Callable[[], object], reps: int, warmups: int) -> float:
     """Device us per call of fn: `warmups` calls, then `reps` back to back between two CUDA events (the pool
     study's and the conv probes' hot time; the kernel benchmark's own is kernels.hot_timing)."""
