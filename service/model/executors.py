@@ -687,10 +687,7 @@ class Executor:
             name, layer = self.layers[i]
             if on_step is not None:
                 on_step(i, name)
-            if wiring.alloc is not None:
-                live[wiring.alloc[0]] = self._buffer(x.shape[0], wiring.alloc[1])
-            args = [live[t] for t in wiring.reads]
-            kw = {} if wiring.into is None else {"out": _slot_view(live[wiring.into[0]], *wiring.into[1:])}
+            args, kw = self._inputs(wiring, live, x.shape[0])
             try:
                 y = layer(*args, **kw)
             except Exception as e:
@@ -718,18 +715,21 @@ class Executor:
         log.warning("step %s (%s) runs its unfused op: %s", step.name, type(step).__name__, why)
         return layer
 
+    def _inputs(self, wiring: Wiring, live: dict, rows: int) -> tuple[list, dict]:
+        """A step's inputs from `live` and its out= (its channels of a buffer), the buffer it starts allocated first:
+        a shuffled concat with no writer before it reads its own buffer."""
+        if wiring.alloc is not None:
+            live[wiring.alloc[0]] = self._buffer(rows, wiring.alloc[1])
+        kw = {} if wiring.into is None else {"out": _slot_view(live[wiring.into[0]], *wiring.into[1:])}
+        return [live[t] for t in wiring.reads], kw
+
     def forward(self, x: torch.Tensor, timer: StepTimer | None = None) -> torch.Tensor:
         """x: (rows, *input_shape) on the executor's device, in `input_dtype` -> (rows, output_features)."""
         if self._cast_input:
             x = x.to(self.dtype)
         live = {self.input_name: x}
         for (name, layer), wiring in zip(self.layers, self.wiring, strict=True):
-            if wiring.alloc is not None:  # first: a shuffled concat with no writer before it reads its buffer
-                live[wiring.alloc[0]] = self._buffer(x.shape[0], wiring.alloc[1])
-            args = [live[t] for t in wiring.reads]
-            kw = {}
-            if wiring.into is not None:
-                kw = {"out": _slot_view(live[wiring.into[0]], *wiring.into[1:])}
+            args, kw = self._inputs(wiring, live, x.shape[0])
             if timer is None or name is None:
                 y = layer(*args, **kw)
             else:
