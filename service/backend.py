@@ -22,9 +22,32 @@ def prepare_backend(settings: Settings):
     return device
 
 
+# Device files a GPU driver makes: without any of them torch cannot see a GPU (NVIDIA's driver, and ROCm's, which torch
+# also reports as cuda).
+GPU_DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")
+
+
+def device_type(name: str) -> str:
+    """resolve_device(name).type, without importing torch where the answer needs none: `cpu` asked for, or `auto` on
+    a host with no GPU driver (GPU_DRIVER_PATHS). The supervisor asks this and never runs a model: torch's import was
+    2.8 CPU-s of a 2-core machine's start, before any engine could begin."""
+    if name == "cpu" or (name == "auto" and not any(os.path.exists(p) for p in GPU_DRIVER_PATHS)):
+        return "cpu"
+    return resolve_device(name).type
+
+
+def prepare_device_type(settings: Settings) -> str:
+    """prepare_backend for the supervisor: the device type, and Triton's interpreter chosen for its children on the
+    CPU, torch imported only where the host has a GPU driver."""
+    kind = device_type(settings.device)
+    if kind == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return kind
+
+
 def resolve_device(name: str):
-    """'auto' -> cuda if present, else cpu; 'cuda' without a GPU is an error, not a silent fallback. torch only: the
-    supervisor calls this and never runs a model, so it does not import the kernels (1.5 CPU-s a start on 2 cores)."""
+    """'auto' -> cuda if present, else cpu; 'cuda' without a GPU is an error, not a silent fallback. torch only, not
+    the kernels (1.5 CPU-s a start on 2 cores): the supervisor calls this (device_type) on a host with a GPU driver."""
     import torch
 
     if name == "auto":

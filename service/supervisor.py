@@ -6,6 +6,13 @@ watch them, and stop them in order.
                 ├─ front end 0 (FastAPI + uvicorn on :port, SO_REUSEPORT), a Unix socket to every engine
                 └─ front end 1 ...
 
+Start: the supervisor finds the model (ModelNotFound names the places looked at) and starts the engines; engine 0
+reads the model and sends what the front ends must know of it (frontend.state.ModelInfo), or why the loader refuses
+it, which `serve` reports as before any process serves (exit 2). The front ends start then, while the engines
+compile and warm up; the ready banner waits for every engine and for every front end's socket to listen. The
+supervisor never imports torch on a host with no GPU driver (backend.device_type): torch's import was 2.8 CPU-s of
+a 2-core machine's start, before the engine could begin its own.
+
 Why processes: a small model's forward takes microseconds on the GPU, while Python's HTTP handling takes
 hundreds per request per core; so front ends scale over the host's cores, and each GPU keeps one queue
 (one engine), where batches form from every front end's requests.
@@ -45,6 +52,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .config import (
     ENV_PREFIX,
@@ -60,6 +68,9 @@ from .config import (
 from .link import wire
 from .link.live import write_live
 from .processes import STARTUP_FAILED
+
+if TYPE_CHECKING:
+    from .frontend.state import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -173,23 +184,20 @@ class Supervisor:
             metrics_dir = run_dir / "metrics"
             metrics_dir.mkdir()
             # Each process writes its values there (service/metrics.py); the supervisor's own counters too.
-            from .metrics import SupervisorMetrics, use_multiprocess_dir
+            from .metrics import use_multiprocess_dir
 
             use_multiprocess_dir(str(metrics_dir))
-            from .backend import prepare_backend
+            from .backend import prepare_device_type
             from .dependencies import DependencyError, check_imports, front_end_modules
-            from .frontend.state import ModelInfo
-            from .model.loader import load_model
 
             try:  # here, once: a front end that cannot import would die at each start again (a crash loop)
                 check_imports(front_end_modules(grpc=s.grpc_port is not None))
             except DependencyError as e:
                 raise StartError(str(e)) from None
-            model = load_model(s.model_path())  # ModelFormatError names what is wrong, before any process starts
-            self._model_name = model.name
-            self._metrics = SupervisorMetrics(model.name)  # every reload outcome visible at 0 from the start
-            device = prepare_backend(s)
-            devices = engine_devices(s, device.type)
+            # The model is found here (ModelNotFound names every place looked at) and read by engine 0 (_model_info):
+            # the supervisor never imports torch where the host has no GPU driver.
+            s.model_path()
+            devices = engine_devices(s, prepare_device_type(s))
             workers = s.workers or default_workers(len(devices))
             port_hold = _reserve_port(s.host, s.port, setting_name("port", self.overrides))
             grpc_hold = None
@@ -208,7 +216,7 @@ class Supervisor:
                                          f"{e.strerror or e}") from None  # fmt: skip
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, self._request_stop)
-                return self._run(model, ModelInfo.of(model), devices, workers, run_dir)
+                return self._run(devices, workers, run_dir)
             finally:
                 port_hold.close()
                 if grpc_hold is not None:
@@ -319,7 +327,27 @@ class Supervisor:
         log.info("SIGHUP: %s", self._keys.describe())
         return True
 
-    def _run(self, model, info, devices: list[str | None], workers: int, run_dir: Path) -> int:
+    def _model_info(self, reader, engine) -> ModelInfo | None:
+        """What engine 0 reads of the model (frontend.state.ModelInfo), once it has loaded it; ModelFormatError with
+        the engine's words where the model is refused; None where the engine died first (its log says why) or a stop
+        signal came."""
+        from .model.spec import ModelFormatError
+
+        while not self._stop_requested:
+            ready = multiprocessing.connection.wait([reader, engine.sentinel], timeout=0.1)
+            if reader in ready:
+                try:
+                    kind, value = reader.recv()
+                except EOFError:  # the engine died before it sent anything
+                    return None
+                if kind == "refused":
+                    raise ModelFormatError(value)
+                return value
+            if engine.sentinel in ready:
+                return None
+        return None
+
+    def _run(self, devices: list[str | None], workers: int, run_dir: Path) -> int:
         s = self.settings
         endpoints = [str(run_dir / f"engine-{i}.sock") for i in range(len(devices))]
         states = [self._ctx.Value("i", wire.LOADING, lock=False) for _ in devices]
@@ -328,29 +356,53 @@ class Supervisor:
         generation = self._shared_generation = self._ctx.Value("i", self._generation, lock=False)
 
         # A child started again after a reload gets the settings as they are now, and the generation they are.
-        def start_engine(i: int) -> multiprocessing.process.BaseProcess:
+        def start_engine(i: int, info_to=None) -> multiprocessing.process.BaseProcess:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(endpoints[i])  # a dead engine's socket file: the new one binds the same path
             states[i].value = wire.LOADING
             config = (generation, self._generation)
             p = self._ctx.Process(
                 target=_engine_main,
-                args=(self.settings, i, endpoints[i], states[i], devices[i], str(run_dir), threads, config),
+                args=(self.settings, i, endpoints[i], states[i], devices[i], str(run_dir), threads, config, info_to),
                 name=f"engine-{i}",
             )
             p.start()
             return p
 
+        # Engine 0 sends what the front ends must know of the model once it has read it; the front ends start then,
+        # while the engines compile and warm up.
+        reader, writer = self._ctx.Pipe(duplex=False)
         for i in range(len(devices)):
-            self.engines.append(start_engine(i))
+            self.engines.append(start_engine(i, writer if i == 0 else None))
+        writer.close()
+        try:
+            info = self._model_info(reader, self.engines[0])
+        except BaseException:  # a refused model (or an interrupt): no engine is left running behind the message
+            _stop(self.engines, time.monotonic() + ENGINE_STOP_MIN_S)
+            raise
+        finally:
+            reader.close()
+        if info is None:
+            if self._stop_requested:
+                return self._shutdown(0)
+            log.error("engine 0 exited with code %s before it had read the model (its log above says why); stopping "
+                      "the service", self.engines[0].exitcode)  # fmt: skip
+            return self._shutdown(1)
+        from .metrics import SupervisorMetrics
+
+        self._model_name = info.name
+        self._metrics = SupervisorMetrics(info.name)  # every reload outcome visible at 0 from the start
 
         # A front end started again (a crash, an OOM kill) gets the keys in force now, never the keys file's content.
+        listening = [self._ctx.Value("b", 0, lock=False) for _ in range(workers)]
+
         def start_frontend(k: int) -> multiprocessing.process.BaseProcess:
             config = (generation, self._generation)
             keys = self._keys.in_force()
+            listening[k].value = 0
             p = self._ctx.Process(
                 target=_frontend_main,
-                args=(self.settings, info, endpoints, states, str(run_dir), k, config, keys),
+                args=(self.settings, info, endpoints, states, str(run_dir), k, config, keys, listening[k]),
                 name=f"frontend-{k}",
             )
             p.start()
@@ -361,7 +413,7 @@ class Supervisor:
         scheme = "https" if s.tls else "http"
         log.info(
             "fusedserve: %s on %s, %d engine(s) %s, %d front end(s), %s://%s:%d",
-            model.name, s.mode, len(devices), [d if d is not None else "cpu" for d in devices], workers, scheme, s.host,
+            info.name, s.mode, len(devices), [d if d is not None else "cpu" for d in devices], workers, scheme, s.host,
             s.port,
         )  # fmt: skip
         from .console import TerminalProgress, ready_banner
@@ -377,7 +429,8 @@ class Supervisor:
             if self._reload_requested:
                 self._reload_requested = False
                 self.reload()
-            if not announced and all(st.value == wire.READY for st in states):
+            # Ready once every engine is and every front end listens: the banner's URLs then take connections.
+            if not announced and all(st.value == wire.READY for st in states) and all(f.value for f in listening):
                 announced = True
                 bar.clear()
                 log.info("%s", ready_banner(s, len(devices)))

@@ -607,9 +607,13 @@ def engine_main(
     run_dir: str,
     threads: int,
     config: tuple | None = None,
+    info_to=None,
 ) -> None:
     """Entry point of an engine process (spawned by the supervisor). `state` is a shared integer (wire.LOADING..);
-    `config`: (the supervisor's shared configuration generation, the generation `settings` is) for SIGHUP reloads."""
+    `config`: (the supervisor's shared configuration generation, the generation `settings` is) for SIGHUP reloads;
+    `info_to`: engine 0's end of a pipe to the supervisor, which starts the front ends once it has the model's
+    ModelInfo, sent as soon as the model is read (("info", ModelInfo), or ("refused", why) for a model the loader
+    refuses, which the supervisor reports as `fusedserve serve` always has: exit 2, no traceback)."""
     child_setup(f"fs-engine-{index}")
     configure_logging(settings.log_level)
     engine: Engine | None = None
@@ -635,10 +639,27 @@ def engine_main(
         torch.set_num_threads(1 if device.type == "cuda" else threads)
         from ..metrics import EngineMetrics, config_reloaded
         from ..model.loader import load_model
+        from ..model.spec import ModelFormatError
         from .startup import StartupProgress
 
         progress = StartupProgress(index, Path(run_dir))
-        model = load_model(settings.model_path())
+        try:
+            model = load_model(settings.model_path())
+        except ModelFormatError as e:
+            if info_to is None:
+                raise
+            # The supervisor says why and stops this process: no teardown for its SIGTERM to interrupt.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            progress.finish()
+            state.value = wire.FAILED_START
+            info_to.send(("refused", str(e)))
+            logging.shutdown()
+            os._exit(3)
+        if info_to is not None:
+            from ..frontend.state import ModelInfo
+
+            info_to.send(("info", ModelInfo.of(model)))
+            info_to.close()
         dtype = settings.compute_dtype(device.type)
         _, b_config = settings.ab_configs(device.type)  # ValueError: AB_OTHER is what DTYPE=auto resolves to
         configs = Configs(dtype, b_config if settings.ab_other is not None else None)

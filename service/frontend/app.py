@@ -121,10 +121,13 @@ def frontend_main(
     index: int,
     config: tuple | None = None,
     keys: tuple | None = None,
+    listening=None,
 ) -> None:
     """Entry point of a front-end process (spawned by the supervisor); `config`: (the supervisor's shared
     configuration generation, the generation `settings` is) for SIGHUP reloads; `keys`: the supervisor's API keys in
-    force (auth.KeysInForce), which this front end holds whatever the keys file says by now (issue 53)."""
+    force (auth.KeysInForce), which this front end holds whatever the keys file says by now (issue 53); `listening`:
+    a shared flag set once its socket listens (connections queue from then on), which the supervisor's ready banner
+    waits for."""
     from ..processes import child_setup, configure_logging
 
     child_setup(f"fs-frontend-{index}")
@@ -155,6 +158,8 @@ def frontend_main(
 
         served = AccessLog(served, settings.access_log, settings.access_log_sample)
     sock = listen_socket(settings.host, settings.port)
+    if listening is not None:
+        listening.value = 1
     config = uvicorn.Config(
         served,
         log_level=settings.log_level,

@@ -1,0 +1,90 @@
+"""How `fusedserve serve` starts (service/supervisor.py): the supervisor resolves the device without importing torch
+where the host has no GPU driver (service/backend.py's device_type), engine 0 reads the model and hands its
+ModelInfo over, and a model the loader refuses is reported by `serve` as it always was (exit 2, the loader's words,
+no traceback, no process left behind).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from service import backend
+from tests.server import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_cpu_and_auto_without_a_driver_need_no_torch(monkeypatch, tmp_path):
+    def no_torch(name):
+        raise AssertionError(f"resolve_device({name!r}) imported torch")
+
+    monkeypatch.setattr(backend, "resolve_device", no_torch)
+    monkeypatch.setattr(backend, "GPU_DRIVER_PATHS", (str(tmp_path / "nvidiactl"), str(tmp_path / "kfd")))
+    assert backend.device_type("cpu") == "cpu"
+    assert backend.device_type("auto") == "cpu"
+
+
+def test_a_driver_or_an_explicit_device_asks_torch(monkeypatch, tmp_path):
+    driver = tmp_path / "nvidiactl"
+    driver.write_text("")
+    asked = []
+
+    class Found:
+        type = "cuda"
+
+    def resolve(name):
+        asked.append(name)
+        return Found()
+
+    monkeypatch.setattr(backend, "resolve_device", resolve)
+    monkeypatch.setattr(backend, "GPU_DRIVER_PATHS", (str(driver),))
+    assert backend.device_type("auto") == "cuda"
+    assert backend.device_type("cuda") == "cuda"  # an explicit cuda is checked by torch: no silent CPU fallback
+    assert asked == ["auto", "cuda"]
+
+
+# The supervisor's start as far as its processes, in a fresh interpreter (this one has torch imported by other tests):
+# _run replaced by a report of what the supervisor process imported by then.
+_UP_TO_RUN = """
+import sys
+from service import backend, supervisor
+backend.GPU_DRIVER_PATHS = ("/nonexistent/nvidiactl",)
+supervisor.Supervisor._run = lambda self, devices, workers, run_dir: print("torch imported:", "torch" in sys.modules,
+                                                                          "devices:", devices) or 0
+from service.cli import main
+sys.exit(main(["serve", "--port", sys.argv[1], "--no-warmup", "--workers", "1"]))
+"""
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSEDSERVE_")}
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def test_the_supervisor_starts_its_processes_without_torch(tmp_path):
+    argv = [sys.executable, "-c", _UP_TO_RUN, str(free_port())]
+    res = subprocess.run(argv, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "torch imported: False devices: [None]" in res.stdout, (res.stdout, res.stderr)
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_model_is_reported_by_serve_and_leaves_no_process(tmp_path):
+    model = tmp_path / "broken"
+    model.mkdir()
+    (model / "config.json").write_text('{"name": "broken", "layers": []}')
+    argv = [sys.executable, "-m", "fusedserve", "serve", "--model", str(model), "--device", "cpu",
+            "--port", str(free_port()), "--no-warmup", "--workers", "1"]  # fmt: skip
+    res = subprocess.run(argv, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=100)
+    assert res.returncode == 2, res.stderr
+    err = res.stderr
+    assert f"fusedserve: cannot serve: {model}/config.json: " in err, err
+    assert "Traceback" not in err and "failed to start" not in err, err
+    # The engine that read it exited, and nothing else was started: no front end line, no banner.
+    assert "front end 0" not in err and "fusedserve ready" not in err, err
