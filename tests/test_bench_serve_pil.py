@@ -8,6 +8,7 @@ import io
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -114,6 +115,25 @@ def test_the_peer_answers_binary_requests_of_files(model, tmp_path):
 
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+    # Its upstream fusedserve stops with it: it once ran on, orphaned, after the peer's SIGTERM.
+    deadline = time.monotonic() + 15
+    while _processes_serving(model) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _processes_serving(model), "the peer's upstream fusedserve outlived it"
+
+
+def _processes_serving(model: Path) -> list[int]:
+    """pids of `service.cli serve` processes of this model."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"service.cli" in argv and str(model).encode() in argv:
+                found.append(int(entry.name))
+    return found
 
 
 def test_bench_serve_runs_the_peer_on_the_file_phases_only(model):

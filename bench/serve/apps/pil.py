@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             time.sleep(0.2)
         os.environ[UPSTREAM_ENV], os.environ[MODEL_ENV] = url, str(Path(args.model).resolve())
+        # uvicorn re-raises the SIGTERM it stopped on once its shutdown is done, under the handler it found: with
+        # the default one this process died there, before `finally`, and the upstream fusedserve ran on orphaned.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
         uvicorn.run("bench.serve.apps.pil:app", host=args.host, port=args.port, workers=args.workers,
                     log_level="info", access_log=False)  # fmt: skip
     finally:
