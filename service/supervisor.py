@@ -7,7 +7,7 @@ watch them, and stop them in order.
                 └─ front end 1 ...
 
 Start: the supervisor finds the model (ModelNotFound names the places looked at) and starts the engines; engine 0
-reads the model and sends what the front ends must know of it (frontend.state.ModelInfo), or why the loader refuses
+reads the model and sends what the front ends must know of it (link.model_info.ModelInfo), or why the loader refuses
 it, which `serve` reports as before any process serves (exit 2). The front ends start then, while the engines
 compile and warm up; the ready banner waits for every engine and for every front end's socket to listen. The
 supervisor never imports torch on a host with no GPU driver (backend.device_type): torch's import was 2.8 CPU-s of
@@ -70,7 +70,7 @@ from .link.live import write_live
 from .processes import STARTUP_FAILED
 
 if TYPE_CHECKING:
-    from .frontend.state import ModelInfo
+    from .link.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -328,7 +328,7 @@ class Supervisor:
         return True
 
     def _model_info(self, reader, engine) -> ModelInfo | None:
-        """What engine 0 reads of the model (frontend.state.ModelInfo), once it has loaded it; ModelFormatError with
+        """What engine 0 reads of the model (link.model_info.ModelInfo), once it has loaded it; ModelFormatError with
         the engine's words where the model is refused; None where the engine died first (its log says why) or a stop
         signal came."""
         from .model.spec import ModelFormatError

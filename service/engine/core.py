@@ -656,7 +656,7 @@ def engine_main(
             logging.shutdown()
             os._exit(3)
         if info_to is not None:
-            from ..frontend.state import ModelInfo
+            from ..link.model_info import ModelInfo
 
             info_to.send(("info", ModelInfo.of(model)))
             info_to.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 from dataclasses import asdict, dataclass, field
@@ -13,6 +12,7 @@ import numpy as np
 
 from ..config import Settings
 from ..link import wire
+from ..link.model_info import ModelInfo
 from ..link.plan import PLAN_FILE, read_plan
 from ..link.tuning_progress import read_tuning
 from ..metrics import RequestMetrics
@@ -28,36 +28,6 @@ BYTES_PER_VALUE = 32
 def body_limit(max_rows: int, input_features: int) -> int:
     """The largest request body (or gRPC message) a front end reads: max_rows rows of JSON numbers, plus 4 KiB."""
     return max_rows * input_features * BYTES_PER_VALUE + 4096
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What a front end must know of the model to validate requests and label answers (no tensors, no torch)."""
-
-    name: str
-    description: str | None
-    input_shape: tuple[int, ...]
-    output_features: int
-    labels: list[str] | None
-    input_dtype: str = "float32"  # what clients send: "float32", or "uint8" pixels (integers 0-255)
-    # A model that also takes encoded images: how they become its input (service/images/preprocess.py's
-    # Preprocess.describe: resize, crop, interpolation, channels, normalize); None: tensors only.
-    image: dict | None = None
-
-    @classmethod
-    def of(cls, model) -> ModelInfo:
-        spec = model.spec
-        image = None
-        if spec.input.image is not None:
-            from ..images.preprocess import Preprocess
-
-            image = Preprocess.of(spec).describe()
-        return cls(model.name, spec.description, tuple(model.input_shape), model.output_features, spec.labels,
-                   spec.input.dtype, image)  # fmt: skip
-
-    @property
-    def input_features(self) -> int:
-        return math.prod(self.input_shape)
 
 
 @dataclass
