@@ -88,3 +88,45 @@ def test_a_refused_model_is_reported_by_serve_and_leaves_no_process(tmp_path):
     assert "Traceback" not in err and "failed to start" not in err, err
     # The engine that read it exited, and nothing else was started: no front end line, no banner.
     assert "front end 0" not in err and "fusedserve ready" not in err, err
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_while_engine_0_reads_the_model_stops_cleanly(tmp_path):
+    """A stop that comes before the front ends exist (engine 0 still importing torch and reading the model): exit 0,
+    the engine stopped with it."""
+    import signal
+    import time
+
+    from bench.local_server import children
+
+    argv = [
+        sys.executable,
+        "-m",
+        "fusedserve",
+        "serve",
+        "--device",
+        "cpu",
+        "--port",
+        str(free_port()),
+        "--workers",
+        "1",
+    ]
+    proc = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while "fs-engine-0" not in (kids := children(proc.pid)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            time.sleep(0.02)
+        # Engine 0 is importing torch (~2.5 s here) before it reads the model; no front end exists before that.
+        early = not any(name.startswith("fs-frontend") for name in kids)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "fusedserve stopped (exit 0)" in out and "Traceback" not in out, out
+    if early:  # the stop came first: no front end was started after it
+        assert "front end 0" not in out, out
+    engine = kids["fs-engine-0"]
+    assert not Path(f"/proc/{engine}").exists() or "fs-engine" not in Path(f"/proc/{engine}/comm").read_text()
