@@ -17,9 +17,14 @@ def prepare_backend(settings: Settings):
     its reference ops), and a reload may switch it to fused or ab later.
     """
     device = resolve_device(settings.device)
-    if device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    _interpret_on_cpu(device.type)
     return device
+
+
+def _interpret_on_cpu(kind: str) -> None:
+    """Triton's interpreter for this process and the children it starts, where the device is the CPU."""
+    if kind == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 # Device files a GPU driver makes: without any of them torch cannot see a GPU (NVIDIA's driver, and ROCm's, which torch
@@ -40,8 +45,7 @@ def prepare_device_type(settings: Settings) -> str:
     """prepare_backend for the supervisor: the device type, and Triton's interpreter chosen for its children on the
     CPU, torch imported only where the host has a GPU driver."""
     kind = device_type(settings.device)
-    if kind == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    _interpret_on_cpu(kind)
     return kind
 
 
