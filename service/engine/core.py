@@ -622,7 +622,10 @@ def engine_main(
         if engine is not None:
             engine.stopping = True
         else:
-            sys.exit(0)
+            # Nothing is served yet, so nothing is owed. Not sys.exit: a SystemExit raised inside torch's C++ (the
+            # safetensors read) comes back out as a different error, which the loader reported as a bad model.
+            sys.stderr.flush()
+            os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)
     if visible_device is not None:
@@ -652,13 +655,19 @@ def engine_main(
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             progress.finish()
             state.value = wire.FAILED_START
-            info_to.send(("refused", str(e)))
+            try:
+                info_to.send(("refused", str(e)))
+            except OSError:  # the supervisor is already gone (stopped meanwhile): nobody left to tell
+                pass
             logging.shutdown()
             os._exit(3)
         if info_to is not None:
             from ..link.model_info import ModelInfo
 
-            info_to.send(("info", ModelInfo.of(model)))
+            try:
+                info_to.send(("info", ModelInfo.of(model)))
+            except OSError:  # the supervisor stopped listening (a stop came while the model was read): its SIGTERM
+                os._exit(0)  # follows, and nothing is served yet
             info_to.close()
         dtype = settings.compute_dtype(device.type)
         _, b_config = settings.ab_configs(device.type)  # ValueError: AB_OTHER is what DTYPE=auto resolves to
