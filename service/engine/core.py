@@ -9,6 +9,7 @@ requests that come meanwhile make up the next batch.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
@@ -655,10 +656,8 @@ def engine_main(
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             progress.finish()
             state.value = wire.FAILED_START
-            try:
+            with contextlib.suppress(OSError):  # the supervisor is already gone (stopped meanwhile): nobody to tell
                 info_to.send(("refused", str(e)))
-            except OSError:  # the supervisor is already gone (stopped meanwhile): nobody left to tell
-                pass
             logging.shutdown()
             os._exit(3)
         if info_to is not None:
