@@ -326,6 +326,15 @@ class Settings(BaseSettings):
         description="port for the Open Inference Protocol over gRPC, shared by every front end (unset: no gRPC; the "
         "REST /v2 routes are always served on port)",
     )
+    grpc_workers: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="front-end processes that serve gRPC only, beside the HTTP ones (0: every HTTP front end serves "
+        "gRPC too, on its own event loop). In processes of their own, gRPC calls (and refused ones) do not take the "
+        "HTTP front ends' GIL and event loop: docs/security.md measures what that keeps of HTTP throughput while "
+        "unauthenticated gRPC calls arrive",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="log level. Changes live on SIGHUP"
     )
@@ -403,6 +412,9 @@ class Settings(BaseSettings):
         if self.grpc_port is not None and self.grpc_port == self.port:
             # Both bind with SO_REUSEPORT: the kernel would hand HTTP connections to the gRPC server and back.
             raise ValueError(f"{ENV_PREFIX}GRPC_PORT ({self.grpc_port}) must differ from {ENV_PREFIX}PORT")
+        if self.grpc_workers and self.grpc_port is None:
+            raise ValueError(f"{ENV_PREFIX}GRPC_WORKERS ({self.grpc_workers}) needs {ENV_PREFIX}GRPC_PORT: without "
+                             "it no gRPC is served")  # fmt: skip
         if self.metrics_port is not None and self.metrics_port in (self.port, self.grpc_port):
             raise ValueError(f"{ENV_PREFIX}METRICS_PORT ({self.metrics_port}) must differ from {ENV_PREFIX}PORT and "
                              f"{ENV_PREFIX}GRPC_PORT")  # fmt: skip

@@ -351,7 +351,8 @@ class Supervisor:
         s = self.settings
         endpoints = [str(run_dir / f"engine-{i}.sock") for i in range(len(devices))]
         states = [self._ctx.Value("i", wire.LOADING, lock=False) for _ in devices]
-        threads = max(1, (host_cores() - workers) // len(devices))  # torch threads of a CPU engine
+        frontends = workers + (s.grpc_workers if s.grpc_port is not None else 0)
+        threads = max(1, (host_cores() - frontends) // len(devices))  # torch threads of a CPU engine
         self._run_dir = run_dir
         generation = self._shared_generation = self._ctx.Value("i", self._generation, lock=False)
 
@@ -394,7 +395,8 @@ class Supervisor:
         self._metrics = SupervisorMetrics(info.name)  # every reload outcome visible at 0 from the start
 
         # A front end started again (a crash, an OOM kill) gets the keys in force now, never the keys file's content.
-        listening = [self._ctx.Value("b", 0, lock=False) for _ in range(workers)]
+        roles = frontend_roles(workers, s.grpc_port is not None, s.grpc_workers)
+        listening = [self._ctx.Value("b", 0, lock=False) for _ in roles]
 
         def start_frontend(k: int) -> multiprocessing.process.BaseProcess:
             config = (generation, self._generation)
@@ -402,19 +404,20 @@ class Supervisor:
             listening[k].value = 0
             p = self._ctx.Process(
                 target=_frontend_main,
-                args=(self.settings, info, endpoints, states, str(run_dir), k, config, keys, listening[k]),
+                args=(self.settings, info, endpoints, states, str(run_dir), k, config, keys, listening[k], roles[k]),
                 name=f"frontend-{k}",
             )
             p.start()
             return p
 
-        for k in range(workers):
+        for k in range(len(roles)):
             self.frontends.append(start_frontend(k))
         scheme = "https" if s.tls else "http"
+        grpc_only = f" and {s.grpc_workers} gRPC front end(s)" if roles[-1] == GRPC else ""
         log.info(
-            "fusedserve: %s on %s, %d engine(s) %s, %d front end(s), %s://%s:%d",
-            info.name, s.mode, len(devices), [d if d is not None else "cpu" for d in devices], workers, scheme, s.host,
-            s.port,
+            "fusedserve: %s on %s, %d engine(s) %s, %d front end(s)%s, %s://%s:%d",
+            info.name, s.mode, len(devices), [d if d is not None else "cpu" for d in devices], workers, grpc_only,
+            scheme, s.host, s.port,
         )  # fmt: skip
         from .console import TerminalProgress, ready_banner
         from .link.startup_progress import read_progress
@@ -503,6 +506,19 @@ class Supervisor:
         code = code or (0 if clean else 1)
         log.info("fusedserve stopped (exit %d)", code)
         return code
+
+
+HTTP, GRPC, BOTH = "http", "grpc", "http+grpc"  # what a front-end process serves
+
+
+def frontend_roles(workers: int, grpc: bool, grpc_workers: int) -> list[str]:
+    """What each front end serves, by index: `workers` HTTP ones, each serving gRPC too where gRPC is on and
+    GRPC_WORKERS is 0; otherwise GRPC_WORKERS more after them serving gRPC alone."""
+    if not grpc:
+        return [HTTP] * workers
+    if grpc_workers == 0:
+        return [BOTH] * workers
+    return [HTTP] * workers + [GRPC] * grpc_workers
 
 
 # The children's targets, named here: the supervisor never runs a model, and importing the engine to hand

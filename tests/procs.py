@@ -25,3 +25,20 @@ def open_sockets(pid: int) -> int:
         except OSError:
             continue
     return n
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """Whether `pid` holds a socket listening on TCP `port` (IPv4 or IPv6; /proc/net/tcp's state 0A)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if fd.readlink().as_posix() in inodes:
+                return True
+        except OSError:
+            continue
+    return False

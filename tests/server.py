@@ -238,11 +238,19 @@ class Server:
         )  # fmt: skip
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Wait for /health/ready == 200; restarts once on another port if the port was taken meanwhile."""
+        """Wait for /health/ready == 200, then for the supervisor's ready banner where it logs at info (the first
+        front end answers before the others, or a gRPC-only one, listen; the banner waits for all); restarts once on
+        another port if the port was taken meanwhile."""
         assert self.process is not None
         for attempt in range(3):
             try:
+                deadline = time.monotonic() + timeout_s
                 self.process.wait_http(self.url + "/health/ready", timeout_s, client_args=self.client_args)
+                level = str(self.env.get("log_level", self.env.get("FUSEDSERVE_LOG_LEVEL", "info")))
+                while level in ("info", "debug") and "fusedserve ready" not in self.process.log():
+                    if self.process.proc.poll() is not None or time.monotonic() > deadline:
+                        raise TimeoutError(f"no ready banner after {timeout_s:g} s\n{self.process.describe()}")
+                    time.sleep(0.05)
                 return
             except RuntimeError:
                 if attempt == 2 or not _bind_failed(self.process):

@@ -80,6 +80,7 @@ def test_defaults():
     assert s.ab_unfused_percent == 50.0 and s.shadow_every == 0 and s.config_file is None
     assert s.ab_other is None  # B: the other mode in DTYPE
     assert s.per_client_connect_rate is None and s.per_client_connect_burst is None  # unbounded unless set
+    assert s.grpc_workers == 0  # gRPC, where on, in every HTTP front end
     assert set(FIELDS) == {
         "mode", "ab_unfused_percent", "shadow_every", "ab_other", "config_file", "device", "model", "model_dir",
         "dtype", "float8_fp16_steps", "allow_tf32", "max_batch_size", "max_delay_ms",
@@ -91,7 +92,7 @@ def test_defaults():
         "shutdown_grace_s", "drain_delay_s", "max_connections", "max_connections_per_client",
         "per_client_connect_rate", "per_client_connect_burst", "header_timeout_s",
         "body_timeout_s",
-        "host", "port", "grpc_port", "log_level", "access_log", "access_log_sample",
+        "host", "port", "grpc_port", "grpc_workers", "log_level", "access_log", "access_log_sample",
         "api_key", "api_keys_file", "restricted_api", "public_api", "metrics_port", "docs", "tls_cert", "tls_key",
         "tls_client_ca",
     }  # fmt: skip

@@ -22,10 +22,14 @@ DRAIN_MAX_S = 5.0  # longest a front end keeps answering (each answer closing it
 DRAIN_QUIET_S = 0.2  # a front end with no connection this long after SIGTERM has drained
 
 
-def create_app(settings: Settings, model, engines, run_dir: Path, keys=None) -> FastAPI:
+def create_app(settings: Settings, model, engines, run_dir: Path, keys=None, grpc: bool | None = None,
+               on_started=None) -> FastAPI:  # fmt: skip
     """The HTTP app of one front end. `model`: a state.ModelInfo; `engines`: an EngineClient (not yet started);
     `keys`: the supervisor's API keys in force (auth.KeysInForce); None: read from `settings` (a front end on its
-    own)."""
+    own); `grpc`: whether its lifespan runs the gRPC server (None: where GRPC_PORT is set); `on_started`: called
+    once the lifespan's start is done (the gRPC server listening)."""
+    if grpc is None:
+        grpc = settings.grpc_port is not None
     from ..metrics import RequestMetrics
     from .auth import ApiKeys
     from .routes import router
@@ -40,10 +44,12 @@ def create_app(settings: Settings, model, engines, run_dir: Path, keys=None) -> 
         engines.start()
         watcher = _LiveSettingsWatch(state)
         grpc_server = None
-        if settings.grpc_port is not None:
+        if grpc:
             from ..v2 import grpc_server as v2_grpc
 
             grpc_server = await v2_grpc.start(state)
+        if on_started is not None:
+            on_started()
         gc.freeze()  # the app lives as long as the process: keep it out of the collector's passes
         try:
             yield
@@ -122,12 +128,15 @@ def frontend_main(
     config: tuple | None = None,
     keys: tuple | None = None,
     listening=None,
+    role: str = "http+grpc",
 ) -> None:
     """Entry point of a front-end process (spawned by the supervisor); `config`: (the supervisor's shared
     configuration generation, the generation `settings` is) for SIGHUP reloads; `keys`: the supervisor's API keys in
     force (auth.KeysInForce), which this front end holds whatever the keys file says by now (issue 53); `listening`:
     a shared flag set once its socket listens (connections queue from then on), which the supervisor's ready banner
-    waits for."""
+    waits for; `role`: what it serves (supervisor.frontend_roles): "http", "grpc" or "http+grpc" (gRPC where
+    GRPC_PORT is set). A gRPC-only front end runs the same app, lifespan and uvicorn loop (live settings, drain,
+    memory trim) with no HTTP socket."""
     from ..processes import child_setup, configure_logging
 
     child_setup(f"fs-frontend-{index}")
@@ -146,7 +155,15 @@ def frontend_main(
     # A row on the wire: uint8 pixels as sent, floats as float32 at most (float16 to a float16 engine).
     row_bytes = model.input_features * (1 if model.input_dtype == "uint8" else 4)
     engines = EngineClient(endpoints, states, model.output_features, arena_bytes(settings.max_batch_size, row_bytes))
-    app = create_app(settings, model, engines, Path(run_dir), keys=keys if keys is not None else (None, ""))
+    http = role != "grpc"
+    grpc = role != "http" and settings.grpc_port is not None
+
+    def started() -> None:  # a gRPC-only front end listens once its lifespan has started the gRPC server
+        if not http and listening is not None:
+            listening.value = 1
+
+    app = create_app(settings, model, engines, Path(run_dir), keys=keys if keys is not None else (None, ""),
+                     grpc=grpc, on_started=started)  # fmt: skip
     from .fastpath import PredictFastPath
 
     state = app.state.fusedserve
@@ -157,8 +174,8 @@ def frontend_main(
         from .access_log import AccessLog
 
         served = AccessLog(served, settings.access_log, settings.access_log_sample)
-    sock = listen_socket(settings.host, settings.port)
-    if listening is not None:
+    sockets = [listen_socket(settings.host, settings.port)] if http else []
+    if http and listening is not None:
         listening.value = 1
     config = uvicorn.Config(
         served,
@@ -182,13 +199,17 @@ def frontend_main(
         server_header=False,
         date_header=False,
     )
-    log.info("front end %d (pid %d) serving on %s://%s:%d", index, os.getpid(), "https" if settings.tls else "http",
-             settings.host, settings.port)  # fmt: skip
+    if http:
+        log.info("front end %d (pid %d) serving on %s://%s:%d", index, os.getpid(),
+                 "https" if settings.tls else "http", settings.host, settings.port)  # fmt: skip
+    else:
+        log.info("front end %d (pid %d) serving gRPC alone on %s:%d", index, os.getpid(), settings.host,
+                 settings.grpc_port)  # fmt: skip
     drain_s = min(DRAIN_MAX_S, settings.shutdown_grace_s / 2)
     server = _draining_server(uvicorn.Server)(config, app.state.fusedserve, drain_s)
     server.fs_timeouts = (settings.header_timeout_s, settings.body_timeout_s)
     server.fs_drain_delay_s = settings.drain_delay_s
-    server.run(sockets=[sock])
+    server.run(sockets=sockets)
     if not server.started:  # the lifespan failed (logged by uvicorn): say so to the supervisor, which then stops
         from ..processes import STARTUP_FAILED
 
