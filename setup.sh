@@ -17,6 +17,19 @@ case "${1:-}" in
 esac
 
 python=${PYTHON:-python3}
+# A second run over a .venv this script set up for the same pyproject.toml and setup.sh (the README's test command
+# runs it before every test run; CI after its own first run) has nothing to install: ~25 s of pip's resolving and
+# torch's imports, skipped. Remove the stamp to install again (a newer tritonclient, say).
+stamp=.venv/.fusedserve-setup
+want=$(cat pyproject.toml setup.sh | sha256sum | cut -c1-16)
+tools_found() { command -v prometheus >/dev/null 2>&1 && { command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ]; }; }
+if [ -x .venv/bin/python ] && [ -f "$stamp" ]; then
+  read -r have have_tests < "$stamp" || true
+  if [ "$have" = "$want" ] && [ "${have_tests:-0}" -ge "$with_tests" ] && { [ "$with_tests" = 0 ] || tools_found; }; then
+    echo "setup: .venv is set up for this pyproject.toml$([ "$with_tests" = 1 ] && echo ' with the test tools'); nothing to install ($stamp: remove it to install again)"
+    exit 0
+  fi
+fi
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
 
@@ -56,4 +69,5 @@ if [ "$with_tests" = 1 ]; then
 else
   "${pip[@]}" install -e .
 fi
+echo "$want $with_tests" > "$stamp"
 echo "setup: done ($(.venv/bin/python -c 'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}, cuda {torch.cuda.is_available()}")'))"
