@@ -606,13 +606,14 @@ def test_concurrent_grpc_requests_all_answered(servers, digits):
 
 
 @pytest.mark.timeout(120)
-def test_sigterm_answers_every_accepted_grpc_and_rest_request_and_exits_0(tmp_path, digits):
+@pytest.mark.parametrize("grpc_workers", [0, 1], ids=["grpc-in-http-front-ends", "grpc-front-end"])
+def test_sigterm_answers_every_accepted_grpc_and_rest_request_and_exits_0(tmp_path, digits, grpc_workers):
     """As /predict's: SIGTERM with gRPC and REST v2 requests waiting for their batch; each is answered, and the
-    service exits 0 within the grace."""
+    service exits 0 within the grace; gRPC served by the HTTP front ends, or by one of its own (GRPC_WORKERS)."""
     grace = 15
     grpc_port = free_port()
     env = {"workers": 2, "max_delay_ms": 400, "max_batch_size": MAX_BATCH, "shutdown_grace_s": grace,
-           "grpc_port": grpc_port}  # fmt: skip
+           "grpc_port": grpc_port, "grpc_workers": grpc_workers}  # fmt: skip
     with running_servers({"s": ("unfused", env)}, tmp_path) as servers:
         server = servers["s"]
 
