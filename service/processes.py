@@ -11,6 +11,8 @@ import sys
 # A child's exit code for a start that cannot succeed (its app's start-up failed): the supervisor does not start it
 # again, since a new process would fail the same way, again and again. 3 is uvicorn's own code for this.
 STARTUP_FAILED = 3
+# What a front-end process serves (supervisor.frontend_roles hands each its own; frontend.app.frontend_main).
+HTTP, GRPC, HTTP_AND_GRPC = "http", "grpc", "http+grpc"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 
 

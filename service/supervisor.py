@@ -67,7 +67,7 @@ from .config import (
 )
 from .link import wire
 from .link.live import write_live
-from .processes import STARTUP_FAILED
+from .processes import GRPC, HTTP, HTTP_AND_GRPC, STARTUP_FAILED
 
 if TYPE_CHECKING:
     from .link.model_info import ModelInfo
@@ -351,8 +351,8 @@ class Supervisor:
         s = self.settings
         endpoints = [str(run_dir / f"engine-{i}.sock") for i in range(len(devices))]
         states = [self._ctx.Value("i", wire.LOADING, lock=False) for _ in devices]
-        frontends = workers + (s.grpc_workers if s.grpc_port is not None else 0)
-        threads = max(1, (host_cores() - frontends) // len(devices))  # torch threads of a CPU engine
+        roles = frontend_roles(workers, s.grpc_port is not None, s.grpc_workers)  # each front end's, by index
+        threads = max(1, (host_cores() - len(roles)) // len(devices))  # torch threads of a CPU engine
         self._run_dir = run_dir
         generation = self._shared_generation = self._ctx.Value("i", self._generation, lock=False)
 
@@ -395,7 +395,6 @@ class Supervisor:
         self._metrics = SupervisorMetrics(info.name)  # every reload outcome visible at 0 from the start
 
         # A front end started again (a crash, an OOM kill) gets the keys in force now, never the keys file's content.
-        roles = frontend_roles(workers, s.grpc_port is not None, s.grpc_workers)
         listening = [self._ctx.Value("b", 0, lock=False) for _ in roles]
 
         def start_frontend(k: int) -> multiprocessing.process.BaseProcess:
@@ -508,16 +507,13 @@ class Supervisor:
         return code
 
 
-HTTP, GRPC, BOTH = "http", "grpc", "http+grpc"  # what a front-end process serves
-
-
 def frontend_roles(workers: int, grpc: bool, grpc_workers: int) -> list[str]:
     """What each front end serves, by index: `workers` HTTP ones, each serving gRPC too where gRPC is on and
     GRPC_WORKERS is 0; otherwise GRPC_WORKERS more after them serving gRPC alone."""
     if not grpc:
         return [HTTP] * workers
     if grpc_workers == 0:
-        return [BOTH] * workers
+        return [HTTP_AND_GRPC] * workers
     return [HTTP] * workers + [GRPC] * grpc_workers
 
 

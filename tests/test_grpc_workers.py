@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from service.config import Settings
-from service.supervisor import BOTH, GRPC, HTTP, frontend_roles
+from service.processes import GRPC, HTTP, HTTP_AND_GRPC
+from service.supervisor import frontend_roles
 
 from .procs import children, listens_on
 from .server import free_port, running_servers
@@ -19,7 +20,7 @@ from .test_security import ROW, TIMEOUT, bearer
 
 def test_roles_by_index():
     assert frontend_roles(2, grpc=False, grpc_workers=0) == [HTTP, HTTP]
-    assert frontend_roles(2, grpc=True, grpc_workers=0) == [BOTH, BOTH]
+    assert frontend_roles(2, grpc=True, grpc_workers=0) == [HTTP_AND_GRPC, HTTP_AND_GRPC]
     assert frontend_roles(2, grpc=True, grpc_workers=1) == [HTTP, HTTP, GRPC]
 
 

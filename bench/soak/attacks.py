@@ -365,7 +365,10 @@ def phase(args, port, grpc_port, cafile, server, frontends, attacks: tuple[str, 
     def fe_rss() -> int:  # the front ends together (a gRPC front end of its own included)
         return sum(rss(p) for p in frontends)
 
-    peak, rss0, cpu0, busy0 = fe_rss(), fe_rss(), sum(cpu_s(p) for p in frontends), cores_busy()
+    def fe_cpu_s() -> float:
+        return sum(cpu_s(p) for p in frontends)
+
+    peak, rss0, cpu0, busy0 = fe_rss(), fe_rss(), fe_cpu_s(), cores_busy()
     server_pids = list(children(server).values())
     server_cpu0 = sum(cpu_s(p) for p in server_pids)
     for p in attackers:
@@ -381,7 +384,7 @@ def phase(args, port, grpc_port, cafile, server, frontends, attacks: tuple[str, 
         peak = max(peak, fe_rss())
         time.sleep(0.05)
     took = time.monotonic() - t0
-    fe_cpu = (sum(cpu_s(p) for p in frontends) - cpu0) / took
+    fe_cpu = (fe_cpu_s() - cpu0) / took
     server_cpu = (sum(cpu_s(p) for p in server_pids) - server_cpu0) / took
     busy = [(b1 - b0) / max(1, t1 - t0) for (b0, t0), (b1, t1) in zip(busy0, cores_busy(), strict=True)]
     out = queue.get(timeout=30)
@@ -485,18 +488,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             frontends = {n: p for n, p in children(proc.pid).items() if n.startswith("fs-frontend")}
             print(f"serving on port {port} (gRPC {grpc_port}); front ends {frontends}", flush=True)
-            frontend = tuple(frontends.values())
-            phase(args, port, grpc_port, cert, proc.pid, frontend, (), pin)  # warm-up: caches, the first TLS sessions
+            pids = tuple(frontends.values())
+            phase(args, port, grpc_port, cert, proc.pid, pids, (), pin)  # warm-up: caches, the first TLS sessions
             phases = []
             for i in range(args.rounds):
                 for name, which in (("quiet", ()), ("attacked", attacks)):
-                    ph = phase(args, port, grpc_port, cert, proc.pid, frontend, which, pin)
+                    ph = phase(args, port, grpc_port, cert, proc.pid, pids, which, pin)
                     phases.append({"name": f"{name} {i + 1}", **ph})
                     print(f"{name} {i + 1}: {ph['rps']:.0f} req/s, answers {ph['answers']}, CPU: front end "
                           f"{100 * ph['frontend_cpu']:.0f}%, server {100 * ph['server_cpu']:.0f}%, client "
                           f"{100 * ph['client_cpu']:.0f}%, cores {[round(100 * b) for b in ph['cores_busy']]}%; "
                           f"RSS peak {ph['rss_peak'] / MB:.0f} MB; attacks/s {ph['attacks']}", flush=True)  # fmt: skip
-            last = phase(args, port, grpc_port, cert, proc.pid, frontend, (), pin)
+            last = phase(args, port, grpc_port, cert, proc.pid, pids, (), pin)
             phases.append({"name": "quiet after", **last})
             restarts = (workdir / "server.log").read_text(errors="replace").count("starting it again")
             alive = proc.poll() is None and all(children(proc.pid).get(n) == p for n, p in frontends.items())

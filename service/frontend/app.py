@@ -15,6 +15,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from ..config import Settings
+from ..processes import GRPC, HTTP, HTTP_AND_GRPC
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ def frontend_main(
     config: tuple | None = None,
     keys: tuple | None = None,
     listening=None,
-    role: str = "http+grpc",
+    role: str = HTTP_AND_GRPC,
 ) -> None:
     """Entry point of a front-end process (spawned by the supervisor); `config`: (the supervisor's shared
     configuration generation, the generation `settings` is) for SIGHUP reloads; `keys`: the supervisor's API keys in
@@ -155,8 +156,8 @@ def frontend_main(
     # A row on the wire: uint8 pixels as sent, floats as float32 at most (float16 to a float16 engine).
     row_bytes = model.input_features * (1 if model.input_dtype == "uint8" else 4)
     engines = EngineClient(endpoints, states, model.output_features, arena_bytes(settings.max_batch_size, row_bytes))
-    http = role != "grpc"
-    grpc = role != "http" and settings.grpc_port is not None
+    http = role != GRPC
+    grpc = role != HTTP and settings.grpc_port is not None
 
     def started() -> None:  # a gRPC-only front end listens once its lifespan has started the gRPC server
         if not http and listening is not None:
