@@ -13,7 +13,10 @@ user would run instead:
                  current stream so the same events time it; only where onnxruntime's CUDA provider can be loaded
 
 Time to ready: ours's first forward at the smallest batch, from an imported model to a captured graph (the
-executor's binding, every kernel's tuning for that bucket, the capture): "ready_s" of each case's family.
+executor's binding, every kernel's tuning for that bucket, the capture): "ready_s" of each case's family. Each family
+starts from an empty tuning cache of its own (memory only), as a first start of the service does; Triton's cache of
+compiled kernels is the process's, so a family whose layers an earlier family of the same run compiled (VGG-11 BN
+after VGG-11: the same convs once BatchNorm is folded) compiles less.
 
 Results merge into zoo_<gpu>.json under --out by family (a later run of some families replaces their cases and
 keeps the rest), since one device call of 10 minutes cannot time 21 families: a family takes one to a few minutes
@@ -166,6 +169,7 @@ def _family(args, family: str, workdir: Path) -> list[dict]:
     providers = ModelProviders(model, device, dtype, max(args.batches), module)
     from kernels import tuning
 
+    tuning.use_cache(None)  # an empty tuning cache per family: its ready_s times every key it tunes
     tuning.timing_budget.set(args.tuning_s)  # per family: None times every key
     names = [p for p in PROVIDERS if p in args.providers and (p != "compile-max" or family in args.max_autotune)]
     ort: OrtProvider | Exception | None = None
