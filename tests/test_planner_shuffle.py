@@ -20,7 +20,9 @@ from service.model.planner import (
     describe_step,
     fused_steps,
     is_view,
+    reads,
     shuffle_slots,
+    step_extras,
 )
 from tests.test_model_graph import _act, _bn, _conv, _linear, assert_normwise, reference_forward, write_graph
 
@@ -107,12 +109,18 @@ def test_both_unit_kinds_write_into_one_shuffled_buffer_each(tmp_path):
     assert conv_of[d].name.startswith("conv2d") and conv_of[e].name.startswith("conv2d")
     assert [(slots[x].buffer, slots[x].offset, slots[x].channels, slots[x].stride, slots[x].width) for x in (d, e)] == [
         ("sh0:shuffled", 0, 8, 2, 16), ("sh0:shuffled", 1, 8, 2, 16)]  # fmt: skip
-    # a stride-1 unit: x1 (a view of the last buffer) copied by the concat to 0::2, the branch's conv writes 1::2
+    # a stride-1 unit: the branch's conv writes 1::2 and x1 (a view of the last buffer) beside it at 0::2, in one
+    # store (the conv reads x1: interleave); the concat, which would copy x1 otherwise, is a view
     for u in (1, 2):
         cat = concats[u]
-        assert cat.in_place and cat.copied == (f"x1_{u}",) and not is_view(cat) and torch_parts(cat) == ["concat"]
+        assert cat.in_place and cat.copied == () and is_view(cat) and torch_parts(cat) == []
+        assert describe_step(cat) == {"op": "concat", "inputs": [f"x1_{u}", cat.inputs[1]], "in_place": True}
         assert f"x1_{u}" not in slots and slots[cat.inputs[1]].offset == 1 and slots[cat.inputs[1]].stride == 2
-        assert describe_step(cat)["copied"] == [f"x1_{u}"]
+        conv = conv_of[cat.inputs[1]]
+        assert (conv.interleave, conv.interleave_index) == (f"x1_{u}", 1) and reads(conv)[-1] == f"x1_{u}"
+        assert step_extras(conv)["interleave"] == {"with": f"x1_{u}", "channels": "1::2"}
+    # the stride-2 unit's convs interleave with nothing: both inputs are written in place
+    assert all(conv_of[t].interleave is None for t in concats[0].inputs)
     assert slots["sh1"] == slots["cat1"] and slots["sh1"].width == 16 and slots["sh1"].stride == 1
     # without shapes (a plan made in a test), nothing is placed
     plain = fused_steps(model.ops, model.tensors)
@@ -239,14 +247,14 @@ def test_gpu_shuffle_graph_replays_equal_launches_and_the_unfused_mode(tmp_path,
 
 def test_zoo_shufflenet_runs_its_concats_shuffles_and_splits_in_place(tmp_path):
     """ShuffleNetV2 (tiny) from the TorchScript exporter: of its 6 concats, 6 shuffles and 6 slices (18 torch ops
-    before, each a copy of a feature map), only the 3 stride-1 units' concats run a torch op, a strided copy of x1
-    into the shuffled buffer; both modes agree with onnxruntime."""
+    before, each a copy of a feature map), none runs a torch op: the 3 stride-1 units' branch convs store x1 beside
+    their outputs (interleave), so every concat is a view too; both modes agree with onnxruntime."""
     pytest.importorskip("onnxruntime")
     from bench.zoo import check
 
     built = check.build("shufflenet_v2_x1_0", "tiny", tmp_path, ("torchscript",))
     rec = check.check(built, "torchscript", ("unfused", "fused"), rows=4, fused_rows=1)
-    assert rec["plan"]["torch_parts"] == {"concat": 3} and rec["plan"]["torch"] == 3
-    assert rec["plan"]["views"] == 1 + 3 + 6 + 6  # the flatten, the stride-2 units' concats, the shuffles, slices
+    assert rec["plan"]["torch_parts"] == {} and rec["plan"]["torch"] == 0
+    assert rec["plan"]["views"] == 1 + 6 + 6 + 6  # the flatten, the concats, the shuffles, the slices
     for mode, m in rec["modes"].items():
         assert m["ok"], (mode, m)

@@ -12,6 +12,8 @@ copied to 0::2 by the concat). Per layer (C -> C, 1x1, bias, ReLU, fp16, 256 ima
     ours to 1::2           x dense, y the buffer's channels 1::2 (as place_shuffles writes)
     ours slice in, to 1::2 both (a stride-1 unit's branch end)
     copy half to 0::2      the concat's strided copy of the pass-through half
+    ours interleaved       a slice in, its channels and the pass-through half's stored together in whole rows
+                           (fused_conv2d interleave=: what the fused plan runs now, with no copy after it)
 
     python -m bench.probes.shuffled_store --out DIR      # ~1 minute on an H200
 """
@@ -86,6 +88,10 @@ def _cases(C, S, dt, nhwc, fused_conv2d) -> dict:
     def ours(src, out):
         return lambda: fused_conv2d(src, w, b, activation="relu", out=out)
 
+    def interleaved():  # the unit's conv storing its channels and x1's in whole rows (fused_conv2d interleave=)
+        out, x1 = buf[:, 1::2], split[:, :C]
+        return fused_conv2d(half, w, b, activation="relu", out=out, interleave=x1, interleave_index=1)
+
     def copy_half():
         buf[:, 0::2].copy_(split[:, :C])
         return buf[:, 0::2]
@@ -98,6 +104,7 @@ def _cases(C, S, dt, nhwc, fused_conv2d) -> dict:
         "ours to 1::2": (ours(x, buf[:, 1::2]), ref_dense),
         "ours slice in, to 1::2": (ours(half, buf[:, 1::2]), ref_half),
         "copy half to 0::2": (copy_half, split[:, :C].float()),
+        "ours interleaved": (interleaved, ref_half),
     }
 
 

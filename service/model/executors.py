@@ -323,12 +323,19 @@ class Executor:
     def _into_slot(self, step: Step, bound: tuple[str | None, Layer]) -> tuple[str | None, Layer]:
         """A step whose output lives in a concat buffer (not a concat: those are views), bound to write it there."""
         name, layer = bound
+        interleave = isinstance(step, Conv2dStep) and step.interleave is not None
+        if interleave and step.output not in self.slots:  # unfused (or float8): the concat reads the partner itself
+            return name, functools.partial(_without_partner, layer=layer)
         if step.output not in self.slots or isinstance(step, (ConcatStep, ChannelShuffleStep)):
             return bound
         from kernels.conv import fused_conv2d
         from kernels.pool import fused_pool2d
 
         writes = isinstance(layer, functools.partial) and layer.func in (fused_conv2d, fused_pool2d)
+        if interleave:  # its output and the partner side by side in the shuffled buffer (place_shuffles)
+            writes = writes and layer.func is fused_conv2d
+            return name, functools.partial(_written_interleaved, layer=layer, writes_out=writes,
+                                           k=step.interleave_index)  # fmt: skip
         return name, functools.partial(_written_into, layer=layer, writes_out=writes)
 
     def example_input(self, rows: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -748,6 +755,22 @@ def _written_into(*args, out, layer, writes_out):
     if writes_out:
         return layer(*args, out=out)
     return out.copy_(layer(*args))
+
+
+def _written_interleaved(x, partner, *, out, layer, writes_out, k):
+    """A conv whose output goes to channels k::2 of a shuffled buffer (`out`) beside `partner`'s, which the concat
+    no longer copies: both in the conv kernel's store where its launcher takes them (writes_out), else the step's
+    output and the partner each copied into their channels (a step bound otherwise, or fallen back)."""
+    if writes_out:
+        return layer(x, out=out, interleave=partner, interleave_index=k)
+    out.copy_(layer(x))
+    out.as_strided(out.shape, out.stride(), out.storage_offset() + 1 - 2 * k).copy_(partner)
+    return out
+
+
+def _without_partner(x, partner, *, layer):
+    """An interleaving conv (place_shuffles) where the concat copies the partner itself (unfused, float8): the conv."""
+    return layer(x)
 
 
 def _channels(buffer, *, offset, channels):
