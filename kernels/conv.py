@@ -794,6 +794,8 @@ def _fused_conv2d(
             # The pool's own tuning runs here, once, not inside the tuner's CUDA-graph capture of a candidate.
             fused_pool2d(torch.empty((N, OC, CH, CW), device=x.device, dtype=dtype, memory_format=fmt),
                          POOL, (PKH, PKW), (PSH, PSW))  # fmt: skip
+        if partner is not None:
+            candidates = interleave_candidates(candidates, weight.element_size())
         if tma:  # (PKH, PKW) is (1, 1) without a pool
             candidates += conv_tma.cuda_configs(m_bucket(N * CH * CW), OC, C, CH, CW, (PKH, PKW), weight.element_size(),
                                                 strided=s != (1, 1))  # fmt: skip
@@ -804,6 +806,23 @@ def _fused_conv2d(
 
 
 # ---- candidate configs (the tuner times them on CUDA) ----
+
+
+def interleave_candidates(configs: list[LaunchConfig], element_size: int) -> list[LaunchConfig]:
+    """Of a layer's candidates, those the INTERLEAVE epilogue (the tile and its partner joined into rows twice as
+    wide) runs without spilling: in fp32, at most 32 accumulators a thread (64x64 over 4 warps; 128x64 over 4 spilled
+    32 bytes, 64x128 over 4 136, compiled for sm_90 at ShuffleNetV2's shapes); fp16 and bf16, every one. Where none
+    is that small (232 channels), the candidates cut to 64x64 tiles over 4 warps."""
+    if element_size < 4:
+        return configs
+    small = [c for c in configs if c["BLOCK_M"] * c["BLOCK_N"] <= 32 * 32 * c.num_warps]
+    if small:
+        return small
+    cut = []
+    for c in configs:
+        tile = dict(c.kwargs) | {"BLOCK_M": min(c["BLOCK_M"], 64), "BLOCK_N": min(c["BLOCK_N"], 64)}
+        cut.append(LaunchConfig(tuple(sorted(tile.items())), 4, c.num_stages))
+    return list(dict.fromkeys(cut))
 
 
 def _fit(n: int, lo: int, hi: int) -> int:

@@ -124,3 +124,67 @@ SHUFFLENET = [(58, 28), (116, 14), (232, 7)]
 @pytest.mark.parametrize("batch", [1, 256])
 def test_gpu_shufflenet_branch_ends(channels, size, batch):
     _run((batch, channels, size, size, channels, 1, 0), torch.float16, 1, "run")
+
+
+# ---- compiled for Hopper here, without a GPU (tests/sm90_compile.py; what the interpreter cannot check) ----
+
+_COMPILE_INTERLEAVED = r"""
+import json, sys
+import torch
+import kernels.conv as conv
+from tests.sm90_compile import compile_sm90, sample
+
+ptr = sys.argv[1]
+size = 4 if ptr == "*fp32" else 2
+# ShuffleNetV2 x1.0's branch ends over 256 images: 58 -> 58 at 28x28 and 232 -> 232 at 7x7, 1x1, x a split's half
+# (channels C:2C of a 2C-channel channels_last buffer), y the whole 2C-channel buffer, the partner (r_ptr) x1
+for C, HW in [(58, 28), (232, 7)]:
+    images, OC = 256, C
+    buf = torch.empty((images, 2 * C, HW, HW), device="meta", memory_format=torch.channels_last).stride()
+    w = torch.empty((OC, C, 1, 1), device="meta", memory_format=torch.channels_last).stride()
+    strides = dict(stride_xn=buf[0], stride_xh=buf[2], stride_xw=buf[3], stride_wo=w[0], stride_wh=w[2],
+                   stride_ww=w[3], stride_yn=buf[0], stride_yh=buf[2], stride_yw=buf[3])
+    runtime = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, y_ptr=ptr, r_ptr=ptr, ws_ptr="*fp32", cnt_ptr="*i32", xs_ptr=ptr,
+                   xb_ptr=ptr, NB="i32", OC="i32", negative_slope="fp32", **{n: "i32" for n in strides})
+    divisible = tuple(n for n, v in strides.items() if v % 16 == 0)
+    align = conv.channels_last_alignment(torch.empty((2, 2 * C, HW, HW), memory_format=torch.channels_last))
+    fma = size == 4
+    offered = conv.interleave_candidates(
+        conv.cuda_configs(conv.m_bucket(images * HW * HW), OC, C, C, fma, element_size=size), size)
+    for cfg in sample(offered):
+        meta = dict(C=C, H=HW, W=HW, OH=HW, OW=HW, KH=1, KW=1, SH=1, SW=1, PH=0, PW=0, DH=1, DW=1, POOL="none", PKH=1,
+                    PKW=1, PSH=1, PSW=1, HAS_BIAS=True, HAS_RESIDUAL=False, ACTIVATION="relu",
+                    INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False, PDL=True, CHANNELS_LAST=True,
+                    Y_PLANES=False, HAS_INPUT_NORM=False, stride_xc=1, stride_wc=1, stride_yc=1, X_ALIGN=align,
+                    W_ALIGN=1, Y_ALIGN=align, INTERLEAVE=2, **dict(cfg.kwargs))
+        ptx, usage = compile_sm90(conv._conv2d_kernel, runtime, meta, 5, cfg.num_warps, cfg.num_stages, divisible)
+        kinds = sorted({line.split("st.global")[1].split()[0] for line in ptx.splitlines() if "st.global" in line})
+        print(json.dumps({"layer": [C, HW], "config": cfg.meta(), "STACK": usage["STACK"], "stores": kinds}),
+              flush=True)
+"""
+
+
+@pytest.mark.parametrize("ptr", ["*fp16", "*fp32"])
+def test_interleaved_candidates_compile_for_sm90_without_spills(ptr):
+    """The candidates offered at ShuffleNetV2's branch ends, interleaved, compile for sm_90 without spills, and store
+    whole words (the point of storing rows whole: 2-byte stores of every other channel ran 6.7x the dense store's
+    time): fp16 as .b32 (a channel and its partner's), never .b16."""
+    from tests.test_kernels_compile import _compiled
+
+    results = _compiled(_COMPILE_INTERLEAVED, ptr)
+    assert len(results) >= 4
+    for r in results:
+        assert r["STACK"] == 0, f"spills: {r}"
+        assert r["stores"] and ".b16" not in r["stores"], f"2-byte stores: {r}"
+
+
+def test_interleave_candidates_keep_fp32_tiles_small():
+    from kernels.tuning import LaunchConfig
+
+    big = [LaunchConfig.of(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32), LaunchConfig.of(4, 4, BLOCK_M=64, BLOCK_N=128)]
+    small = LaunchConfig.of(4, 4, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)
+    assert conv_mod.interleave_candidates(big + [small], 2) == big + [small]  # fp16: every one
+    assert conv_mod.interleave_candidates(big + [small], 4) == [small]
+    cut = conv_mod.interleave_candidates(big, 4)  # none small: cut to 64x64 over 4 warps
+    assert [(c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages) for c in cut] == [(64, 64, 4, 3), (64, 64, 4, 4)]
+    assert cut[0]["BLOCK_K"] == 32

@@ -58,6 +58,8 @@ def replay_cold_hot(fn, ref: torch.Tensor, warmups: int) -> dict:
     from kernels.graph_capture import capture as capture_graph
 
     graph, y = capture_graph(fn, warmups=warmups)
+    graph.replay()  # a tensor fn allocates under capture holds nothing until the graph first runs
+    torch.cuda.synchronize()
     err = float((y.float() - ref).norm() / ref.norm())
     return {
         "cold_us": cold_us(graph.replay, warmup_ms=5, rep_ms=30),

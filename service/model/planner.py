@@ -40,7 +40,8 @@ nested concats, each the last one and one more feature, share one buffer per den
 A channel shuffle (groups g) of a concat of g inputs of equal width gets one buffer too (`place_shuffles`): fused,
 input k lives at channels k::g of it (a conv's kernel writes there; another input, ShuffleNet's x1 slice, the concat
 copies there, one strided copy), the concat and the shuffle are views, and slices of the shuffle's output (the next
-unit's split) are views of channel runs (`shuffle_slots`).
+unit's split) are views of channel runs (`shuffle_slots`). Where the concat has two inputs, the slice and a plain
+conv's output, the conv reads the slice and stores both in whole rows (`_interleaves`, Conv2dStep.interleave): no copy.
 
 Then `group_mlps` turns each chain of 2-8 LinearSteps, each read only by the next, whose widths all fit the
 whole-MLP kernel (<= 256 after padding) into one MLPStep (`mlp_0_2`: linear layers 0 to 2, one kernel), and
