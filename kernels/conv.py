@@ -201,6 +201,8 @@ def _conv2d_kernel(
     # and the others (2o + 2 - INTERLEAVE) r_ptr's channel o (a tensor of OC channels at y's pixel strides, channel
     # stride 1), stored together: a ShuffleNet unit's channel shuffle of concat(x1, branch) in whole rows
     INTERLEAVE: tl.constexpr = 0,
+    # the partner's pixel stride where it is a tensor of its own (dense channels_last: OC); 0: y's pixel strides
+    P_PIXEL: tl.constexpr = 0,
 ):  # fmt: skip
     tl.static_assert(POOL == "none" or not HAS_RESIDUAL, "a residual is added to the conv's output, never pooled")
     # Said where Triton cannot see it (it specializes multiples of 16 only): 104 channels (RegNetY) in channels_last
@@ -377,7 +379,11 @@ def _conv2d_kernel(
         # time (H200, 58 channels at 28x28, 256 images: 188 against 28 us). With the other half's channels loaded
         # beside it, the tile's rows are whole runs of 2 * BLOCK_N channels, stored as the dense ones are.
         tl.static_assert(POOL == "none" and not HAS_RESIDUAL, "an interleaved output is neither pooled nor added to")
-        p_ptrs = _y_tile(r_ptr, n, rows, out_h, out_w, cols, stride_yn, 1, stride_yh, stride_yw, OH, OW, False)
+        if P_PIXEL == 0:  # a channel run of a buffer with y's pixel strides (a split's half)
+            p_ptrs = _y_tile(r_ptr, n, rows, out_h, out_w, cols, stride_yn, 1, stride_yh, stride_yw, OH, OW, False)
+        else:  # dense channels_last (another conv's output)
+            p_ptrs = _y_tile(r_ptr, n, rows, out_h, out_w, cols, OH * OW * P_PIXEL, 1, OW * P_PIXEL, P_PIXEL, OH, OW,
+                             False)  # fmt: skip
         other = tl.load(p_ptrs, mask=y_ok, other=0.0).to(y_ptr.dtype.element_ty)
         own = result.to(y_ptr.dtype.element_ty)
         pair = tl.join(own, other) if INTERLEAVE == 1 else tl.join(other, own)  # (BLOCK_M, BLOCK_N, 2)
@@ -562,9 +568,10 @@ def fused_conv2d(
     interleave, interleave_index: with `out` the channels k::2 (k = interleave_index, 0 or 1) of a channels_last buffer
     of 2 * OC channels, a tensor of out's shape and dtype whose channels go to the buffer's other ones, (1 - k)::2: a
     channel shuffle (groups 2) of a concat of the two, as ShuffleNet's units end. Where `interleave` has the buffer's
-    pixel strides and unit channel stride (a split's first half: a channel run of the last unit's buffer), the kernel
-    loads it in its epilogue and stores both in whole rows (one kernel, no strided copy); otherwise the conv writes
-    `out` and `interleave` is copied beside it. Not with a pool or a residual (ValueError). Returns `out`.
+    pixel strides and unit channel stride (a split's first half: a channel run of the last unit's buffer) or is dense
+    channels_last (the other branch's output), the kernel loads it in its epilogue and stores both in whole rows (one
+    kernel, no strided copy); otherwise the conv writes `out` and `interleave` is copied beside it. Not with a pool or
+    a residual (ValueError). Returns `out`.
     """
     if interleave is not None:
         return _interleaved(x, weight, bias, interleave, interleave_index, out, residual, pool, stride=stride,
@@ -596,12 +603,19 @@ def _interleaved(x, weight, bias, partner, k, out, residual, pool, **kw) -> torc
         raise ValueError(f"interleave must be a {tuple(out.shape)} {out.dtype} tensor on {out.device}; got "
                          f"{tuple(partner.shape)} {partner.dtype} on {partner.device}")  # fmt: skip
     whole = interleaved_buffer(out, k)
-    if whole is None or partner.stride() != (whole.stride(0), 1, *whole.stride()[2:]):
-        _fused_conv2d(x, weight, bias, out=out, **kw)  # the conv into its channels, then the other half copied
+    N, OC, OH, OW = out.shape
+    # (an image stride matters only past one image)
+    ps = partner.stride() if N > 1 else (None, *partner.stride()[1:])
+    if whole is not None and ps == (whole.stride(0) if N > 1 else None, 1, *whole.stride()[2:]):
+        pixel = 0  # a channel run of a buffer with the output's pixel strides: read at y's offsets
+    elif whole is not None and ps == (OH * OW * OC if N > 1 else None, 1, OW * OC, OC):
+        pixel = OC  # dense channels_last
+    else:  # the conv into its channels, then the other half copied
+        _fused_conv2d(x, weight, bias, out=out, **kw)
         other = out.as_strided(out.shape, out.stride(), out.storage_offset() + (1 - 2 * k))
         other.copy_(partner)
         return out
-    _fused_conv2d(x, weight, bias, out=whole, interleave_with=(partner, k), **kw)
+    _fused_conv2d(x, weight, bias, out=whole, interleave_with=(partner, k, pixel), **kw)
     return out
 
 
@@ -624,10 +638,10 @@ def _fused_conv2d(
     x_scale: torch.Tensor | None = None,
     input_activation: str = "none",
     input_negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
-    interleave_with: tuple[torch.Tensor, int] | None = None,
+    interleave_with: tuple[torch.Tensor, int, int] | None = None,
 ) -> torch.Tensor:
-    """fused_conv2d's work; interleave_with (partner, k): `out` is the whole buffer of 2 * OC channels, written
-    channels k::2 from the conv and the others from partner (the INTERLEAVE kernel)."""
+    """fused_conv2d's work; interleave_with (partner, k, its pixel stride or 0: out's): `out` is the whole buffer of
+    2 * OC channels, written channels k::2 from the conv and the others from partner (the INTERLEAVE kernel)."""
     _check(x, weight, bias, activation, input_norm)
     check_activation(input_activation)
     if input_activation != "none" and input_norm is None:
@@ -671,7 +685,7 @@ def _fused_conv2d(
     # input is both; a channels_last weight then asks for NHWC outputs.)
     channels_last = _channels_last(x) or channel_slice_of_nhwc(x)
     fmt = torch.channels_last if channels_last or _channels_last(weight) else torch.contiguous_format
-    partner, k = interleave_with if interleave_with is not None else (None, 0)
+    partner, k, p_pixel = interleave_with if interleave_with is not None else (None, 0, 0)
     width = 2 * OC if partner is not None else OC  # out's channels: interleaved, the whole buffer's
     if out is None:
         out = torch.empty((N, OC, OH, OW), device=x.device, dtype=dtype, memory_format=memory_format or fmt)
@@ -700,7 +714,7 @@ def _fused_conv2d(
     if input_activation != "none":
         input_act = dict(INPUT_ACTIVATION=input_activation, INPUT_SLOPE=float(input_negative_slope))
     # left out without a partner, as input_act is
-    interleave = {} if partner is None else dict(INTERLEAVE=1 + k)
+    interleave = {} if partner is None else dict(INTERLEAVE=1 + k, P_PIXEL=p_pixel)
     workspace = _workspaces.get(x.device)
     if workspace is None:
         workspace = _workspaces[x.device] = SplitKWorkspace(x.device)
@@ -757,7 +771,7 @@ def _fused_conv2d(
     signature = (tuple(weight.shape), weight.stride(), x.shape[1:], x.stride()[1:], x.dtype, s, p, d, activation,
                  bias is not None, fixed["INPUT_PRECISION"], channels_last, y_planes, bucket, POOL, PKH, PKW, PSH, PSW,
                  tma, has_residual, dtype, has_norm, has_xscale, input_activation, input_negative_slope,
-                 None if partner is None else k)  # fmt: skip
+                 None if partner is None else (k, p_pixel))  # fmt: skip
     config = _configs.get(signature)
     if config is None:
         key = (
@@ -776,7 +790,7 @@ def _fused_conv2d(
         if has_xscale:  # another kernel variant (HAS_X_SCALE): one more gather per K step
             key += "|xscale"
         if partner is not None:  # another epilogue (INTERLEAVE): one more read, twice the store
-            key += "|interleave"
+            key += "|interleave" if p_pixel == 0 else "|interleave-dense"
         if POOL != "none":
             key += f"|pool={POOL}{PKH}x{PKW}s{PSH}x{PSW}"
         # the kernels any candidate runs, with every helper they call (tuning.source_hash)

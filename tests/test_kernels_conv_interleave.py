@@ -1,11 +1,12 @@
 """fused_conv2d(interleave=, interleave_index=): a conv's output written to channels k::2 of a buffer of twice its
 channels with another tensor's channels in the others, as a ShuffleNet unit's concat + channel shuffle (groups 2) ends.
 
-Where the other tensor is a channel run of a buffer with the output's pixel strides (a split's first half), the kernel
-stores both in whole rows (INTERLEAVE); otherwise the conv writes its channels and the other tensor is copied beside
-it. Both against the reference conv and the partner exactly, over both k, 1x1 and 3x3 convs, awkward channel counts
-(odd, prime, past a block), batch 1 and primes, every dtype and activations, split K; the buffer starts as NaN, so an
-element not written fails. The compiled path is the `gpu` test at ShuffleNetV2's shapes.
+Where the other tensor is a channel run of a buffer with the output's pixel strides (a split's first half) or dense
+channels_last (the other branch's output), the kernel stores both in whole rows (INTERLEAVE, P_PIXEL); otherwise the
+conv writes its channels and the other tensor is copied beside it. Each against the reference conv and the partner
+exactly, over both k, 1x1 and 3x3 convs, awkward channel counts (odd, prime, past a block), batch 1 and primes, every
+dtype and activations, split K; the buffer starts as NaN, so an element not written fails. The compiled path: the
+`gpu` test at ShuffleNetV2's shapes, and the sm_90 compile here.
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ def _run(case, dtype, k, partner_kind, activation="relu", gen=None):
     gen = gen or torch.Generator().manual_seed(hash((case, str(dtype), k, partner_kind)) % 2**31)
     N, C, H, W, OC, ks, p = case
     x, w, b = _layer(case, dtype, gen)
-    if partner_kind == "run":  # the kernel's epilogue path
+    if partner_kind == "run":  # the kernel's epilogue, at y's pixel strides (a stride-1 unit's x1)
         partner = _last_buffer(N, OC, H, W, dtype, gen)
-    else:  # a tensor of its own (NCHW): the copy path
+    elif partner_kind == "dense":  # the kernel's epilogue, dense channels_last (a stride-2 unit's other branch)
+        partner = torch.randn(N, OC, H, W, generator=gen).to(DEVICE, dtype).contiguous(memory_format=NHWC)
+    else:  # NCHW: the copy path
         partner = torch.randn(N, OC, H, W, generator=gen).to(DEVICE, dtype)
     buffer = torch.full((N, 2 * OC, H, W), float("nan"), device=DEVICE, dtype=dtype).contiguous(memory_format=NHWC)
     out = buffer[:, k::2]
@@ -70,7 +73,7 @@ def k_loop(request):
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 @pytest.mark.parametrize("k", [0, 1])
-@pytest.mark.parametrize("partner_kind", ["run", "own"])
+@pytest.mark.parametrize("partner_kind", ["run", "dense", "nchw"])
 def test_both_halves_every_element(k_loop, case, k, partner_kind):
     _run(case, torch.float32, k, partner_kind)
 
@@ -81,9 +84,10 @@ def test_dtypes_and_activations(dtype, activation):
     _run(CASES[2], dtype, 1, "run", activation)
 
 
-def test_split_k():
+@pytest.mark.parametrize("partner_kind", ["run", "dense"])
+def test_split_k(partner_kind):
     with conv_mod.INTERPRETER.override(tile=conv_mod.SMALL_INTERPRETER_TILE, split_k=3, flat_k=False):
-        _run((2, 40, 3, 5, 17, 1, 0), torch.float32, 1, "run")
+        _run((2, 40, 3, 5, 17, 1, 0), torch.float32, 0, partner_kind)
 
 
 def test_interleaved_buffer_finds_the_whole_buffer():
@@ -122,8 +126,9 @@ SHUFFLENET = [(58, 28), (116, 14), (232, 7)]
 @pytest.mark.gpu
 @pytest.mark.parametrize("channels, size", SHUFFLENET)
 @pytest.mark.parametrize("batch", [1, 256])
-def test_gpu_shufflenet_branch_ends(channels, size, batch):
-    _run((batch, channels, size, size, channels, 1, 0), torch.float16, 1, "run")
+@pytest.mark.parametrize("partner_kind", ["run", "dense"])
+def test_gpu_shufflenet_branch_ends(channels, size, batch, partner_kind):
+    _run((batch, channels, size, size, channels, 1, 0), torch.float16, 1, partner_kind)
 
 
 # ---- compiled for Hopper here, without a GPU (tests/sm90_compile.py; what the interpreter cannot check) ----
@@ -137,8 +142,9 @@ from tests.sm90_compile import compile_sm90, sample
 ptr = sys.argv[1]
 size = 4 if ptr == "*fp32" else 2
 # ShuffleNetV2 x1.0's branch ends over 256 images: 58 -> 58 at 28x28 and 232 -> 232 at 7x7, 1x1, x a split's half
-# (channels C:2C of a 2C-channel channels_last buffer), y the whole 2C-channel buffer, the partner (r_ptr) x1
-for C, HW in [(58, 28), (232, 7)]:
+# (channels C:2C of a 2C-channel channels_last buffer), y the whole 2C-channel buffer, the partner (r_ptr) x1 at 28x28
+# (P_PIXEL 0: y's pixel strides) and the other branch's dense output at 7x7 (P_PIXEL = C)
+for C, HW, pixel in [(58, 28, 0), (232, 7, 232)]:
     images, OC = 256, C
     buf = torch.empty((images, 2 * C, HW, HW), device="meta", memory_format=torch.channels_last).stride()
     w = torch.empty((OC, C, 1, 1), device="meta", memory_format=torch.channels_last).stride()
@@ -156,7 +162,7 @@ for C, HW in [(58, 28), (232, 7)]:
                     PKW=1, PSH=1, PSW=1, HAS_BIAS=True, HAS_RESIDUAL=False, ACTIVATION="relu",
                     INPUT_PRECISION="ieee", UPCAST_DOT=False, ROUND_BF16=False, PDL=True, CHANNELS_LAST=True,
                     Y_PLANES=False, HAS_INPUT_NORM=False, stride_xc=1, stride_wc=1, stride_yc=1, X_ALIGN=align,
-                    W_ALIGN=1, Y_ALIGN=align, INTERLEAVE=2, **dict(cfg.kwargs))
+                    W_ALIGN=1, Y_ALIGN=align, INTERLEAVE=2, P_PIXEL=pixel, **dict(cfg.kwargs))
         ptx, usage = compile_sm90(conv._conv2d_kernel, runtime, meta, 5, cfg.num_warps, cfg.num_stages, divisible)
         kinds = sorted({line.split("st.global")[1].split()[0] for line in ptx.splitlines() if "st.global" in line})
         print(json.dumps({"layer": [C, HW], "config": cfg.meta(), "STACK": usage["STACK"], "stores": kinds}),

@@ -102,13 +102,15 @@ def test_both_unit_kinds_write_into_one_shuffled_buffer_each(tmp_path):
     slices = [s for s in steps if isinstance(s, SliceStep)]
     assert len(shuffles) == 3 and all(s.in_place and is_view(s) and torch_parts(s) == [] for s in shuffles)
     assert all(s.in_place and is_view(s) and torch_parts(s) == [] for s in slices) and len(slices) == 4
-    # the stride-2 unit: both branches' last convs write channels 0::2 and 1::2 of sh0's buffer; the concat a view
+    # the stride-2 unit: the later branch's last conv writes channels 1::2 of sh0's buffer and the earlier branch's
+    # output (dense, its own tensor) at 0::2 in the same store; the concat a view
     assert concats[0].copied == () and is_view(concats[0]) and torch_parts(concats[0]) == []
     conv_of = {s.output: s for s in steps}
     d, e = concats[0].inputs
     assert conv_of[d].name.startswith("conv2d") and conv_of[e].name.startswith("conv2d")
-    assert [(slots[x].buffer, slots[x].offset, slots[x].channels, slots[x].stride, slots[x].width) for x in (d, e)] == [
-        ("sh0:shuffled", 0, 8, 2, 16), ("sh0:shuffled", 1, 8, 2, 16)]  # fmt: skip
+    assert (conv_of[e].interleave, conv_of[e].interleave_index, conv_of[d].interleave) == (d, 1, None)
+    assert d not in slots and (slots[e].buffer, slots[e].offset, slots[e].channels, slots[e].stride) == (
+        "sh0:shuffled", 1, 8, 2)  # fmt: skip
     # a stride-1 unit: the branch's conv writes 1::2 and x1 (a view of the last buffer) beside it at 0::2, in one
     # store (the conv reads x1: interleave); the concat, which would copy x1 otherwise, is a view
     for u in (1, 2):
@@ -119,8 +121,6 @@ def test_both_unit_kinds_write_into_one_shuffled_buffer_each(tmp_path):
         conv = conv_of[cat.inputs[1]]
         assert (conv.interleave, conv.interleave_index) == (f"x1_{u}", 1) and reads(conv)[-1] == f"x1_{u}"
         assert step_extras(conv)["interleave"] == {"with": f"x1_{u}", "channels": "1::2"}
-    # the stride-2 unit's convs interleave with nothing: both inputs are written in place
-    assert all(conv_of[t].interleave is None for t in concats[0].inputs)
     assert slots["sh1"] == slots["cat1"] and slots["sh1"].width == 16 and slots["sh1"].stride == 1
     # without shapes (a plan made in a test), nothing is placed
     plain = fused_steps(model.ops, model.tensors)
@@ -185,7 +185,8 @@ def test_shuffle_graph_matches_float64_in_both_modes(tmp_path, mode):
 
 
 def test_the_shuffle_and_its_split_are_views_of_what_the_producers_wrote(tmp_path):
-    """Fused, each unit's concat inputs, concat, shuffle and the next unit's halves share one buffer's memory."""
+    """Fused, each unit's concat inputs (but the stride-2 unit's earlier branch), concat, shuffle and the next unit's
+    halves share one buffer's memory."""
     model = _model(tmp_path, *shuffle_graph())
     ex = Executor(model, "fused", DEVICE, torch.float32)
     seen: dict[str, torch.Tensor] = {}
@@ -201,7 +202,11 @@ def test_the_shuffle_and_its_split_are_views_of_what_the_producers_wrote(tmp_pat
     ex.layers = layers
     with torch.inference_mode():
         ex.forward(torch.randn(2, 3, 16, 16, device=DEVICE))
-    for unit, members in {0: ("d0out", "e0out", "cat0", "x1_1", "x2_1"), 1: ("u1out", "cat1", "x1_2", "x2_2")}.items():
+    # the stride-2 unit's earlier branch writes a dense channels_last tensor of its own, which the later branch's conv
+    # stores beside its output (the kernel's dense-partner path)
+    assert seen["d0out"].is_contiguous(memory_format=torch.channels_last)
+    assert seen["d0out"].untyped_storage().data_ptr() != seen["sh0"].untyped_storage().data_ptr()
+    for unit, members in {0: ("e0out", "cat0", "x1_1", "x2_1"), 1: ("u1out", "cat1", "x1_2", "x2_2")}.items():
         base = seen[f"sh{unit}"].untyped_storage().data_ptr()
         assert seen[f"sh{unit}"].is_contiguous(memory_format=torch.channels_last)
         for t in members:

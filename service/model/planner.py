@@ -41,7 +41,8 @@ A channel shuffle (groups g) of a concat of g inputs of equal width gets one buf
 input k lives at channels k::g of it (a conv's kernel writes there; another input, ShuffleNet's x1 slice, the concat
 copies there, one strided copy), the concat and the shuffle are views, and slices of the shuffle's output (the next
 unit's split) are views of channel runs (`shuffle_slots`). Where the concat has two inputs, the slice and a plain
-conv's output, the conv reads the slice and stores both in whole rows (`_interleaves`, Conv2dStep.interleave): no copy.
+conv's output (or two plain convs' outputs), the (later) conv reads the other input and stores both in whole rows
+(`_interleaves`, Conv2dStep.interleave): no copy, no store of every other channel.
 
 Then `group_mlps` turns each chain of 2-8 LinearSteps, each read only by the next, whose widths all fit the
 whole-MLP kernel (<= 256 after padding) into one MLPStep (`mlp_0_2`: linear layers 0 to 2, one kernel), and
@@ -908,30 +909,38 @@ def place_shuffles(steps: list[Step], shapes: Mapping[str, tuple[int, ...]] | No
 
 
 def _interleaves(steps: list[Step], slots: Mapping[str, Slot], readers: Mapping[str, list[Step]]) -> dict[str, str]:
-    """conv output -> the tensor it is stored beside: in a shuffled concat of two inputs, one that the concat would
-    copy (a split's half, a view of the last unit's buffer) and one made by a plain conv (groups 1, no pool, residual
-    or gate) that only the concat reads. The conv's kernel then writes whole rows of the buffer, both halves at once:
+    """conv output -> the tensor it is stored beside, for shuffled concats of two inputs (groups 2). A stride-1
+    ShuffleNet unit's: one input the concat would copy (a split's half, a view of the last unit's buffer) and one made
+    by a plain conv (groups 1, no pool, residual or gate) that only the concat reads: the conv stores both. A stride-2
+    unit's: two such convs: the later one stores both, the earlier writing its output dense (not into the buffer:
+    its second reader, the later conv, keeps it out of shuffle_slots). Either way the buffer is written in whole rows:
     every other channel stored alone costs 6.7x the dense store (H200, ShuffleNetV2's 58 channels at 28x28: 188
     against 28 us), and the concat's strided copy goes (bench.probes.shuffled_store)."""
     producer = {s.output: s for s in steps}
-    pairs = {}
-    for cat in steps:
-        if not isinstance(cat, ConcatStep) or cat.output not in slots or len(cat.inputs) != 2:
-            continue
-        copied = [t for t in cat.inputs if t not in slots]
-        made = [t for t in cat.inputs if t in slots]
-        if len(copied) != 1 or len(made) != 1 or copied == made:
-            continue
-        conv = producer.get(made[0])
-        if (
+    order = {s.output: i for i, s in enumerate(steps)}
+
+    def plain_conv(t: str, cat: ConcatStep) -> bool:
+        conv = producer.get(t)
+        return (
             isinstance(conv, Conv2dStep)
             and written_in_place(conv)
             and conv.pool is None
             and conv.groups == 1
             and conv.gate is None
-            and readers.get(conv.output, []) == [cat]
-        ):
-            pairs[conv.output] = copied[0]
+            and readers.get(t, []) == [cat]
+        )
+
+    pairs = {}
+    for cat in steps:
+        if not isinstance(cat, ConcatStep) or cat.output not in slots or len(set(cat.inputs)) != 2:
+            continue
+        copied = [t for t in cat.inputs if t not in slots]
+        made = [t for t in cat.inputs if t in slots and plain_conv(t, cat)]
+        if len(copied) == 1 and len(made) == 1:
+            pairs[made[0]] = copied[0]
+        elif not copied and len(made) == 2:
+            earlier, later = sorted(made, key=order.__getitem__)
+            pairs[later] = earlier
     return pairs
 
 
