@@ -9,6 +9,7 @@
 # BENCH_ARGS="--sections models" for one part of a run split over two calls: bench/README.md, "Hot and cold").
 # STEPS=probe runs `python -m bench.probes.P` for each P in $PROBE (space-separated; dashes or underscores;
 # default digits-floor): bench/probes/README.md lists them.
+# STEPS=zoo times zoo families (ZOO_FAMILIES, ZOO_LIMIT, ZOO_ARGS; see the step) into $OUT/zoo_<gpu>.json.
 # STEPS=soak runs `fusedserve bench soak` for SOAK_MINUTES (default 5; ~6.5 min in all, a call of its own) and
 # writes soak_<gpu>.md and .json to $OUT, for bench/results/<gpu>/.
 # Usage on the device machine (after the wheel prologue of ../shared/gpu/README.md):
@@ -63,6 +64,19 @@ if [[ $steps == *" serve "* ]]; then
   timeout $(( ${SERVE_BUDGET:-510} + 60 )) python3 -m bench.serve --time-budget "${SERVE_BUDGET:-510}" --out "$out" \
     ${SERVE_ARGS:-} > "$out/serve.log" 2>&1 || status=1
   tail -n 30 "$out/serve.log"
+fi
+
+if [[ $steps == *" zoo "* ]]; then
+  # The zoo's timing (fusedserve bench zoo --gpu) of ZOO_FAMILIES (comma-separated; default: the families the committed
+  # results have not timed, and ShuffleNetV2), merged into a copy of the committed results so that $OUT's zoo_<gpu>.json
+  # replaces bench/results/<gpu>/'s. A family takes 1-4 minutes (GoogLeNet 255 s on an H200); ZOO_LIMIT bounds the
+  # step, and every family finished before it is kept. ZOO_ARGS adds flags (--providers, --steps N, --max-autotune F).
+  slug=$(python3 -c "import torch; from bench.gpu import slug_of; print(slug_of(torch.cuda.get_device_name()))")
+  [ -f "bench/results/$slug/zoo_$slug.json" ] && cp "bench/results/$slug/zoo_$slug.json" "$out/"
+  timeout "${ZOO_LIMIT:-540}" python3 -m bench.zoo --gpu \
+    --families "${ZOO_FAMILIES:-shufflenet_v2_x1_0,wide_resnet50_2,efficientnet_v2_s}" --out "$out" ${ZOO_ARGS:-} \
+    > "$out/zoo.log" 2>&1 || status=1
+  grep -v -i "warning" "$out/zoo.log" | tail -n 30
 fi
 
 if [[ $steps == *" smoke "* ]]; then

@@ -175,6 +175,17 @@ def test_the_gpu_table_compares_ours_with_the_best_anchor():
         "compile": {"graph": {"hot_us": 120.0}}, "ort": {"na": "absent"}}}]  # fmt: skip
     table = report.gpu_table(cases)
     assert "| A | 256 | 100 | 150 | 120 | n/a | 1.20x vs compile | 12.5 |" in table
+    # onnxruntime run by run (no graph of its own): its device time, marked, and never "best" against hot replays;
+    # a family ours did not time: "not timed"; past the bound flagged only where eager's error set it
+    cases = [
+        {"family": "b", "title": "B", "batch": 1, "providers": {
+            "ours": {"graph": {"hot_us": 90.0, "bad": False}}, "eager-cl": {"graph": {"hot_us": 150.0, "err": 1e-3}},
+            "ort": {"plain": {"device_us": 80.0, "bad": True}}}},
+        {"family": "c", "title": "C", "batch": 1, "providers": {"ort": {"graph": {"hot_us": 70.0, "bad": True}}}},
+    ]  # fmt: skip
+    table = report.gpu_table(cases)
+    assert "| B | 1 | 90.0 | 150 | 80.0 launched **BAD** | 1.67x vs eager-cl |" in table
+    assert "| C | 1 | not timed | not timed | 70.0 | — | — | — |" in table
 
 
 def test_the_docs_section_replaces_itself_and_keeps_the_rest(tmp_path):

@@ -67,11 +67,22 @@ class OrtProvider:
         self.path = exporters.export("torchscript", half, image, workdir, f"{name}-fp16", dtype=torch.float16)
 
     def prepare(self, x: torch.Tensor, classes: int) -> Prepared:
+        """Its CUDA graph where onnxruntime can capture one; where it refuses (a node it leaves on the CPU:
+        ShuffleNetV2's shape arithmetic), launched run by run, timed as launched ("plain" only)."""
+        try:
+            return self._prepare(x, classes, graph=True)
+        except Exception as e:
+            if "graph capture" not in str(e):
+                raise
+        return self._prepare(x, classes, graph=False)
+
+    def _prepare(self, x: torch.Tensor, classes: int, graph: bool) -> Prepared:
         ort = self.ort
         stream = torch.cuda.current_stream()  # a side stream (cuda graphs are not captured on the legacy one)
         options = {
             "device_id": str(x.device.index or 0), "cudnn_conv_algo_search": "EXHAUSTIVE", "prefer_nhwc": "1",
-            "enable_cuda_graph": "1", "has_user_compute_stream": "1", "user_compute_stream": str(stream.cuda_stream),
+            "enable_cuda_graph": "1" if graph else "0", "has_user_compute_stream": "1",
+            "user_compute_stream": str(stream.cuda_stream),
         }  # fmt: skip
         so = ort.SessionOptions()
         so.log_severity_level = 3
@@ -94,7 +105,7 @@ class OrtProvider:
             session.run_with_iobinding(binding, run)
             return out
 
-        return Prepared(fn, compile_s=compile_s, graphed=True)
+        return Prepared(fn, compile_s=compile_s, graphed=graph, plain_only=not graph)
 
 
 def execute(args, command: str) -> int:

@@ -163,10 +163,13 @@ def gpu_table(cases: list[dict]) -> str:
             # the kernels' 1e-2 stands, which every provider of a deep fp16 ResNet passes (ResNet-50: 2-3e-2)
             bad = "eager-cl" in c.get("providers", {}) and any(isinstance(v, dict) and v.get("bad")
                                                                 for v in (res or {}).values())  # fmt: skip
+            plain = (res or {}).get("plain") or {}
             if res is None:
                 cells.append("not timed")
             elif t is not None:
                 cells.append(us(t) + (" **BAD**" if bad else ""))
+            elif plain.get("device_us") is not None:  # no graph of its own (onnxruntime, where it cannot capture)
+                cells.append(us(plain["device_us"]) + " launched" + (" **BAD**" if bad else ""))
             else:
                 cells.append("skip" if "skipped" in res else "n/a" if "na" in res else "err")
         anchors = {p: t for p, t in times.items() if p != "ours" and t is not None}
@@ -274,8 +277,9 @@ def render_docs(check: dict | None, timing: dict | None = None) -> str:
 SPEED_LEGEND = (
     "eager-cl: the torch module in channels_last; compile: torch.compile (default mode) with BatchNorm folded; ort: "
     "onnxruntime-gpu's CUDA provider (cuDNN's exhaustive search, NHWC, its CUDA graph) on the same ONNX file in fp16, "
-    "`err` where it refused to run (ShuffleNetV2: shape nodes left on the CPU, so no CUDA graph); not timed: no "
-    "result in this file. ready s: ours's first forward at batch 1 (binding, tuning every key, graph capture) in the "
+    "`err` where it failed (ShuffleNetV2 so far: its shape nodes stay on the CPU, so it captures no graph; the zoo "
+    "now times such a model run by run: `launched`, device µs); not timed: no result in this file. ready s: ours's "
+    "first forward at batch 1 (binding, tuning every key, graph capture) in the "
     "zoo's process, after the families timed before it in the same run (VGG-11 BN's 0.1 s: VGG-11's kernels, the "
     "same convs once BatchNorm is folded, already tuned and compiled). **BAD**: an error past twice eager's own. "
     "The JSON and the command lines behind it: bench/results/<gpu>/zoo_<gpu>.json."
