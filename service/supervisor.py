@@ -150,6 +150,7 @@ class Supervisor:
         # The command line's settings: they beat the environment and the file at every reload too.
         self.overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
         self._stop_requested = False
+        self._announced = False  # every engine ready and every front end listening (the ready banner logged)
         self._reload_requested = False
         self._generation = 0
         self._shared_generation = None
@@ -234,7 +235,9 @@ class Supervisor:
         s, name = self.settings, signal.Signals(signum).name
         if not self._stop_requested:
             self._stop_requested = True
-            if s.drain_delay_s > 0:
+            if not self._announced:
+                log.info("%s: stopping before ready (nothing served yet: no drain delay)", name)
+            elif s.drain_delay_s > 0:
                 log.info("%s: /health/ready reads 503; still serving for %g s (FUSEDSERVE_DRAIN_DELAY_S) while load "
                          "balancers notice, then stopping within %g s (FUSEDSERVE_SHUTDOWN_GRACE_S); %s again stops "
                          "now", name, s.drain_delay_s, s.shutdown_grace_s, name)  # fmt: skip
@@ -433,7 +436,7 @@ class Supervisor:
                 self.reload()
             # Ready once every engine is and every front end listens: the banner's URLs then take connections.
             if not announced and all(st.value == wire.READY for st in states) and all(f.value for f in listening):
-                announced = True
+                announced = self._announced = True
                 bar.clear()
                 log.info("%s", ready_banner(s, len(devices)))
             elif not announced:

@@ -308,6 +308,27 @@ def test_the_interpreters_launch_configs_stop_changing_by_the_cpu_warm_up_rows(n
     assert linear._interpreter_config(rows // 2, n, k) != linear._interpreter_config(rows, n, k)  # below it, they do
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU warm-up's rule (Triton's interpreter)")
+def test_a_slow_interpreted_batch_of_one_leaves_the_larger_warm_up_batch_out(tmp_path, monkeypatch):
+    """Fused on the CPU, a batch of 1 slower than INTERPRETER_WARM_S leaves the larger warm-up batch out (a ResNet's
+    64 interpreted images would take most of an hour; its batch of 1 took 45 s); unfused, one whose time scaled to
+    the largest batch passes CPU_WARM_S. The sizes run, the sizes left out and each size's seconds are the runner's,
+    for the engine's log line. A quick model runs both, as before."""
+    import service.model.runner as runner_mod
+
+    d = write_model(tmp_path / "m", [16, 8, 4], ["relu", None])
+    quick = ModelRunner(load_model(d), "fused", DEVICE, "float32")
+    assert quick.warmup(128) == [1, 64] and quick.warm_left_out == [] and set(quick.warm_seconds) == {1, 64}
+    monkeypatch.setattr(runner_mod, "INTERPRETER_WARM_S", 0.0)  # any batch of 1 is "slow"
+    slow = ModelRunner(load_model(d), "fused", DEVICE, "float32")
+    assert slow.warmup(128) == [1] and slow.warm_left_out == [64] and list(slow.warm_seconds) == [1]
+    unfused = ModelRunner(load_model(d), "unfused", DEVICE, "float32")  # torch's CPU ops: batch 1's time x rows
+    assert unfused.warmup(128) == [1, 128] and unfused.warm_left_out == []
+    monkeypatch.setattr(runner_mod, "CPU_WARM_S", 0.0)  # any batch of 128 is "slow"
+    unfused = ModelRunner(load_model(d), "unfused", DEVICE, "float32")
+    assert unfused.warmup(128) == [1] and unfused.warm_left_out == [128]
+
+
 # The overflow is the point of the test; the interpreter's numpy cast warns about it.
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 def test_warmup_refuses_a_model_that_overflows(tmp_path):
@@ -573,3 +594,20 @@ def test_this_torch_records_events_inside_graphs():
     from service.model.runner import events_in_graphs
 
     assert events_in_graphs()
+
+
+def test_the_engines_warm_up_line_says_why_no_larger_batch_ran():
+    from types import SimpleNamespace
+
+    from service.engine.core import _warm_note
+
+    slow = SimpleNamespace(warm_left_out=[64], warm_seconds={1: 45.04})
+    assert _warm_note(slow, [1], 1024) == (
+        " (Triton's interpreter on the CPU: batch 1 took 45.04 s, and its time grows with the rows, so batch 64 was "
+        "not run before ready)"
+    )
+    torch_cpu = SimpleNamespace(warm_left_out=[1024], warm_seconds={1: 0.052})
+    assert _warm_note(torch_cpu, [1], 1024, "unfused").startswith(" (torch on the CPU: batch 1 took 0.05 s")
+    capped = SimpleNamespace(warm_left_out=[], warm_seconds={1: 0.1, 64: 0.9})
+    assert "batches up to 1024 run the same kernel configs as 64" in _warm_note(capped, [1, 64], 1024)
+    assert _warm_note(capped, [1, 64], 64) == ""

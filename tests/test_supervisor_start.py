@@ -130,3 +130,48 @@ def test_sigterm_while_engine_0_reads_the_model_stops_cleanly(tmp_path):
         assert "front end 0" not in out, out
     engine = kids["fs-engine-0"]
     assert not Path(f"/proc/{engine}").exists() or "fs-engine" not in Path(f"/proc/{engine}/comm").read_text()
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_while_the_engine_warms_up_stops_at_once(tmp_path):
+    """A stop during the warm-up (Triton's interpreter running a ResNet stem at 224x224 on the CPU, seconds a step) is
+    not held to the warm-up's end and the grace: nothing is served before ready, so the engine exits at once and the
+    front end skips its drain delay (its health check read 503 all along). Exit 0, well inside the 20 s drain delay
+    set here; before, the engine warmed on and was killed after the grace, exit 1."""
+    import json
+    import signal
+    import time
+    import urllib.error
+    import urllib.request
+
+    subprocess.run([sys.executable, "tools/build_resnet.py", "resnet-stem", "--out", str(tmp_path)], cwd=REPO,
+                   env=_env(), check=True, capture_output=True)  # fmt: skip
+    port = free_port()
+    argv = [sys.executable, "-m", "fusedserve", "serve", "--model", str(tmp_path / "resnet-stem.onnx"), "--device",
+            "cpu", "--port", str(port), "--workers", "1"]  # fmt: skip
+    env = _env() | {"FUSEDSERVE_DRAIN_DELAY_S": "20", "FUSEDSERVE_LOG_LEVEL": "info"}
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, state = time.monotonic() + 90, None
+        while state != "warming":
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else state
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health/ready", timeout=2)
+                state = "ready"  # 200: the warm-up ended before the test saw it (not expected at seconds a step)
+            except urllib.error.HTTPError as e:
+                state = json.loads(e.read()).get("status")
+            except OSError:
+                pass  # not listening yet
+            assert state != "ready", "the warm-up ended before a stop could come during it"
+            time.sleep(0.1)
+        t = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - t
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "stopping before ready" in out and "fusedserve stopped (exit 0)" in out, out
+    assert "did not stop in time" not in out and "Traceback" not in out, out
+    assert took < 15, f"{took:.1f} s to stop: a drain delay or the warm-up's end waited for\n{out}"

@@ -534,6 +534,19 @@ class _Conn:
                 os.close(fd)
 
 
+def _warm_note(runner, sizes: list[int], max_batch_size: int, mode: str = "fused") -> str:
+    """Why a CPU warm-up ran no batch of max_batch_size (runner.warmup's rules), for its log line."""
+    if runner.warm_left_out:
+        took, left = runner.warm_seconds[sizes[-1]], runner.warm_left_out[-1]
+        how = "Triton's interpreter" if mode == "fused" else "torch"
+        return (f" ({how} on the CPU: batch {sizes[-1]} took {took:.2f} s, and its time grows with the rows, so "
+                f"batch {left} was not run before ready)")  # fmt: skip
+    if sizes[-1] >= max_batch_size:
+        return ""
+    return (f" (Triton's interpreter on the CPU: batches up to {max_batch_size} run the same kernel configs as "
+            f"{sizes[-1]}, so no larger one is run before ready)")  # fmt: skip
+
+
 def build_runner(settings: Settings, device, dtype: str, model, metrics, mode: str | None = None,
                  direct_input: bool = False, label: str | None = None):  # fmt: skip
     """The model runner of `mode` (default: settings.mode) in `dtype` for this engine, with the kernel switches set
@@ -620,11 +633,13 @@ def engine_main(
     engine: Engine | None = None
 
     def stop(signum, frame):  # the supervisor's SIGTERM: answer what is queued, then exit
-        if engine is not None:
+        if engine is not None and state.value == wire.READY:
             engine.stopping = True
         else:
-            # Nothing is served yet, so nothing is owed. Not sys.exit: a SystemExit raised inside torch's C++ (the
-            # safetensors read) comes back out as a different error, which the loader reported as a bad model.
+            # Nothing is served before ready (the model read, the warm-up: minutes of compiling on a GPU, of Triton's
+            # interpreter on the CPU), so nothing is owed: exit at once, not at the warm-up's end, past the grace. Not
+            # sys.exit: a SystemExit raised inside torch's C++ (the safetensors read) comes back out as a different
+            # error, which the loader reported as a bad model.
             sys.stderr.flush()
             os._exit(0)
 
@@ -728,13 +743,14 @@ def engine_main(
             for mode, runner in runners.items():
                 t = time.perf_counter()
                 sizes = runner.warmup(settings.max_batch_size, progress)
-                log.info(
-                    "engine %d warm: %s on %s, %s, batch sizes %s in %.1f s%s",
-                    index, mode, device, dtype, sizes, time.perf_counter() - t,
-                    "" if sizes[-1] >= settings.max_batch_size else
-                    f" (Triton's interpreter on the CPU: batches up to {settings.max_batch_size} run the same kernel "
-                    f"configs as {sizes[-1]}, so no larger one is run before ready)",
-                )  # fmt: skip
+                log.info("engine %d warm: %s on %s, %s, batch sizes %s in %.1f s%s", index, mode, device, dtype, sizes,
+                         time.perf_counter() - t, _warm_note(runner, sizes, settings.max_batch_size, mode))  # fmt: skip
+                one = runner.warm_seconds.get(1, 0.0)
+                if device.type != "cuda" and mode == "fused" and one > 1.0 and index == 0:
+                    log.warning("engine %d: fused on the CPU runs every kernel in Triton's interpreter: a batch of 1 "
+                                "took %.1f s to warm up, and a request will take about as long; the unfused mode "
+                                "(--mode unfused, FUSEDSERVE_MODE=unfused) runs the same model with torch's CPU ops",
+                                index, one)  # fmt: skip
             fallbacks = {n: why for r in runners.values() for n, why in r.executor.fallbacks.items()}
             metrics.unfused_fallbacks(len(fallbacks))
             if fallbacks:

@@ -241,8 +241,10 @@ def _draining_server(base):
         def handle_exit(self, sig, frame) -> None:
             if self._drain_started is None:
                 # FUSEDSERVE_DRAIN_DELAY_S: accepting and answering on, /health/ready 503, until load balancers have
-                # seen it; the drain below starts after that.
-                self._drain_started = time.monotonic() + self.fs_drain_delay_s
+                # seen it; the drain below starts after that. Not ready (still warming, an engine down), the health
+                # check has read 503 all along: no delay.
+                delay = self.fs_drain_delay_s if self._fs_state.ready else 0.0
+                self._drain_started = time.monotonic() + delay
                 self._fs_state.draining = True
                 return
             super().handle_exit(sig, frame)  # a second signal: shut down now

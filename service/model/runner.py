@@ -59,6 +59,14 @@ class InFlight:
 # tiles. Batches 1 and 64 so run every config the CPU path can pick; the largest batch itself only costs time there
 # (digits-mlp's 1,024 rows: 11.5 of a 22 s start on a 2-core machine; a ResNet's would take hours).
 INTERPRETER_WARM_ROWS = 64
+# ...and only where the batch of 1 was quick: the interpreter's time grows with the rows (its programs run one by one
+# in Python), so a ResNet-18 at 224x224 that took 50 s at batch 1 (2-core machine) would take most of an hour at 64.
+# Past this many seconds at batch 1 the larger batch is left out, and the log says so.
+INTERPRETER_WARM_S = 2.0
+# Unfused on the CPU (torch's ops) the largest batch is left out where batch 1's time scaled to its rows passes this:
+# a ResNet-18's 1,024 images at 224x224 were minutes of a start and gigabytes of activations; the digits models'
+# take well under a second and still run.
+CPU_WARM_S = 10.0
 
 
 def warmup_sizes(max_batch_size: int, device: torch.device, mode: str = "unfused") -> list[int]:
@@ -122,6 +130,8 @@ class ModelRunner:
         self._observe_forward = observe_forward
         self._timer = StepTimer(device)
         self._batches = 0
+        self.warm_seconds: dict[int, float] = {}  # batch size -> its warm-up forward's seconds
+        self.warm_left_out: list[int] = []  # sizes the CPU warm-up left out (INTERPRETER_WARM_S)
         # numpy views of the graphs' pinned staging, where numpy has their dtype (not bfloat16).
         graphs = self.graphs
         self._host_in_np = graphs.host_in.numpy() if graphs and self.executor.input_dtype in NUMPY_DTYPES else None
@@ -328,5 +338,11 @@ class ModelRunner:
                 self.graphs.capture(self.graphs.bucket_for(n))
             if not torch.isfinite(y).all():
                 raise RuntimeError(f"warm-up forward at batch {n} produced NaN/Inf")
-            log.info("warm-up: batch %d in %.1f ms", n, (time.perf_counter() - t) * 1e3)
+            self.warm_seconds[n] = took = time.perf_counter() - t
+            log.info("warm-up: batch %d in %.1f ms", n, took * 1e3)
+            if self.device.type != "cuda" and k + 1 < len(sizes):
+                slow = took > INTERPRETER_WARM_S if ex.mode == "fused" else took * sizes[k + 1] / n > CPU_WARM_S
+                if slow:
+                    self.warm_left_out = sizes[k + 1 :]
+                    return sizes[: k + 1]
         return sizes
