@@ -525,6 +525,7 @@ def fused_conv2d(
     input_negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
     interleave: torch.Tensor | None = None,
     interleave_index: int = 0,
+    _pair: tuple[torch.Tensor, int, int] | None = None,
 ) -> torch.Tensor:
     """act(conv2d(x, weight, bias) [+ residual]); x (N, C, H, W) contiguous NCHW (or channels_last), weight
     (OC, C, KH, KW); returns (N, OC, OH, OW) in x's dtype, channels_last if x or weight is (as torch does), else
@@ -573,75 +574,11 @@ def fused_conv2d(
     kernel, no strided copy); otherwise the conv writes `out` and `interleave` is copied beside it. Not with a pool or
     a residual (ValueError). Returns `out`.
     """
-    if interleave is not None:
+    if interleave is not None and _pair is None:
         return _interleaved(x, weight, bias, interleave, interleave_index, out, residual, pool, stride=stride,
                             padding=padding, dilation=dilation, activation=activation, negative_slope=negative_slope,
                             allow_tf32=allow_tf32, input_norm=input_norm, x_scale=x_scale,
                             input_activation=input_activation, input_negative_slope=input_negative_slope)  # fmt: skip
-    return _fused_conv2d(x, weight, bias, stride=stride, padding=padding, dilation=dilation, activation=activation,
-                         negative_slope=negative_slope, allow_tf32=allow_tf32, pool=pool, memory_format=memory_format,
-                         out=out, residual=residual, input_norm=input_norm, x_scale=x_scale,
-                         input_activation=input_activation, input_negative_slope=input_negative_slope)  # fmt: skip
-
-
-def interleaved_buffer(out: torch.Tensor, k: int) -> torch.Tensor | None:
-    """The buffer whose channels k::2 `out` is (channel stride 2, channels_last pixel strides), as one tensor of
-    2 * OC channels, or None where `out` is not such a view."""
-    N, OC, OH, OW = out.shape
-    sn, sc, sh, sw = out.stride()
-    if sc != 2 or sw != 2 * OC or sh != OW * sw or (N > 1 and sn != OH * sh) or out.storage_offset() < k:
-        return None
-    return out.as_strided((N, 2 * OC, OH, OW), (sn, 1, sh, sw), out.storage_offset() - k)
-
-
-def _interleaved(x, weight, bias, partner, k, out, residual, pool, **kw) -> torch.Tensor:
-    if k not in (0, 1):
-        raise ValueError(f"interleave_index must be 0 or 1; got {k!r}")
-    if out is None or residual is not None or pool is not None:
-        raise ValueError("interleave needs out= (channels k::2 of a buffer) and neither a residual nor a pool")
-    if partner.shape != out.shape or partner.dtype != out.dtype or partner.device != out.device:
-        raise ValueError(f"interleave must be a {tuple(out.shape)} {out.dtype} tensor on {out.device}; got "
-                         f"{tuple(partner.shape)} {partner.dtype} on {partner.device}")  # fmt: skip
-    whole = interleaved_buffer(out, k)
-    N, OC, OH, OW = out.shape
-    # (an image stride matters only past one image)
-    ps = partner.stride() if N > 1 else (None, *partner.stride()[1:])
-    if whole is not None and ps == (whole.stride(0) if N > 1 else None, 1, *whole.stride()[2:]):
-        pixel = 0  # a channel run of a buffer with the output's pixel strides: read at y's offsets
-    elif whole is not None and ps == (OH * OW * OC if N > 1 else None, 1, OW * OC, OC):
-        pixel = OC  # dense channels_last
-    else:  # the conv into its channels, then the other half copied
-        _fused_conv2d(x, weight, bias, out=out, **kw)
-        other = out.as_strided(out.shape, out.stride(), out.storage_offset() + (1 - 2 * k))
-        other.copy_(partner)
-        return out
-    _fused_conv2d(x, weight, bias, out=whole, interleave_with=(partner, k, pixel), **kw)
-    return out
-
-
-def _fused_conv2d(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    stride=(1, 1),
-    padding=(0, 0),
-    dilation=(1, 1),
-    activation: str = "none",
-    negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
-    allow_tf32: bool | None = None,
-    pool: tuple | None = None,
-    memory_format: torch.memory_format | None = None,
-    out: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-    input_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
-    x_scale: torch.Tensor | None = None,
-    input_activation: str = "none",
-    input_negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
-    interleave_with: tuple[torch.Tensor, int, int] | None = None,
-) -> torch.Tensor:
-    """fused_conv2d's work; interleave_with (partner, k, its pixel stride or 0: out's): `out` is the whole buffer of
-    2 * OC channels, written channels k::2 from the conv and the others from partner (the INTERLEAVE kernel)."""
     _check(x, weight, bias, activation, input_norm)
     check_activation(input_activation)
     if input_activation != "none" and input_norm is None:
@@ -685,7 +622,9 @@ def _fused_conv2d(
     # input is both; a channels_last weight then asks for NHWC outputs.)
     channels_last = _channels_last(x) or channel_slice_of_nhwc(x)
     fmt = torch.channels_last if channels_last or _channels_last(weight) else torch.contiguous_format
-    partner, k, p_pixel = interleave_with if interleave_with is not None else (None, 0, 0)
+    # _pair (partner, k, its pixel stride or 0: out's), from _interleaved: `out` is the whole buffer of 2 * OC
+    # channels, written channels k::2 from the conv and the others from partner (the INTERLEAVE epilogue)
+    partner, k, p_pixel = _pair if _pair is not None else (None, 0, 0)
     width = 2 * OC if partner is not None else OC  # out's channels: interleaved, the whole buffer's
     if out is None:
         out = torch.empty((N, OC, OH, OW), device=x.device, dtype=dtype, memory_format=memory_format or fmt)
@@ -816,6 +755,41 @@ def _fused_conv2d(
         config = tune(scope, key, candidates, run)
         _configs[signature] = config
     run(config)
+    return out
+
+
+def interleaved_buffer(out: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The buffer whose channels k::2 `out` is (channel stride 2, channels_last pixel strides), as one tensor of
+    2 * OC channels, or None where `out` is not such a view."""
+    N, OC, OH, OW = out.shape
+    sn, sc, sh, sw = out.stride()
+    if sc != 2 or sw != 2 * OC or sh != OW * sw or (N > 1 and sn != OH * sh) or out.storage_offset() < k:
+        return None
+    return out.as_strided((N, 2 * OC, OH, OW), (sn, 1, sh, sw), out.storage_offset() - k)
+
+
+def _interleaved(x, weight, bias, partner, k, out, residual, pool, **kw) -> torch.Tensor:
+    if k not in (0, 1):
+        raise ValueError(f"interleave_index must be 0 or 1; got {k!r}")
+    if out is None or residual is not None or pool is not None:
+        raise ValueError("interleave needs out= (channels k::2 of a buffer) and neither a residual nor a pool")
+    if partner.shape != out.shape or partner.dtype != out.dtype or partner.device != out.device:
+        raise ValueError(f"interleave must be a {tuple(out.shape)} {out.dtype} tensor on {out.device}; got "
+                         f"{tuple(partner.shape)} {partner.dtype} on {partner.device}")  # fmt: skip
+    whole = interleaved_buffer(out, k)
+    N, OC, OH, OW = out.shape
+    # (an image stride matters only past one image)
+    ps = partner.stride() if N > 1 else (None, *partner.stride()[1:])
+    if whole is not None and ps == (whole.stride(0) if N > 1 else None, 1, *whole.stride()[2:]):
+        pixel = 0  # a channel run of a buffer with the output's pixel strides: read at y's offsets
+    elif whole is not None and ps == (OH * OW * OC if N > 1 else None, 1, OW * OC, OC):
+        pixel = OC  # dense channels_last
+    else:  # the conv into its channels, then the other half copied
+        fused_conv2d(x, weight, bias, out=out, **kw)
+        other = out.as_strided(out.shape, out.stride(), out.storage_offset() + (1 - 2 * k))
+        other.copy_(partner)
+        return out
+    fused_conv2d(x, weight, bias, out=whole, _pair=(partner, k, pixel), **kw)
     return out
 
 
