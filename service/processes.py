@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 
 # A child's exit code for a start that cannot succeed (its app's start-up failed): the supervisor does not start it
 # again, since a new process would fail the same way, again and again. 3 is uvicorn's own code for this.
@@ -14,6 +15,23 @@ STARTUP_FAILED = 3
 # What a front-end process serves (supervisor.frontend_roles hands each its own; frontend.app.frontend_main).
 HTTP, GRPC, HTTP_AND_GRPC = "http", "grpc", "http+grpc"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+
+
+# Signals a child must not die of before child_setup has ignored them: a group's SIGHUP (a reload meant for the
+# supervisor, a terminal's hangup) or SIGINT (Ctrl-C) arriving while the child's interpreter starts and imports (torch
+# in an engine: seconds) ended it, and a start before the model was read then stopped the whole service.
+STARTUP_SIGNALS = (signal.SIGHUP, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def signals_held_for_children() -> Iterator[None]:
+    """Around starting a child: STARTUP_SIGNALS blocked, so the child (which inherits the mask through fork and exec)
+    holds them until child_setup ignores them; in this process they are taken once the block ends, as before."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STARTUP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def child_setup(name: str) -> None:
@@ -27,6 +45,7 @@ def child_setup(name: str) -> None:
     # A SIGHUP meant for the supervisor (a reload) that reaches a child must not end it: children take new settings
     # from the supervisor (service/link/live.py), never from a signal.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STARTUP_SIGNALS)  # held since the start (signals_held_for_children)
     if sys.platform.startswith("linux"):
         try:
             import ctypes

@@ -67,7 +67,7 @@ from .config import (
 )
 from .link import wire
 from .link.live import write_live
-from .processes import GRPC, HTTP, HTTP_AND_GRPC, STARTUP_FAILED
+from .processes import GRPC, HTTP, HTTP_AND_GRPC, STARTUP_FAILED, signals_held_for_children
 
 if TYPE_CHECKING:
     from .link.model_info import ModelInfo
@@ -370,7 +370,8 @@ class Supervisor:
                 args=(self.settings, i, endpoints[i], states[i], devices[i], str(run_dir), threads, config, info_to),
                 name=f"engine-{i}",
             )
-            p.start()
+            with signals_held_for_children():
+                p.start()
             return p
 
         # Engine 0 sends what the front ends must know of the model once it has read it; the front ends start then,
@@ -389,8 +390,9 @@ class Supervisor:
         if info is None:
             if self._stop_requested:
                 return self._shutdown(0)
-            log.error("engine 0 exited with code %s before it had read the model (its log above says why); stopping "
-                      "the service", self.engines[0].exitcode)  # fmt: skip
+            self.engines[0].join(1.0)  # its pipe closed as it died: its exit code once it is reaped
+            log.error("engine 0 exited with %s before it had read the model (its log above says why); stopping the "
+                      "service", _exit_status(self.engines[0].exitcode))  # fmt: skip
             return self._shutdown(1)
         from .metrics import SupervisorMetrics
 
@@ -409,7 +411,8 @@ class Supervisor:
                 args=(self.settings, info, endpoints, states, str(run_dir), k, config, keys, listening[k], roles[k]),
                 name=f"frontend-{k}",
             )
-            p.start()
+            with signals_held_for_children():
+                p.start()
             return p
 
         for k in range(len(roles)):
@@ -508,6 +511,14 @@ class Supervisor:
         code = code or (0 if clean else 1)
         log.info("fusedserve stopped (exit %d)", code)
         return code
+
+
+def _exit_status(code: int | None) -> str:
+    """A child's end as a log line says it: "code 3", "signal SIGKILL" (multiprocessing's negative codes)."""
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+    return f"code {code}"
 
 
 def frontend_roles(workers: int, grpc: bool, grpc_workers: int) -> list[str]:

@@ -175,3 +175,46 @@ def test_sigterm_while_the_engine_warms_up_stops_at_once(tmp_path):
     assert "stopping before ready" in out and "fusedserve stopped (exit 0)" in out, out
     assert "did not stop in time" not in out and "Traceback" not in out, out
     assert took < 15, f"{took:.1f} s to stop: a drain delay or the warm-up's end waited for\n{out}"
+
+
+@pytest.mark.timeout(180)
+def test_sighups_to_the_group_during_the_start_neither_kill_a_child_nor_stop_the_service():
+    """SIGHUP to the service's process group (a terminal's hangup, `kill -HUP -PGID`) every 0.25 s from 1.5 s after the
+    start until ready: each is a reload for the supervisor, and a child still starting (its interpreter importing
+    torch, before it ignores SIGHUP) holds it blocked instead of dying of it (processes.signals_held_for_children).
+    Before, the first one to reach engine 0 ended it and the service stopped before it had read the model."""
+    import contextlib
+    import signal
+    import time
+    import urllib.request
+
+    port = free_port()
+    argv = [sys.executable, "-m", "fusedserve", "serve", "--device", "cpu", "--port", str(port), "--workers", "1"]
+    proc = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    sent, ready = 0, False
+    try:
+        time.sleep(1.5)  # the supervisor's own handler is set by then (before it, SIGHUP ends any process)
+        deadline = time.monotonic() + 90
+        while not ready and proc.poll() is None and time.monotonic() < deadline:
+            os.killpg(proc.pid, signal.SIGHUP)
+            sent += 1
+            time.sleep(0.25)
+            with contextlib.suppress(OSError):  # not listening yet, or 503
+                ready = urllib.request.urlopen(f"http://127.0.0.1:{port}/health/ready", timeout=1).status == 200
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert ready and sent >= 4, (sent, out)
+    assert proc.returncode == 0 and "fusedserve stopped (exit 0)" in out, out
+    assert " ERROR " not in out and "Traceback" not in out, out
+
+
+def test_a_childs_end_is_named_as_a_code_or_a_signal():
+    from service.supervisor import _exit_status
+
+    assert _exit_status(3) == "code 3" and _exit_status(None) == "code None"
+    assert _exit_status(-9) == "signal SIGKILL" and _exit_status(-1) == "signal SIGHUP"
