@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 
 # A child's exit code for a start that cannot succeed (its app's start-up failed): the supervisor does not start it
@@ -25,12 +26,18 @@ STARTUP_SIGNALS = (signal.SIGHUP, signal.SIGINT)
 
 @contextlib.contextmanager
 def signals_held_for_children() -> Iterator[None]:
-    """Around starting a child: STARTUP_SIGNALS blocked, so the child (which inherits the mask through fork and exec)
-    holds them until child_setup ignores them; in this process they are taken once the block ends, as before."""
+    """Around starting a child: STARTUP_SIGNALS blocked, so that the child, which inherits the mask through fork and
+    exec, holds them until child_setup ignores them; and SIGINT ignored too, since a new interpreter unblocks SIGINT
+    but leaves an ignored one ignored. Here they are taken once the block ends, as before (Linux keeps a blocked
+    signal pending even while it is ignored)."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, STARTUP_SIGNALS)
+    main = threading.current_thread() is threading.main_thread()  # signal.signal works there alone
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
         yield
     finally:
+        if main:
+            signal.signal(signal.SIGINT, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 

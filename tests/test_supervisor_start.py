@@ -218,3 +218,42 @@ def test_a_childs_end_is_named_as_a_code_or_a_signal():
 
     assert _exit_status(3) == "code 3" and _exit_status(None) == "code None"
     assert _exit_status(-9) == "signal SIGKILL" and _exit_status(-1) == "signal SIGHUP"
+
+
+def _any_child(pid: int) -> bool:
+    """Whether the process `pid` has a child yet, whatever its name (a spawned child is named only in child_setup)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    return True
+            except (OSError, ValueError, IndexError):
+                continue
+    return False
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_to_the_group_as_engine_0_starts_stops_cleanly():
+    """Ctrl-C (SIGINT to the process group) the moment engine 0 exists, while its interpreter starts and imports
+    torch: the supervisor stops the service, exit 0, and the engine, which ignores SIGINT from its start, prints no
+    KeyboardInterrupt traceback (before, it did: Python unblocks SIGINT in a new interpreter)."""
+    import signal
+    import time
+
+    port = free_port()
+    argv = [sys.executable, "-m", "fusedserve", "serve", "--device", "cpu", "--port", str(port), "--workers", "1"]
+    proc = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not _any_child(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            time.sleep(0.01)
+        time.sleep(0.3)  # the child's interpreter is up and importing
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "fusedserve stopped (exit 0)" in out, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
