@@ -63,7 +63,8 @@ sys.exit(main(["serve", "--port", sys.argv[1], "--no-warmup", "--workers", "1"])
 
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FUSEDSERVE_")}
-    env["PYTHONPATH"] = str(REPO)
+    # the repository first, then what the caller's path held (the GPU host's wheels live in a directory of their own)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return env
 
 
