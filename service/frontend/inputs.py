@@ -100,7 +100,9 @@ def _to_float32(arr: np.ndarray, shapes: list[tuple[int, ...]], input_shape: tup
     n = arr.shape[0]
     if arr.dtype == np.float64:
         flat = arr.reshape(-1)
-        if np.dot(flat, flat) <= _SAFE_SQUARES:
+        with np.errstate(over="ignore"):  # huge values make the sum inf: then the slow check below names them
+            fits = np.dot(flat, flat) <= _SAFE_SQUARES
+        if fits:
             return arr.astype(np.float32).reshape(n, *input_shape)
     with np.errstate(over="ignore"):
         out = arr.astype(np.float32, copy=False).reshape(n, *input_shape)
