@@ -230,3 +230,15 @@ def test_the_gpu_mode_times_a_tiny_family(tmp_path):
     for c in cases:
         assert c["providers"]["ours"]["graph"]["hot_us"] > 0 and not c["providers"]["ours"]["graph"]["bad"]
         assert c["ready_s"] > 0
+
+
+def test_export_writes_files_the_service_imports(tmp_path, capsys):
+    """`--export DIR`: each family as DIR/<family>.onnx (TorchScript exporter, dynamic batch), which the importer takes
+    as a user's file; nothing checked or timed."""
+    from service.model.loader import load_model
+
+    assert cli.main(["--export", str(tmp_path), "--families", "squeezenet1_1", "--size", "tiny"]) == 0
+    path = tmp_path / "squeezenet1_1.onnx"
+    assert f"wrote {path}" in capsys.readouterr().out and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    model = load_model(path)
+    assert model.input_shape == families.image_shape("squeezenet1_1", "tiny")

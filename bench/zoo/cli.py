@@ -37,6 +37,7 @@ import argparse
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from bench.kernels.cli import parse_batches
@@ -80,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     check.add_argument("--fused-rows", type=int, default=2, help="of those, through the fused mode [2: interpreted]")
     check.add_argument("--fused-once", action="store_true",
                        help="the fused mode through the first exporter whose import worked only")  # fmt: skip
+    p.add_argument("--export", type=Path, metavar="DIR",
+                   help="only write each family as an ONNX file (TorchScript exporter, dynamic batch; --size full by "
+                        "default) into DIR, to serve or to time a start with: nothing checked or timed")  # fmt: skip
     gpu = p.add_argument_group("--gpu (timing on a CUDA device)")
     gpu.add_argument("--gpu", "--time", action="store_true", dest="gpu", help="time instead of checking")
     gpu.add_argument("--batches", type=parse_batches, default=GPU_BATCHES, help="[1,256]")
@@ -101,7 +105,9 @@ def run(args: argparse.Namespace, command: str) -> int:
     """Check (CPU) or time (--gpu). Exit status: 0 done, 1 an imported model disagreed with its reference (check)
     or one of ours gave a wrong result (--gpu), 2 cannot run here."""
     if args.size is None:
-        args.size = "full" if args.gpu else "tiny"
+        args.size = "full" if args.gpu or args.export else "tiny"
+    if args.export:
+        return export_families(args.families, args.size, args.seed, args.export)
     if not args.gpu and "kernels" not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the fused mode on CPU tensors: Triton's interpreter
     if args.gpu:
@@ -117,6 +123,21 @@ def run(args: argparse.Namespace, command: str) -> int:
     from .run import execute
 
     return execute(args, command)
+
+
+def export_families(names, size: str, seed: int, out: Path) -> int:
+    """Each family's module (random weights, calibrated BatchNorm) as out/<family>.onnx, as a user's TorchScript export
+    of the torchvision model would be; prints each file and how to serve it."""
+    from . import exporters, families
+
+    for name in names:
+        t = time.perf_counter()
+        path = exporters.export("torchscript", families.build(name, size, seed), families.image_shape(name, size), out,
+                                name)  # fmt: skip
+        path = path.rename(out / f"{name}.onnx")
+        print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {time.perf_counter() - t:.1f} s): "
+              f"fusedserve serve --model {path}", flush=True)  # fmt: skip
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

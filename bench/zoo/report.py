@@ -255,7 +255,10 @@ def render_docs(check: dict | None, timing: dict | None = None) -> str:
         "`fusedserve bench zoo --help` builds torchvision's classification families (defined in "
         "[bench/zoo/families.py](../bench/zoo/families.py), torchvision's parameter counts exactly at full size), "
         "exports each through torch's two ONNX exporters and `export_module`, imports it as the service would, and "
-        "checks both modes against onnxruntime on the same file.",
+        "checks both modes against onnxruntime on the same file. `fusedserve bench zoo --export DIR --families "
+        "mobilenet_v3_large` only writes the families' ONNX files (random weights, full size), to serve one with "
+        "`fusedserve serve --model DIR/mobilenet_v3_large.onnx` or to time its start (bench/probes/startup.py takes "
+        "the file as its model).",
     ]
     if check:
         meta, records = check["meta"], check["records"]
