@@ -768,6 +768,11 @@ def interleaved_buffer(out: torch.Tensor, k: int) -> torch.Tensor | None:
     return out.as_strided((N, 2 * OC, OH, OW), (sn, 1, sh, sw), out.storage_offset() - k)
 
 
+def other_half(out: torch.Tensor, k: int) -> torch.Tensor:
+    """Channels (1 - k)::2 of the buffer whose channels k::2 `out` is: the partner's, a view of the same shape."""
+    return out.as_strided(out.shape, out.stride(), out.storage_offset() + 1 - 2 * k)
+
+
 def _interleaved(x, weight, bias, partner, k, out, residual, pool, **kw) -> torch.Tensor:
     if k not in (0, 1):
         raise ValueError(f"interleave_index must be 0 or 1; got {k!r}")
@@ -786,8 +791,7 @@ def _interleaved(x, weight, bias, partner, k, out, residual, pool, **kw) -> torc
         pixel = OC  # dense channels_last
     else:  # the conv into its channels, then the other half copied
         fused_conv2d(x, weight, bias, out=out, **kw)
-        other = out.as_strided(out.shape, out.stride(), out.storage_offset() + (1 - 2 * k))
-        other.copy_(partner)
+        other_half(out, k).copy_(partner)
         return out
     fused_conv2d(x, weight, bias, out=whole, _pair=(partner, k, pixel), **kw)
     return out

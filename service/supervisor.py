@@ -150,7 +150,9 @@ class Supervisor:
         # The command line's settings: they beat the environment and the file at every reload too.
         self.overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
         self._stop_requested = False
-        self._announced = False  # every engine ready and every front end listening (the ready banner logged)
+        # every engine ready and every front end listening (the ready banner logged), until an engine restarts: a stop
+        # before it (or while an engine is back to starting) has no drain delay, as the front ends judge it too
+        self._announced = False
         self._reload_requested = False
         self._generation = 0
         self._shared_generation = None
@@ -429,7 +431,6 @@ class Supervisor:
 
         bar = TerminalProgress(sys.stderr)  # a terminal: the engines' start-up progress, redrawn in place
 
-        announced = False
         code = 0
         while not self._stop_requested:
             sentinels = [p.sentinel for p in self.engines + self.frontends]
@@ -438,11 +439,11 @@ class Supervisor:
                 self._reload_requested = False
                 self.reload()
             # Ready once every engine is and every front end listens: the banner's URLs then take connections.
-            if not announced and all(st.value == wire.READY for st in states) and all(f.value for f in listening):
-                announced = self._announced = True
+            if not self._announced and all(st.value == wire.READY for st in states) and all(f.value for f in listening):
+                self._announced = True
                 bar.clear()
                 log.info("%s", ready_banner(s, len(devices)))
-            elif not announced:
+            elif not self._announced:
                 bar.update(lambda: read_progress(run_dir))
             if self._stop_requested:  # an engine the stop signal reached too (a signal to the group) stays down
                 break
@@ -451,8 +452,7 @@ class Supervisor:
                 _forget_process(p.pid)
                 if self._restart_engine(i, p.exitcode, states[i].value):
                     self.engines[i] = start_engine(i)
-                    if announced:
-                        announced = False  # "ready" is logged again once every engine is back
+                    self._announced = False  # "ready" is logged again once every engine is back
                     continue
                 if states[i].value not in (wire.FAILED_START, wire.BROKEN):
                     states[i].value = wire.STOPPED

@@ -763,8 +763,10 @@ def _written_interleaved(x, partner, *, out, layer, writes_out, k):
     output and the partner each copied into their channels (a step bound otherwise, or fallen back)."""
     if writes_out:
         return layer(x, out=out, interleave=partner, interleave_index=k)
+    from kernels.conv import other_half
+
     out.copy_(layer(x))
-    out.as_strided(out.shape, out.stride(), out.storage_offset() + 1 - 2 * k).copy_(partner)
+    other_half(out, k).copy_(partner)
     return out
 
 

@@ -886,16 +886,17 @@ def place_shuffles(steps: list[Step], shapes: Mapping[str, tuple[int, ...]] | No
             readers.setdefault(t, []).append(s)
     shuffled = {s.output for s in steps if isinstance(s, ChannelShuffleStep) and s.output in slots}
     pairs = _interleaves(steps, slots, readers)
+    partners = {partner for partner, _ in pairs.values()}
     out = []
     for s in steps:
         if isinstance(s, ChannelShuffleStep) and s.output in shuffled:
             s = dataclasses.replace(s, in_place=True)
         elif isinstance(s, ConcatStep) and s.output in slots and not s.in_place:
-            copied = tuple(t for t in s.inputs if t not in slots and t not in pairs.values())
+            copied = tuple(t for t in s.inputs if t not in slots and t not in partners)
             s = dataclasses.replace(s, in_place=True, copied=copied)
         elif isinstance(s, Conv2dStep) and s.output in pairs:
-            k = next(c for c in steps if isinstance(c, ConcatStep) and s.output in c.inputs).inputs.index(s.output)
-            s = dataclasses.replace(s, interleave=pairs[s.output], interleave_index=k)
+            partner, k = pairs[s.output]
+            s = dataclasses.replace(s, interleave=partner, interleave_index=k)
         elif (
             isinstance(s, SliceStep)
             and s.inputs[0] in shuffled
@@ -908,8 +909,11 @@ def place_shuffles(steps: list[Step], shapes: Mapping[str, tuple[int, ...]] | No
     return out
 
 
-def _interleaves(steps: list[Step], slots: Mapping[str, Slot], readers: Mapping[str, list[Step]]) -> dict[str, str]:
-    """conv output -> the tensor it is stored beside, for shuffled concats of two inputs (groups 2). A stride-1
+def _interleaves(
+    steps: list[Step], slots: Mapping[str, Slot], readers: Mapping[str, list[Step]]
+) -> dict[str, tuple[str, int]]:
+    """conv output -> (the tensor it is stored beside, the conv output's index in the concat: its channels k::2), for
+    shuffled concats of two inputs (groups 2). A stride-1
     ShuffleNet unit's: one input the concat would copy (a split's half, a view of the last unit's buffer) and one made
     by a plain conv (groups 1, no pool, residual or gate) that only the concat reads: the conv stores both. A stride-2
     unit's: two such convs: the later one stores both, the earlier writing its output dense (not into the buffer:
@@ -937,10 +941,10 @@ def _interleaves(steps: list[Step], slots: Mapping[str, Slot], readers: Mapping[
         copied = [t for t in cat.inputs if t not in slots]
         made = [t for t in cat.inputs if t in slots and plain_conv(t, cat)]
         if len(copied) == 1 and len(made) == 1:
-            pairs[made[0]] = copied[0]
+            pairs[made[0]] = (copied[0], cat.inputs.index(made[0]))
         elif not copied and len(made) == 2:
             earlier, later = sorted(made, key=order.__getitem__)
-            pairs[later] = earlier
+            pairs[later] = (earlier, cat.inputs.index(later))
     return pairs
 
 

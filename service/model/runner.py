@@ -131,7 +131,7 @@ class ModelRunner:
         self._timer = StepTimer(device)
         self._batches = 0
         self.warm_seconds: dict[int, float] = {}  # batch size -> its warm-up forward's seconds
-        self.warm_left_out: list[int] = []  # sizes the CPU warm-up left out (INTERPRETER_WARM_S)
+        self.warm_left_out: list[int] = []  # sizes the CPU warm-up left out (INTERPRETER_WARM_S, CPU_WARM_S)
         # numpy views of the graphs' pinned staging, where numpy has their dtype (not bfloat16).
         graphs = self.graphs
         self._host_in_np = graphs.host_in.numpy() if graphs and self.executor.input_dtype in NUMPY_DTYPES else None
