@@ -122,7 +122,7 @@ def execute(args, command: str) -> int:
         for c in results["cases"]:
             if c["family"] in args.families:
                 kept[c["family"], c["batch"]] = c
-        results["cases"] = [c for c in results["cases"] if c["family"] not in args.families]
+        # A family's earlier cases stay in the file until this run has timed it, so a run cut off mid-way loses none
         results.setdefault("not_run", {})
         for f in args.families:
             results["not_run"].pop(f, None)
@@ -152,7 +152,7 @@ def execute(args, command: str) -> int:
                             if key in old:
                                 c[key] = old[key]
                     rebound(c)  # against the eager-cl error the case now holds, this run's or an earlier one's
-                results["cases"] += cases
+                results["cases"] = [c for c in results["cases"] if c["family"] != family] + cases
                 bad |= any(isinstance(v, dict) and v.get("bad") for c in cases for v in
                            c["providers"].get("ours", {}).values())  # fmt: skip
                 report.save(results, out, slug)
@@ -313,8 +313,8 @@ def _meta(args, command: str, name: str, slug: str, before: dict) -> dict:
 
     try:
         ort_version = ort_module().__version__
-    except NotAvailable:
-        ort_version = None
+    except NotAvailable:  # the version that timed the onnxruntime cells this file keeps
+        ort_version = before.get("onnxruntime")
     commands = [*before.get("commands", []), command]
     return {
         "gpu": name, "slug": slug, "dtype": DTYPE, "size": args.size, "batches": list(args.batches),
