@@ -802,18 +802,19 @@ def _interleaved(x, weight, bias, partner, k, out, residual, pool, **kw) -> torc
 
 def interleave_candidates(configs: list[LaunchConfig], element_size: int) -> list[LaunchConfig]:
     """Of a layer's candidates, those the INTERLEAVE epilogue (the tile and its partner joined into rows twice as
-    wide) runs without spilling: in fp32, at most 32 accumulators a thread (64x64 over 4 warps; 128x64 over 4 spilled
-    32 bytes, 64x128 over 4 136, compiled for sm_90 at ShuffleNetV2's shapes); fp16 and bf16, every one. Where none
-    is that small (232 channels), the candidates cut to 64x64 tiles over 4 warps."""
+    wide) runs without spilling: in fp32, at most 16 accumulators a thread (64x64 over 8 warps, 64x32 over 4;
+    compiled for sm_90 at ShuffleNetV2's shapes, 64x64 over 4 warps spilled 24 bytes under Triton 3.6 and 128x64 over
+    4 32 bytes under 3.9); fp16 and bf16, every one. Where none is that small (232 channels), the candidates cut to
+    64x64 tiles over 8 warps."""
     if element_size < 4:
         return configs
-    small = [c for c in configs if c["BLOCK_M"] * c["BLOCK_N"] <= 32 * 32 * c.num_warps]
+    small = [c for c in configs if c["BLOCK_M"] * c["BLOCK_N"] <= 16 * 32 * c.num_warps]
     if small:
         return small
     cut = []
     for c in configs:
         tile = dict(c.kwargs) | {"BLOCK_M": min(c["BLOCK_M"], 64), "BLOCK_N": min(c["BLOCK_N"], 64)}
-        cut.append(LaunchConfig(tuple(sorted(tile.items())), 4, c.num_stages))
+        cut.append(LaunchConfig(tuple(sorted(tile.items())), 8, c.num_stages))
     return list(dict.fromkeys(cut))
 
 

@@ -115,13 +115,14 @@ def _pair(h, wa_ptr, ba_ptr, wb_ptr, bb_ptr,
     o = tl.arange(0, P_OUT)
     acc = tl.zeros((BLOCK_M, P_OUT), dtype=tl.float32)
     first = part * CHUNKS
-    for j in tl.range(first, first + CHUNKS, num_stages=STAGES):
-        mid_cols = j * BN + n
+    # Constant bounds, the part's offset added inside: Triton 3.6's interpreter fails on a loop with a runtime start.
+    for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+        mid_cols = (first + chunk) * BN + n
         wa = tl.load(wa_ptr + mid_cols[None, :] * P_IN + k[:, None])  # (P_IN, BN) view of W_A rows
         mid = _dot(h, wa, tl.zeros((BLOCK_M, BN), dtype=tl.float32), PRECISION, UPCAST)
         mid = _bias_act(mid, ba_ptr, mid_cols, ACT_A, SLOPE_A, ROUND_BF16, dtype)
         if IDENTITY:
-            # (BN, P_OUT): puts mid's column i at output column j*BN + i. Built as fp32 and cast: the
+            # (BN, P_OUT): puts mid's column i at output column mid_cols[i]. Built as fp32 and cast: the
             # interpreter's bool -> bf16 cast gives 0. "ieee": an fp32 mid must not be truncated to tf32.
             eye = tl.where(mid_cols[:, None] == o[None, :], 1.0, 0.0)
             acc = _dot(mid, eye.to(dtype), acc, "ieee", UPCAST)

@@ -1,8 +1,9 @@
-"""Shared pytest set-up: the `gpu` marker skips cleanly where CUDA is absent; the kernels' every-candidate sweeps are
-marked `sweep` and run longest first (tests/sweeps.py), then whole modules, costliest first, and under pytest-xdist
-a module that shares fixtures runs on one worker (tests/schedule.py); every test gets a seed derived from its
-id, printed when it fails (tests/seeding.py: replay one with FUSEDSERVE_TEST_SEED=N); what real servers logged
-during a test is printed after it (pytest shows it when the test failed)."""
+"""Shared pytest set-up: the `gpu` marker skips cleanly where CUDA is absent, `cpu_interpreter` where it is present;
+the kernels' every-candidate sweeps are marked `sweep` and run longest first (tests/sweeps.py), then whole modules,
+costliest first, and under pytest-xdist a module that shares fixtures runs on one worker (tests/schedule.py); every
+test gets a seed derived from its id, printed when it fails (tests/seeding.py: replay one with
+FUSEDSERVE_TEST_SEED=N); what real servers logged during a test is printed after it (pytest shows it when the test
+failed)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ def pytest_collection_modifyitems(config, items):
     mark_and_order(items)  # the every-candidate sweeps: marked `sweep`, longest first (tests/sweeps.py)
     order(items, first=sum("sweep" in item.keywords for item in items))  # then modules, costliest first
     if HAS_CUDA:
+        on_cpu = pytest.mark.skip(reason="runs fused kernels through Triton's interpreter on the CPU: CI's CPU runs it")
+        for item in items:
+            if "cpu_interpreter" in item.keywords:
+                item.add_marker(on_cpu)
         return
     skip = pytest.mark.skip(reason="needs CUDA: on a GPU host, tests/gpu_suite.sh runs it (tests/README.md)")
     for item in items:

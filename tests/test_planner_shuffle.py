@@ -31,6 +31,13 @@ pytestmark = pytest.mark.timeout(600)
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@pytest.fixture(autouse=True)
+def _exact_float32_convs(monkeypatch):
+    """float32 convs in full fp32 on a GPU, both modes (cuDNN and fused_conv2d follow cudnn.allow_tf32, on by
+    default): the float64 comparisons below hold to 1e-5."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+
+
 def _concat(inputs, out):
     return {"op": "concat", "inputs": list(inputs), "output": out}
 
@@ -250,6 +257,7 @@ def test_gpu_shuffle_graph_replays_equal_launches_and_the_unfused_mode(tmp_path,
         torch.testing.assert_close(got.float(), base.float(), rtol=tol, atol=tol, msg=f"{dtype} rows={rows}")
 
 
+@pytest.mark.cpu_interpreter
 def test_zoo_shufflenet_runs_its_concats_shuffles_and_splits_in_place(tmp_path):
     """ShuffleNetV2 (tiny) from the TorchScript exporter: of its 6 concats, 6 shuffles and 6 slices (18 torch ops
     before, each a copy of a feature map), none runs a torch op: the 3 stride-1 units' branch convs store x1 beside
@@ -262,4 +270,4 @@ def test_zoo_shufflenet_runs_its_concats_shuffles_and_splits_in_place(tmp_path):
     assert rec["plan"]["torch_parts"] == {} and rec["plan"]["torch"] == 0
     assert rec["plan"]["views"] == 1 + 6 + 6 + 6  # the flatten, the concats, the shuffles, the slices
     for mode, m in rec["modes"].items():
-        assert m["ok"], (mode, m)
+        assert m.get("ok"), (mode, m)

@@ -134,6 +134,7 @@ def test_sigterm_while_engine_0_reads_the_model_stops_cleanly(tmp_path):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.cpu_interpreter
 def test_sigterm_while_the_engine_warms_up_stops_at_once(tmp_path):
     """A stop during the warm-up (Triton's interpreter running a ResNet stem at 224x224 on the CPU, seconds a step) is
     not held to the warm-up's end and the grace: nothing is served before ready, so the engine exits at once and the
