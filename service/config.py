@@ -234,9 +234,8 @@ class Settings(BaseSettings):
     warmup: bool = Field(
         True,
         description="compile, tune and capture every batch bucket before reporting ready (/health/ready); on the "
-        "CPU, batch 1 and the largest (in the fused mode at most 64 rows: Triton's interpreter picks no other kernel "
-        "config past them), the largest left out where batch 1 shows it would take long (fused: batch 1 over 2 s; "
-        "unfused: batch 1's time times the rows over 10 s), as for a ResNet",
+        "CPU nothing compiles: fused (Triton's interpreter), batch 1 alone, which runs every kernel; unfused, batch 1 "
+        "and the largest, the largest left out where batch 1's time times its rows passes 10 s, as for a ResNet",
     )
     workers: int | None = Field(
         None,

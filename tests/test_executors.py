@@ -277,7 +277,7 @@ def test_warmup_on_cpu(runner_model, max_batch):
     for mode in ("fused", "unfused"):
         rec = Recorder()
         runner = ModelRunner(runner_model, mode, DEVICE, "float16", observe_kernel=rec.kernel)
-        assert runner.warmup(max_batch) == sorted({1, max_batch})
+        assert runner.warmup(max_batch) == ([1] if mode == "fused" else sorted({1, max_batch}))
         assert rec.kernels == []  # warm-up is not a served batch: no metrics
 
 
@@ -288,40 +288,22 @@ def test_warmup_on_cpu(runner_model, max_batch):
 def test_warmup_sizes_on_cuda_cover_every_bucket(max_batch, sizes):
     assert warmup_sizes(max_batch, torch.device("cuda")) == sizes
     assert warmup_sizes(max_batch, torch.device("cpu")) == sorted({1, max_batch})
-    # fused on the CPU: Triton's interpreter picks no new config past 64 rows (runner.INTERPRETER_WARM_ROWS)
-    assert warmup_sizes(max_batch, torch.device("cpu"), "fused") == sorted({1, min(max_batch, 64)})
+    # fused on the CPU: Triton's interpreter compiles nothing, and batch 1 runs every kernel
+    assert warmup_sizes(max_batch, torch.device("cpu"), "fused") == [1]
     assert warmup_sizes(max_batch, torch.device("cuda"), "fused") == sizes
 
 
-@pytest.mark.parametrize("n,k", [(10, 64), (256, 256), (7, 1000)])
-def test_the_interpreters_launch_configs_stop_changing_by_the_cpu_warm_up_rows(n, k):
-    """Why the fused CPU warm-up stops at INTERPRETER_WARM_ROWS: past it, no kernel's interpreter config changes (the
-    whole MLP runs fixed 16-row tiles under the interpreter)."""
-    import kernels.conv as conv
-    import kernels.linear as linear
-    from service.model.runner import INTERPRETER_WARM_ROWS as rows
-
-    for m in (rows + 1, 1000, 65_536):
-        assert linear._interpreter_config(m, n, k) == linear._interpreter_config(rows, n, k)
-        for pooled in (False, True):
-            assert conv._interpreter_config(m, n, 3, k, pooled) == conv._interpreter_config(rows, n, 3, k, pooled)
-    assert linear._interpreter_config(rows // 2, n, k) != linear._interpreter_config(rows, n, k)  # below it, they do
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU warm-up's rule (Triton's interpreter)")
-def test_a_slow_interpreted_batch_of_one_leaves_the_larger_warm_up_batch_out(tmp_path, monkeypatch):
-    """Fused on the CPU, a batch of 1 slower than INTERPRETER_WARM_S leaves the larger warm-up batch out (a ResNet's
-    64 interpreted images would take most of an hour; its batch of 1 took 45 s); unfused, one whose time scaled to
-    the largest batch passes CPU_WARM_S. The sizes run, the sizes left out and each size's seconds are the runner's,
-    for the engine's log line. A quick model runs both, as before."""
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU warm-up's rules")
+def test_the_cpu_warm_up_runs_batch_1_fused_and_leaves_a_slow_unfused_largest_batch_out(tmp_path, monkeypatch):
+    """Fused on the CPU (Triton's interpreter) the warm-up runs batch 1 alone: nothing compiles, and a larger batch
+    only costs time (64 rows were 8.8 s of a 15 s digits-cnn start). Unfused, the largest batch runs unless batch 1's
+    time scaled to it passes CPU_WARM_S (a ResNet-18's 1,024 images at 224x224 took minutes). The sizes run, the
+    sizes left out and each size's seconds are the runner's, for the engine's log line."""
     import service.model.runner as runner_mod
 
     d = write_model(tmp_path / "m", [16, 8, 4], ["relu", None])
-    quick = ModelRunner(load_model(d), "fused", DEVICE, "float32")
-    assert quick.warmup(128) == [1, 64] and quick.warm_left_out == [] and set(quick.warm_seconds) == {1, 64}
-    monkeypatch.setattr(runner_mod, "INTERPRETER_WARM_S", 0.0)  # any batch of 1 is "slow"
-    slow = ModelRunner(load_model(d), "fused", DEVICE, "float32")
-    assert slow.warmup(128) == [1] and slow.warm_left_out == [64] and list(slow.warm_seconds) == [1]
+    fused = ModelRunner(load_model(d), "fused", DEVICE, "float32")
+    assert fused.warmup(128) == [1] and fused.warm_left_out == [] and list(fused.warm_seconds) == [1]
     unfused = ModelRunner(load_model(d), "unfused", DEVICE, "float32")  # torch's CPU ops: batch 1's time x rows
     assert unfused.warmup(128) == [1, 128] and unfused.warm_left_out == []
     monkeypatch.setattr(runner_mod, "CPU_WARM_S", 0.0)  # any batch of 128 is "slow"
@@ -557,7 +539,7 @@ def test_cnn_runner_times_every_step_by_name(mode):
     assert_close_to(torch.from_numpy(out), want, _rtol_vs_float64(model, torch.float32), mode)
     assert [n for n, _ in rec.kernels] == ["conv2d_0_relu", "conv2d_1_relu_maxpool2d_0", "mlp_0_1"]
     assert all(s > 0 for _, s in rec.kernels) and rec.forwards[0] >= sum(s for _, s in rec.kernels)
-    assert runner.warmup(4) == ([1, 2, 4] if DEVICE.type == "cuda" else [1, 4])
+    assert runner.warmup(4) == ([1, 2, 4] if DEVICE.type == "cuda" else [1] if mode == "fused" else [1, 4])
 
 
 # Under Triton's interpreter the fused passes check a third of the digits, against the unfused answers: all 360 fused
@@ -601,13 +583,11 @@ def test_the_engines_warm_up_line_says_why_no_larger_batch_ran():
 
     from service.engine.core import _warm_note
 
-    slow = SimpleNamespace(warm_left_out=[64], warm_seconds={1: 45.04})
-    assert _warm_note(slow, [1], 1024) == (
-        " (Triton's interpreter on the CPU: batch 1 took 45.04 s, and its time grows with the rows, so batch 64 was "
-        "not run before ready)"
-    )
     torch_cpu = SimpleNamespace(warm_left_out=[1024], warm_seconds={1: 0.052})
-    assert _warm_note(torch_cpu, [1], 1024, "unfused").startswith(" (torch on the CPU: batch 1 took 0.05 s")
-    capped = SimpleNamespace(warm_left_out=[], warm_seconds={1: 0.1, 64: 0.9})
-    assert "batches up to 1024 run the same kernel configs as 64" in _warm_note(capped, [1, 64], 1024)
-    assert _warm_note(capped, [1, 64], 64) == ""
+    assert _warm_note(torch_cpu, [1], 1024) == (
+        " (torch on the CPU: batch 1 took 0.05 s, and its time grows with the rows, so batch 1024 was not run before "
+        "ready)"
+    )
+    interpreted = SimpleNamespace(warm_left_out=[], warm_seconds={1: 0.8})
+    assert "batch 1 ran every kernel, so no larger batch is run" in _warm_note(interpreted, [1], 1024)
+    assert _warm_note(interpreted, [1], 1) == ""

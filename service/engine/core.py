@@ -534,17 +534,16 @@ class _Conn:
                 os.close(fd)
 
 
-def _warm_note(runner, sizes: list[int], max_batch_size: int, mode: str = "fused") -> str:
+def _warm_note(runner, sizes: list[int], max_batch_size: int) -> str:
     """Why a CPU warm-up ran no batch of max_batch_size (runner.warmup's rules), for its log line."""
     if runner.warm_left_out:
         took, left = runner.warm_seconds[sizes[-1]], runner.warm_left_out[-1]
-        how = "Triton's interpreter" if mode == "fused" else "torch"
-        return (f" ({how} on the CPU: batch {sizes[-1]} took {took:.2f} s, and its time grows with the rows, so "
+        return (f" (torch on the CPU: batch {sizes[-1]} took {took:.2f} s, and its time grows with the rows, so "
                 f"batch {left} was not run before ready)")  # fmt: skip
     if sizes[-1] >= max_batch_size:
         return ""
-    return (f" (Triton's interpreter on the CPU: batches up to {max_batch_size} run the same kernel configs as "
-            f"{sizes[-1]}, so no larger one is run before ready)")  # fmt: skip
+    return (" (Triton's interpreter on the CPU: nothing compiles, and batch 1 ran every kernel, so no larger batch is "
+            "run before ready)")  # fmt: skip
 
 
 def build_runner(settings: Settings, device, dtype: str, model, metrics, mode: str | None = None,
@@ -744,7 +743,7 @@ def engine_main(
                 t = time.perf_counter()
                 sizes = runner.warmup(settings.max_batch_size, progress)
                 log.info("engine %d warm: %s on %s, %s, batch sizes %s in %.1f s%s", index, mode, device, dtype, sizes,
-                         time.perf_counter() - t, _warm_note(runner, sizes, settings.max_batch_size, mode))  # fmt: skip
+                         time.perf_counter() - t, _warm_note(runner, sizes, settings.max_batch_size))  # fmt: skip
                 one = runner.warm_seconds.get(1, 0.0)
                 if device.type != "cuda" and mode == "fused" and one > 1.0 and index == 0:
                     log.warning("engine %d: fused on the CPU runs every kernel in Triton's interpreter: a batch of 1 "

@@ -54,15 +54,11 @@ class InFlight:
     observe: bool = True  # False: a shadow forward (service/engine/ab.py), kept out of the forward and kernel metrics
 
 
-# Under Triton's interpreter (fused, no GPU) every launch config stops changing by 64 rows: linear's BLOCK_M is
-# next_power_of_2(M) capped at 64, the conv kernels' M counts pixels (capped at 64 too), the whole MLP runs 16-row
-# tiles. Batches 1 and 64 so run every config the CPU path can pick; the largest batch itself only costs time there
-# (digits-mlp's 1,024 rows: 11.5 of a 22 s start on a 2-core machine; a ResNet's would take hours).
-INTERPRETER_WARM_ROWS = 64
-# ...and only where the batch of 1 was quick: the interpreter's time grows with the rows (its programs run one by one
-# in Python), so a ResNet-18 at 224x224 that took 50 s at batch 1 (2-core machine) would take most of an hour at 64.
-# Past this many seconds at batch 1 the larger batch is left out, and the log says so.
-INTERPRETER_WARM_S = 2.0
+# Under Triton's interpreter (fused, no GPU) nothing compiles and nothing is cached per launch config: a batch of 1
+# runs every kernel of the plan once (the interpreter rewrites each kernel's source on its first call), and a larger
+# batch would only cost time, the interpreter's programs running one by one in Python (64 rows were 8.8 s of a 15 s
+# digits-cnn start and 20.7 of 27 for digits-resnet on a 2-core machine; a ResNet-18 at 224x224 would take most of an
+# hour). So the fused CPU warm-up runs batch 1 alone.
 # Unfused on the CPU (torch's ops) the largest batch is left out where batch 1's time scaled to its rows passes this:
 # a ResNet-18's 1,024 images at 224x224 were minutes of a start and gigabytes of activations; the digits models'
 # take well under a second and still run.
@@ -72,9 +68,9 @@ CPU_WARM_S = 10.0
 def warmup_sizes(max_batch_size: int, device: torch.device, mode: str = "unfused") -> list[int]:
     """Batch sizes to run before ready. On CUDA every power-of-two bucket up to max_batch_size (the
     autotuner keys on the bucket) plus the max itself; on the CPU nothing compiles, so the smallest and
-    largest batches only check the path, the largest at most INTERPRETER_WARM_ROWS in the fused mode."""
+    largest batches only check the path, and in the fused mode (Triton's interpreter) batch 1 alone."""
     if device.type != "cuda":
-        return sorted({1, min(max_batch_size, INTERPRETER_WARM_ROWS) if mode == "fused" else max_batch_size})
+        return [1] if mode == "fused" else sorted({1, max_batch_size})
     return graph_buckets(max_batch_size)
 
 
@@ -131,7 +127,7 @@ class ModelRunner:
         self._timer = StepTimer(device)
         self._batches = 0
         self.warm_seconds: dict[int, float] = {}  # batch size -> its warm-up forward's seconds
-        self.warm_left_out: list[int] = []  # sizes the CPU warm-up left out (INTERPRETER_WARM_S, CPU_WARM_S)
+        self.warm_left_out: list[int] = []  # sizes the unfused CPU warm-up left out (CPU_WARM_S)
         # numpy views of the graphs' pinned staging, where numpy has their dtype (not bfloat16).
         graphs = self.graphs
         self._host_in_np = graphs.host_in.numpy() if graphs and self.executor.input_dtype in NUMPY_DTYPES else None
@@ -340,9 +336,7 @@ class ModelRunner:
                 raise RuntimeError(f"warm-up forward at batch {n} produced NaN/Inf")
             self.warm_seconds[n] = took = time.perf_counter() - t
             log.info("warm-up: batch %d in %.1f ms", n, took * 1e3)
-            if self.device.type != "cuda" and k + 1 < len(sizes):
-                slow = took > INTERPRETER_WARM_S if ex.mode == "fused" else took * sizes[k + 1] / n > CPU_WARM_S
-                if slow:
-                    self.warm_left_out = sizes[k + 1 :]
-                    return sizes[: k + 1]
+            if self.device.type != "cuda" and k + 1 < len(sizes) and took * sizes[k + 1] / n > CPU_WARM_S:
+                self.warm_left_out = sizes[k + 1 :]
+                return sizes[: k + 1]
         return sizes
