@@ -24,9 +24,7 @@ MODES = ("fused", "unfused")
 MODEL_DIR = REPO / "model_weights" / "digits-cnn"
 KERNELS = ["conv2d_0_relu", "conv2d_1_relu_maxpool2d_0", "mlp_0_1"]  # the pool rides in the second conv's kernel
 MAX_BATCH = 16  # the unfused server's: the held-out set in requests of 16 rows
-# The fused server takes FEW rows and the README's 8 at most; on the CPU it warms up with batches of 1 and this one,
-# interpreted: a batch of 16 took 6.5 s of its 8.6 s warm-up on the shared 2 cores.
-FUSED_MAX_BATCH = 8
+FUSED_MAX_BATCH = 8  # the fused server takes FEW rows and the README's 8 at most (interpreted on the CPU)
 ENV = {
     "model": str(MODEL_DIR), "dtype": "float32", "max_batch_size": MAX_BATCH, "max_delay_ms": 5,
     "kernel_timing_every": 1,

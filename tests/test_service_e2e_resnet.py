@@ -36,7 +36,7 @@ KERNELS = [
     "conv2d_4_bn_add_relu", "conv2d_6_bn_relu", "conv2d_7_bn_add_relu", "avgpool2d_0", "linear_0",
 ]  # fmt: skip
 MAX_BATCH = 16  # the unfused server's: the held-out set in requests of 16 rows
-FUSED_MAX_BATCH = 8  # the fused server takes FEW rows at most; on the CPU it warms up with 1 and this, interpreted
+FUSED_MAX_BATCH = 8  # the fused server takes FEW rows at most (interpreted on the CPU)
 COMMON = {"dtype": "float32", "max_batch_size": MAX_BATCH, "max_delay_ms": 5, "kernel_timing_every": 1}
 FEW = 6  # held-out rows the fused (interpreted) server answers
 TIMEOUT = httpx.Timeout(120.0, connect=5.0)

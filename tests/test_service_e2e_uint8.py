@@ -5,7 +5,7 @@ UINT8), against a float64 torch reference of the normalized model; what it refus
 
 The rows travel as uint8 from the front end through the shared-memory link to the engine (service/link/wire.py), and
 the fused stem normalizes them as it loads them (kernels/conv.py, input_norm). Without a GPU the fused server runs
-its kernels in Triton's interpreter, so its warm-up batch is small.
+its kernels in Triton's interpreter, so its batches are kept small.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ MODES = ("fused", "unfused")
 NAME = "pixel-cnn"
 SHAPE = (3, 16, 16)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-MAX_BATCH = 4 if DEVICE == "cpu" else 64  # the fused CPU server warms up interpreted
+MAX_BATCH = 4 if DEVICE == "cpu" else 64  # the fused CPU server runs its batches interpreted
 TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 # float32 against float64, relative to |x| + rms(row): fp32 accumulation on the CPU; TF32 convs on a GPU (cuDNN's
 # default, which fused_conv2d follows)

@@ -58,10 +58,7 @@ def _servers(tmp_path_factory, mode: str):
     Access log lines in JSON for test_grpc_calls_have_access_log_lines, which needs no server of its own."""
     ports = {"mlp": free_port(), "cnn": free_port()}
     common = {"dtype": "float32", "max_batch_size": MAX_BATCH, "max_delay_ms": DELAY_MS, "access_log": "json"}
-    # A fused CNN on the CPU warms up with a batch of max_batch_size images, interpreted: 8 (its tests send 6 at most),
-    # not 64 (nor 16: 2-3 s more of warm-up on 2 shared cores).
-    cnn_batch = 8 if mode == "fused" and DEVICE == "cpu" else MAX_BATCH
-    cnn = {**common, "max_batch_size": cnn_batch, "model": str(REPO / "model_weights" / CNN)}
+    cnn = {**common, "model": str(REPO / "model_weights" / CNN)}
     specs = {"mlp": (mode, {**common, "grpc_port": ports["mlp"]}), "cnn": (mode, {**cnn, "grpc_port": ports["cnn"]})}
     with running_servers(specs, tmp_path_factory.mktemp(f"v2-{mode}-logs")) as s:
         yield {k: {"url": srv.url, "grpc": f"127.0.0.1:{ports[k]}", "server": srv} for k, srv in s.items()}
