@@ -18,6 +18,7 @@ import argparse
 import importlib
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,3 +243,43 @@ def test_export_writes_files_the_service_imports(tmp_path, capsys):
     assert f"wrote {path}" in capsys.readouterr().out and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
     model = load_model(path)
     assert model.input_shape == families.image_shape("squeezenet1_1", "tiny")
+
+
+def test_a_gpu_run_replaces_only_what_it_timed(tmp_path, monkeypatch):
+    """The timing run's merge into the results file (bench/zoo/gpu.execute), with the timing itself replaced: a batch
+    this run times replaces its case, a batch it does not time (--batches) keeps its own; a family that fails loses
+    its cases and says why; and until a family is timed its earlier cases stay in the file (a run cut off mid-way
+    loses none)."""
+    import copy
+
+    from bench.zoo import gpu
+
+    committed = json.loads((Path(__file__).parents[1] / "bench/results/h200/zoo_h200.json").read_text())
+    mine = {"meta": committed["meta"], "not_run": {}, "cases": [
+        copy.deepcopy(c) for c in committed["cases"] if c["family"] in ("resnet18", "alexnet")]}  # fmt: skip
+    assert sorted((c["family"], c["batch"]) for c in mine["cases"]) == [
+        ("alexnet", 1), ("alexnet", 256), ("resnet18", 1), ("resnet18", 256)]  # fmt: skip
+    (tmp_path / "zoo_h200.json").write_text(json.dumps(mine))
+    on_disk = []
+
+    def timed(args, family, workdir):
+        on_disk.append({c["family"] for c in json.loads((tmp_path / "zoo_h200.json").read_text())["cases"]})
+        if family == "alexnet":
+            raise RuntimeError("out of memory")
+        case = copy.deepcopy(next(c for c in mine["cases"] if (c["family"], c["batch"]) == (family, 256)))
+        case["ready_s"] = 1234.5
+        return [case]
+
+    monkeypatch.setattr(gpu, "_family", timed)
+    monkeypatch.setattr("bench.gpu.gpu_name", lambda: "NVIDIA H200")
+    args = argparse.Namespace(out=tmp_path, fresh=False, families=["resnet18", "alexnet"], providers=("ours",),
+                              batches=[256], max_autotune=(), size="full")  # fmt: skip
+    gpu.execute(args, "test")
+    assert on_disk == [{"resnet18", "alexnet"}] * 2  # alexnet's cases still there while resnet18 was timed
+    after = json.loads((tmp_path / "zoo_h200.json").read_text())
+    got = {(c["family"], c["batch"]): c for c in after["cases"]}
+    assert sorted(got) == [("resnet18", 1), ("resnet18", 256)]
+    assert got["resnet18", 256]["ready_s"] == 1234.5  # replaced
+    assert got["resnet18", 1]["ready_s"] != 1234.5  # not timed this run: kept
+    assert "out of memory" in after["not_run"]["alexnet"]
+    assert after["meta"]["onnxruntime"] == committed["meta"]["onnxruntime"]  # none here: the file's is kept

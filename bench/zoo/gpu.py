@@ -122,7 +122,8 @@ def execute(args, command: str) -> int:
         for c in results["cases"]:
             if c["family"] in args.families:
                 kept[c["family"], c["batch"]] = c
-        # A family's earlier cases stay in the file until this run has timed it, so a run cut off mid-way loses none
+        # A family's earlier cases stay in the file until this run has timed it, so a run cut off mid-way loses none,
+        # and a batch this run does not time (--batches) keeps its earlier case
         results.setdefault("not_run", {})
         for f in args.families:
             results["not_run"].pop(f, None)
@@ -152,7 +153,10 @@ def execute(args, command: str) -> int:
                             if key in old:
                                 c[key] = old[key]
                     rebound(c)  # against the eager-cl error the case now holds, this run's or an earlier one's
-                results["cases"] = [c for c in results["cases"] if c["family"] != family] + cases
+                redone = {c["batch"] for c in cases}  # the batches timed now replace theirs; a family that failed, all
+                results["cases"] = [
+                    c for c in results["cases"] if c["family"] != family or (cases and c["batch"] not in redone)
+                ] + cases
                 bad |= any(isinstance(v, dict) and v.get("bad") for c in cases for v in
                            c["providers"].get("ours", {}).values())  # fmt: skip
                 report.save(results, out, slug)
