@@ -293,7 +293,7 @@ def test_warmup_sizes_on_cuda_cover_every_bucket(max_batch, sizes):
     assert warmup_sizes(max_batch, torch.device("cuda"), "fused") == sizes
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU warm-up's rules")
+@pytest.mark.cpu_interpreter
 def test_the_cpu_warm_up_runs_batch_1_fused_and_leaves_a_slow_unfused_largest_batch_out(tmp_path, monkeypatch):
     """Fused on the CPU (Triton's interpreter) the warm-up runs batch 1 alone: nothing compiles, and a larger batch
     only costs time (64 rows were 8.8 s of a 15 s digits-cnn start). Unfused, the largest batch runs unless batch 1's

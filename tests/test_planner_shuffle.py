@@ -24,18 +24,20 @@ from service.model.planner import (
     shuffle_slots,
     step_extras,
 )
-from tests.test_model_graph import _act, _bn, _conv, _linear, assert_normwise, reference_forward, write_graph
+from tests.test_model_graph import (
+    _act,
+    _bn,
+    _conv,
+    _exact_float32_convs,  # noqa: F401  (autouse: fp32 convs without TF32 on a GPU)
+    _linear,
+    assert_normwise,
+    reference_forward,
+    write_graph,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-@pytest.fixture(autouse=True)
-def _exact_float32_convs(monkeypatch):
-    """float32 convs in full fp32 on a GPU, both modes (cuDNN and fused_conv2d follow cudnn.allow_tf32, on by
-    default): the float64 comparisons below hold to 1e-5."""
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 
 
 def _concat(inputs, out):

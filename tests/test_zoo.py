@@ -18,12 +18,12 @@ import argparse
 import importlib
 import json
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 from bench.zoo import check, cli, exporters, families, report
+from tests.server import REPO
 
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")  # torch.onnx's dynamo exporter needs it
@@ -254,7 +254,7 @@ def test_a_gpu_run_replaces_only_what_it_timed(tmp_path, monkeypatch):
 
     from bench.zoo import gpu
 
-    committed = json.loads((Path(__file__).parents[1] / "bench/results/h200/zoo_h200.json").read_text())
+    committed = json.loads((REPO / "bench/results/h200/zoo_h200.json").read_text())
     mine = {"meta": committed["meta"], "not_run": {}, "cases": [
         copy.deepcopy(c) for c in committed["cases"] if c["family"] in ("resnet18", "alexnet")]}  # fmt: skip
     assert sorted((c["family"], c["batch"]) for c in mine["cases"]) == [
