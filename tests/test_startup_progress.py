@@ -68,12 +68,12 @@ def test_health_ready_shows_the_warm_up_as_it_goes(tmp_path):
     from tests.modelgen import write_cnn_model
     from tests.server import Server, dump_new_logs
 
-    layers = [{"op": "conv2d", "out": 8, "kernel": 3, "padding": 1}, {"op": "relu"},
-              {"op": "conv2d", "out": 8, "kernel": 3, "padding": 1}, {"op": "relu"},
-              {"op": "flatten"}, {"op": "linear", "out": 10}]  # fmt: skip
-    model_dir = write_cnn_model(tmp_path / "cnn", [3, 24, 24], layers, seed=1)
-    # Fused on the CPU the warm-up runs batch 1 alone, which still outlasts the front end's start several times over
-    # (3-7 s interpreted on 2 shared cores).
+    conv = [{"op": "conv2d", "out": 16, "kernel": 3, "padding": 1}, {"op": "relu"}]
+    layers = [*conv, *conv, *conv, {"op": "flatten"}, {"op": "linear", "out": 10}]
+    model_dir = write_cnn_model(tmp_path / "cnn", [3, 64, 64], layers, seed=1)
+    # Fused on the CPU the warm-up runs batch 1 alone, so the model must be big enough for that to outlast the front
+    # end's start under a loaded suite: three 16-channel convs at 64x64 take 9.2 s interpreted on an idle 2-core machine
+    # beside a 0.6 s front-end start (two 8-channel convs at 24x24 took 0.76 s, and CI's front end came up after them).
     server = Server("fused", tmp_path, {"model": str(model_dir), "workers": 1, "engines": 1,
                                         "max_batch_size": 2, "max_rows_per_request": 2})  # fmt: skip
     server.start()
