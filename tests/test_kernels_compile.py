@@ -180,16 +180,14 @@ def test_persistent_tma_kernel_compiles_for_sm90_without_spills(dtype):
 _COMPILE_LINEAR = r"""
 import json, sys, torch
 import kernels.linear as linear
-from tests.sm90_compile import bare_tile_loop, compile_gemm, compile_sm90, pdl_order
+from tests.sm90_compile import bare_tile_loop, compile_gemm, compile_sm90, pdl_order, sample
 
 dtype = getattr(torch, sys.argv[1])
 ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
 precision = "tf32" if dtype == torch.float32 else "ieee"
 fixed = dict(HAS_BIAS=True, HAS_RESIDUAL=False, ACTIVATION="relu", INPUT_PRECISION=precision, UPCAST_DOT=False,
              ROUND_BF16=False, PDL=True)  # PDL: as launched on sm_90
-for config in linear.cuda_configs(1024, 1024, 1024, 132, dtype.itemsize):
-    if config["SPLIT_K"] > 1:
-        continue
+for config in sample(c for c in linear.cuda_configs(1024, 1024, 1024, 132, dtype.itemsize) if c["SPLIT_K"] == 1):
     ptx, usage = compile_gemm(linear._linear_kernel, ptr, {**fixed, **config.meta()}, config.num_warps,
                               config.num_stages, sass=True)
     tile = {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
@@ -207,8 +205,12 @@ for config in linear.cuda_configs(1024, 1024, 1024, 132, dtype.itemsize):
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_linear_kernel_compiles_for_sm90_with_a_k_loop_as_lean_as_a_bare_one(dtype):
+    """Each unsplit candidate at 1024^3 (a sample of them without a GPU: tests/sm90_compile.py)."""
+    from tests.sm90_compile import every_candidate
+
     results = _compiled(_COMPILE_LINEAR, dtype)
-    assert len(results) >= 3, results  # 5 unsplit candidates for fp16; fp32's biggest tiles do not fit
+    # 5 unsplit candidates for fp16, fewer for fp32 (its biggest tiles do not fit); a sample keeps 2 or more
+    assert len(results) >= (3 if every_candidate() else 2), results
     for got in results:
         assert got["copies"] > 0 and got["wgmma"] > 0, got  # cp.async pipeline into Hopper's warpgroup MMA
         assert got["STACK"] == 0 and got["LOCAL"] == 0, f"registers spill to local memory: {got}"

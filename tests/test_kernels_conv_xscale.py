@@ -318,14 +318,15 @@ _COMPILE_GATED = r"""
 import json, sys
 import torch
 import kernels.conv as conv
-from tests.sm90_compile import compile_sm90
+from tests.sm90_compile import compile_sm90, sample
 
 ptr = sys.argv[1]
 # EfficientNet-B0's SE projections: the widest, 1152 -> 320 at 7x7 over 256 images, NHWC x and y with a channels_last
 # weight; 144 -> 24 at 56x56 with NCHW x, weight and y; 672 -> 192 at 7x7 for one image (32-row tiles, split K). The
 # gate an fp32 (N, C) tensor (xs_ptr), xb_ptr None.
 fma, size = ptr == "*fp32", 4 if ptr == "*fp32" else 2  # fp32 in full precision: its CUDA-core candidates
-for C, OC, HW, nhwc, images in [(1152, 320, 7, True, 256), (144, 24, 56, False, 256), (672, 192, 7, True, 1)]:
+for i, (C, OC, HW, nhwc, images) in enumerate([(1152, 320, 7, True, 256), (144, 24, 56, False, 256),
+                                                (672, 192, 7, True, 1)]):
     fmt = torch.channels_last if nhwc else torch.contiguous_format
     shapes = {"x": (images, C, HW, HW), "w": (OC, C, 1, 1), "y": (images, OC, HW, HW)}
     strides = {}
@@ -337,7 +338,8 @@ for C, OC, HW, nhwc, images in [(1152, 320, 7, True, 256), (144, 24, 56, False, 
                    xs_ptr="*fp32", NB="i32", OC="i32", negative_slope="fp32",
                    **{n: "i32" for n in strides if n not in units})
     divisible = ("OC",) + tuple(n for n, v in strides.items() if v % 16 == 0 and n not in units)
-    for cfg in conv.cuda_configs(conv.m_bucket(images * HW * HW), OC, C, C, fma, element_size=size, gated=True):
+    offered = conv.cuda_configs(conv.m_bucket(images * HW * HW), OC, C, C, fma, element_size=size, gated=True)
+    for cfg in sample(offered, i):
         meta = dict(C=C, H=HW, W=HW, OH=HW, OW=HW, KH=1, KW=1, SH=1, SW=1, PH=0, PW=0, DH=1, DW=1, POOL="none", PKH=1,
                     PKW=1, PSH=1, PSW=1, HAS_BIAS=True, HAS_RESIDUAL=False, ACTIVATION="none", INPUT_PRECISION="ieee",
                     UPCAST_DOT=False, ROUND_BF16=False, PDL=True, CHANNELS_LAST=nhwc, Y_PLANES=not nhwc,
@@ -350,12 +352,14 @@ for C, OC, HW, nhwc, images in [(1152, 320, 7, True, 256), (144, 24, 56, False, 
 
 @pytest.mark.parametrize("ptr", ["*fp16", "*fp32"])
 def test_gated_candidates_compile_for_sm90_without_spills(ptr):
-    """Every candidate of two SE projections, gated, compiles for sm_90 without spills: fp16 on tensor cores, fp32
-    in full precision on the CUDA cores (bf16 takes fp16's candidates)."""
+    """Every candidate of three SE projections (a sample of them without a GPU: tests/sm90_compile.py), gated,
+    compiles for sm_90 without spills: fp16 on tensor cores, fp32 in full precision on the CUDA cores (bf16 takes
+    fp16's candidates)."""
+    from tests.sm90_compile import every_candidate
     from tests.test_kernels_compile import _compiled
 
     results = _compiled(_COMPILE_GATED, ptr)
-    assert len(results) > 10
+    assert len(results) > (10 if every_candidate() else 4), results
     for r in results:
         assert r["STACK"] == 0, f"spills: {r}"
         if ptr != "*fp32":  # fp32 ieee: FMA

@@ -275,15 +275,15 @@ def test_gpu_graph_capture():
 _COMPILE_POOL = r"""
 import json, sys
 import kernels.pool as pool
-from tests.sm90_compile import compile_sm90
+from tests.sm90_compile import compile_sm90, sample
 
 ptr = sys.argv[1]
 runtime = dict(x_ptr=ptr, y_ptr=ptr, R="i32", C="i32", H="i32", W="i32", OH="i32", OW="i32", stride_xn="i32",
                stride_xc="i32", stride_xh="i32", stride_yn="i32", stride_yc="i32", stride_yh="i32")
 runtime["negative_slope"] = "fp32"
-for k, s in [(2, 2), (8, 8), (3, 2)]:
+for i, (k, s) in enumerate([(2, 2), (8, 8), (3, 2)]):
     span = k <= s
-    for cfg in pool.cuda_configs("rows", 4096, 4096 // s, s, span):
+    for cfg in sample(pool.cuda_configs("rows", 4096, 4096 // s, s, span), i):
         meta = dict(stride_xw=1, stride_yw=1, IS_MAX=False, KH=k, KW=k, SH=s, SW=s, PH=0, PW=0, COUNT_INCLUDE_PAD=True,
                     SPAN=span, ACTIVATION="relu", ROUND_BF16=False, PDL=True, **dict(cfg.kwargs))
         divisible = ("W", "OW", "stride_xn", "stride_yn", "stride_xh", "stride_yh", "stride_xc", "stride_yc")
@@ -296,16 +296,18 @@ for k, s in [(2, 2), (8, 8), (3, 2)]:
 
 @pytest.mark.parametrize("ptr", ["*fp32", "*fp16"])
 def test_pool_candidates_compile_for_sm90(ptr):
-    """Every row-kernel candidate compiles for sm_90. Non-overlapping windows (k2 s2, k8 s8) over rows that are
-    multiples of 16 load only vectors (16 bytes, or 8 where a tile has fewer elements than 8 per thread) and
-    never spill. (Overlapping windows, a scalar load per window element, spill 0-56 bytes at some tiles with
-    Triton 3.9's ptxas: left to the tuner.)"""
+    """Every row-kernel candidate (a sample of them without a GPU: tests/sm90_compile.py) compiles for sm_90.
+    Non-overlapping windows (k2 s2, k8 s8) over rows that are multiples of 16 load only vectors (16 bytes, or 8
+    where a tile has fewer elements than 8 per thread) and never spill. (Overlapping windows, a scalar load per
+    window element, spill 0-56 bytes at some tiles with Triton 3.9's ptxas: left to the tuner.)"""
+    from tests.sm90_compile import every_candidate
     from tests.test_kernels_compile import _compiled
 
     results = _compiled(_COMPILE_POOL, ptr)
-    assert len(results) > 10
+    assert len(results) > (10 if every_candidate() else 4), results
     for r in results:
         assert r["waits"] == 1, r
         if r["span"]:
             assert r["STACK"] == 0 and r["scalar_ld"] == 0, f"spilled or not vectorized: {r}"
-    assert all(r["ld_v4"] for r in results if r["span"] and r["config"]["num_warps"] == 4)
+    four_warps = [r for r in results if r["span"] and r["config"]["num_warps"] == 4]
+    assert four_warps and all(r["ld_v4"] for r in four_warps), results
