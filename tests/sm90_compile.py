@@ -38,6 +38,15 @@ def sample(configs, offset: int = 0) -> list:
     return picked if picked and picked[-1] is configs[-1] else [*picked, configs[-1]]
 
 
+def sampled(configs, offset: int = 0) -> list[tuple]:
+    """Each of one layer's candidates with whether the sweep compiles it here (`sample`): for a sweep that checks
+    every config offered and compiles the sample. Picked by position, so an equal config offered twice is compiled
+    once."""
+    configs = list(configs)
+    picked = {id(c) for c in sample(configs, offset)}
+    return [(c, id(c) in picked) for c in configs]
+
+
 def compile_sm90(
     kernel,
     runtime: dict[str, str],

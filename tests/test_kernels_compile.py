@@ -96,7 +96,7 @@ def _compiled(script: str, arg: str) -> list[dict]:
 _COMPILE_MLP = r"""
 import json, sys, torch
 import kernels.mlp as mlp
-from tests.sm90_compile import compile_sm90, pdl_order, sample
+from tests.sm90_compile import compile_sm90, pdl_order, sampled
 
 mlp.check_device = lambda *a: None  # the packed weights stay on the CPU: only their shapes matter here
 dtype = getattr(torch, sys.argv[1])
@@ -112,10 +112,9 @@ runtime = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, y_ptr=ptr, ws_ptr="*fp32", cnt_p
 configs = [mlp.LaunchConfig.of(num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=64, STAGES=2, SPLIT=1, LEAD=0)]
 configs += [c for c in mlp.cuda_configs(1, 256, dtype.itemsize, model._lead_hidden) if c["SPLIT"] > 1]
 configs += [c for c in mlp.cuda_configs(256, 256, dtype.itemsize, model._lead_hidden) if c["LEAD"]]
-picked = sample(configs)
-for config in configs:  # every config named; the picked ones compiled
+for config, compiled in sampled(configs):  # every config named; the sample compiled
     meta = model.meta_for(config, "ieee")
-    if config not in picked:
+    if not compiled:
         print(json.dumps({"config": config.meta(), "compiled": False}))
         continue
     ptx, usage = compile_sm90(mlp._mlp_kernel, runtime, meta, 6, config.num_warps, config.num_stages)
@@ -262,7 +261,7 @@ def test_activations_compile_to_bare_special_function_instructions():
 _COMPILE_LINEAR_SKINNY = r"""
 import json, sys, torch
 import kernels.linear as linear
-from tests.sm90_compile import compile_gemm, sample
+from tests.sm90_compile import compile_gemm, sampled
 
 dtype = getattr(torch, sys.argv[1])
 ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
@@ -271,9 +270,8 @@ fixed = dict(HAS_BIAS=True, HAS_RESIDUAL=False, ACTIVATION="relu", INPUT_PRECISI
 seen = []
 for N, K in ((4096, 4096), (1024, 4096)):  # the wide MLP's layers at batch 32: every split the list offers
     seen += [c for c in linear.cuda_configs(32, N, K, 132, dtype.itemsize) if c not in seen]
-picked = sample(seen)
-for config in seen:  # every candidate named; the picked ones compiled
-    if config not in picked:
+for config, compiled in sampled(seen):  # every candidate named; the sample compiled
+    if not compiled:
         print(json.dumps({"config": config.meta(), "compiled": False}))
         continue
     ptx, usage = compile_gemm(linear._linear_kernel, ptr, {**fixed, **config.meta()}, config.num_warps,

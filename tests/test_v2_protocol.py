@@ -425,8 +425,8 @@ def test_grpc_message_over_the_limit_is_resource_exhausted(grpc_client):
 def test_grpc_deadline_shortens_the_timeout(servers, grpc_client, digits):
     """A 100 ms deadline, on a server that gathers a batch for DELAY_MS (150 ms): DEADLINE_EXCEEDED, counted as a
     timeout. The client cancels at its deadline, which reaches the server a little before the server's own copy of
-    it passes (99.3 ms into the 100 on the loaded 2-core CI machine): that was counted as a client that left (499)
-    until the server took a cancellation within DEADLINE_SLACK_S of the deadline for the deadline's."""
+    it passes (99.3 ms into the 100 on the loaded 2-core CI machine); the server counts a cancellation within
+    DEADLINE_SLACK_S of the deadline as the deadline's, not as a client that left (499)."""
     url = servers["mlp"]["url"]
     labels = {"protocol": "v2_grpc", "outcome": "timeout"}
     before = total(scrape(url), "fusedserve_requests_total", **labels)
