@@ -88,9 +88,9 @@ def _cases(C, S, OC, k, s, p) -> dict:
         "copy to cl": (lambda: x.contiguous(memory_format=cl), x.float()),
     }
     if C == 3:
-        x4 = torch.zeros(BATCH, 4, S, S, device="cuda", dtype=dt, memory_format=cl)
+        x4 = torch.zeros(BATCH, 4, S, S, device="cuda", dtype=dt).contiguous(memory_format=cl)
         x4[:, :3] = x
-        w4 = torch.zeros(OC, 4, k, k, device="cuda", dtype=dt, memory_format=cl)
+        w4 = torch.zeros(OC, 4, k, k, device="cuda", dtype=dt).contiguous(memory_format=cl)
         w4[:, :3] = w
         cases["ours cl4 in"] = (ours(x4, w4), ref)
     return cases

@@ -23,7 +23,9 @@ each flat out for the attack phase:
 (FUSEDSERVE_PER_CLIENT_CONNECT_RATE): the attackers then go on flat out, most of their connections refused at the
 accept; their rates count every attempt, refused or not.
 
-On a machine of 2+ cores the server is pinned to core 0 and every client to the other cores (`--no-pin` shares them):
+On a machine of 2+ cores the server is pinned to core 0 (`--server-cores N`: cores 0 to N-1, one a process on a host
+that has them, as a deployment would give its front ends and engine) and every client to the other cores
+(`--no-pin` shares them):
 the attackers and the authorised client share cores, not the server's, as clients elsewhere would; the attackers run
 at nice 10 so that the authorised client gets its CPU first and they take the rest. On a host shared with other work
 `--priority` (root) gives the server's session and the authorised client's a scheduling-group nice of -10, and each
@@ -147,7 +149,7 @@ def start_server(args, workdir: Path, cert: Path, key: Path, pin: bool) -> tuple
         env["FUSEDSERVE_PER_CLIENT_CONNECT_BURST"] = str(args.connect_burst)
     argv = [sys.executable, "-m", "service.cli", "serve"]
     if pin:
-        argv = ["taskset", "-c", "0", *argv]
+        argv = ["taskset", "-c", f"0-{args.server_cores - 1}", *argv]
     log = (workdir / "server.log").open("wb")
     proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     if args.priority:
@@ -355,7 +357,7 @@ def phase(args, port, grpc_port, cafile, server, frontends, attacks: tuple[str, 
     """One phase of `args.seconds`: authorised load, with `attacks` started a second before it and stopped after."""
     ctx = mp.get_context("fork")
     queue, stop = ctx.Queue(), ctx.Event()
-    clients = set(range(1, os.cpu_count() or 1)) if pin else None
+    clients = set(range(args.server_cores, os.cpu_count() or 1)) if pin else None
     attackers = [
         ctx.Process(target=attacker_main, args=(a, port, grpc_port, cafile, f"127.0.0.{2 + i}", args.per_client,
                                                 clients, args.priority, stop, queue), daemon=True)
@@ -472,13 +474,14 @@ def main(argv: list[str] | None = None) -> int:
         help="GRPC_WORKERS: gRPC served by front ends of its own (0: by the HTTP front end) [0]",
     )
     p.add_argument("--shared", action="store_true", help="say in the report that the host is shared with other work")
+    p.add_argument("--server-cores", type=int, default=1, help="cores the server is pinned to, 0 to N-1 [1]")
     p.add_argument("--no-pin", action="store_true", help="server and clients share every core")
     args = p.parse_args(argv)
     attacks = tuple(a for a in args.attacks.split(",") if a)
     unknown = set(attacks) - set(ATTACKS)
     if unknown:
         p.error(f"unknown attacks: {sorted(unknown)}")
-    pin = not args.no_pin and (os.cpu_count() or 1) >= 2 and shutil.which("taskset") is not None
+    pin = not args.no_pin and (os.cpu_count() or 1) > args.server_cores and shutil.which("taskset") is not None
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="bench-attacks-") as tmp:
@@ -530,13 +533,14 @@ def main(argv: list[str] | None = None) -> int:
         "restarts": restarts + (0 if alive else 1), "rss_growth_mb": (max(ph["rss_peak"] for ph in phases) - base) / MB,
         "rss_end_mb": (phases[-1]["rss_after"] - base) / MB,
     }  # fmt: skip
+    server_cores = "core 0" if args.server_cores == 1 else f"cores 0-{args.server_cores - 1}"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     result = {
         "command": "python -m bench.soak.attacks " + " ".join(argv if argv is not None else sys.argv[1:]),
         "commit": commit.stdout.strip() or "?", "date": datetime.date.today().isoformat(),
         "machine": (f"{platform.machine()}, {os.cpu_count()} cores, no GPU" if args.device == "cpu" else args.name)
         + (", shared with other work" if args.shared else ""),
-        "placement": ("The server pinned to core 0, every client to the other cores (taskset)" if pin
+        "placement": (f"The server pinned to {server_cores}, every client to the other cores (taskset)" if pin
                       else "Server and clients sharing every core")
         + ("; the server's and the authorised client's scheduling groups at nice -10, each attacker in its own."
            if args.priority else "; attackers at nice 10."),
