@@ -262,3 +262,33 @@ def linear_fp8(
     xq = _fp8_operand(x, x_scale).float()
     acc = torch.mm(xq, weight.float().t())
     return _fp8_output(acc, scale, bias, residual, residual_scale, activation, negative_slope, out_scale, out_dtype, 1)
+
+
+def resize_crop(
+    image: torch.Tensor,
+    height: int,
+    width: int,
+    resize: int | None,
+    *,
+    interpolation: str = "bilinear",
+    flip_channels: bool = False,
+) -> torch.Tensor:
+    """kernels/resize.py's resize_crop for one (C, H, W) uint8 image, in torch ops as the service's CPU path runs them
+    (service/images/preprocess.py): the channels reversed where asked, the shorter side resized to `resize` by an
+    antialiased interpolate in float32 (skipped where the size does not change), rounded half to even and clamped,
+    then torchvision's CenterCrop (zero padding where the image is smaller than the crop). -> (C, height, width)."""
+    from .resize import crop_offsets, resized_size
+
+    x = image.flip(0) if flip_channels else image
+    h, w = x.shape[1:]
+    size = (h, w) if resize is None else resized_size(h, w, resize)
+    if size != (h, w):
+        y = F.interpolate(x[None].float(), size=size, mode=interpolation, antialias=True, align_corners=False)[0]
+        x = y.round_().clamp_(0, 255).to(torch.uint8)
+    top, left = crop_offsets(size[0], size[1], height, width)
+    out = torch.zeros((x.shape[0], height, width), dtype=torch.uint8, device=x.device)
+    # the part of the crop window inside the image: rows top..top+height of x, clipped to 0..size
+    y0, y1 = max(top, 0), min(top + height, size[0])
+    x0, x1 = max(left, 0), min(left + width, size[1])
+    out[:, y0 - top : y1 - top, x0 - left : x1 - left] = x[:, y0:y1, x0:x1]
+    return out

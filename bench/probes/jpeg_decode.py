@@ -8,7 +8,8 @@ GPU's wall clock (synchronized), median of 5 after 2 warm-ups; the process's CPU
     decode 256           one decode_jpeg call for all 256 files
     decode 64 x4         four calls of 64, one after the other
     decode Tn            n Python threads, each its share of the 256 in calls of its own (each on a stream of its own)
-    resize               Preprocess.many (shorter side 256, crop 224) of the decoded images
+    resize torch         Preprocess.many (shorter side 256, crop 224) of the decoded images: torch's ops
+    resize kernel        kernels/resize.py's resize_crop of the same, one kernel
     BatchDecoder         the engine's whole step (service/images/gpu_decode.py): decode + resize + rows in place
     decode beside fwd    one decode call while a 12 ms GPU load runs on another stream: does the decode slow it?
     pil 1 image          Pillow's decode + the CPU resize of one file, for scale (a front end's core per image)
@@ -50,6 +51,7 @@ def sweep() -> dict:
     from torchvision.io import ImageReadMode, decode_jpeg
 
     from bench.serve.images import encoded
+    from kernels.resize import resize_crop
     from service.images.decode import decode as pil_decode
     from service.images.gpu_decode import BatchDecoder
     from service.images.preprocess import Preprocess
@@ -89,7 +91,8 @@ def sweep() -> dict:
 
         cases[f"decode T{n}"] = timed(threaded)
     images = decode(files)
-    cases["resize"] = timed(lambda: pre.many(images))
+    cases["resize torch"] = timed(lambda: pre.many(images))
+    cases["resize kernel"] = timed(lambda: resize_crop(images, 224, 224, 256))
     dec = BatchDecoder(pre, dev)
     reqs = [[(wire.ENCODED_JPEG, memoryview(raw[i * 32 + j]), 0, 0) for j in range(32)] for i in range(FILES // 32)]
     cases["BatchDecoder"] = timed(lambda: dec(reqs))
