@@ -83,6 +83,11 @@ class BatchQueue:
             self.cancel(*k)
         return len(keys)
 
+    def peek(self) -> Pending | None:
+        """The request the next take() would start with (the oldest live one), left queued; None when empty."""
+        self._skip_cancelled()
+        return self._queue[0] if self._queue else None
+
     def hold_for(self, now: float) -> float:
         """Seconds an idle engine may still wait before taking a partial batch (0: take it now)."""
         if self.max_delay_s <= 0 or self._rows >= self.max_batch_size:
