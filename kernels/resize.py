@@ -23,6 +23,7 @@ Shapes: `images`, a list of (C, H, W) uint8 tensors (C 1 or 3) of any sizes on o
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -162,10 +163,25 @@ def crop_offsets(height: int, width: int, crop_h: int, crop_w: int) -> tuple[int
     return int(round((h - crop_h) / 2.0)) - pad_top, int(round((w - crop_w) / 2.0)) - pad_left
 
 
-def _taps(n: int, m: int, support: float) -> int:
-    """At most how many taps an output pixel of a side resized from n to m has (torch's span bound)."""
-    scale = n / m
-    return int(2 * support * max(scale, 1.0)) + 3
+def _geometry(sizes: np.ndarray, height: int, width: int, resize: int | None, support: float):
+    """resized_size, crop_offsets and the most taps along y and x (torch's span bound: 2 * support * max(scale, 1),
+    and 3 more for the truncations) for every (H, W) of `sizes` at once, as numpy arrays: a Python loop over a
+    batch's 256 images took longer than the kernel."""
+    h, w = sizes[:, 0], sizes[:, 1]
+    if resize is None:
+        rh, rw = h.copy(), w.copy()
+    else:
+        tall = h > w
+        # int(shorter * long / short) in float64, as resized_size computes it
+        rh = np.where(tall, (resize * h / w).astype(np.int64), resize)
+        rw = np.where(tall, resize, (resize * w / h).astype(np.int64))
+    pad_top, pad_left = np.maximum(height - rh, 0) // 2, np.maximum(width - rw, 0) // 2
+    # np.round rounds half to even, as Python's round
+    top = np.round((np.maximum(rh, height) - height) / 2.0).astype(np.int64) - pad_top
+    left = np.round((np.maximum(rw, width) - width) / 2.0).astype(np.int64) - pad_left
+    taps_y = int((2 * support * np.maximum(h / rh, 1.0)).astype(np.int64).max()) + 3
+    taps_x = int((2 * support * np.maximum(w / rw, 1.0)).astype(np.int64).max()) + 3
+    return rh, rw, top, left, taps_y, taps_x
 
 
 def resize_crop(
@@ -186,17 +202,23 @@ def resize_crop(
         raise ValueError(f"interpolation {interpolation!r}: resize_crop takes {', '.join(FILTERS)}")
     if not images:
         raise ValueError("resize_crop needs at least one image")
-    c, device = images[0].shape[0], images[0].device
-    for i, im in enumerate(images):
-        if im.dim() != 3 or im.dtype != torch.uint8 or im.shape[0] != c or im.device != device:
-            raise ValueError(f"image {i}: {tuple(im.shape)} {im.dtype} on {im.device}; every image must be "
-                             f"(C, H, W) uint8 with the first's C ({c}), on {device}")  # fmt: skip
-        if im.shape[1] < 1 or im.shape[2] < 1:
-            raise ValueError(f"image {i} is empty: {tuple(im.shape)}")
+    shapes = [tuple(im.shape) for im in images]
+    c, device = shapes[0][0], images[0].device
+    if any(len(shape) != 3 or shape[0] != c for shape in shapes) or {im.dtype for im in images} != {torch.uint8}:
+        i = next(i for i, (im, shape) in enumerate(zip(images, shapes, strict=True))
+                 if len(shape) != 3 or shape[0] != c or im.dtype != torch.uint8)  # fmt: skip
+        raise ValueError(f"image {i}: {shapes[i]} {images[i].dtype}; every image must be (C, H, W) uint8 with the "
+                         f"first's C ({c})")  # fmt: skip
+    if len({im.device for im in images}) != 1:
+        raise ValueError(f"the images are on {sorted(str(d) for d in {im.device for im in images})}: one device")
     if c not in (1, 3):
         raise ValueError(f"images have {c} channels; resize_crop takes 1 or 3")
+    sizes = np.array([shape[1:] for shape in shapes], dtype=np.int64)
+    if (sizes < 1).any():
+        i = int(np.flatnonzero((sizes < 1).any(axis=1))[0])
+        raise ValueError(f"image {i} is empty: {shapes[i]}")
     check_device(images[0], "images")
-    rows = list(range(len(images))) if rows is None else list(rows)
+    rows = np.arange(len(images)) if rows is None else np.asarray(rows, dtype=np.int64)
     if len(rows) != len(images):
         raise ValueError(f"{len(rows)} rows for {len(images)} images")
     if out is None:
@@ -205,19 +227,14 @@ def resize_crop(
         raise ValueError(f"out must be (N, {c}, {height}, {width}) uint8; got {tuple(out.shape)} {out.dtype}")
     if out.device != device or not out.is_contiguous():
         raise ValueError(f"out must be contiguous on {device}")
-    if any(not 0 <= r < out.shape[0] for r in rows):
-        raise ValueError(f"rows must be in 0..{out.shape[0] - 1}; got {rows}")
+    if ((rows < 0) | (rows >= out.shape[0])).any():
+        raise ValueError(f"rows must be in 0..{out.shape[0] - 1}; got {rows.tolist()}")
     support = SUPPORT[interpolation]
-    params, offset, taps_y, taps_x = [], 0, 1, 1
-    for im, row in zip(images, rows, strict=True):
-        h, w = im.shape[1:]
-        rh, rw = (h, w) if resize is None else resized_size(h, w, resize)
-        top, left = crop_offsets(rh, rw, height, width)
-        params.append((offset, h, w, rh, rw, top, left, row))
-        offset += im.numel()
-        taps_y, taps_x = max(taps_y, _taps(h, rh, support)), max(taps_x, _taps(w, rw, support))
+    rh, rw, top, left, taps_y, taps_x = _geometry(sizes, height, width, resize, support)
+    offsets = np.concatenate([[0], np.cumsum(c * sizes[:, 0] * sizes[:, 1])[:-1]])
+    params = np.stack([offsets, sizes[:, 0], sizes[:, 1], rh, rw, top, left, rows], axis=1)
     src = torch.cat([im.reshape(-1) for im in images]) if len(images) > 1 else images[0].contiguous().reshape(-1)
-    table = torch.tensor(params, dtype=torch.int64).to(device)
+    table = torch.from_numpy(np.ascontiguousarray(params, dtype=np.int64)).to(device)
     grid = (len(images), triton.cdiv(height, BLOCK_H) * triton.cdiv(width, BLOCK_W))
     grid_launch(_resize_crop_kernel, grid)(
         src, table, out, taps_y, taps_x,

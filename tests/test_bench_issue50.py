@@ -37,3 +37,17 @@ def test_with_the_peers_rows_the_ratio_is_reported():
     pil = by_target["ResNet-50: JPEG >= 3.0x the pil peer's images/s"]
     assert pil["measured"] == "4.50x" and pil["met"] is True
     assert issue50.skipped_of("resnet50", results) == []
+
+
+def test_a_phase_answered_with_refusals_meets_nothing():
+    """MobileNetV2's JPEG phase on the H200 on 2026-11-29: every answer a 503 at 428,914 images/s. Its rows are
+    refusals' rates: the model's targets read failed, none met."""
+    jpeg = _phase("fused@8", "v2_jpeg", 428_914.0) | {
+        "status": {"503": 13404},
+        "ok": False,
+        "accounting": {"problems": ["warm-up answers other than 200"]},
+    }
+    results = {"phases": [_phase("fused@8", "v2_binary", 27_000.0), jpeg, _phase("pil@8", "v2_jpeg", 2_500.0)]}
+    met = issue50.targets(issue50.rows_of("mobilenet_v2", results))
+    assert [t["met"] for t in met] == [False]
+    assert "failed" in met[0]["measured"] and "warm-up answers other than 200" in met[0]["measured"]

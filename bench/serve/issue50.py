@@ -113,6 +113,9 @@ def rows_of(name: str, results: dict) -> list[dict]:
             "p50_ms": lat.get("p50"), "p99_ms": lat.get("p99"), "request_bytes": r["request_bytes"],
             "request_mb_per_s": r["request_mb_per_s"], "gpu_busy": gpu.get("mean"),
             "forward_us": server.get("forward_us"), "images_per_batch": server.get("batch_rows"), "lost": r["lost"],
+            # a phase whose answers (warm-up's included) were not all 200 measured refusals, not the model
+            "ok": bool(r.get("ok", True)) and set(r.get("status") or {"200": 0}) <= {"200"},
+            "problems": (r.get("accounting") or {}).get("problems", []),
         })  # fmt: skip
     return out
 
@@ -135,6 +138,12 @@ def targets(rows: list[dict]) -> list[dict]:
     for model in MODELS:
         title = TITLES[model]
         jpeg, uint8, pil = get(model, "fused", "JPEG"), get(model, "fused", "UINT8"), get(model, "pil", "JPEG")
+        failed = [r for r in (jpeg, uint8, pil) if r is not None and not r.get("ok", True)]
+        if failed:  # its numbers are refusals' rates: every target of the model reads failed, none met
+            why = "; ".join(f"{r['system']} {r['form']}: {', '.join(r.get('problems') or ['answers other than 200'])}"
+                            for r in failed)  # fmt: skip
+            out.append({"target": f"{title}: every target", "measured": f"failed ({why})", "met": False})
+            continue
         if jpeg and uint8:
             ratio = jpeg["images_per_s"] / uint8["images_per_s"]
             out.append({"target": f"{title}: JPEG >= {TARGETS['jpeg_vs_uint8']}x the UINT8 tensor path's images/s",
