@@ -22,6 +22,7 @@ from service.model.executors import Executor, StepTimer
 from service.model.loader import load_model
 from service.model.planner import kernel_names, plan
 from service.model.runner import ModelRunner, warmup_sizes
+from tests.digits import held_out_split
 from tests.modelgen import cnn_spec_id, random_cnn_spec, random_model_spec, spec_id, write_cnn_model, write_model
 from tests.tolerances import RTOL, RTOL_VS_UNFUSED, assert_close_to
 
@@ -338,13 +339,7 @@ def test_step_timer_reuse_across_batches():
 
 
 def test_shipped_model_accuracy_on_held_out_digits():
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()
-    _, x_test, _, y_test = train_test_split(
-        digits.data, digits.target, test_size=0.2, random_state=0, stratify=digits.target
-    )
+    x_test, y_test = held_out_split()
     assert x_test.shape == (360, 64)
     model = load_model(SHIPPED)
     preds = {}
@@ -359,17 +354,6 @@ def test_shipped_model_accuracy_on_held_out_digits():
 
 
 # ---- CNNs: conv2d, avgpool2d, maxpool2d ----
-
-
-def _held_out() -> tuple[np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()
-    _, x_test, _, y_test = train_test_split(
-        digits.data, digits.target, test_size=0.2, random_state=0, stratify=digits.target
-    )
-    return x_test, y_test
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -532,7 +516,7 @@ def test_cnn_runner_times_every_step_by_name(mode):
     model = load_model(SHIPPED_CNN)
     rec = Recorder()
     runner = ModelRunner(model, mode, DEVICE, "float32", observe_kernel=rec.kernel, observe_forward=rec.forward)
-    x, _ = _held_out()
+    x, _ = held_out_split()
     out = runner.run(x[:6].reshape(6, 1, 8, 8))
     assert out.shape == (6, 10) and out.dtype == np.float32
     want = reference_forward(SHIPPED_CNN, torch.from_numpy(x[:6]).float().view(6, 1, 8, 8), torch.float32)
@@ -552,7 +536,7 @@ INTERPRETED_FUSED_ROWS = 120
 def test_shipped_cnn_accuracy_on_held_out_digits():
     """The README's figure: at least 98% of the 360 held-out digits, fused and unfused, float32 and float16 (fused
     on the first INTERPRETED_FUSED_ROWS under the interpreter, where it must agree with unfused on 99%)."""
-    x_test, y_test = _held_out()
+    x_test, y_test = held_out_split()
     model = load_model(SHIPPED_CNN)
     rows = x_test.reshape(-1, 1, 8, 8)
     for dtype in ("float32", "float16"):

@@ -137,11 +137,9 @@ def test_hardware_cast_rounds_as_torch():
 
 
 def _digits_splits():
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    from tests.digits import split
 
-    X, y = load_digits(return_X_y=True)
-    X_train, X_test, _, y_test = train_test_split(X, y, test_size=0.2, random_state=0, stratify=y)
+    X_train, X_test, _, y_test = split()
     return X_train.astype(np.float32), X_test.astype(np.float32), y_test
 
 

@@ -14,11 +14,11 @@ import time
 import httpx
 import numpy as np
 import pytest
-from sklearn.datasets import load_digits
 
 from service.metrics import ANSWERED_WRITE_EVERY_S, PHASES, EngineMetrics, RequestMetrics, inference_totals
 from service.v2.extensions import EXTENSIONS, instance_groups
 
+from . import digits as digits_data
 from .server import free_port, running_servers
 
 MODEL = "digits-mlp"
@@ -119,7 +119,7 @@ def grpc_client(server, triton):
 
 @pytest.fixture(scope="module")
 def digits() -> np.ndarray:
-    return load_digits(return_X_y=True)[0][:40].astype(np.float32)
+    return digits_data.load()[0][:40].astype(np.float32)
 
 
 @pytest.mark.slow

@@ -23,8 +23,8 @@ import orjson
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from sklearn.datasets import load_digits
 
+from . import digits as digits_data
 from .server import REPO, free_port, running_servers
 
 # In the test extra (CI has it); a host without it (the GPU host's wheel set) skips the module.
@@ -92,7 +92,7 @@ def clients(served):
 
 @pytest.fixture(scope="module")
 def digits() -> np.ndarray:
-    X, _ = load_digits(return_X_y=True)
+    X, _ = digits_data.load()
     return X[:40].astype(np.float32)  # raw pixels 0..16: exact in FP16, FP32 and FP64 alike
 
 
