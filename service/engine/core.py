@@ -100,7 +100,7 @@ class Engine:
         # (its requests, when it was taken, its JPEGs' decode under way in the decode thread, or None once applied).
         # The next batch to run.
         self._ahead: tuple[list[Pending], float, Future | None] | None = None
-        self._decode_thread: ThreadPoolExecutor | None = None
+        self._decode_thread: ThreadPoolExecutor | bool | None = None  # False: it failed; decode in this thread
 
     # ------------------------------------------------------------------ loop
 
@@ -361,10 +361,20 @@ class Engine:
         batch, now = self._take(decode=False)
         if not batch:
             return
-        if self._decode_thread is None:
-            self._decode_thread = ThreadPoolExecutor(1, "fs-jpeg-decode", _on_device_of, (self.jpeg,))
         files = [r.images for r in batch if r.images is not None]
-        self._ahead = (batch, now, self._decode_thread.submit(self.jpeg, files))
+        decoding = None
+        if self._decode_thread is not False:
+            try:
+                if self._decode_thread is None:
+                    self._decode_thread = decode_thread(self.jpeg)
+                decoding = self._decode_thread.submit(self.jpeg, files)
+            except Exception as err:  # noqa: BLE001 - a thread that cannot start (BrokenThreadPool): decode here
+                log.error("the JPEG decode thread failed (%s: %s); decoding in the engine's thread from now on",
+                          type(err).__name__, err)  # fmt: skip
+                self._decode_thread = False
+        if decoding is None:
+            batch = self._decode_images(batch)
+        self._ahead = (batch, now, decoding)
 
     def _run_batch(self) -> None:
         if self._ahead is not None:
@@ -547,13 +557,17 @@ class Engine:
                 self._watch_writes(conn)
 
 
-def _on_device_of(decoder) -> None:
-    """The decode thread's first step: its CUDA device is the decoder's (a thread starts on device 0)."""
+def decode_thread(decoder) -> ThreadPoolExecutor:
+    """The engine's JPEG decode thread (_take_ahead). On CUDA its current device is the one the engine's thread has
+    (a new thread starts on device 0, and the decoder's device may carry no index), so that the decode and the
+    resize run where the rows are read; like the engine's thread it runs on that device's default stream, which
+    orders its kernels before the forward the engine then launches on the rows."""
     device = getattr(decoder, "device", None)
     if device is not None and device.type == "cuda":
         import torch
 
-        torch.cuda.set_device(device)
+        return ThreadPoolExecutor(1, "fs-jpeg-decode", torch.cuda.set_device, (torch.cuda.current_device(),))
+    return ThreadPoolExecutor(1, "fs-jpeg-decode")
 
 
 def ran_in_launch(inflight) -> bool:
