@@ -284,21 +284,3 @@ def test_direct_copies_from_a_registered_buffer_give_the_staged_outputs(tmp_path
     arenas.retire(buf)
     arenas.release_retired()
     assert not arenas.contains(address(buf), 1)
-
-
-def test_the_engines_decode_thread_gives_the_rows_of_a_call_in_the_engines_thread():
-    """service/engine/core.py's decode thread on the GPU (set to the engine's device, the default stream): the
-    BatchDecoder's rows of a batch of photos equal those of the same call made in this thread."""
-    from service.engine.core import decode_thread
-
-    rng = np.random.default_rng(5)
-    pre = Preprocess(224, 224, resize=256)
-    files = [encode(photo(rng, h, w), "JPEG") for h, w in [(375, 500), (500, 375), (333, 500), (400, 400)] * 8]
-    requests = [[(0, memoryview(f), 0, 0)] for f in files]  # wire.ENCODED_JPEG
-    dec = gpu_decode.BatchDecoder(pre, "cuda")
-    inline = dec(requests)
-    with decode_thread(dec) as pool:
-        threaded = pool.submit(dec, requests).result(timeout=60)
-    assert len(threaded) == len(inline) == len(files)
-    for a, b in zip(threaded, inline, strict=True):
-        assert a is not None and torch.equal(a, b)

@@ -20,7 +20,6 @@ import signal
 import socket
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -96,11 +95,9 @@ class Engine:
         # (engine/pinned.py), None where they are not. Both set by engine_main.
         self.jpeg = None
         self.pinned = None
-        # A batch of image requests taken from the queue while the batch before it ran on the GPU (_take_ahead):
-        # (its requests, when it was taken, its JPEGs' decode under way in the decode thread, or None once applied).
-        # The next batch to run.
-        self._ahead: tuple[list[Pending], float, Future | None] | None = None
-        self._decode_thread: ThreadPoolExecutor | bool | None = None  # False: it failed; decode in this thread
+        # A batch of image requests taken from the queue and decoded while the batch before it ran on the GPU
+        # (_take_ahead), with the time it was taken: the next batch to run.
+        self._ahead: tuple[list[Pending], float] | None = None
 
     # ------------------------------------------------------------------ loop
 
@@ -269,13 +266,12 @@ class Engine:
             self._reply_error(req, wire.OVERLOADED, f"queue full: {len(self.queue)} requests waiting")
         return at
 
-    def _decode_images(self, batch: list[Pending], decoding: Future | None = None) -> list[Pending]:
-        """Decode the batch's image requests (every JPEG of the batch in one GPU call) into their rows, or take the
-        rows from `decoding` (the decode thread's call on them, _take_ahead); a request whose file the GPU does not
-        take is answered DECODE_ON_CPU (its front end decodes it) and leaves the batch."""
+    def _decode_images(self, batch: list[Pending]) -> list[Pending]:
+        """Decode the batch's image requests (every JPEG of the batch in one GPU call) into their rows; a request whose
+        file the GPU does not take is answered DECODE_ON_CPU (its front end decodes it) and leaves the batch."""
         image_reqs = [r for r in batch if r.images is not None]
         try:
-            rows = decoding.result() if decoding is not None else self.jpeg([r.images for r in image_reqs])
+            rows = self.jpeg([r.images for r in image_reqs])
         except Exception as err:  # noqa: BLE001 - the decoder itself failed: every image request to the CPU path
             log.warning("GPU image decoding failed on a batch of %d image requests (%s: %s); their front ends decode "
                         "them", len(image_reqs), type(err).__name__, err)  # fmt: skip
@@ -313,15 +309,11 @@ class Engine:
         if self._conns.pop(conn.owner, None) is None:
             return
         n = self.queue.drop_owner(conn.owner)
-        if self._ahead is not None and any(r.owner == conn.owner for r in self._ahead[0]):
-            # Its requests taken ahead go too (their rows may be views of its arena), once their decode is done:
-            # the decode thread may be reading its files, and the decode's rows are per request of the whole batch.
-            ahead, taken, decoding = self._ahead
-            if decoding is not None:
-                ahead = self._decode_images(ahead, decoding)
+        if self._ahead is not None:  # its requests taken ahead go too (their rows may be views of its arena)
+            ahead, taken = self._ahead
             kept = [r for r in ahead if r.owner != conn.owner]
             n += len(ahead) - len(kept)
-            self._ahead = (kept, taken, None) if kept else None
+            self._ahead = (kept, taken) if kept else None
         self._replies.pop(conn.owner, None)
         if conn.arena is not None and self.pinned is not None:
             self.pinned.retire(conn.arena)  # unregistered between batches: one in flight may still read it
@@ -338,49 +330,32 @@ class Engine:
             conn.events = want
             self.selector.modify(conn.sock, want, conn)
 
-    def _take(self, decode: bool = True) -> tuple[list[Pending], float]:
-        """The next batch out of the queue, its JPEGs decoded (unless `decode` is False), and when it was taken; the
-        requests whose deadline passed while queued are answered."""
+    def _take(self) -> tuple[list[Pending], float]:
+        """The next batch out of the queue, its JPEGs decoded, and when it was taken; the requests whose deadline
+        passed while queued are answered."""
         now = time.monotonic()
         batch, expired = self.queue.take(now)
         for req in expired:
             self._reply_error(req, wire.TIMEOUT, f"deadline passed {now - req.deadline:.3f} s before its batch ran")
-        if batch and decode and self.jpeg is not None:
+        if batch and self.jpeg is not None:
             batch = self._decode_images(batch)
         return batch, now
 
     def _take_ahead(self) -> None:
-        """While a batch's forward runs on the GPU: take the next batch now, where the queue starts with an image
-        request, and decode its JPEGs in the decode thread. nvJPEG's call waits on the host for the GPU's hardware
-        decoder (7.2-9.8 ms for 256 photos of ~500x375 on H200s) with the GIL released; meanwhile this thread collects
-        the forward, answers it and takes in the next requests. One after the other, a batch of JPEG requests took
-        the decode, the forward and the engine's own work in turn (bench/probes/jpeg_decode.py)."""
+        """While a batch's forward runs on the GPU: take the next batch now and decode its JPEGs, where the queue
+        starts with an image request. nvJPEG's decode waits on the host for the GPU's hardware decoder (7.2 ms for
+        256 photos of ~500x375 on an H200) and the forward runs on the SMs: one after the other, a batch of JPEG
+        requests took their sum (bench/probes/jpeg_decode.py)."""
         head = self.queue.peek()
         if head is None or head.images is None:
             return  # tensors only: nothing to do ahead, and a batch taken later may be fuller
-        batch, now = self._take(decode=False)
-        if not batch:
-            return
-        files = [r.images for r in batch if r.images is not None]
-        decoding = None
-        if self._decode_thread is not False:
-            try:
-                if self._decode_thread is None:
-                    self._decode_thread = decode_thread(self.jpeg)
-                decoding = self._decode_thread.submit(self.jpeg, files)
-            except Exception as err:  # noqa: BLE001 - a thread that cannot start (BrokenThreadPool): decode here
-                log.error("the JPEG decode thread failed (%s: %s); decoding in the engine's thread from now on",
-                          type(err).__name__, err)  # fmt: skip
-                self._decode_thread = False
-        if decoding is None:
-            batch = self._decode_images(batch)
-        self._ahead = (batch, now, decoding)
+        batch, now = self._take()
+        if batch:
+            self._ahead = (batch, now)
 
     def _run_batch(self) -> None:
         if self._ahead is not None:
-            (batch, now, decoding), self._ahead = self._ahead, None
-            if decoding is not None:
-                batch = self._decode_images(batch, decoding)
+            (batch, now), self._ahead = self._ahead, None
         else:
             batch, now = self._take()
         if batch:
@@ -555,19 +530,6 @@ class Engine:
                 self._drop(conn)
             else:
                 self._watch_writes(conn)
-
-
-def decode_thread(decoder) -> ThreadPoolExecutor:
-    """The engine's JPEG decode thread (_take_ahead). On CUDA its current device is the one the engine's thread has
-    (a new thread starts on device 0, and the decoder's device may carry no index), so that the decode and the
-    resize run where the rows are read; like the engine's thread it runs on that device's default stream, which
-    orders its kernels before the forward the engine then launches on the rows."""
-    device = getattr(decoder, "device", None)
-    if device is not None and device.type == "cuda":
-        import torch
-
-        return ThreadPoolExecutor(1, "fs-jpeg-decode", torch.cuda.set_device, (torch.cuda.current_device(),))
-    return ThreadPoolExecutor(1, "fs-jpeg-decode")
 
 
 def ran_in_launch(inflight) -> bool:
