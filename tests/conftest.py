@@ -49,3 +49,13 @@ def pytest_xdist_make_scheduler(config, log):
 def _server_logs():
     yield
     dump_new_logs()  # nothing when no server runs
+
+
+@pytest.fixture(scope="session")
+def onnx_registry_once():
+    """torch.onnx's dynamo exporter builds its registry of ONNX translations once in this process, not at every
+    export (bench/zoo/exporters.py's onnx_registry_once, as test_zoo uses it): for the modules that export with it."""
+    from bench.zoo.exporters import onnx_registry_once
+
+    with onnx_registry_once():
+        yield

@@ -35,7 +35,7 @@ from tests.torch_models import MODELS, make
 
 ort = pytest.importorskip("onnxruntime")
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("onnx_registry_once")]
 
 ROWS = 512
 FUSED_CPU_ROWS = 24

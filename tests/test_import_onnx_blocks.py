@@ -24,7 +24,7 @@ from service.model.planner import fused_steps, kernel_names
 
 from .test_import_onnx import NO_ONNXSCRIPT, NORMWISE, check_against_ort, export, run_fp32, run_ort
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("onnx_registry_once")]
 
 UNFUSED_ROWS = 64
 FUSED_ROWS = 3  # the interpreter runs every program of the grid in Python

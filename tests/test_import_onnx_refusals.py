@@ -16,7 +16,7 @@ from torch import nn
 
 from .test_import_onnx import NO_ONNXSCRIPT, _const, _conv_file, _refused, export
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("onnx_registry_once")]
 
 
 class AttentionCore(nn.Module):
