@@ -1,7 +1,7 @@
 """Development probe (issue 50): where a batch of JPEG requests spends the engine's time. The issue's serve run
-(bench/results/h200/serve_issue50_h200.md) reached 9,681 JPEG images/s on ResNet-50 and 10,463 on MobileNetV2 against
-17,485 and 22,848 as UINT8 tensors, the GPU 52-74% busy: the engine decodes a batch's JPEGs (nvJPEG through
-torchvision.io.decode_jpeg), resizes them, then runs the forward, one after the other.
+before it (bench/results/h200/serve_issue50_before_h200.md) reached 9,681 JPEG images/s on ResNet-50 and 10,463 on
+MobileNetV2 against 17,485 and 22,848 as UINT8 tensors, the GPU 52-74% busy: the engine decoded a batch's JPEGs
+(nvJPEG through torchvision.io.decode_jpeg), resized them, then ran the forward, one after the other.
 
 256 synthesized photos of about 500x375 at quality 90 (bench/serve/images.py, as the serve run sends), timed on the
 GPU's wall clock (synchronized), median of 5 after 2 warm-ups; the process's CPU time per call beside it:
