@@ -130,3 +130,28 @@ def test_requests_taken_ahead_go_with_their_front_end(engine):
     engine._run_batch()
     assert engine.log[-2:] == [("launch", [4]), ("collect",)]
     assert [a[1] for a in engine.answers] == [0, 1, 3]  # request 2 dropped unanswered with its front end
+
+
+def test_a_batch_whose_images_cannot_be_prepared_fails_alone(engine):
+    """A decoder that breaks its contract (rows for fewer requests than it was given) is the engine's bug: the batch's
+    requests are answered FAILED, in the engine's step or taken ahead during a forward (which is still collected and
+    answered), and the engine serves the next batch."""
+    for rid, first in enumerate((1, 2, 3, 4, 5, 6, 7)):
+        engine.queue.push(image_request(7, rid, first))
+    good = engine.jpeg
+    bad = {(1, 2), (5, 6)}  # [1, 2] fails in the engine's step, [5, 6] when taken ahead during [3, 4]'s forward
+
+    def decoder(requests):
+        rows = good(requests)
+        return rows[:-1] if tuple(images[0][1][0] for images in requests) in bad else rows
+
+    engine.jpeg = decoder
+    engine._run_batch()  # [1, 2] failed: nothing launched, nothing taken ahead
+    assert engine.log == [("decode", [1, 2])] and engine._ahead is None
+    engine._run_batch()  # [3, 4] runs; [5, 6] is taken ahead and fails; [3, 4] is collected all the same
+    assert engine.log[1:] == [("decode", [3, 4]), ("launch", [3, 4]), ("decode", [5, 6]), ("collect",)]
+    assert engine._ahead is None
+    engine._run_batch()  # 7
+    statuses = {rid: status for _, rid, status, _ in engine.answers}
+    assert statuses == {0: wire.FAILED, 1: wire.FAILED, 2: wire.OK, 3: wire.OK, 4: wire.FAILED, 5: wire.FAILED,
+                        6: wire.OK}  # fmt: skip

@@ -338,7 +338,15 @@ class Engine:
         for req in expired:
             self._reply_error(req, wire.TIMEOUT, f"deadline passed {now - req.deadline:.3f} s before its batch ran")
         if batch and self.jpeg is not None:
-            batch = self._decode_images(batch)
+            try:
+                batch = self._decode_images(batch)
+            except Exception as err:  # noqa: BLE001 - this engine's bug: these requests fail, the engine serves on
+                log.exception("preparing a batch of %d requests' images failed; they are answered as failed: %s",
+                              len(batch), _names(batch))  # fmt: skip
+                why = f"the engine failed preparing the batch's images: {type(err).__name__}: {err}"
+                for req in batch:
+                    self._reply_error(req, wire.FAILED, why)
+                batch = []
         return batch, now
 
     def _take_ahead(self) -> None:
