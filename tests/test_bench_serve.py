@@ -289,6 +289,8 @@ def test_quick_end_to_end_run_on_the_cpu(tmp_path):
     assert "## Open Inference Protocol (closed loop)" in md and "| unfused (v2_binary) | 1 | 256 |" in md
     assert proc.returncode == (1 if results["problems"] else 0), out
     assert all(p.startswith("unfused@1 sigterm") for p in results["problems"]), results["problems"]
+    # a run with problems keeps its servers' logs beside its report (the run's temporary directory does not last)
+    assert bool(sorted(tmp_path.glob("server-*.log"))) == bool(results["problems"]), out
 
 
 @pytest.mark.slow
@@ -318,6 +320,7 @@ def test_bench_api_key_reaches_a_server_with_keys_on(tmp_path):
         assert r["ok"] and r["sent"] == r["status"]["200"] == r["server"]["outcomes"]["ok"] > 0, r["accounting"]
     proc, phases = runs["without"]
     assert proc.returncode == 1 and {r["protocol"] for r in phases} == protocols, proc.stdout + proc.stderr
+    assert (tmp_path / "without" / "server-unfused-1.log").is_file() and not list((tmp_path / "with").glob("*.log"))
     for r in phases:
         assert not r["ok"] and r["sent"] == r["status"]["401"] > 0 and "200" not in r["status"], r["status"]
         assert r["server"]["outcomes"]["unauthorized"] == r["sent"], r["server"]["outcomes"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -646,7 +647,12 @@ def execute(plan: Plan, command: str) -> int:
 
     from .report import write_all
 
-    write_all(results, plan.out or results_dir(results["meta"]["slug"]))
+    out = plan.out or results_dir(results["meta"]["slug"])
+    write_all(results, out)
+    if results["problems"]:  # the servers' logs say why; the run's temporary directory goes with the host
+        for log in sorted(run.tmp.glob("*.log")):
+            shutil.copy(log, Path(out) / f"server-{log.name}")
+        print(f"problems: the servers' logs copied to {out}/server-*.log", flush=True)
     return 1 if results["problems"] else 0
 
 
