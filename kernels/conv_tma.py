@@ -75,6 +75,55 @@ def _box_offsets(n0, h0, w0, NB, HB: tl.constexpr, WB: tl.constexpr, IMG: tl.con
     return n * stride_n + h * stride_h + w * stride_w, (n < NB) & (h < HB) & (w < WB)
 
 
+@triton.jit
+def _k_loop(x_desc, w_desc, n0, oh0, ow0, o0, C: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, PH: tl.constexpr,
+            PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+            INPUT_PRECISION: tl.constexpr):  # fmt: skip
+    """The (BLOCK_M, BLOCK_N) fp32 accumulator of the output box at (n0, oh0, ow0), channels o0.., over every tap and
+    K step: one TMA copy of x's shifted box and one of the weight's (BLOCK_N, BLOCK_K) tile a step (module doc)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    c_steps: tl.constexpr = (C + BLOCK_K - 1) // BLOCK_K
+    LIFT_H: tl.constexpr = (PH + SH - 1) // SH
+    LIFT_W: tl.constexpr = (PW + SW - 1) // SW
+    for step in range(KH * KW * c_steps):
+        tap = step // c_steps
+        c0 = (step % c_steps) * BLOCK_K
+        kh = tap // KW
+        kw = tap % KW
+        if SH * SW == 1:
+            a = x_desc.load([n0, oh0 - PH + kh * DH, ow0 - PW + kw * DW, c0]).reshape(BLOCK_M, BLOCK_K)
+        else:
+            # Input row oh * SH + kh * DH - PH = (oh + dh) * SH + ph, 0 <= ph < SH; kept non-negative before // and %
+            # (which truncate toward zero compiled and floor under the interpreter) by the whole strides LIFT_*.
+            uh = kh * DH - PH + LIFT_H * SH
+            uw = kw * DW - PW + LIFT_W * SW
+            corner = [n0, oh0 + uh // SH - LIFT_H, uh % SH, ow0 + uw // SW - LIFT_W, (uw % SW) * C + c0]
+            a = x_desc.load(corner).reshape(BLOCK_M, BLOCK_K)
+        b = w_desc.load([o0, tap * C + c0])
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _box_origin(NB, OH: tl.constexpr, OW: tl.constexpr, OC: tl.constexpr, IMG: tl.constexpr, BH: tl.constexpr,
+                BW: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """This program's output box (n0, oh0, ow0) and first channel o0: the channel block fastest, so the programs
+    sharing an input box run side by side (L2)."""
+    boxes_w: tl.constexpr = (OW + BW - 1) // BW
+    boxes_h: tl.constexpr = (OH + BH - 1) // BH
+    col_blocks: tl.constexpr = (OC + BLOCK_N - 1) // BLOCK_N
+    pid = tl.program_id(0)
+    box = pid // col_blocks
+    n0 = (box // (boxes_h * boxes_w)) * IMG
+    oh0 = ((box // boxes_w) % boxes_h) * BH
+    ow0 = (box % boxes_w) * BW
+    return n0, oh0, ow0, (pid % col_blocks) * BLOCK_N
+
+
 @triton.jit(do_not_specialize=["NB"])
 def _conv2d_tma_kernel(
     x_desc,  # x as (NB, H, W, C), boxes [IMG, BH, BW, BLOCK_K]; strided, (NB, H / SH, SH, W / SW, SW * C) (above)
@@ -105,41 +154,9 @@ def _conv2d_tma_kernel(
     tl.static_assert(POOL == "none" or not HAS_RESIDUAL, "a residual is added to the conv's output, never pooled")
     if PDL:  # wait for the previous layer before the first copy of x
         gdc_wait()
-    # The tile: output channel block fastest, so the programs sharing an input box run side by side (L2).
-    boxes_w: tl.constexpr = (OW + BW - 1) // BW
-    boxes_h: tl.constexpr = (OH + BH - 1) // BH
-    col_blocks: tl.constexpr = (OC + BLOCK_N - 1) // BLOCK_N
-    pid = tl.program_id(0)
-    pid_n = pid % col_blocks
-    box = pid // col_blocks
-    n0 = (box // (boxes_h * boxes_w)) * IMG
-    oh0 = ((box // boxes_w) % boxes_h) * BH
-    ow0 = (box % boxes_w) * BW
-    o0 = pid_n * BLOCK_N
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    c_steps: tl.constexpr = (C + BLOCK_K - 1) // BLOCK_K
-    LIFT_H: tl.constexpr = (PH + SH - 1) // SH
-    LIFT_W: tl.constexpr = (PW + SW - 1) // SW
-    for step in range(KH * KW * c_steps):
-        tap = step // c_steps
-        c0 = (step % c_steps) * BLOCK_K
-        kh = tap // KW
-        kw = tap % KW
-        if SH * SW == 1:
-            a = x_desc.load([n0, oh0 - PH + kh * DH, ow0 - PW + kw * DW, c0]).reshape(BLOCK_M, BLOCK_K)
-        else:
-            # Input row oh * SH + kh * DH - PH = (oh + dh) * SH + ph, 0 <= ph < SH; kept non-negative before // and %
-            # (which truncate toward zero compiled and floor under the interpreter) by the whole strides LIFT_*.
-            uh = kh * DH - PH + LIFT_H * SH
-            uw = kw * DW - PW + LIFT_W * SW
-            corner = [n0, oh0 + uh // SH - LIFT_H, uh % SH, ow0 + uw // SW - LIFT_W, (uw % SW) * C + c0]
-            a = x_desc.load(corner).reshape(BLOCK_M, BLOCK_K)
-        b = w_desc.load([o0, tap * C + c0])
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+    n0, oh0, ow0, o0 = _box_origin(NB, OH, OW, OC, IMG, BH, BW, BLOCK_N)
+    acc = _k_loop(x_desc, w_desc, n0, oh0, ow0, o0, C, KH, KW, PH, PW, DH, DW, SH, SW, BLOCK_M, BLOCK_N, BLOCK_K,
+                  UPCAST_DOT, INPUT_PRECISION)  # fmt: skip
     if PDL:
         # The next layer may start once every program is here. Not first thing, as the other kernels do: the next
         # layer's programs would take SM slots and shared memory while later waves of this grid still wait for
@@ -198,7 +215,7 @@ def eligible(x: torch.Tensor, weight: torch.Tensor, stride, pool: tuple | None, 
         kind, (pkh, pkw), (psh, psw) = pool
         ok = (pkh, pkw) == (psh, psw) and all(k & (k - 1) == 0 for k in (pkh, pkw))
     if ok and y_nhwc(out):
-        ok = (OC * es) % 16 == 0 and out.data_ptr() % 16 == 0
+        ok = (OC * out.element_size()) % 16 == 0 and out.data_ptr() % 16 == 0
     return ok
 
 
@@ -216,16 +233,13 @@ def weight_for(weight: torch.Tensor, stride) -> torch.Tensor:
     return weight
 
 
-def launch(x, weight, bias, out, negative_slope: float, geometry: dict, pool: tuple, fixed: dict,
-           config: LaunchConfig, residual: torch.Tensor | None = None):  # fmt: skip
-    """One launch: x (N, C, H, W) and weight (OC, C, KH, KW) channels_last (`eligible`), out the (pooled) output;
-    geometry: C, H, W, KH, KW, SH, SW, PH, PW, DH, DW, OH, OW (the conv's output); pool: (POOL, PKH, PKW); residual:
-    None, or out's shape and strides (tiles.residual_like), with POOL "none"."""
-    meta = {k: v for k, v in config.meta().items() if k != "TMA"}
+def descriptors(x, weight, out, geometry: dict, meta: dict, window: tuple[int, int] = (1, 1)):
+    """(x's descriptor, the weight's, y (its descriptor where y is NHWC, else out itself), whether y is stored by TMA,
+    the grid's programs) for a launch of `meta`'s box and tile; window: the pool's (PKH, PKW)."""
     img, bh, bw, bn, bk = meta["IMG"], meta["BH"], meta["BW"], meta["BLOCK_N"], meta["BLOCK_K"]
     N, OC = x.shape[0], weight.shape[0]
     C, KH, KW = geometry["C"], geometry["KH"], geometry["KW"]
-    POOL, PKH, PKW = pool
+    PKH, PKW = window
     # Strides from the sizes, not the tensors': both are contiguous NHWC, and torch may give a size-1 dim any stride.
     H, W, SH, SW = geometry["H"], geometry["W"], geometry["SH"], geometry["SW"]
     if (SH, SW) == (1, 1):
@@ -240,11 +254,22 @@ def launch(x, weight, bias, out, negative_slope: float, geometry: dict, pool: tu
         y_box = [img, bh // PKH, bw // PKW, bn]
         y = TensorDescriptor(out, [N, poh, pow_, OC], [poh * pow_ * OC, pow_ * OC, OC, 1], y_box)
     boxes = triton.cdiv(N, img) * triton.cdiv(geometry["OH"], bh) * triton.cdiv(geometry["OW"], bw)
-    return grid_launch(_conv2d_tma_kernel, (boxes * triton.cdiv(OC, bn),))(
+    return x_desc, w_desc, y, store_nhwc, boxes * triton.cdiv(OC, bn)
+
+
+def launch(x, weight, bias, out, negative_slope: float, geometry: dict, pool: tuple, fixed: dict,
+           config: LaunchConfig, residual: torch.Tensor | None = None):  # fmt: skip
+    """One launch: x (N, C, H, W) and weight (OC, C, KH, KW) channels_last (`eligible`), out the (pooled) output;
+    geometry: C, H, W, KH, KW, SH, SW, PH, PW, DH, DW, OH, OW (the conv's output); pool: (POOL, PKH, PKW); residual:
+    None, or out's shape and strides (tiles.residual_like), with POOL "none"."""
+    meta = {k: v for k, v in config.meta().items() if k != "TMA"}
+    POOL, PKH, PKW = pool
+    x_desc, w_desc, y, store_nhwc, programs = descriptors(x, weight, out, geometry, meta, (PKH, PKW))
+    return grid_launch(_conv2d_tma_kernel, (programs,))(
         x_desc, w_desc, bias if bias is not None else weight, y, residual if residual is not None else out,
-        N, *out.stride(),
+        x.shape[0], *out.stride(),
         negative_slope,
-        **geometry, OC=OC, POOL=POOL, PKH=PKH, PKW=PKW, HAS_RESIDUAL=residual is not None, **fixed,
+        **geometry, OC=weight.shape[0], POOL=POOL, PKH=PKH, PKW=PKW, HAS_RESIDUAL=residual is not None, **fixed,
         Y_NHWC=store_nhwc, **meta,
         **launch_options(fixed),
     )  # fmt: skip
@@ -262,17 +287,19 @@ def box_shape(block_m: int, OH: int, OW: int, pool: tuple[int, int] = (1, 1)) ->
 
 
 def k_steps(C: int, element_size: int, strided: bool = False) -> list[int]:
-    """BLOCK_K candidates: 32 or 64 channels (at most C rounded up; 32 for fp32); strided, only those that divide C
-    (or 16 where none does), none if 16 does not either."""
-    widest = 64 if element_size <= 2 else 32
-    ks = sorted({max(16, min(widest, triton.next_power_of_2(C))), max(16, min(32, triton.next_power_of_2(C)))})
+    """BLOCK_K candidates: 64 or 128 bytes of channels, 32 or 64 of fp16 (at most C rounded up; 32 for fp32; 64 or 128
+    for e4m3); strided, only those that divide C (or 16 where none does), none if 16 does not either."""
+    widest = 128 // element_size if element_size <= 2 else 32
+    narrow = 64 // element_size if element_size <= 2 else 32
+    ks = sorted({max(16, min(widest, triton.next_power_of_2(C))), max(16, min(narrow, triton.next_power_of_2(C)))})
     if strided:
         ks = [k for k in ks if C % k == 0] or [16] * (C % 16 == 0)
     return ks
 
 
 def cuda_configs(bucket: int, OC: int, C: int, OH: int, OW: int, pool=(1, 1), element_size: int = 2,
-                 shared_memory: int = HOPPER_SHARED_MEMORY, strided: bool = False) -> list[LaunchConfig]:  # fmt: skip
+                 shared_memory: int = HOPPER_SHARED_MEMORY, strided: bool = False,
+                 out_size: int | None = None) -> list[LaunchConfig]:  # fmt: skip
     """Candidates for one layer and M bucket (M = N * OH * OW output pixels): 64- and 128-pixel boxes (128 where M
     is over 64), BLOCK_N all of OC up to 128 and, from 128 channels, 64 (two programs per box), BLOCK_K from
     `k_steps`, 3 or 4 stages where they fit in shared memory. TMA=1 marks them as this kernel's among the tuner's
@@ -292,10 +319,13 @@ def cuda_configs(bucket: int, OC: int, C: int, OH: int, OW: int, pool=(1, 1), el
         img, bh, bw = box_shape(bm, OH, OW, pool)
         for bn in bns:
             for bk in ks:
+                if element_size == 1 and bk >= 128 and bm * bn >= 128 * 128:
+                    continue  # e4m3: 128-channel steps in a 128x128 tile spilled (sm_90: 255 registers, 32 B of stack)
                 for stages in (2,) if racy_stages(bm, bn, bk, element_size) else (3, 4):
-                    warps = 8 if bm * bn >= 128 * 128 else 4
+                    # e4m3's epilogue (scales, a residual, the quantizing store) spilled in 64x128 tiles on 4 warps
+                    warps = 8 if bm * bn >= (64 if element_size == 1 else 128) * 128 else 4
                     c = LaunchConfig.of(warps, stages, IMG=img, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, TMA=1)
-                    if shared_memory_bytes(c, element_size) <= shared_memory:
+                    if shared_memory_bytes(c, element_size, out_size) <= shared_memory:
                         out.append(c)
     return out
 
@@ -309,8 +339,9 @@ def is_tma(config: LaunchConfig) -> bool:
     return ("TMA", 1) in config.kwargs
 
 
-def shared_memory_bytes(config: LaunchConfig, element_size: int) -> int:
-    """The A and B stages plus the output box staged for the TMA store."""
+def shared_memory_bytes(config: LaunchConfig, element_size: int, out_size: int | None = None) -> int:
+    """The A and B stages plus the output box staged for the TMA store (`out_size` bytes an element: y's, where it
+    is not x's, as an fp8 conv's fp16 output)."""
     bm = config["IMG"] * config["BH"] * config["BW"]
     bn, bk = config["BLOCK_N"], config["BLOCK_K"]
-    return config.num_stages * (bm + bn) * bk * element_size + bm * bn * element_size
+    return config.num_stages * (bm + bn) * bk * element_size + bm * bn * (out_size or element_size)
