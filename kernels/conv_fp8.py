@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import conv_tma, conv_tma_fp8
 from .activations import DEFAULT_NEGATIVE_SLOPE, check_activation
 from .conv import _y_tile, conv_output_size, m_bucket
 from .fp8 import (
@@ -273,7 +274,14 @@ def fused_conv2d_fp8(
         float(negative_slope),
     )
 
+    # conv_tma_fp8's TMA boxes where they can run: e4m3 x and the weight channels_last, 16-byte rows, strides that
+    # divide the image (an fp16/fp32 x, quantized as it is gathered, stays with the gathers)
+    tma = not flags["QUANT_X"] and conv_tma_fp8.eligible(x, weight, s, out)
+
     def run(config: LaunchConfig):
+        if conv_tma.is_tma(config):
+            return conv_tma_fp8.launch(x, weight, scale, bias, out, residual if has_residual else None, scales[1:],
+                                       flags, geometry, activation, pdl, config)  # fmt: skip
         meta = config.meta()
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(OC, meta["BLOCK_N"])
         return grid_launch(_conv2d_fp8_kernel, (tiles,))(
@@ -287,11 +295,14 @@ def fused_conv2d_fp8(
 
     K = C * KH * KW
     if interpreting():
-        run(_interpreter_config(M, OC, C, K))
+        if INTERPRETER.choice.tma and tma:
+            run(conv_tma_fp8.interpreter_config(OC, C, OH, OW, s != (1, 1), INTERPRETER.choice.tma_pixels))
+        else:
+            run(_interpreter_config(M, OC, C, K))
         return out
     bucket = m_bucket(M)
     signature = (tuple(weight.shape), weight.stride(), x.shape[1:], x.stride()[1:], x.dtype, s, p, d, activation,
-                 bias is not None, y_dtype, y_planes, bucket, has_residual and residual.dtype)  # fmt: skip
+                 bias is not None, y_dtype, y_planes, bucket, has_residual and residual.dtype, tma)  # fmt: skip
     config = _configs.get(signature)
     if config is None:
         key = (
@@ -301,8 +312,13 @@ def fused_conv2d_fp8(
         )
         if has_residual:
             key += f"|residual={residual.dtype}"
-        scope = scope_for("conv2d_fp8", _conv2d_fp8_kernel)
-        config = tune(scope, key, cuda_configs(bucket, OC, C, K, device_limits(x.device)[0]), run)
+        candidates = cuda_configs(bucket, OC, C, K, device_limits(x.device)[0])
+        if tma:  # x and the weight channels_last, aligned: TMA candidates too
+            key += "|tma"
+            candidates += conv_tma.cuda_configs(bucket, OC, C, OH, OW, (1, 1), 1, strided=s != (1, 1),
+                                                out_size=out.element_size())  # fmt: skip
+        scope = scope_for("conv2d_fp8", _conv2d_fp8_kernel, conv_tma_fp8._conv2d_tma_fp8_kernel)
+        config = tune(scope, key, candidates, run)
         _configs[signature] = config
     run(config)
     return out
@@ -354,6 +370,8 @@ class InterpreterChoice:
 
     tile: tuple[int, int, int] | None = None  # (BLOCK_M, BLOCK_N, BLOCK_K)
     flat_k: bool | None = None  # None: FLAT_K below 32 channels
+    tma: bool = False  # calls conv_tma_fp8 can run (its `eligible`) run it
+    tma_pixels: int = 64  # its output box's pixels (tests: 32, so that boxes cross image edges)
 
 
 INTERPRETER = InterpreterSwitches(InterpreterChoice())

@@ -17,10 +17,12 @@ import pytest
 import torch
 
 import kernels.conv_fp8 as conv_fp8
+import kernels.conv_tma as conv_tma
+import kernels.conv_tma_fp8 as conv_tma_fp8
 import kernels.linear_fp8 as linear_fp8
 from kernels import reference, tuning
 from kernels.conv import conv_output_size
-from kernels.fp8 import dequant_scale, fp8_capable, quantize, quantize_weight, scale_of
+from kernels.fp8 import E4M3, dequant_scale, fp8_capable, quantize, quantize_weight, scale_of
 
 pytestmark = [
     pytest.mark.gpu,
@@ -94,6 +96,10 @@ def test_conv_every_candidate(case, residual, monkeypatch):
 
     m = N * shape[2] * shape[3]
     candidates = conv_fp8.cuda_configs(conv_fp8.m_bucket(m), OC, C, C * k * k, device_limits(torch.device(DEVICE))[0])
+    # conv_tma_fp8's boxes too where they run (x e4m3 channels_last with 16-byte rows; y NHWC with 16-byte rows)
+    y = torch.empty(shape, device=DEVICE, dtype=E4M3, memory_format=torch.channels_last)
+    if conv_tma_fp8.eligible(xq, wq.contiguous(memory_format=torch.channels_last), (s, s), y):
+        candidates += conv_tma.cuda_configs(conv_fp8.m_bucket(m), OC, C, *shape[2:], (1, 1), 1, strided=s > 1)
     for out_scale in (4.0 / 448, None):
         kw = dict(stride=s, padding=p, residual=r, residual_scale=rs, out_scale=out_scale)
         want = reference.conv2d_fp8(xq, wq, scale, b, "relu", **kw)
