@@ -34,7 +34,6 @@ from .runtime import check_device
 FILTERS = {"bilinear": 0, "bicubic": 1}
 SUPPORT = {"bilinear": 1.0, "bicubic": 2.0}  # torch's interp_size / 2
 BLOCK_H, BLOCK_W = 16, 32  # 512 output pixels a program: 224x224 is 14 x 7 programs an image
-PARAMS = 8  # per image: offset, H, W, resized H, resized W, top, left, row
 
 
 @triton.jit
@@ -80,7 +79,7 @@ def _resize_crop_kernel(
     img = tl.program_id(0)
     tiles_w = tl.cdiv(OW, BLOCK_W)
     ty, tx = tl.program_id(1) // tiles_w, tl.program_id(1) % tiles_w
-    p = params_ptr + img * 8
+    p = params_ptr + img * 8  # per image: offset, H, W, resized H, resized W, top, left, row (int64)
     offset = tl.load(p)
     H, W = tl.load(p + 1).to(tl.int32), tl.load(p + 2).to(tl.int32)
     RH, RW = tl.load(p + 3).to(tl.int32), tl.load(p + 4).to(tl.int32)
