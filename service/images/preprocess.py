@@ -1,6 +1,7 @@
 """An image's pixels -> the model's input: resize of the shorter side, center crop, channel order, as torchvision's
-Resize(size, antialias=True) + CenterCrop + PILToTensor give them, in torch, so that the same code runs on the CPU
-(after Pillow decodes) and on a GPU (after nvJPEG decodes, gpu_decode.py).
+Resize(size, antialias=True) + CenterCrop + PILToTensor give them, in torch: the CPU path (after Pillow decodes), and
+the reference of the GPU path's one kernel for a batch (kernels/resize.py, after nvJPEG decodes: gpu_decode.py), which
+computes the same sums.
 
 The resize runs in float32 (torch.nn.functional.interpolate, antialias=True: the triangle filter widened by the
 scale factor, as Pillow and torchvision resize) and is rounded back to uint8, as torchvision rounds a uint8 tensor it
