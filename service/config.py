@@ -148,7 +148,8 @@ class Settings(BaseSettings):
     image_decode: Literal["auto", "cpu", "gpu"] = Field(
         "auto",
         description="where JPEGs are decoded: gpu: in the engine, each batch's JPEGs in one nvJPEG call "
-        "(torchvision.io.decode_jpeg on CUDA), then resized and cropped on the GPU, the front ends checking each "
+        "(torchvision.io.decode_jpeg on CUDA) while the batch before it runs, then resized and cropped on the GPU in "
+        "one kernel, the front ends checking each "
         "file's header first; cpu: in the front ends (Pillow), as PNG and WebP always are; auto: gpu where the engine "
         "runs on CUDA and torchvision decodes a JPEG there, else cpu (service/images/gpu_decode.py)",
     )
