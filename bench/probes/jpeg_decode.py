@@ -9,7 +9,7 @@ GPU's wall clock (synchronized), median of 5 after 2 warm-ups; the process's CPU
     decode 64 x4         four calls of 64, one after the other
     decode Tn            n Python threads, each its share of the 256 in calls of its own (each on a stream of its own)
     resize torch         Preprocess.many (shorter side 256, crop 224) of the decoded images: torch's ops
-    resize kernel        kernels/resize.py's resize_crop of the same, one kernel
+    resize kernel        kernels/resize.py's resize_crop of the same, one kernel (and its launch alone: device ms)
     BatchDecoder         the engine's whole step (service/images/gpu_decode.py): decode + resize + rows in place
     decode beside fwd    one decode call while a 12 ms GPU load runs on another stream: does the decode slow it?
     pil 1 image          Pillow's decode + the CPU resize of one file, for scale (a front end's core per image)
@@ -45,6 +45,32 @@ def timed(fn, reps: int = 5, warmups: int = 2) -> dict:
         walls.append(1e3 * (time.perf_counter() - t0))
         cpus.append(1e3 * (time.process_time() - c0))
     return {"wall_ms": statistics.median(walls), "cpu_ms": statistics.median(cpus)}
+
+
+def _kernel_alone_ms(call) -> float:
+    """The device ms of the one Triton launch `call` makes (kernels/resize.py's), without the host's work around it:
+    the launch is captured with its arguments, then timed alone (triton.testing.do_bench)."""
+    import triton
+
+    import kernels.resize as resize
+
+    captured = {}
+    launch = resize.grid_launch
+
+    def capture(kernel, grid):
+        def run(*args, **kwargs):
+            captured.update(kernel=kernel, grid=grid, args=args, kwargs=kwargs)
+            return launch(kernel, grid)(*args, **kwargs)
+
+        return run
+
+    resize.grid_launch = capture
+    try:
+        call()
+    finally:
+        resize.grid_launch = launch
+    k = captured
+    return float(triton.testing.do_bench(lambda: k["kernel"][k["grid"]](*k["args"], **k["kwargs"]), rep=50))
 
 
 def sweep() -> dict:
@@ -93,6 +119,7 @@ def sweep() -> dict:
     images = decode(files)
     cases["resize torch"] = timed(lambda: pre.many(images))
     cases["resize kernel"] = timed(lambda: resize_crop(images, 224, 224, 256))
+    cases["resize kernel alone"] = {"device_ms": _kernel_alone_ms(lambda: resize_crop(images, 224, 224, 256))}
     dec = BatchDecoder(pre, dev)
     reqs = [[(wire.ENCODED_JPEG, memoryview(raw[i * 32 + j]), 0, 0) for j in range(32)] for i in range(FILES // 32)]
     cases["BatchDecoder"] = timed(lambda: dec(reqs))
@@ -110,6 +137,10 @@ def sweep() -> dict:
     cases["decode beside fwd"] = timed(lambda: (load(), decode(files)))
     cases["pil 1 image"] = timed(lambda: pre(torch.from_numpy(pil_decode(raw[0], "RGB", 10**8))), reps=21)
 
+    print(
+        f"\nresize kernel alone (its launch, without the host's work: do_bench): "
+        f"{cases.pop('resize kernel alone')['device_ms']:.3f} ms of device time"
+    )
     print("\n| case | wall ms | CPU ms | images/s |\n|---|---:|---:|---:|")
     for name, v in cases.items():
         n = 1 if name.startswith("pil") else (0 if name == "fwd alone" else FILES)
