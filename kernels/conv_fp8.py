@@ -275,8 +275,8 @@ def fused_conv2d_fp8(
     )
 
     # conv_tma_fp8's TMA boxes where they can run: e4m3 x and the weight channels_last, 16-byte rows, strides that
-    # divide the image (an fp16/fp32 x, quantized as it is gathered, stays with the gathers)
-    tma = not flags["QUANT_X"] and conv_tma_fp8.eligible(x, weight, s, out)
+    # divide the image (an fp16/fp32 x, quantized as it is gathered, stays with the gathers: `eligible` says so)
+    tma = conv_tma_fp8.eligible(x, weight, s, out)
 
     def run(config: LaunchConfig):
         if conv_tma.is_tma(config):

@@ -21,8 +21,8 @@ import kernels.conv_tma_fp8 as conv_tma_fp8
 from kernels import reference
 from kernels.conv import conv_output_size
 from kernels.conv_fp8 import fused_conv2d_fp8
-from kernels.fp8 import E4M3, dequant_scale, quantize, quantize_weight, scale_of
-from tests.test_kernels_fp8 import _unwritten, assert_e4m3_close
+from kernels.fp8 import E4M3, dequant_scale, quantize, scale_of
+from tests.test_kernels_fp8 import _conv_inputs, _unwritten, assert_e4m3_close
 from tests.tolerances import RTOL, assert_close_to
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,19 +43,15 @@ def _ids(case):
     return "-".join(map(str, case))
 
 
-def _inputs(case, residual: str | None, seed: int):
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
+def _inputs(case, residual: str | None):
+    """test_kernels_fp8's e4m3 x (channels_last) and weight, the dequantizing scale, the bias, and a residual of the
+    output's shape (e4m3 with its scale, fp16, or None)."""
     N, C, H, W, OC, k, s, p = case
-    x = torch.randn(N, C, H, W, device=DEVICE, generator=g)
-    w = torch.randn(OC, C, k, k, device=DEVICE, generator=g) / (C * k * k) ** 0.5
-    b = torch.randn(OC, device=DEVICE, generator=g)
-    xs = scale_of(x.abs().max())
-    xq = quantize(x, xs).contiguous(memory_format=NHWC)
-    wq, ws = quantize_weight(w)
+    _, _, b, xq, xs, wq, ws = _conv_inputs(case, x_fp8=True, channels_last=True)
     shape = (N, OC, conv_output_size(H, k, s, p, 1), conv_output_size(W, k, s, p, 1))
     r, rs = None, 1.0
     if residual is not None:
-        r = torch.randn(shape, device=DEVICE, generator=g)
+        r = torch.randn(shape, device=DEVICE)
         rs = scale_of(r.abs().max())
         r = (quantize(r, rs) if residual == "e4m3" else r.half()).contiguous(memory_format=NHWC)
     return xq, wq, dequant_scale(xs, ws), b, r, rs, shape
@@ -87,7 +83,7 @@ def test_tma_conv_matches_reference(tma_launches, case, out_fp8, residual, activ
     if y_layout != NHWC:
         case = (*case[:4], case[4] + 1, *case[5:])
     N, C, H, W, OC, k, s, p = case
-    xq, wq, scale, b, r, rs, shape = _inputs(case, residual, seed=sum(case))
+    xq, wq, scale, b, r, rs, shape = _inputs(case, residual)
     if r is not None and y_layout != NHWC:
         r = r.contiguous()
     out_scale = 4.0 / 448 if out_fp8 else None
@@ -114,7 +110,7 @@ def test_tma_conv_matches_reference(tma_launches, case, out_fp8, residual, activ
 )
 def test_what_tma_cannot_run_goes_to_the_gathers(tma_launches, why, case, x_dtype):
     N, C, H, W, OC, k, s, p = case
-    xq, wq, scale, b, _, _, _ = _inputs(case, None, seed=5)
+    xq, wq, scale, b, _, _, _ = _inputs(case, None)
     xs = 1.0
     x_in = xq if x_dtype == E4M3 else (xq.float() * 0.5).half().contiguous(memory_format=NHWC)
     want = reference.conv2d_fp8(x_in, wq, scale, b, "relu", stride=s, padding=p, x_scale=xs)
