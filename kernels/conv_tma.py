@@ -288,12 +288,16 @@ def box_shape(block_m: int, OH: int, OW: int, pool: tuple[int, int] = (1, 1)) ->
 
 def k_steps(C: int, element_size: int, strided: bool = False) -> list[int]:
     """BLOCK_K candidates: 64 or 128 bytes of channels, 32 or 64 of fp16 (at most C rounded up; 32 for fp32; 64 or 128
-    for e4m3); strided, only those that divide C (or 16 where none does), none if 16 does not either."""
+    for e4m3); strided, only those that divide C (or the narrowest step where none does), none if that does not
+    either. The narrowest step is 16 channels, 32 for e4m3: an fp8 tl.dot takes K >= 32 (sm_90's wgmma; with 16, Triton
+    refuses to compile, seen on an H200)."""
+    floor = 32 if element_size == 1 else 16
     widest = 128 // element_size if element_size <= 2 else 32
     narrow = 64 // element_size if element_size <= 2 else 32
-    ks = sorted({max(16, min(widest, triton.next_power_of_2(C))), max(16, min(narrow, triton.next_power_of_2(C)))})
+    fit = triton.next_power_of_2(C)
+    ks = sorted({max(floor, min(widest, fit)), max(floor, min(narrow, fit))})
     if strided:
-        ks = [k for k in ks if C % k == 0] or [16] * (C % 16 == 0)
+        ks = [k for k in ks if C % k == 0] or [floor] * (C % floor == 0)
     return ks
 
 

@@ -23,6 +23,7 @@ import kernels.linear_fp8 as linear_fp8
 from kernels import reference, tuning
 from kernels.conv import conv_output_size
 from kernels.fp8 import E4M3, dequant_scale, fp8_capable, quantize, quantize_weight, scale_of
+from tests.tolerances import abs_e4m3, assert_close_on_hopper
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,34 +46,6 @@ CONV_CASES = [
     (3, 37, 9, 11, 33, 3, 1, 1),
     (2, 5, 13, 7, 20, 3, 2, 1),
 ]
-
-
-# Hopper's fp8 MMA keeps about 14 bits of its running sum (DeepSeek-V3 report, 3.3.2: "around 14 bits" on H800), not
-# fp32's 24: taken as one rounding of the sum's magnitude per 32-deep MMA step, K/32 of them. Measured on an H200
-# over every candidate of the 64-channel cases (bench/results/h200/gpu_tests_session5_h200.txt): up to 2^-13.25 of the
-# magnitude per step, at K = 64 with a residual (2^-14 failed there by 1.1-40 fp16 steps); 2^-12 leaves 2.4x of that.
-FP8_MMA_ROUNDING = 2.0**-12
-
-
-def assert_close_on_hopper(got, want, magnitude, K: int, what: str) -> None:
-    """got and want e4m3 with one scale, or fp16; magnitude: the same output computed from |x| and |W| (the sum of the
-    products' magnitudes, in the output's units). Each element within one rounding step of the output's format (e4m3:
-    2^-3 of the binade, fp16: 2^-10) at the larger of got and want, once the MMA's accumulation slack,
-    K / 32 * 2^-14 * magnitude, is taken off: a wrong index or scale moves an element by about its own size. (The
-    larger of the two: a sum that lands in the next binade is one of its steps away, two of want's; 1.98 were seen.)"""
-    e4m3 = got.dtype != torch.float16
-    g, w = got.double(), want.double()
-    assert not g.isnan().any(), f"{what}: NaN in the output (an element not written?)"
-    slack = max(K / 32, 1.0) * FP8_MMA_ROUNDING * magnitude.double()
-    top = torch.maximum(g.abs(), w.abs()).clamp_min(2.0**-6 if e4m3 else 2.0**-14)
-    step = torch.pow(2.0, torch.floor(torch.log2(top)) - (3 if e4m3 else 10))
-    steps = ((g - w).abs() - slack).clamp_min(0) / step
-    assert steps.max() <= 1.0, f"{what}: {steps.max():.2f} steps off beyond the MMA's slack at worst"
-
-
-def _abs8(t: torch.Tensor) -> torch.Tensor:
-    """|t| for an e4m3 tensor (a sign flip: exact)."""
-    return t.float().abs().to(t.dtype)
 
 
 @pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -103,7 +76,9 @@ def test_conv_every_candidate(case, residual, monkeypatch):
     for out_scale in (4.0 / 448, None):
         kw = dict(stride=s, padding=p, residual=r, residual_scale=rs, out_scale=out_scale)
         want = reference.conv2d_fp8(xq, wq, scale, b, "relu", **kw)
-        magnitude = reference.conv2d_fp8(_abs8(xq), _abs8(wq), scale, stride=s, padding=p, out_dtype=torch.float32)
+        magnitude = reference.conv2d_fp8(
+            abs_e4m3(xq), abs_e4m3(wq), scale, stride=s, padding=p, out_dtype=torch.float32
+        )
         magnitude = magnitude / (out_scale or 1.0)
         for config in candidates:
             conv_fp8._configs.clear()
@@ -125,7 +100,9 @@ def test_linear_every_candidate(M, N, K, monkeypatch):
     for x_in, out_scale in ((quantize(x, xs), 4.0 / 448), (x.half(), None)):
         want = reference.linear_fp8(x_in, wq, scale, b, "relu", x_scale=xs, out_scale=out_scale)
         xq = x_in if out_scale is not None else quantize(x, xs)  # what the kernel multiplies: x_in quantized
-        magnitude = reference.linear_fp8(_abs8(xq), _abs8(wq), scale, out_dtype=torch.float32) / (out_scale or 1.0)
+        magnitude = reference.linear_fp8(abs_e4m3(xq), abs_e4m3(wq), scale, out_dtype=torch.float32) / (
+            out_scale or 1.0
+        )
         for config in linear_fp8.cuda_configs(linear_fp8.m_bucket(M), N, K):
             linear_fp8._configs.clear()
             monkeypatch.setattr(linear_fp8, "tune", lambda *a, config=config, **k: config)

@@ -6,7 +6,9 @@ Shapes: batch 1 and 3, primes off every block edge in M and OC, C of 16 to 64 (a
 channels is 16 bytes), 1x1, 3x3 and 5x5 at stride 1, 3x3/2 and 1x1/2 (x read by parity); outputs e4m3 or fp16,
 channels_last (stored by TMA) or NCHW (with pointers); a residual e4m3, fp16 or none; every activation the fp8 layers
 take. Tolerances as tests/test_kernels_fp8.py's (the same products, sums in another order): fp16 outputs
-RTOL[fp16]; e4m3 outputs one e4m3 step, on at most 1% of the elements.
+RTOL[fp16]; e4m3 outputs one e4m3 step, on at most 1% of the elements. On a GPU the same tests run the first TMA
+candidate the tuner would time, with Hopper's tolerance (tests/tolerances.py, assert_close_on_hopper): its fp8 MMA
+keeps fewer bits than fp32 while it sums.
 
 Compiled for Hopper here, without a GPU (tests/sm90_compile.py): TMA copies, fp8 warpgroup MMAs, no spills.
 """
@@ -17,13 +19,14 @@ import pytest
 import torch
 
 import kernels.conv_fp8 as conv_fp8
+import kernels.conv_tma as conv_tma
 import kernels.conv_tma_fp8 as conv_tma_fp8
 from kernels import reference
 from kernels.conv import conv_output_size
 from kernels.conv_fp8 import fused_conv2d_fp8
 from kernels.fp8 import E4M3, dequant_scale, quantize, scale_of
 from tests.test_kernels_fp8 import _conv_inputs, _unwritten, assert_e4m3_close
-from tests.tolerances import RTOL, assert_close_to
+from tests.tolerances import RTOL, abs_e4m3, assert_close_on_hopper, assert_close_to
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NHWC = torch.channels_last
@@ -35,7 +38,7 @@ CASES = [
     (3, 16, 5, 6, 16, 1, 1, 0),
     (1, 48, 9, 7, 80, 5, 1, 2),
     (2, 64, 8, 6, 144, 3, 2, 1),
-    (1, 16, 4, 6, 32, 1, 2, 0),
+    (1, 32, 4, 6, 32, 1, 2, 0),
 ]
 
 
@@ -59,12 +62,17 @@ def _inputs(case, residual: str | None):
 
 @pytest.fixture
 def tma_launches(monkeypatch):
-    """fused_conv2d_fp8 under the interpreter with conv_tma_fp8 on, counting its launches."""
+    """fused_conv2d_fp8 with conv_tma_fp8 chosen, counting its launches: under the interpreter by its switch; on a GPU
+    the tuner's pick is the first TMA candidate (the tuner would time them all, and might pick a gather)."""
     calls = []
     launch = conv_tma_fp8.launch
     monkeypatch.setattr(conv_tma_fp8, "launch", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    monkeypatch.setattr(conv_fp8, "tune", lambda scope, key, candidates, run, *a, **k: next(
+        (c for c in candidates if conv_tma.is_tma(c)), candidates[0]))  # fmt: skip
+    conv_fp8._configs.clear()
     with conv_fp8.INTERPRETER.override(tma=True, tma_pixels=32):
         yield calls
+    conv_fp8._configs.clear()
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
@@ -93,7 +101,12 @@ def test_tma_conv_matches_reference(tma_launches, case, out_fp8, residual, activ
     got = fused_conv2d_fp8(xq, wq, scale, b, activation=activation, out=out, **kw)
     assert got is out and tma_launches == [1], "the call did not run conv_tma_fp8's kernel"
     what = f"{case} out_fp8={out_fp8} residual={residual} {activation} {y_layout}"
-    if out_fp8:
+    if DEVICE == "cuda":  # Hopper's fp8 MMA keeps fewer bits than fp32 while it sums (tests/tolerances.py)
+        magnitude = reference.conv2d_fp8(
+            abs_e4m3(xq), abs_e4m3(wq), scale, stride=s, padding=p, out_dtype=torch.float32
+        )
+        assert_close_on_hopper(got, want, magnitude / (out_scale or 1.0), C * k * k, what)
+    elif out_fp8:
         assert_e4m3_close(got, want, what)
     else:
         assert_close_to(got, want, RTOL[torch.float16], what)
@@ -105,8 +118,9 @@ def test_tma_conv_matches_reference(tma_launches, case, out_fp8, residual, activ
         ("C not a multiple of 16", (1, 37, 5, 5, 16, 3, 1, 1), E4M3),
         ("an fp16 x is quantized as gathered", (1, 32, 5, 5, 16, 3, 1, 1), torch.float16),
         ("strided, H odd", (1, 32, 7, 8, 16, 3, 2, 1), E4M3),
+        ("strided, C not a multiple of e4m3's 32-channel K step", (1, 16, 8, 8, 16, 3, 2, 1), E4M3),
     ],
-    ids=["c37", "fp16-x", "odd-h"],
+    ids=["c37", "fp16-x", "odd-h", "strided-c16"],
 )
 def test_what_tma_cannot_run_goes_to_the_gathers(tma_launches, why, case, x_dtype):
     N, C, H, W, OC, k, s, p = case
@@ -116,7 +130,14 @@ def test_what_tma_cannot_run_goes_to_the_gathers(tma_launches, why, case, x_dtyp
     want = reference.conv2d_fp8(x_in, wq, scale, b, "relu", stride=s, padding=p, x_scale=xs)
     got = fused_conv2d_fp8(x_in, wq, scale, b, stride=s, padding=p, activation="relu", x_scale=xs)
     assert tma_launches == [], why
-    assert_close_to(got, want, RTOL[torch.float16], why)
+    if DEVICE == "cuda":
+        x8 = x_in if x_dtype == E4M3 else quantize(x_in.float(), 1.0)
+        magnitude = reference.conv2d_fp8(
+            abs_e4m3(x8), abs_e4m3(wq), scale, stride=s, padding=p, out_dtype=torch.float32
+        )
+        assert_close_on_hopper(got, want, magnitude, C * k * k, why)
+    else:
+        assert_close_to(got, want, RTOL[torch.float16], why)
 
 
 def test_k_steps_are_64_and_128_e4m3_channels():
@@ -124,7 +145,9 @@ def test_k_steps_are_64_and_128_e4m3_channels():
     from kernels.conv_tma import k_steps
 
     assert k_steps(256, 1) == [64, 128] and k_steps(256, 2) == [32, 64] and k_steps(256, 4) == [32]
-    assert k_steps(48, 1) == [64] and k_steps(96, 1, strided=True) == [16] and k_steps(192, 1, strided=True) == [64]
+    assert k_steps(48, 1) == [64] and k_steps(96, 1, strided=True) == [32] and k_steps(192, 1, strided=True) == [64]
+    # e4m3's narrowest step is 32 channels (an fp8 tl.dot takes K >= 32): none strided where 32 does not divide C
+    assert k_steps(16, 1) == [32] and k_steps(16, 1, strided=True) == [] and k_steps(16, 2, strided=True) == [16]
 
 
 # ---- compiled for Hopper here, without a GPU (tests/sm90_compile.py) ----

@@ -63,3 +63,32 @@ def normwise_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64."""
     ref64 = ref.detach().double().cpu()
     return float((out.detach().double().cpu() - ref64).norm() / ref64.norm())
+
+
+# Hopper's fp8 MMA keeps about 14 bits of its running sum (DeepSeek-V3 report, 3.3.2: "around 14 bits" on H800), not
+# fp32's 24: taken as one rounding of the sum's magnitude per 32-deep MMA step, K/32 of them. Measured on an H200
+# over every candidate of the 64-channel cases (bench/results/h200/gpu_tests_session5_h200.txt): up to 2^-13.25 of the
+# magnitude per step, at K = 64 with a residual (2^-14 failed there by 1.1-40 fp16 steps); 2^-12 leaves 2.4x of that.
+FP8_MMA_ROUNDING = 2.0**-12
+
+
+def assert_close_on_hopper(got, want, magnitude, K: int, what: str) -> None:
+    """got and want e4m3 with one scale, or fp16; magnitude: the same output computed from |x| and |W| (the sum of the
+    products' magnitudes, in the output's units). Each element within one rounding step of the output's format (e4m3:
+    2^-3 of the binade, fp16: 2^-10) at the larger of got and want, once the MMA's accumulation slack,
+    K / 32 * FP8_MMA_ROUNDING * magnitude, is taken off: a wrong index or scale moves an element by about its own
+    size. (The larger of the two: a sum that lands in the next binade is one of its steps away, two of want's; 1.98
+    were seen.)"""
+    e4m3 = got.dtype != torch.float16
+    g, w = got.double(), want.double()
+    assert not g.isnan().any(), f"{what}: NaN in the output (an element not written?)"
+    slack = max(K / 32, 1.0) * FP8_MMA_ROUNDING * magnitude.double()
+    top = torch.maximum(g.abs(), w.abs()).clamp_min(2.0**-6 if e4m3 else 2.0**-14)
+    step = torch.pow(2.0, torch.floor(torch.log2(top)) - (3 if e4m3 else 10))
+    steps = ((g - w).abs() - slack).clamp_min(0) / step
+    assert steps.max() <= 1.0, f"{what}: {steps.max():.2f} steps off beyond the MMA's slack at worst"
+
+
+def abs_e4m3(t: torch.Tensor) -> torch.Tensor:
+    """|t| for an e4m3 tensor (a sign flip: exact)."""
+    return t.float().abs().to(t.dtype)
