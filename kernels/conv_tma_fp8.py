@@ -1,19 +1,20 @@
 """Float8 conv2d + scale + bias [+ residual] + activation as conv_tma.py's implicit GEMM fed by TMA: e4m3 x and
 weight boxes, an fp32 accumulator, conv_fp8.py's epilogue (fp8.fp8_epilogue).
 
-conv_fp8.py's kernel gathers its x tiles with per-element pointers and masks, as conv.py does; ResNet-50's float16
-convs run conv_tma.py's TMA boxes instead, and in float8 the gathers ran it level with float16 at 256 images on an
-H200 (7,792 µs against 7,823; 0.76x at batch 1: docs/performance.md, "Float8"), so twice the MMA rate went unused.
-Here the main loop is conv_tma's (`_k_loop`: one TMA copy of x's shifted box and one of the weight's tile per tap and
-K step, the padding zero-filled by the copy), with K steps of 64 or 128 e4m3 channels (the same 64 or 128 bytes as
-fp16's 32 or 64). The epilogue dequantizes with s_x * s_w[o] per column, adds the bias and the residual (read with
-pointers at y's offsets: e4m3 with its scale, or fp16/fp32), activates, and stores e4m3 quantized with the next
-layer's scale or fp16: by TMA where y is NHWC with 16-byte rows, else with pointers.
+conv_fp8.py's kernel gathers its x tiles with per-element pointers and masks, as conv.py does; ResNet-50's float16 convs
+run conv_tma.py's TMA boxes instead, and in float8 the gathers ran it level with float16 at 256 images on an H200 (7,792
+µs against 7,823; 0.76x at batch 1: docs/performance.md, "Float8"), so twice the MMA rate went unused. Here the main
+loop is conv_tma's (`_k_loop`: one TMA copy of x's shifted box and one of the weight's tile per tap and K step, the
+padding zero-filled by the copy), with K steps of 64 or 128 e4m3 channels (the same 64 or 128 bytes as fp16's 32 or 64).
+With it the float8 ResNet-50 runs 1.44x float16 at 256 images and 1.49x at batch 1 on an H200 (docs/performance.md,
+"Float8"). The epilogue dequantizes with s_x * s_w[o] per column, adds the bias and the residual (read with pointers at
+y's offsets: e4m3 with its scale, or fp16/fp32), activates, and stores e4m3 quantized with the next layer's scale or
+fp16: by TMA where y is NHWC with 16-byte rows, else with pointers.
 
-Runs where conv_tma.eligible says (x e4m3 channels_last with C a multiple of 16, the weight channels_last; strided,
-H and W multiples of the stride and C of a K step). fp16 or fp32 x (QUANT_X, quantized as gathered) stays with
-conv_fp8's gathers: a TMA copy moves bytes as they are. No pool (fp8 convs never pool). fused_conv2d_fp8 offers this
-kernel's configs to the tuner beside its own.
+Runs where conv_tma.eligible says (x e4m3 channels_last with C a multiple of 16, the weight channels_last; strided, H
+and W multiples of the stride and C of a K step, 32 channels at least: an fp8 tl.dot takes K >= 32). fp16 or fp32 x
+(QUANT_X, quantized as gathered) stays with conv_fp8's gathers: a TMA copy moves bytes as they are. No pool (fp8 convs
+never pool). fused_conv2d_fp8 offers this kernel's configs to the tuner beside its own.
 """
 
 from __future__ import annotations
@@ -103,5 +104,5 @@ def interpreter_config(OC: int, C: int, OH: int, OW: int, strided: bool, block_m
 
 
 def eligible(x: torch.Tensor, weight: torch.Tensor, stride, out: torch.Tensor) -> bool:
-    """conv_tma.eligible for an e4m3 x (1-byte channels: C a multiple of 16)."""
+    """conv_tma.eligible for an e4m3 x (1-byte channels: C a multiple of 16; strided, of 32)."""
     return x.dtype == E4M3 and weight.dtype == E4M3 and tma_eligible(x, weight, stride, None, out)
