@@ -104,7 +104,7 @@ KINDS = {
     "gpu": rf"^(?:{_ENV}bash bench/gpu_session\.sh.*|{FUSEDSERVE} bench (?:kernels|serve|pool|soak|zoo)"
     r"(?! --device cpu).*)$",
     "probe": r"^\.venv/bin/python -m bench\.probes\.\w+(?: --out \S+)?$",
-    "gpu-script": r"^\.venv/bin/python -m bench\.serve\.issue50 --out \S+(?: --models [\w,]+)?$",
+    "gpu-script": r"^\.venv/bin/python -m bench\.serve\.issue5[02] --out \S+(?: --models [\w,]+)?$",
     "gpu-suite": r"^bash tests/gpu_suite\.sh (?:PART|kernels-a|kernels-b|service|two-gpu|all|record \S+.*)$",
     "report": r"^\.venv/bin/python -m bench\.kernels\.report \S+$",
     "docker": r"^docker compose (?:--profile \w+ )?up --build(?: [\w-]+)*$",
@@ -429,8 +429,8 @@ def test_probe_commands_name_importable_probes():
 
 
 def test_gpu_script_commands_parse_their_arguments():
-    """The GPU-host scripts the docs name (bench/serve/issue50.py) import here and accept the documented arguments:
-    --help after them exits 0 (the run itself needs the GPU host)."""
+    """The GPU-host scripts the docs name (bench/serve/issue50.py, issue52.py) import here and accept the documented
+    arguments: --help after them exits 0 (the run itself needs the GPU host)."""
     for cmd in _commands("gpu-script"):
         words = shlex.split(cmd)
         run = _run([sys.executable, "-m", words[2], *words[3:], "--help"], REPO)

@@ -165,7 +165,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (default) or cpu (smoke runs)")
     p.add_argument(
-        "--dtype", choices=("float16", "bfloat16", "float32"), help="fusedserve and eager dtype [float16; cpu: float32]"
+        "--dtype",
+        choices=("float16", "bfloat16", "float32", "float8"),
+        help="fusedserve and eager dtype [float16; cpu: float32]; float8 (Hopper, a calibrated model): fusedserve's "
+        "systems and the empty route only",
     )
     p.add_argument(
         "--systems",
@@ -268,6 +271,17 @@ def resolve_model(args: argparse.Namespace) -> tuple[served.ModelInfo, int, tupl
     return model, v2_rows, v2
 
 
+def _check_float8(systems, model) -> None:
+    """float8 is fusedserve's (the comparison apps have no float8 forward), and a model serves it calibrated only."""
+    others = sorted({s.name for s in systems if not (s.fusedserve or s.name.startswith("empty"))})
+    if others:
+        raise SystemExit(f"fusedserve bench serve: --dtype float8 runs fusedserve's systems only; {', '.join(others)} "
+                         "cannot (give --systems without them)")  # fmt: skip
+    if not (Path(model.path) / "calibration.json").is_file():
+        raise SystemExit(f"fusedserve bench serve: --dtype float8: {model.path} has no calibration.json; run "
+                         f"`fusedserve calibrate {model.path} --samples DIR` first")  # fmt: skip
+
+
 def resolve(args: argparse.Namespace) -> Plan:
     cores = host_cores()
     quick = args.quick
@@ -289,6 +303,8 @@ def resolve(args: argparse.Namespace) -> Plan:
             raise SystemExit("fusedserve bench serve: empty_grpc runs only gRPC phases: give --v2 with grpc")
         systems = tuple(s for s in systems if not s.grpc_only)
     open_systems = tuple(s for s in open_systems if s in systems and not s.grpc_only and not model.image)
+    if args.dtype == "float8":
+        _check_float8(systems, model)
     rates = args.rates
     if quick and rates is None:
         rates = (40.0,)
