@@ -183,6 +183,18 @@ def _geometry(sizes: np.ndarray, height: int, width: int, resize: int | None, su
     return rh, rw, top, left, taps_y, taps_x
 
 
+def _sources(images: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor, np.ndarray]:
+    """The images as the kernel reads them (to be kept until it has run), the tensor its pointer is given and each
+    image's byte offset from it (uint8: an element a byte).
+
+    Each image is read where it lies: the offsets are from the lowest-addressed image, so no copy gathers the batch
+    into one buffer (torch.cat of 256 decoded photos was a Python call per image and a copy of every pixel); an image
+    that is not contiguous is copied alone. (Triton's interpreter reads a CPU tensor's memory where it is too.)"""
+    images = [im if im.is_contiguous() else im.contiguous() for im in images]
+    addresses = np.array([im.data_ptr() for im in images], dtype=np.int64)
+    return images, images[int(addresses.argmin())], addresses - addresses.min()
+
+
 def resize_crop(
     images: list[torch.Tensor],
     height: int,
@@ -230,10 +242,12 @@ def resize_crop(
         raise ValueError(f"rows must be in 0..{out.shape[0] - 1}; got {rows.tolist()}")
     support = SUPPORT[interpolation]
     rh, rw, top, left, taps_y, taps_x = _geometry(sizes, height, width, resize, support)
-    offsets = np.concatenate([[0], np.cumsum(c * sizes[:, 0] * sizes[:, 1])[:-1]])
+    images, src, offsets = _sources(images)  # `images` held: a copy made there lives until the launch
     params = np.stack([offsets, sizes[:, 0], sizes[:, 1], rh, rw, top, left, rows], axis=1)
-    src = torch.cat([im.reshape(-1) for im in images]) if len(images) > 1 else images[0].contiguous().reshape(-1)
-    table = torch.from_numpy(np.ascontiguousarray(params, dtype=np.int64)).to(device)
+    table = torch.from_numpy(np.ascontiguousarray(params, dtype=np.int64))
+    # From pinned memory the table's copy is queued on the stream; from pageable memory it would wait for the stream,
+    # a forward in flight included (the engine prepares the next batch while one runs: service/engine/core.py).
+    table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table.to(device)
     grid = (len(images), triton.cdiv(height, BLOCK_H) * triton.cdiv(width, BLOCK_W))
     grid_launch(_resize_crop_kernel, grid)(
         src, table, out, taps_y, taps_x,

@@ -104,6 +104,25 @@ def test_rows_are_written_where_asked_and_nowhere_else():
     _check(out[1], reference.resize_crop(images[1], 16, 16, 20), "row 1")
 
 
+def test_images_are_read_where_they_lie():
+    """The kernel reads each image at its own address (its byte offset from the lowest-addressed one): views of one
+    buffer in an order other than their addresses', an image alone in memory of its own, and one not contiguous (a
+    transposed view, copied alone), each into its row."""
+    sizes = [(23, 31), (17, 29), (29, 19)]
+    pixels = [_images([hw], 3, seed=11 + i)[0] for i, hw in enumerate(sizes)]
+    n0, n1 = pixels[0].numel(), pixels[1].numel()
+    buffer = torch.empty(n0 + n1 + 64, dtype=torch.uint8, device=DEVICE)
+    second = buffer[5 : 5 + n1].view(pixels[1].shape)  # a lower address than the first's, at an odd byte
+    first = buffer[n1 + 40 : n1 + 40 + n0].view(pixels[0].shape)
+    first.copy_(pixels[0])
+    second.copy_(pixels[1])
+    third = pixels[2].transpose(1, 2).contiguous().to(DEVICE).transpose(1, 2)  # (3, 29, 19) not contiguous
+    assert not third.is_contiguous()
+    out = resize_crop([first, second, third], 12, 12, 14)
+    for i, image in enumerate(pixels):
+        _check(out[i], reference.resize_crop(image, 12, 12, 14), f"image {i}")
+
+
 @pytest.mark.parametrize(
     "images, kwargs, message",
     [
