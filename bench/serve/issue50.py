@@ -203,14 +203,25 @@ def markdown(meta: dict, rows: list[dict], met: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def split_argv(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """A script's own arguments and, after `--`, those it hands to bench serve."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(
-        prog="python -m bench.serve.issue50", description=__doc__.splitlines()[0],
-        epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter,
+    if "--" not in argv:
+        return argv, []
+    return argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+
+
+def script_parser(module: str, doc: str) -> argparse.ArgumentParser:
+    """The parser of a GPU-host script (`python -m MODULE`), its help the module docstring's."""
+    return argparse.ArgumentParser(
+        prog=f"python -m {module}", description=doc.splitlines()[0], epilog=doc.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv, extra = split_argv(argv)
+    p = script_parser("bench.serve.issue50", __doc__)
     p.add_argument("--out", type=Path, required=True, help="output directory (tables, models, tuning cache)")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {','.join(MODELS)} [both]")
     p.add_argument("--systems", default="fused@N,pil@N", help="bench serve's --systems [fused@N,pil@N]")
@@ -244,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     meta = {"gpu": gpu, "slug": slug, "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "commit": commit.stdout.strip() or "?", "command": " ".join(["python", "-m", "bench.serve.issue50",
-            *(sys.argv[1:] if argv is None else argv)]), "wall_s": time.monotonic() - t0, "sources": sources,
+            *argv, *(["--", *extra] if extra else [])]), "wall_s": time.monotonic() - t0, "sources": sources,
             "missing": missing, "env": {k: os.environ.get(k, v) for k, v in ENV_DEFAULTS.items()}}  # fmt: skip
     met = targets(rows)
     stem = out / f"serve_issue50_{slug}"

@@ -22,7 +22,6 @@ report under OUT/ab_<model>.md); the models, photos and tuning cache stay under 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import http.client
 import json
@@ -242,13 +241,8 @@ def markdown(meta: dict, rows: list[dict], ratios: list[dict], abs_: list[dict])
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(
-        prog="python -m bench.serve.issue52", description=__doc__.splitlines()[0],
-        epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    argv, extra = issue50.split_argv(argv)
+    p = issue50.script_parser("bench.serve.issue52", __doc__)
     p.add_argument("--out", type=Path, required=True, help="output directory (tables, models, photos, tuning cache)")
     p.add_argument("--models", default="resnet50", help=f"comma-separated, of {','.join(MODELS)} [resnet50]")
     p.add_argument("--systems", default="fused@N", help="bench serve's --systems [fused@N]")
