@@ -284,3 +284,24 @@ def test_direct_copies_from_a_registered_buffer_give_the_staged_outputs(tmp_path
     arenas.retire(buf)
     arenas.release_retired()
     assert not arenas.contains(address(buf), 1)
+
+
+def test_a_failed_registration_leaves_no_error_for_the_next_kernel():
+    """Registering a range CUDA already has fails (PinnedArenas.register answers False) and the runtime's last error
+    is cleared: the next kernel launch's check must not raise it as its own."""
+    import mmap
+
+    from service.engine.pinned import PinnedArenas
+
+    buf = mmap.mmap(-1, 1 << 20)
+    first, second = PinnedArenas(True), PinnedArenas(True)
+    assert first.register(buf)
+    try:
+        assert not second.register(buf)  # the same pages again: refused by CUDA
+        x = torch.randn(64, 64, device="cuda")
+        y = x * 2 + 1  # torch's own kernels, whose launch check reads the runtime's last error
+        torch.testing.assert_close((y @ y).cpu(), (x.cpu() * 2 + 1) @ (x.cpu() * 2 + 1), rtol=1e-3, atol=1e-3)
+        torch.cuda.synchronize()
+    finally:
+        first.retire(buf)
+        first.release_retired()

@@ -413,6 +413,24 @@ def test_the_registry_knows_its_ranges():
     assert not reg.contains(8999, 2)
 
 
+def test_the_loaded_cuda_runtime_is_found_in_the_memory_maps(tmp_path):
+    """_clear_cuda_error opens the libcudart the process has loaded (torch's binding has no cudaGetLastError), found by
+    its path in /proc/self/maps: lines without a path, other libraries and the runtime's own lines as Linux writes
+    them."""
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "55d4c6a00000-55d4c6a21000 r--p 00000000 fd:01 1835 /usr/bin/python3.12\n"
+        "7f3a10000000-7f3a10021000 rw-p 00000000 00:00 0 \n"
+        "7f3a2c000000-7f3a2c0a2000 r--p 00000000 fd:01 77 /opt/venv/lib/nvidia/cu13/lib/libcudart.so.13\n"
+        "7f3a2c0a2000-7f3a2c0f0000 r-xp 000a2000 fd:01 77 /opt/venv/lib/nvidia/cu13/lib/libcudart.so.13\n"
+    )  # fmt: skip
+    assert pinned.cuda_runtime_path(str(maps)) == "/opt/venv/lib/nvidia/cu13/lib/libcudart.so.13"
+    maps.write_text("7f3a10000000-7f3a10021000 rw-p 00000000 00:00 0\n55d4c6a00000-55d4c6a21000 r--p 0 fd:01 1 /x\n")
+    assert pinned.cuda_runtime_path(str(maps)) is None
+    assert pinned.cuda_runtime_path(str(tmp_path / "absent")) is None
+    pinned._clear_cuda_error()  # no CUDA runtime here: a no-op, not an error
+
+
 def test_direct_staging_copies_each_contiguous_run_once():
     """runner._stage_direct on the CPU, its graphs replaced by a stand-in (input_of, host_in) and its registry given
     one range: adjacent parts in registered memory are one copy, read from where they are (by address); other parts
