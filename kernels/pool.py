@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
+from .fp8 import E4M3, inverse, quantize_e4m3
 from .interpreter import InterpreterSwitches
 from .launch import grid_launch
 from .pdl import gdc_launch_dependents, gdc_wait, use_pdl
@@ -99,8 +100,8 @@ def _pool_rows_kernel(
     # strides
     stride_xn, stride_xc, stride_xh, stride_xw,
     stride_yn, stride_yc, stride_yh, stride_yw,
-    # epilogue parameters
-    negative_slope,
+    # epilogue parameters (y_inv_scale: 1 / the e4m3 output's scale, where Y_FP8)
+    negative_slope, y_inv_scale,
     # meta-parameters
     IS_MAX: tl.constexpr,
     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
@@ -108,6 +109,8 @@ def _pool_rows_kernel(
     SPAN: tl.constexpr,  # windows do not overlap along W and SW is a power of two: one contiguous load per row
     ACTIVATION: tl.constexpr,
     ROUND_BF16: tl.constexpr,  # interpreter only: its fp32 -> bf16 cast truncates (activations.round_to_bf16)
+    Y_FP8: tl.constexpr,  # y is e4m3: quantized with y_inv_scale (kernels/fp8.py), for a float8 layer to read
+    ROUND_FP8: tl.constexpr,  # interpreter only: the e4m3 rounding done by hand (fp8.quantize_e4m3)
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (pdl.py): the next layer may start early
     BLOCK_R: tl.constexpr, BLOCK_OW: tl.constexpr,
 ):  # fmt: skip
@@ -172,6 +175,8 @@ def _pool_rows_kernel(
         out = round_to_bf16(out)
     y_rows = y_ptr + (plane // C) * stride_yn + (plane % C) * stride_yc + oh * stride_yh
     y_ptrs = y_rows[:, None] + ow[None, :] * stride_yw
+    if Y_FP8:
+        out = quantize_e4m3(out, y_inv_scale, ROUND_FP8)
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(rows < R)[:, None] & (ow < OW)[None, :])
 
 
@@ -185,13 +190,15 @@ def _pool_channels_kernel(
     stride_xn, stride_xc, stride_xh, stride_xw,
     stride_yn, stride_yc, stride_yh, stride_yw,
     # epilogue parameters
-    negative_slope,
+    negative_slope, y_inv_scale,
     # meta-parameters
     IS_MAX: tl.constexpr,
     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
     COUNT_INCLUDE_PAD: tl.constexpr,
     ACTIVATION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    Y_FP8: tl.constexpr,
+    ROUND_FP8: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
@@ -236,6 +243,8 @@ def _pool_channels_kernel(
         out = round_to_bf16(out)
     y_pos = y_ptr + n * stride_yn + oh * stride_yh + ow * stride_yw
     y_ptrs = y_pos[:, None] + (ch * stride_yc)[None, :]
+    if Y_FP8:
+        out = quantize_e4m3(out, y_inv_scale, ROUND_FP8)
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=pos_ok[:, None] & ch_ok[None, :])
 
 
@@ -308,11 +317,13 @@ def fused_pool2d(
     negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
     memory_format: torch.memory_format | None = None,
     out: torch.Tensor | None = None,
+    out_scale: float | None = None,
 ) -> torch.Tensor:
     """act(avg_pool2d or max_pool2d (kind "avg" | "max") of x (N, C, H, W)), with torch's semantics for every
     argument; one kernel, fp32 inside, one rounding to x's dtype. Returns y (N, C, OH, OW) in
     `memory_format` (torch.contiguous_format or torch.channels_last; None: x's). count_include_pad matters for
-    "avg" only."""
+    "avg" only. `out_scale`: y is e4m3 instead, quantized with that scale (kernels/fp8.py's `quantize`), for a
+    float8 layer to read (a max of quantized values is the quantized max: the same bytes as quantizing after)."""
     k = pair(kernel_size, "kernel_size")
     s = k if stride is None else pair(stride, "stride")
     p = pair(padding, "padding")
@@ -323,10 +334,12 @@ def fused_pool2d(
     if OH < 1 or OW < 1:
         raise ValueError(f"output of {kind} pooling {tuple(x.shape)} with kernel {k}, stride {s}, padding {p} is empty")
     fmt = _memory_format(x)
+    y_dtype = E4M3 if out_scale is not None else x.dtype
     if out is None:
-        out = torch.empty((N, C, OH, OW), device=x.device, dtype=x.dtype, memory_format=memory_format or fmt)
-    elif out.shape != (N, C, OH, OW) or out.dtype != x.dtype or out.device != x.device:
-        raise ValueError(f"out must be a ({N}, {C}, {OH}, {OW}) {x.dtype} tensor on {x.device}; got {tuple(out.shape)}")
+        out = torch.empty((N, C, OH, OW), device=x.device, dtype=y_dtype, memory_format=memory_format or fmt)
+    elif out.shape != (N, C, OH, OW) or out.dtype != y_dtype or out.device != x.device:
+        raise ValueError(f"out must be a ({N}, {C}, {OH}, {OW}) {y_dtype} tensor on {x.device}; got "
+                         f"{tuple(out.shape)} {out.dtype}")  # fmt: skip
     if out.numel() == 0:
         return out
 
@@ -340,9 +353,12 @@ def fused_pool2d(
         KH=k[0], KW=k[1], SH=s[0], SW=s[1], PH=p[0], PW=p[1],
         COUNT_INCLUDE_PAD=bool(count_include_pad),
         ACTIVATION=activation,
-        ROUND_BF16=bf16_on_interpreter(x.dtype),
+        ROUND_BF16=bf16_on_interpreter(x.dtype) and out_scale is None,
+        Y_FP8=out_scale is not None,
+        ROUND_FP8=out_scale is not None and interpreting(),
         PDL=use_pdl(x.device),
     )  # fmt: skip
+    y_inv_scale = inverse(out_scale) if out_scale is not None else 1.0
     if layout == "rows":
         fixed["SPAN"] = span
         count, inner, kernel = N * C * OH, OW, _pool_rows_kernel
@@ -358,7 +374,7 @@ def fused_pool2d(
             x, out,
             count, C, H, W, OH, OW,
             *x.stride(), *out.stride(),
-            float(negative_slope),
+            float(negative_slope), y_inv_scale,
             **fixed, **meta, **({"launch_pdl": True} if fixed["PDL"] else {}),
         )  # fmt: skip
 
@@ -374,14 +390,16 @@ def fused_pool2d(
     # Batches share a tuned config by power-of-two bucket of rows (or positions), as the GEMMs' do.
     bucket = 1 << max(count - 1, 0).bit_length()
     y_nchw = out.is_contiguous()
-    signature = (layout, x.shape[1:], x.stride()[1:], y_nchw, x.dtype, kind, k, s, p, ceil_mode, count_include_pad,
-                 activation, bucket)  # fmt: skip
+    signature = (layout, x.shape[1:], x.stride()[1:], y_nchw, x.dtype, y_dtype, kind, k, s, p, ceil_mode,
+                 count_include_pad, activation, bucket)  # fmt: skip
     config = _configs.get(signature)
     if config is None:
         key = (
             f"{layout}|C{C}|H{H}|W{W}|{x.dtype}|{kind}|k{k}|s{s}|p{p}|ceil={ceil_mode}"
             f"|cip={count_include_pad}|{activation}|y={'nchw' if y_nchw else 'nhwc'}|n{bucket}"
         )
+        if out_scale is not None:
+            key += "|y=e4m3"
         scope = scope_for("pool", kernel)  # with every helper it calls (tuning.source_hash)
         config = tune(scope, key, cuda_configs(layout, bucket, inner, s[1], span), run)
         _configs[signature] = config

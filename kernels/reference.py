@@ -154,9 +154,10 @@ def pool2d(
     count_include_pad: bool = True,
     activation: str = "none",
     negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
+    out_scale: float | None = None,
 ) -> torch.Tensor:
     """act(avg_pool2d or max_pool2d of x): the pooling kernel, then the activation kernel. kind "avg" | "max";
-    stride None means kernel_size, as in torch."""
+    stride None means kernel_size, as in torch. `out_scale`: the result quantized to e4m3 with it (fp32 first)."""
     k = _pair(kernel_size)
     s = k if stride is None else _pair(stride)
     p = _pair(padding)
@@ -166,7 +167,12 @@ def pool2d(
         y = F.max_pool2d(x, k, s, p, ceil_mode=ceil_mode)
     else:
         raise ValueError(f"unknown pooling kind {kind!r}; expected 'avg' or 'max'")
-    return torch_activation(y, activation, negative_slope)
+    y = torch_activation(y, activation, negative_slope)
+    if out_scale is not None:
+        from .fp8 import quantize
+
+        return quantize(y.float(), out_scale)
+    return y
 
 
 def layernorm_channels(

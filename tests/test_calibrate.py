@@ -119,3 +119,45 @@ def test_runner_serves_float8(model_dir, samples):
     assert runner.executor.precision == "float8" and "linear_1" in runner.executor.fp8
     out = runner.run(X[:16].astype(np.float32).reshape(16, 1, 8, 8))
     assert out.shape == (16, 10) and (out.argmax(1) == y[:16]).mean() >= 0.9
+
+
+def test_a_max_pool_between_the_float16_stem_and_float8_convs_writes_e4m3(tmp_path, monkeypatch):
+    """ResNet's shape in small: a conv kept in the compute dtype, a 3x3/2 max pool, float8 convs. The pool writes
+    e4m3 with its readers' input scale (float8.Fp8Output), so they read one byte a value; a max of quantized values is
+    the quantized max, so the model's outputs are exactly those of the plan where the pool writes float32 and its
+    readers quantize as they read, in both modes (fused: Triton's interpreter)."""
+    from torch import nn
+
+    from service.model import float8
+    from service.model.export import export_sequential
+    from service.model.float8 import Fp8Output
+
+    torch.manual_seed(int(np.random.default_rng().integers(1 << 31)))
+    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+                        nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 1), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(32 * 5 * 5, 10))  # fmt: skip
+    model_dir = export_sequential(net, tmp_path / "stem-pool", input_shape=[3, 9, 9])
+    rows = np.random.default_rng().standard_normal((48, 3, 9, 9)).astype(np.float32)
+    (tmp_path / "samples").mkdir()
+    np.save(tmp_path / "samples" / "rows.npy", rows)
+    assert main(["calibrate", str(model_dir), "--samples", str(tmp_path / "samples")]) == 0
+    model = load_model(model_dir)
+    x = torch.from_numpy(rows[:7])
+    plan = float8.plan_float8
+    for mode in ("unfused", "fused"):
+        ex = Executor(model, mode, CPU, torch.float32, precision="float8")
+        pools = {name: p for name, p in ex.fp8.items() if isinstance(p, Fp8Output)}
+        (pool,) = [s for s in ex.steps if s.name in pools]
+        cal = load_calibration(model)
+        assert pools[pool.name].out_scale == pytest.approx(cal.ranges[pool.output] / 448)
+        assert ex.precisions()[pool.name] == "float8"
+        index = ex.steps.index(pool)
+        pooled = ex.layers[index][1](torch.randn(2, 16, 9, 9))
+        assert pooled.dtype == torch.float8_e4m3fn and pooled.shape == (2, 16, 5, 5)
+        monkeypatch.setattr(float8, "plan_float8", lambda *a, **k: {
+            n: p for n, p in plan(*a, **k).items() if not isinstance(p, Fp8Output)})  # fmt: skip
+        before = Executor(model, mode, CPU, torch.float32, precision="float8")
+        monkeypatch.setattr(float8, "plan_float8", plan)
+        assert pool.name not in before.fp8
+        with torch.no_grad():
+            assert torch.equal(ex.forward(x), before.forward(x)), mode

@@ -97,6 +97,37 @@ def test_torch_semantics_on_awkward_shapes(small_tile, layout, case, kind, cip):
         _check((N, C, H, W), kind, k, s, p, ceil, torch.float32, "leaky_relu", DEVICE, cip=cip, slope=0.3)
 
 
+# e4m3 output (out_scale: a float8 layer reads it): a max pool writes exactly the quantized max (quantizing is
+# monotone), an average one the quantized average within one e4m3 step (fp32 sums in another order); both layouts,
+# x in each dtype, a scale that saturates the largest values (|x| up to ~4 against 2.5 at 448).
+E4M3_CASES = [CASES[1], CASES[2], CASES[5], CASES[8]]
+
+
+@pytest.mark.parametrize("kind", ["max", "avg"])
+@pytest.mark.parametrize("layout", ["rows", "channels"])
+@pytest.mark.parametrize("case", E4M3_CASES, ids=_ids)
+def test_e4m3_output_is_the_quantized_pool(small_tile, case, layout, kind):
+    from kernels.fp8 import E4M3
+    from tests.test_kernels_fp8 import assert_e4m3_close
+
+    N, C, H, W, k, s, p, ceil = case
+    dtype = DTYPES[(CASES.index(case) + (kind == "avg")) % len(DTYPES)]
+    x = torch.randn(N, C, H, W, device=DEVICE).to(dtype)
+    scale = 2.5 / 448
+    want = reference.pool2d(x.float(), kind, k, s, p, ceil_mode=ceil, activation="relu", out_scale=scale)
+    out = torch.full(want.shape, float("nan"), device=DEVICE).to(E4M3)  # e4m3's NaN: an element not written stays
+    with pool_mod.INTERPRETER.override(layout=layout):
+        got = fused_pool2d(x, kind, k, s, p, ceil_mode=ceil, activation="relu", out=out, out_scale=scale)
+    assert got is out and got.dtype == E4M3
+    what = f"{kind} {case} {layout} {dtype}"
+    if kind == "max":
+        assert torch.equal(got.float(), want.float()), what
+    else:
+        assert_e4m3_close(got, want, what)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fused_pool2d(x, kind, k, s, p, ceil_mode=ceil, out=torch.empty_like(want, dtype=dtype), out_scale=scale)
+
+
 # Every activation after each kind of pool, the dtypes taken in turn (each kind sees all three): the activation is the
 # shared epilogue (kernels/activations.py, checked in every dtype by test_kernels_linear), the pool's dtype handling
 # is its loads and stores. The full product (66 cases) took ~90 CPU-s under the interpreter for what these 22 check.
@@ -280,17 +311,20 @@ from tests.sm90_compile import compile_sm90, sample
 ptr = sys.argv[1]
 runtime = dict(x_ptr=ptr, y_ptr=ptr, R="i32", C="i32", H="i32", W="i32", OH="i32", OW="i32", stride_xn="i32",
                stride_xc="i32", stride_xh="i32", stride_yn="i32", stride_yc="i32", stride_yh="i32")
-runtime["negative_slope"] = "fp32"
-for i, (k, s) in enumerate([(2, 2), (8, 8), (3, 2)]):
+runtime["negative_slope"] = runtime["y_inv_scale"] = "fp32"
+# the third window also writes e4m3 (Y_FP8: the max pool before a float8 layer)
+for i, (k, s, y_fp8) in enumerate([(2, 2, False), (8, 8, False), (3, 2, False), (3, 2, True)]):
     span = k <= s
     for cfg in sample(pool.cuda_configs("rows", 4096, 4096 // s, s, span), i):
-        meta = dict(stride_xw=1, stride_yw=1, IS_MAX=False, KH=k, KW=k, SH=s, SW=s, PH=0, PW=0, COUNT_INCLUDE_PAD=True,
-                    SPAN=span, ACTIVATION="relu", ROUND_BF16=False, PDL=True, **dict(cfg.kwargs))
+        meta = dict(stride_xw=1, stride_yw=1, IS_MAX=y_fp8, KH=k, KW=k, SH=s, SW=s, PH=0, PW=0,
+                    COUNT_INCLUDE_PAD=True, SPAN=span, ACTIVATION="relu", ROUND_BF16=False, Y_FP8=y_fp8,
+                    ROUND_FP8=False, PDL=True, **dict(cfg.kwargs))
         divisible = ("W", "OW", "stride_xn", "stride_yn", "stride_xh", "stride_yh", "stride_xc", "stride_yc")
-        ptx, usage = compile_sm90(pool._pool_rows_kernel, runtime, meta, 2, cfg.num_warps, 1, divisible)
-        print(json.dumps({"k": k, "span": span, "config": cfg.meta(), "STACK": usage["STACK"],
+        types = {**runtime, "y_ptr": "*fp8e4nv"} if y_fp8 else runtime
+        ptx, usage = compile_sm90(pool._pool_rows_kernel, types, meta, 2, cfg.num_warps, 1, divisible)
+        print(json.dumps({"k": k, "span": span, "y_fp8": y_fp8, "config": cfg.meta(), "STACK": usage["STACK"],
                           "ld_v4": "ld.global.v4" in ptx, "scalar_ld": ptx.count("ld.global.b"),
-                          "waits": ptx.count("griddepcontrol.wait")}))
+                          "waits": ptx.count("griddepcontrol.wait"), "e4m3_cvt": "e4m3" in ptx}))
 """
 
 
@@ -305,8 +339,10 @@ def test_pool_candidates_compile_for_sm90(ptr):
 
     results = _compiled(_COMPILE_POOL, ptr)
     assert len(results) > (10 if every_candidate() else 4), results
+    assert any(r["y_fp8"] for r in results), results
     for r in results:
         assert r["waits"] == 1, r
+        assert r["e4m3_cvt"] == r["y_fp8"], f"the e4m3 store (a cvt to e4m3) where y is e4m3, and only there: {r}"
         if r["span"]:
             assert r["STACK"] == 0 and r["scalar_ld"] == 0, f"spilled or not vectorized: {r}"
     four_warps = [r for r in results if r["span"] and r["config"]["num_warps"] == 4]

@@ -292,7 +292,7 @@ class Executor:
         # Fused, a conv or pool step whose output only image steps read writes channels_last (channels_last_outputs).
         nhwc = channels_last_outputs(self.steps) if mode == "fused" else [False] * len(self.steps)
         self.channels_last = nhwc
-        self.fp8: dict = {}  # step name -> calibrate.Fp8Step, for the steps run in float8
+        self.fp8: dict = {}  # step name -> float8.Fp8Step (run in float8) or Fp8Output (a pool writing e4m3)
         if self.precision == "float8":
             from .float8 import DEFAULT_FP16_STEPS, load_calibration, plan_float8
 
@@ -385,7 +385,7 @@ class Executor:
 
         fused = self.mode == "fused"
         support = self.support
-        if step.name in self.fp8:
+        if step.name in self.fp8 and isinstance(step, (LinearStep, Conv2dStep)):
             return step.name, self._bind_fp8(step, channels_last)
         if isinstance(step, FlattenStep):
             return None, _flatten
@@ -430,11 +430,13 @@ class Executor:
             }  # fmt: skip
             act = {"activation": step.activation, "negative_slope": step.negative_slope}
             known = step.activation in support.activations
+            # float8: its readers are float8 steps, so it writes e4m3 with their input's scale (float8.Fp8Output)
+            out_scale = self.fp8[step.name].out_scale if step.name in self.fp8 else None
             if not fused:
                 if known:
-                    return step.name, functools.partial(reference.pool2d, **pool)
+                    return step.name, functools.partial(reference.pool2d, **pool, out_scale=out_scale)
                 pooled = functools.partial(reference.pool2d, **{**pool, "activation": "none"})
-                return step.name, functools.partial(_unfused_tail, first=pooled, bn=None, **act)
+                return step.name, _quantized(functools.partial(_unfused_tail, first=pooled, bn=None, **act), out_scale)
             from kernels.pool import UNROLL_TAPS, fused_pool2d
 
             fmt = _memory_format(channels_last)
@@ -442,11 +444,12 @@ class Executor:
                 # A large global pool (an SE block's squeeze over 112x112): torch's reduction spreads the window
                 # over the GPU, where the pool kernel loops over it in one program per (image, channel block): 2.4
                 # ms for 32 channels of 112x112 at batch 1 (H200), against a few us.
-                return step.name, functools.partial(_global_pool, kind=step.kind, kernel=True, **act)
+                return step.name, _quantized(functools.partial(_global_pool, kind=step.kind, kernel=True, **act),
+                                             out_scale)  # fmt: skip
             if known:
-                return step.name, functools.partial(fused_pool2d, **pool, memory_format=fmt)
+                return step.name, functools.partial(fused_pool2d, **pool, memory_format=fmt, out_scale=out_scale)
             pooled = functools.partial(fused_pool2d, **{**pool, "activation": "none"}, memory_format=fmt)
-            return step.name, functools.partial(_then_activation, first=pooled, **act)
+            return step.name, _quantized(functools.partial(_then_activation, first=pooled, **act), out_scale)
         if isinstance(step, ActivationStep):
             act = {"activation": step.activation, "negative_slope": step.negative_slope}
             if fused and step.activation in support.activations:
@@ -799,6 +802,22 @@ def _copy_into(buffer, *inputs, places):
     for x, place in zip(inputs, places, strict=True):
         _slot_view(buffer, *place).copy_(x)
     return buffer
+
+
+def _quantized(layer: Layer, out_scale: float | None) -> Layer:
+    """`layer`, its output quantized to e4m3 with `out_scale` after it (None: as it is): the pool paths whose kernel
+    does not quantize (a large global pool's torch reduction, an activation the kernels lack)."""
+    if out_scale is None:
+        return layer
+    return functools.partial(_then_quantize, first=layer, out_scale=out_scale)
+
+
+def _then_quantize(*args, first, out_scale):
+    from kernels.fp8 import quantize
+
+    y = first(*args)
+    fmt = torch.channels_last if _is_channels_last(y) else torch.contiguous_format
+    return quantize(y.float(), out_scale).contiguous(memory_format=fmt)
 
 
 def _fp8_layer(x, residual=None, *, fn, weight, scale, bias, activation, **kw):

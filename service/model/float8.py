@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .loader import Model
-from .planner import Conv2dStep, LinearStep, Step, reads
+from .planner import Conv2dStep, LinearStep, Pool2dStep, Step, reads
 from .spec import ModelFormatError
 
 CALIBRATION_FILE = "calibration.json"
@@ -87,6 +87,15 @@ class Fp8Step:
     out_scale: float | None
 
 
+@dataclass(frozen=True)
+class Fp8Output:
+    """A pool step that computes in the compute dtype and writes its output in e4m3 with `out_scale`, for the float8
+    steps that read it (ResNet's max pool between its float16 stem and its first float8 convs): they read one byte a
+    value, as e4m3 that TMA can copy, instead of quantizing the pool's float16 output as they gather it."""
+
+    out_scale: float
+
+
 def _weighted(step: Step) -> bool:
     return isinstance(step, (Conv2dStep, LinearStep))
 
@@ -120,9 +129,10 @@ def kept_fp16(steps: list[Step], fp16_steps: tuple[str, ...]) -> set[str]:
 
 def plan_float8(
     steps: list[Step], calibration: Calibration, model_name: str, fp16_steps: tuple[str, ...] = DEFAULT_FP16_STEPS
-) -> dict[str, Fp8Step]:
+) -> dict[str, Fp8Step | Fp8Output]:
     """{step name: Fp8Step} for the steps that run in float8: every fp8_eligible step not kept fp16. A step writes e4m3
-    where every reader of its output is an fp8 step (as input or residual) and the output is not the model's."""
+    where every reader of its output is an fp8 step (as input or residual) and the output is not the model's; so does
+    a pool step ({name: Fp8Output}), with the scale its readers take."""
     from kernels.fp8 import scale_of
 
     keep = kept_fp16(steps, fp16_steps)
@@ -141,11 +151,16 @@ def plan_float8(
             )
         return scale_of(calibration.ranges[tensor])
 
-    plan = {}
+    def fp8_readers(s: Step) -> bool:
+        return s.output != final and bool(readers.get(s.output)) and all(r.name in names for r in readers[s.output])
+
+    plan: dict[str, Fp8Step | Fp8Output] = {}
     for s in steps:
+        if isinstance(s, Pool2dStep) and fp8_readers(s):
+            plan[s.name] = Fp8Output(out_scale=scale(s.output))
         if s.name not in names:
             continue
-        fp8_out = s.output != final and bool(readers.get(s.output)) and all(r.name in names for r in readers[s.output])
+        fp8_out = fp8_readers(s)
         plan[s.name] = Fp8Step(
             x_scale=scale(s.inputs[0]),
             residual_scale=scale(s.residual) if s.residual else None,
