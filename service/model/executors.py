@@ -432,9 +432,10 @@ class Executor:
             known = step.activation in support.activations
             # float8: its readers are float8 steps, so it writes e4m3 with their input's scale (float8.Fp8Output)
             out_scale = self.fp8[step.name].out_scale if step.name in self.fp8 else None
+            quant = {"out_scale": out_scale} if out_scale is not None else {}
             if not fused:
                 if known:
-                    return step.name, functools.partial(reference.pool2d, **pool, out_scale=out_scale)
+                    return step.name, functools.partial(reference.pool2d, **pool, **quant)
                 pooled = functools.partial(reference.pool2d, **{**pool, "activation": "none"})
                 return step.name, _quantized(functools.partial(_unfused_tail, first=pooled, bn=None, **act), out_scale)
             from kernels.pool import UNROLL_TAPS, fused_pool2d
@@ -447,7 +448,7 @@ class Executor:
                 return step.name, _quantized(functools.partial(_global_pool, kind=step.kind, kernel=True, **act),
                                              out_scale)  # fmt: skip
             if known:
-                return step.name, functools.partial(fused_pool2d, **pool, memory_format=fmt, out_scale=out_scale)
+                return step.name, functools.partial(fused_pool2d, **pool, memory_format=fmt, **quant)
             pooled = functools.partial(fused_pool2d, **{**pool, "activation": "none"}, memory_format=fmt)
             return step.name, _quantized(functools.partial(_then_activation, first=pooled, **act), out_scale)
         if isinstance(step, ActivationStep):
