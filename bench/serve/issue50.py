@@ -219,6 +219,14 @@ def script_parser(module: str, doc: str) -> argparse.ArgumentParser:
     )  # fmt: skip
 
 
+def model_names(p: argparse.ArgumentParser, text: str) -> list[str]:
+    """--models' comma-separated names, each one of MODELS (else the parser's error, naming them)."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if not names or any(m not in MODELS for m in names):
+        p.error(f"--models: of {', '.join(MODELS)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     argv, extra = split_argv(argv)
     p = script_parser("bench.serve.issue50", __doc__)
@@ -230,9 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--side", type=int, default=224, help="the crop (input side); resize to side * 8 / 7 [224]")
     args = p.parse_args(argv)
-    names = [m.strip() for m in args.models.split(",") if m.strip()]
-    if not names or any(m not in MODELS for m in names):
-        p.error(f"--models: of {', '.join(MODELS)}")
+    names = model_names(p, args.models)
     t0 = time.monotonic()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)

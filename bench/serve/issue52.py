@@ -35,7 +35,6 @@ from pathlib import Path
 from bench.serve import issue50
 
 REPO = Path(__file__).resolve().parents[2]
-MODELS = ("resnet50", "mobilenet_v2")
 DTYPES = ("float16", "float8")
 CALIBRATION_PHOTOS = 64
 IMAGES = 32  # per request, as issue 50's rows
@@ -244,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     argv, extra = issue50.split_argv(argv)
     p = issue50.script_parser("bench.serve.issue52", __doc__)
     p.add_argument("--out", type=Path, required=True, help="output directory (tables, models, photos, tuning cache)")
-    p.add_argument("--models", default="resnet50", help=f"comma-separated, of {','.join(MODELS)} [resnet50]")
+    p.add_argument("--models", default="resnet50", help=f"comma-separated, of {','.join(issue50.MODELS)} [resnet50]")
     p.add_argument("--systems", default="fused@N", help="bench serve's --systems [fused@N]")
     p.add_argument("--budget", type=float, default=240.0, help="bench serve's --time-budget per run, s [240]")
     p.add_argument("--device", choices=("cuda",), default="cuda", help="float8 runs on Hopper GPUs only")
@@ -252,9 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ab-seconds", type=float, default=20.0, help="seconds of the live A/B's load [20]")
     p.add_argument("--no-ab", dest="ab", action="store_false", help="skip the live A/B")
     args = p.parse_args(argv)
-    names = [m.strip() for m in args.models.split(",") if m.strip()]
-    if not names or any(m not in MODELS for m in names):
-        p.error(f"--models: of {', '.join(MODELS)}")
+    names = issue50.model_names(p, args.models)
     t0 = time.monotonic()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
