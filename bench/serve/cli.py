@@ -277,8 +277,11 @@ def _check_float8(systems, model) -> None:
     if others:
         raise SystemExit(f"fusedserve bench serve: --dtype float8 runs fusedserve's systems only; {', '.join(others)} "
                          "cannot (give --systems without them)")  # fmt: skip
-    if not (Path(model.path) / "calibration.json").is_file():
-        raise SystemExit(f"fusedserve bench serve: --dtype float8: {model.path} has no calibration.json; run "
+    from service.model.float8 import calibration_path
+
+    path = calibration_path(model)  # beside a model's .onnx file, or in its directory: where fusedserve reads it
+    if not path.is_file():
+        raise SystemExit(f"fusedserve bench serve: --dtype float8: {model.path} has no {path.name}; run "
                          f"`fusedserve calibrate {model.path} --samples DIR` first")  # fmt: skip
 
 

@@ -44,7 +44,9 @@ SPEEDUP_TARGET = 1.3  # issue 52: float8 / float16 images/s end to end where the
 
 def calibrate(model_dir: Path, photos: Path, device: str) -> None:
     """The model's calibration.json from CALIBRATION_PHOTOS JPEGs written under `photos` (kept from an earlier run)."""
-    if (model_dir / "calibration.json").is_file():
+    from service.model.float8 import CALIBRATION_FILE
+
+    if (model_dir / CALIBRATION_FILE).is_file():
         return
     from bench.serve import images
 

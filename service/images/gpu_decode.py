@@ -169,10 +169,8 @@ class BatchDecoder:
 
     def _prepare(self, images: list[torch.Tensor], out: torch.Tensor, rows: list[int]) -> None:
         """Resize and crop the decoded images into their rows of `out`: on CUDA in one kernel for the whole batch
-        (kernels/resize.py: each image read where nvJPEG left it; 2.1-2.5 ms for 256 photos with its host work on
-        H200s while it still copied them into one buffer, 0.86 of it the kernel, where torch's ops and the rows' copy
-        took 3.3: bench/probes/jpeg_decode.py), elsewhere (the tests' fake decoders on the CPU) by the CPU path's torch
-        code."""
+        (kernels/resize.py, each image read where nvJPEG left it; bench/probes/jpeg_decode.py times it against
+        torch's ops), elsewhere (the tests' fake decoders on the CPU) by the CPU path's torch code."""
         pre = self.preprocess
         if self.device.type == "cuda":
             from kernels.resize import resize_crop
