@@ -50,6 +50,41 @@ def test_the_shadows_counters_are_summed_over_label_sets():
     assert issue52._metric_sum(page, "fusedserve_shadow_batches_total") == 0.0
 
 
+def _page(batches: float, rows: float, mismatched: float, buckets: dict[str, float]) -> str:
+    labels = 'model="resnet50",engine="0",a="fused:float8",b="fused:float16"'
+    lines = [f"fusedserve_shadow_batches_total{{{labels}}} {batches}",
+             f"fusedserve_shadow_rows_total{{{labels}}} {rows}",
+             f"fusedserve_shadow_argmax_mismatch_total{{{labels}}} {mismatched}"]  # fmt: skip
+    lines += [f'fusedserve_shadow_error_bucket{{{labels},le="{le}"}} {n}' for le, n in buckets.items()]
+    return "\n".join(lines)
+
+
+def test_each_loads_shadow_numbers_are_the_counters_difference():
+    before = issue52.shadow_counters(_page(10, 320, 32, {"0.01": 2, "0.1": 9, "0.316": 10, "+Inf": 10}))
+    after = issue52.shadow_counters(_page(30, 960, 32 + 64, {"0.01": 2, "0.1": 12, "0.316": 30, "+Inf": 30}))
+    phase = issue52.shadow_phase(before, after)
+    assert phase["shadow_batches"] == 20 and phase["shadow_rows"] == 640 and phase["shadow_mismatched_rows"] == 64
+    assert phase["top1_agreement"] == pytest.approx(0.9)
+    assert phase["error_median_below"] == pytest.approx(0.316)  # 3 of the 20 new batches below 0.1, 20 below 0.316
+    idle = issue52.shadow_phase(after, after)
+    assert idle["top1_agreement"] is None and idle["error_median_below"] is None
+    row = {"model": "resnet50", "rate": 100.0, "seconds": 20.0, "report": "ab.md",
+           "loads": [{"load": "photos", "statuses": {200: 2000}, **phase}]}  # fmt: skip
+    text = issue52.markdown({"gpu": "NVIDIA H200", "when": "now", "commit": "abc1234", "command": "x", "wall_s": 1.0,
+                             "missing": []}, [], [], [row])  # fmt: skip
+    assert "| ResNet-50 | photos | 100.0 x 20.0 | {200: 2000} | 20 | 640 | 90.00% | <= 0.316 | ab.md |" in text
+
+
+def test_the_photos_load_sends_jpeg_files_as_bytes_tensors():
+    bodies, header = issue52.load_bodies("photos")
+    head_len = int(header.decode().split(": ")[1])
+    head = bodies[0][:head_len].decode()
+    assert '"datatype":"BYTES"' in head and f'"shape":[{issue52.IMAGES}]' in head
+    assert bodies[0][head_len + 4 : head_len + 7] == b"\xff\xd8\xff"  # each file after its 4-byte length: a JPEG
+    with pytest.raises(ValueError, match="one of photos, noise"):
+        issue52.load_bodies("cats")
+
+
 def test_the_paced_load_sends_binary_v2_requests_at_its_rate():
     seen: list[tuple[str, str, int]] = []
 

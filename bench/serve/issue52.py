@@ -2,6 +2,7 @@
 
     python -m bench.serve.issue52 --out /tmp/i52                    # on the GPU host: ~7 minutes (ResNet-50)
     python -m bench.serve.issue52 --out /tmp/i52 -- --duration 1    # bench serve's args after --
+    python -m bench.serve.issue52 --out /tmp/i52 --ab-only          # the live A/B alone (~2 minutes)
 
 Per model (bench/serve/issue50.py's: torchvision's architecture, random weights, imported with uint8 input and
 ImageNet's preprocessing):
@@ -11,10 +12,11 @@ ImageNet's preprocessing):
    `--dtype float8`, 32-image UINT8 and JPEG requests at 64 connections: images/s, p50/p99, the forward per batch,
    and float8 / float16 per form (issue 52: at least 1.3x where the GPU is the limit);
 3. the live A/B: one service in float8 with FUSEDSERVE_AB_OTHER=fused:float16 (the shadow runs every
-   FUSEDSERVE_SHADOW_EVERY-th batch again in float16 while the engine is idle, and compares the two), loaded with UINT8
-   requests at --ab-rate requests/s for --ab-seconds (a paced load leaves the engine idle between batches: a closed
-   loop would leave the shadow no turn); then `fusedserve ab-report --url` of its metrics and the shadow's counters:
-   batches and rows compared, top-1 agreement, the relative error's histogram.
+   FUSEDSERVE_SHADOW_EVERY-th batch again in float16 while the engine is idle, and compares the two), loaded at
+   --ab-rate requests/s for --ab-seconds (a paced load leaves the engine idle between batches: a closed loop would
+   leave the shadow no turn) with each of AB_LOADS in turn: JPEG photos like the calibration's (another seed), then
+   UINT8 noise, traffic unlike anything calibrated on; the shadow's counters for each load (batches and rows compared,
+   top-1 agreement, the median batch's error from the histogram), then `fusedserve ab-report --url` of the whole.
 
 Writes OUT/serve_issue52_<gpu>.{md,json} (and each bench serve run's tables under OUT/<dtype>/<model>, the A/B
 report under OUT/ab_<model>.md); the models, photos and tuning cache stay under OUT for a second run.
@@ -40,6 +42,11 @@ CALIBRATION_PHOTOS = 64
 IMAGES = 32  # per request, as issue 50's rows
 AB_ENV = {"FUSEDSERVE_AB_OTHER": "fused:float16", "FUSEDSERVE_SHADOW_EVERY": "4"}
 SPEEDUP_TARGET = 1.3  # issue 52: float8 / float16 images/s end to end where the GPU is the limit
+# The live A/B's loads, in order: what the shadow reports for traffic like the calibration samples and unlike them.
+AB_LOADS = {
+    "photos": "JPEG photos like the calibration's, another seed",
+    "noise": "UINT8 tensors of uniform noise, unlike any calibration sample",
+}
 
 
 def calibrate(model_dir: Path, photos: Path, device: str) -> None:
@@ -102,12 +109,23 @@ def _post(port: int, path: str, body: bytes, header: bytes) -> int:
         conn.close()
 
 
-def paced_load(port: int, model: str, rate: float, seconds: float, threads: int = 8) -> dict:
-    """`rate` UINT8 requests/s of IMAGES images for `seconds`, from `threads` threads, each on its own schedule:
+def load_bodies(load: str) -> tuple[list[bytes], bytes]:
+    """A load of AB_LOADS: (bodies of IMAGES images each, the HTTP header line they need)."""
+    from bench.serve import images, v2
+
+    if load == "photos":  # seed 3: never the calibration's photos (seed 52)
+        return images.bodies("v2_jpeg", IMAGES, count=8, seed=3, channels=3), images.header()
+    if load == "noise":
+        return v2.binary_bodies(IMAGES, count=8, seed=3, shape=(3, 224, 224), datatype="UINT8")
+    raise ValueError(f"load {load!r}: one of {', '.join(AB_LOADS)}")
+
+
+def paced_load(port: int, model: str, rate: float, seconds: float, threads: int = 8, load: str = "noise") -> dict:
+    """`rate` requests/s of `load` (AB_LOADS) for `seconds`, from `threads` threads, each on its own schedule:
     {status: count}."""
     from bench.serve import v2
 
-    bodies, header = v2.binary_bodies(IMAGES, count=8, seed=3, shape=(3, 224, 224), datatype="UINT8")
+    bodies, header = load_bodies(load)
     path = v2.rest_path(model)
     counts: dict[int, int] = {}
     lock = threading.Lock()
@@ -146,8 +164,47 @@ def _metric_sum(text: str, name: str) -> float:
     return total
 
 
+def shadow_counters(text: str) -> dict:
+    """The shadow's counters on a metrics page: batches, rows, mismatched rows, and the error histogram's cumulative
+    counts by upper bound."""
+    buckets: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith("fusedserve_shadow_error_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            bound = float("inf") if le == "+Inf" else float(le)
+            buckets[bound] = buckets.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    return {"batches": _metric_sum(text, "fusedserve_shadow_batches_total"),
+            "rows": _metric_sum(text, "fusedserve_shadow_rows_total"),
+            "mismatched": _metric_sum(text, "fusedserve_shadow_argmax_mismatch_total"), "buckets": buckets}  # fmt: skip
+
+
+def shadow_phase(before: dict, after: dict) -> dict:
+    """What the shadow counted between two readings: batches, rows, top-1 agreement, and the upper bound of the
+    histogram bucket holding the median batch's error (its largest output's relative difference)."""
+    batches = after["batches"] - before["batches"]
+    rows = after["rows"] - before["rows"]
+    mismatched = after["mismatched"] - before["mismatched"]
+    median = None
+    for bound in sorted(after["buckets"]):
+        if batches and after["buckets"][bound] - before["buckets"].get(bound, 0.0) >= batches / 2:
+            median = bound
+            break
+    return {"shadow_batches": batches, "shadow_rows": rows, "shadow_mismatched_rows": mismatched,
+            "top1_agreement": (1 - mismatched / rows) if rows else None, "error_median_below": median}  # fmt: skip
+
+
+def _metrics(port: int) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()
+
+
 def live_ab(name: str, model_dir: Path, out: Path, args) -> dict:
-    """One float8 service with the float16 shadow, under a paced load; its shadow counters and the A/B report."""
+    """One float8 service with the float16 shadow, under each paced load of AB_LOADS in turn; the shadow's counters
+    per load and the A/B report."""
     from bench.serve.run import free_port
 
     port = free_port()
@@ -173,18 +230,14 @@ def live_ab(name: str, model_dir: Path, out: Path, args) -> dict:
             else:
                 result["error"] = f"not ready (exit {proc.poll()}); its log: {log_path}"
                 return result
-            result["statuses"] = paced_load(port, _served_name(model_dir), args.ab_rate,
-                                            args.ab_seconds)  # fmt: skip
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-            conn.request("GET", "/metrics")
-            text = conn.getresponse().read().decode()
-            batches = _metric_sum(text, "fusedserve_shadow_batches_total")
-            rows = _metric_sum(text, "fusedserve_shadow_rows_total")
-            mismatch = _metric_sum(text, "fusedserve_shadow_argmax_mismatch_total")
-            result.update(shadow_batches=batches, shadow_rows=rows, shadow_mismatched_rows=mismatch,
-                          top1_agreement=(1 - mismatch / rows) if rows else None,
-                          error_buckets=[line for line in text.splitlines()
-                                         if line.startswith("fusedserve_shadow_error_bucket")])  # fmt: skip
+            result["loads"] = []
+            before = shadow_counters(_metrics(port))
+            for load in AB_LOADS:
+                statuses = paced_load(port, _served_name(model_dir), args.ab_rate, args.ab_seconds, load=load)
+                after = shadow_counters(_metrics(port))
+                result["loads"].append({"load": load, "statuses": statuses, **shadow_phase(before, after)})
+                print(f"live A/B {name}, {load}: {result['loads'][-1]}", flush=True)
+                before = after
             report = out / f"ab_{name}.md"
             rep = subprocess.run([sys.executable, "-m", "service.cli", "ab-report", "--url",
                                   f"http://127.0.0.1:{port}/metrics", "--out", str(report)], cwd=REPO,
@@ -225,17 +278,24 @@ def markdown(meta: dict, rows: list[dict], ratios: list[dict], abs_: list[dict])
         lines.append(f"| {issue50.TITLES[s['model']]} | {s['form']} | {s['float16']:,.0f} | {s['float8']:,.0f} | "
                      f"{ratio} | {'yes' if s['met'] else 'no'} |")  # fmt: skip
     lines += ["", "## Live: float8 served, float16 as its shadow", "",
-              f"FUSEDSERVE_DTYPE=float8 with {', '.join(f'{k}={v}' for k, v in AB_ENV.items())}; UINT8 requests at a "
-              "paced rate.", "",
-              "| model | requests/s x s | answers | shadow batches | rows compared | top-1 agreement | report |",
-              "|---|---|---|---:|---:|---:|---|"]  # fmt: skip
+              f"FUSEDSERVE_DTYPE=float8 with {', '.join(f'{k}={v}' for k, v in AB_ENV.items())}; {IMAGES}-image "
+              "requests at a paced rate, each load in turn: "
+              + "; ".join(f"{k}: {v}" for k, v in AB_LOADS.items()) + ". Batch error: the shadow's measure, the "
+              "largest difference over the largest float16 output, its median batch's histogram bucket.", "",
+              "| model | load | requests/s x s | answers | shadow batches | rows compared | top-1 agreement | "
+              "batch error p50 | report |", "|---|---|---|---|---:|---:|---:|---:|---|"]  # fmt: skip
     for a in abs_:
+        title = issue50.TITLES[a["model"]]
         if "error" in a:
-            lines.append(f"| {issue50.TITLES[a['model']]} | {a['rate']} x {a['seconds']} | {a['error']} | | | | |")
+            lines.append(f"| {title} | | {a['rate']} x {a['seconds']} | {a['error']} | | | | | |")
             continue
-        agree = "-" if a["top1_agreement"] is None else f"{100 * a['top1_agreement']:.2f}%"
-        lines.append(f"| {issue50.TITLES[a['model']]} | {a['rate']} x {a['seconds']} | {a['statuses']} | "
-                     f"{a['shadow_batches']:.0f} | {a['shadow_rows']:.0f} | {agree} | {a['report']} |")  # fmt: skip
+        for phase in a["loads"]:
+            agree = "-" if phase["top1_agreement"] is None else f"{100 * phase['top1_agreement']:.2f}%"
+            median = phase["error_median_below"]
+            median = "-" if median is None else f"<= {median:.3g}"
+            lines.append(f"| {title} | {phase['load']} | {a['rate']} x {a['seconds']} | {phase['statuses']} | "
+                         f"{phase['shadow_batches']:.0f} | {phase['shadow_rows']:.0f} | {agree} | {median} | "
+                         f"{a.get('report', '-')} |")  # fmt: skip
     if meta["missing"]:
         lines += ["", "Not measured: " + "; ".join(meta["missing"]) + "."]
     return "\n".join(lines) + "\n"
@@ -252,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ab-rate", type=float, default=100.0, help="requests/s of the live A/B's load [100]")
     p.add_argument("--ab-seconds", type=float, default=20.0, help="seconds of the live A/B's load [20]")
     p.add_argument("--no-ab", dest="ab", action="store_false", help="skip the live A/B")
+    p.add_argument("--ab-only", action="store_true", help="the live A/B alone, without the bench serve runs")
     args = p.parse_args(argv)
     names = issue50.model_names(p, args.models)
     t0 = time.monotonic()
@@ -265,25 +326,35 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - say which model and go on with the other
             missing.append(f"{issue50.TITLES[name]}: could not build, import or calibrate it ({type(e).__name__}: {e})")
             continue
-        got, skipped, meta = serve_rows(name, model_dir, out, args, extra)
-        rows += got
-        missing += skipped
-        gpu, slug = meta.get("gpu") or gpu, meta.get("slug") or slug
-        if args.ab:
+        if not args.ab_only:
+            got, skipped, meta = serve_rows(name, model_dir, out, args, extra)
+            rows += got
+            missing += skipped
+            gpu, slug = meta.get("gpu") or gpu, meta.get("slug") or slug
+        if args.ab or args.ab_only:
             abs_.append(live_ab(name, model_dir, out, args))
+    if gpu is None and abs_:  # --ab-only: no bench serve run named the GPU
+        import torch
+
+        from bench.gpu import slug_of
+
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        slug = slug_of(gpu) if gpu else slug
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     meta = {"gpu": gpu, "slug": slug, "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "commit": commit.stdout.strip() or "?", "command": " ".join(["python", "-m", "bench.serve.issue52", *argv,
             *(["--", *extra] if extra else [])]), "wall_s": time.monotonic() - t0, "missing": missing}  # fmt: skip
     ratios = speedups(rows)
-    stem = out / f"serve_issue52_{slug}"
+    stem = out / (f"serve_issue52_ab_{slug}" if args.ab_only else f"serve_issue52_{slug}")
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "speedups": ratios, "ab": abs_},
                                                     indent=1) + "\n")  # fmt: skip
     text = markdown(meta, rows, ratios, abs_)
     stem.with_suffix(".md").write_text(text)
     print(text, flush=True)
     print(f"wrote {stem}.md and .json in {meta['wall_s']:.0f} s", flush=True)
-    return 0 if rows and not missing and all(r["lost"] == 0 for r in rows) else 1
+    served = bool(rows) or args.ab_only
+    live = all("error" not in a for a in abs_) and (bool(abs_) or not args.ab_only)
+    return 0 if served and live and not missing and all(r["lost"] == 0 for r in rows) else 1
 
 
 if __name__ == "__main__":
