@@ -85,6 +85,22 @@ def test_the_photos_load_sends_jpeg_files_as_bytes_tensors():
         issue52.load_bodies("cats")
 
 
+def test_the_digits_load_sends_every_held_out_digit_as_fp32_rows():
+    import numpy as np
+
+    from tests.digits import held_out_split
+
+    bodies, header = issue52.load_bodies("held-out digits")
+    head_len = int(header.decode().split(": ")[1])
+    head = bodies[0][:head_len].decode()
+    assert '"datatype":"FP32"' in head and f'"shape":[{issue52.IMAGES},1,8,8]' in head
+    rows = np.concatenate([np.frombuffer(b[head_len:], dtype=np.float32).reshape(-1, 64) for b in bodies])
+    X, _ = held_out_split()
+    assert len(bodies) == -(-len(X) // issue52.IMAGES) and len(rows) == len(bodies) * issue52.IMAGES
+    np.testing.assert_array_equal(rows[: len(X)], X.astype(np.float32))  # all 360, in order, then the first again
+    np.testing.assert_array_equal(rows[len(X) :], X[: len(rows) - len(X)].astype(np.float32))
+
+
 def test_the_paced_load_sends_binary_v2_requests_at_its_rate():
     seen: list[tuple[str, str, int]] = []
 

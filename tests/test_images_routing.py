@@ -413,21 +413,25 @@ def test_the_registry_knows_its_ranges():
     assert not reg.contains(8999, 2)
 
 
-def test_the_loaded_cuda_runtime_is_found_in_the_memory_maps(tmp_path):
-    """_clear_cuda_error opens the libcudart the process has loaded (torch's binding has no cudaGetLastError), found by
-    its path in /proc/self/maps: lines without a path, other libraries and the runtime's own lines as Linux writes
-    them."""
+def test_every_loaded_cuda_runtime_is_found_in_the_memory_maps(tmp_path):
+    """_clear_cuda_error opens each libcudart the process has loaded (torch's binding has no cudaGetLastError, and
+    torchvision's wheel loads a copy of its own, whose error state is apart from torch's), found by path in
+    /proc/self/maps: lines without a path, other libraries and each runtime's several lines as Linux writes them."""
     maps = tmp_path / "maps"
+    torchvision = "/opt/venv/lib/torchvision.libs/libcudart.faf08d9a.so.13"
+    torch_own = "/opt/venv/lib/nvidia/cu13/lib/libcudart.so.13"
     maps.write_text(
         "55d4c6a00000-55d4c6a21000 r--p 00000000 fd:01 1835 /usr/bin/python3.12\n"
         "7f3a10000000-7f3a10021000 rw-p 00000000 00:00 0 \n"
-        "7f3a2c000000-7f3a2c0a2000 r--p 00000000 fd:01 77 /opt/venv/lib/nvidia/cu13/lib/libcudart.so.13\n"
-        "7f3a2c0a2000-7f3a2c0f0000 r-xp 000a2000 fd:01 77 /opt/venv/lib/nvidia/cu13/lib/libcudart.so.13\n"
+        f"7f3a20000000-7f3a200a2000 r--p 00000000 fd:01 91 {torchvision}\n"
+        f"7f3a2c000000-7f3a2c0a2000 r--p 00000000 fd:01 77 {torch_own}\n"
+        f"7f3a2c0a2000-7f3a2c0f0000 r-xp 000a2000 fd:01 77 {torch_own}\n"
+        "7f3a30000000-7f3a30001000 r--p 00000000 fd:01 78 /opt/venv/lib/libcudart_helper.so\n"
     )  # fmt: skip
-    assert pinned.cuda_runtime_path(str(maps)) == "/opt/venv/lib/nvidia/cu13/lib/libcudart.so.13"
+    assert pinned.cuda_runtime_paths(str(maps)) == [torchvision, torch_own]
     maps.write_text("7f3a10000000-7f3a10021000 rw-p 00000000 00:00 0\n55d4c6a00000-55d4c6a21000 r--p 0 fd:01 1 /x\n")
-    assert pinned.cuda_runtime_path(str(maps)) is None
-    assert pinned.cuda_runtime_path(str(tmp_path / "absent")) is None
+    assert pinned.cuda_runtime_paths(str(maps)) == []
+    assert pinned.cuda_runtime_paths(str(tmp_path / "absent")) == []
     pinned._clear_cuda_error()  # no CUDA runtime here: a no-op, not an error
 
 

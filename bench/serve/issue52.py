@@ -34,6 +34,8 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
 from bench.serve import issue50
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,7 +48,14 @@ SPEEDUP_TARGET = 1.3  # issue 52: float8 / float16 images/s end to end where the
 AB_LOADS = {
     "photos": "JPEG photos like the calibration's, another seed",
     "noise": "UINT8 tensors of uniform noise, unlike any calibration sample",
+    "held-out digits": "the 360 held-out digits as FP32 rows, calibrated on the 1,437 training ones",
 }
+# Random weights leave ResNet-50's top two logits within a few percent of the logits' spread (measured on the CPU: a
+# median gap of 0.03 of their standard deviation on the photos), so its top-1 agreement says little; the shipped
+# digits-resnet is trained, so its A/B shows what top-1 agreement a real model keeps in float8.
+DIGITS = "digits-resnet"
+TITLES = {**issue50.TITLES, DIGITS: "digits-resnet (trained)"}
+MODEL_LOADS = {"resnet50": ("photos", "noise"), "mobilenet_v2": ("photos", "noise"), DIGITS: ("held-out digits",)}
 
 
 def calibrate(model_dir: Path, photos: Path, device: str) -> None:
@@ -117,7 +126,43 @@ def load_bodies(load: str) -> tuple[list[bytes], bytes]:
         return images.bodies("v2_jpeg", IMAGES, count=8, seed=3, channels=3), images.header()
     if load == "noise":
         return v2.binary_bodies(IMAGES, count=8, seed=3, shape=(3, 224, 224), datatype="UINT8")
+    if load == "held-out digits":
+        X = digits_split()[1].astype(np.float32)
+        head = v2.binary_header(IMAGES, shape=(1, 8, 8), datatype="FP32")
+        header = f"Inference-Header-Content-Length: {len(head)}\r\n".encode()
+        bodies = [
+            head + np.take(X, range(i, i + IMAGES), axis=0, mode="wrap").tobytes() for i in range(0, len(X), IMAGES)
+        ]
+        return bodies, header
     raise ValueError(f"load {load!r}: one of {', '.join(AB_LOADS)}")
+
+
+def digits_split():
+    """The shipped digits models' split (X_train, X_test, y_train, y_test) of scikit-learn's digits, as the tests and
+    tools/train_digits.py read it (tests/digits.py: the data file is in tests/data)."""
+    from tests import digits
+
+    return digits.split()
+
+
+def prepare_digits(out: Path, device: str) -> Path:
+    """The shipped digits-resnet copied under OUT/models (its calibration.json goes there, not into model_weights),
+    calibrated on the training digits."""
+    import shutil
+
+    from service.model.float8 import CALIBRATION_FILE
+
+    target = out / "models" / DIGITS
+    if not (target / CALIBRATION_FILE).is_file():
+        shutil.copytree(REPO / "model_weights" / DIGITS, target, dirs_exist_ok=True)
+        samples = out / "digits-train"
+        samples.mkdir(parents=True, exist_ok=True)
+        np.save(samples / "train.npy", digits_split()[0].astype(np.float32))  # rows of 64: read as (1, 8, 8)
+        cmd = [sys.executable, "-m", "service.cli", "calibrate", str(target), "--samples", str(samples), "--device",
+               device]  # fmt: skip
+        print("$ " + " ".join(cmd), flush=True)
+        subprocess.run(cmd, cwd=REPO, check=True)
+    return target
 
 
 def paced_load(port: int, model: str, rate: float, seconds: float, threads: int = 8, load: str = "noise") -> dict:
@@ -232,7 +277,7 @@ def live_ab(name: str, model_dir: Path, out: Path, args) -> dict:
                 return result
             result["loads"] = []
             before = shadow_counters(_metrics(port))
-            for load in AB_LOADS:
+            for load in MODEL_LOADS[name]:
                 statuses = paced_load(port, _served_name(model_dir), args.ab_rate, args.ab_seconds, load=load)
                 after = shadow_counters(_metrics(port))
                 result["loads"].append({"load": load, "statuses": statuses, **shadow_phase(before, after)})
@@ -253,8 +298,14 @@ def live_ab(name: str, model_dir: Path, out: Path, args) -> dict:
 
 
 def _served_name(model_dir: Path) -> str:
-    """The Open Inference Protocol's name of the model (its config.json's `name`)."""
-    return json.loads((model_dir / "config.json").read_text()).get("name") or model_dir.name
+    """The Open Inference Protocol's name of the model: its config.json's `name`, or as the service names an ONNX
+    model's directory."""
+    config = model_dir / "config.json"
+    if config.is_file():
+        return json.loads(config.read_text()).get("name") or model_dir.name
+    from service.model.loader import load_model
+
+    return load_model(model_dir).name
 
 
 def markdown(meta: dict, rows: list[dict], ratios: list[dict], abs_: list[dict]) -> str:
@@ -285,7 +336,7 @@ def markdown(meta: dict, rows: list[dict], ratios: list[dict], abs_: list[dict])
               "| model | load | requests/s x s | answers | shadow batches | rows compared | top-1 agreement | "
               "batch error p50 | report |", "|---|---|---|---|---:|---:|---:|---:|---|"]  # fmt: skip
     for a in abs_:
-        title = issue50.TITLES[a["model"]]
+        title = TITLES[a["model"]]
         if "error" in a:
             lines.append(f"| {title} | | {a['rate']} x {a['seconds']} | {a['error']} | | | | | |")
             continue
@@ -333,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
             gpu, slug = meta.get("gpu") or gpu, meta.get("slug") or slug
         if args.ab or args.ab_only:
             abs_.append(live_ab(name, model_dir, out, args))
+    if args.ab or args.ab_only:
+        try:
+            abs_.append(live_ab(DIGITS, prepare_digits(out, args.device), out, args))
+        except Exception as e:  # noqa: BLE001 - the ResNet rows stand without it
+            missing.append(f"{TITLES[DIGITS]}'s live A/B ({type(e).__name__}: {e})")
     if gpu is None and abs_:  # --ab-only: no bench serve run named the GPU
         import torch
 

@@ -47,28 +47,29 @@ def address(buf) -> int:
         del view
 
 
-def cuda_runtime_path(maps: str = "/proc/self/maps") -> str | None:
-    """The path of the CUDA runtime library this process has loaded (torch's libcudart), from its memory maps."""
+def cuda_runtime_paths(maps: str = "/proc/self/maps") -> list[str]:
+    """The paths of the CUDA runtime libraries this process has loaded, from its memory maps, in map order: torch's
+    libcudart, and any other copy (torchvision's wheel brings its own, libcudart.<hash>.so.13, for nvJPEG)."""
+    found: list[str] = []
     with contextlib.suppress(OSError), open(maps) as lines:
         for line in lines:
             fields = line.split(None, 5)  # address, perms, offset, device, inode, and the path where there is one
-            if len(fields) == 6 and "/libcudart.so" in fields[5]:
-                return fields[5].strip()
-    return None
+            if len(fields) == 6 and "/libcudart." in fields[5] and fields[5].strip() not in found:
+                found.append(fields[5].strip())
+    return found
 
 
 def _clear_cuda_error() -> None:
     """Clear the runtime's last error after a failed registration or unregistration: torch checks cudaGetLastError
     after each launch, so an error left pending is raised by the next kernel as its own. (On an H200 with torch 2.11,
-    two GPU tests sharing a worker with arena registrations failed in a matmul and a cat with "resource already
-    mapped"; alone they pass.) torch's cudart() binding has no cudaGetLastError, and its libcudart need not be in the
-    global namespace: the loaded library is opened by its path (the same library, so the same error state), and the
-    global namespace is tried after it."""
-    path = cuda_runtime_path()
-    for lib in ([path] if path else []) + [None]:
+    GPU tests sharing a worker with arena registrations failed in a matmul and a cat with "resource already mapped";
+    alone they pass.) torch's cudart() binding has no cudaGetLastError, and its libcudart need not be in the global
+    namespace, so each loaded copy is opened by its path and its error cleared: each copy keeps its own error state,
+    and on that host torchvision's copy comes first in the maps, where only the first copy found used to be cleared."""
+    paths = cuda_runtime_paths()
+    for lib in paths or [None]:  # none by path: the global namespace
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(lib).cudaGetLastError()
-            return
 
 
 class PinnedArenas:
