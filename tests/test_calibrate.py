@@ -21,6 +21,7 @@ from service.model.loader import load_model
 from service.model.spec import ModelFormatError
 from tests.digits import held_out_split
 from tests.server import REPO
+from tests.tolerances import normwise_error
 
 CPU = torch.device("cpu")
 
@@ -126,7 +127,7 @@ def test_a_max_pool_between_the_float16_stem_and_float8_convs_writes_e4m3(tmp_pa
     e4m3 with its readers' input scale (float8.Fp8Output), so they read one byte a value; a max of quantized values is
     the quantized max, so the model's outputs are those of the plan where the pool writes float32 and its readers
     quantize as they read, in both modes: exactly on the CPU (fused: Triton's interpreter); on a GPU up to the order
-    of the fp8 MMA's sums, since an e4m3 input may take another kernel (TMA) than a float32 one."""
+    of the fp8 MMA's sums (an e4m3 input may take another kernel, TMA, than a float32 one), normwise."""
     from torch import nn
 
     from service.model import float8
@@ -165,5 +166,7 @@ def test_a_max_pool_between_the_float16_stem_and_float8_convs_writes_e4m3(tmp_pa
             got, want = ex.forward(x), before.forward(x)
         if device.type == "cpu" or mode == "unfused":
             assert torch.equal(got, want), mode
-        else:  # the same e4m3 operands; sums of up to 16 * 9 products in another order, kept to ~14 bits
-            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
+        else:  # the same e4m3 operands, summed in another order: where that moves a value of an e4m3 intermediate
+            # across a rounding boundary it differs by one step (1/16 to 1/8 of it), and the classifier mixes that in
+            # (an H200: 3 of 70 logits off by up to 1.4%, 5.9e-4 of 0.2); as a whole the logits agree far closer
+            assert normwise_error(got, want) < 1e-2, mode
