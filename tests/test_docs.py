@@ -104,7 +104,7 @@ KINDS = {
     "gpu": rf"^(?:{_ENV}bash bench/gpu_session\.sh.*|{FUSEDSERVE} bench (?:kernels|serve|pool|soak|zoo)"
     r"(?! --device cpu).*)$",
     "probe": r"^\.venv/bin/python -m bench\.probes\.\w+(?: --out \S+)?$",
-    "gpu-script": r"^\.venv/bin/python -m bench\.serve\.issue5[02] --out \S+(?: --models [\w,]+)?$",
+    "gpu-script": r"^\.venv/bin/python -m bench\.serve\.issue5[02] --out \S+(?: --models [\w,]+)?(?: --ab-only)?$",
     "gpu-suite": r"^bash tests/gpu_suite\.sh (?:PART|kernels-a|kernels-b|service|two-gpu|all|record \S+.*)$",
     "report": r"^\.venv/bin/python -m bench\.kernels\.report \S+$",
     "docker": r"^docker compose (?:--profile \w+ )?up --build(?: [\w-]+)*$",
