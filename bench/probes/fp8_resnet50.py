@@ -1,16 +1,18 @@
-"""Does float8 pay on ResNet-50, and what does it cost in accuracy? (issue 52)
+"""Does float8 pay on ResNet-50 (or another CNN), and what does it cost in accuracy? (issue 52)
 
 ResNet-50 (bench/resnets.py: torchvision's architecture, random weights with BatchNorm statistics from random
-images), exported to ONNX and imported as a user's model; calibrated (service/model/calibrate.py, absmax) on
+images), or with --model another of torchvision's classifiers (mobilenet_v2, efficientnet_b0: torchvision's where it
+imports, else bench/zoo/families.py's copy; random weights and BatchNorm statistics as the zoo sets them), exported to
+ONNX and imported as a user's model; calibrated (service/model/calibrate.py, absmax) on
 --calib random images; then fused float16 and fused float8 (the first conv and the classifier fp16, the other 52
 convs e4m3: kernels/conv_fp8.py) each captured as a CUDA graph per batch size and timed: hot (median of 50 replays,
 each between two CUDA events) and cold (L2 cleared before each replay, kernels/cold_timing.py). Accuracy on --check
 other random images (never the calibration ones): the logits' cosine similarity with float16's (mean and worst row)
 and top-1 agreement, beside float16's own against float32 (unfused) for scale.
 
-    python -m bench.probes.fp8_resnet50 --out DIR [--batches 1,256] [--tune-budget 300]
+    python -m bench.probes.fp8_resnet50 --out DIR [--batches 1,256] [--tune-budget 300] [--model mobilenet_v2]
 
-Writes DIR/probe_fp8_resnet50.md (the table) and .json (--out ending in .md: that file, the json beside it).
+Writes DIR/probe_fp8_<model>.md (the table) and .json (--out ending in .md: that file, the json beside it).
 Tuning is on (FUSEDSERVE_TUNING_CACHE keeps picks between runs); --tune-budget bounds the seconds spent timing
 candidates, after which the rest take untimed picks (kernels/tuning.py, timing_budget): run once per batch size
 within a device call's limit if needed.
@@ -28,15 +30,23 @@ from pathlib import Path
 import torch
 
 IMAGE = (3, 224, 224)
+TITLES = {"resnet50": "ResNet-50", "mobilenet_v2": "MobileNetV2", "efficientnet_b0": "EfficientNet-B0"}
 
 
-def build_model(image: tuple[int, int, int] = IMAGE, out_dir: Path | None = None):
-    """The ResNet-50 as fusedserve loads it (ONNX import), from bench/resnets.py."""
+def build_model(image: tuple[int, int, int] = IMAGE, out_dir: Path | None = None, name: str = "resnet50"):
+    """The model as fusedserve loads it (ONNX import): ResNet-50 from bench/resnets.py, another family as issue 50's
+    serve rows build it (bench/serve/issue50.py `build`)."""
     from bench import resnets
     from service.model.loader import load_model
 
-    out_dir = Path(out_dir or tempfile.mkdtemp(prefix="fp8-resnet50-"))
-    path, _ = resnets.write("resnet50", out_dir, seed=0, image=image)
+    out_dir = Path(out_dir or tempfile.mkdtemp(prefix=f"fp8-{name}-"))
+    if name == "resnet50":
+        path, _ = resnets.write("resnet50", out_dir, seed=0, image=image)
+    else:
+        from bench.serve.issue50 import build
+
+        module, _ = build(name, image[-1])
+        path = resnets.export_onnx(module, out_dir / f"{name}.onnx", name, image)
     return load_model(path)
 
 
@@ -91,7 +101,7 @@ def _hot_us(replay, reps: int = 50) -> float:
     return statistics.median(times)
 
 
-def run(batches: list[int], calib: int, check: int, tune_budget: float | None) -> dict:
+def run(batches: list[int], calib: int, check: int, tune_budget: float | None, name: str = "resnet50") -> dict:
     from kernels import tuning
     from kernels.cold_timing import cold_us
     from kernels.fp8 import fp8_capable
@@ -103,7 +113,7 @@ def run(batches: list[int], calib: int, check: int, tune_budget: float | None) -
         raise SystemExit(f"{torch.cuda.get_device_name()}: no fp8 tensor cores (compute capability < 8.9)")
     tuning.timing_budget.set(tune_budget)
     t = time.perf_counter()
-    model = build_model()
+    model = build_model(name=name)
     cal = calibration_on(model, random_images(calib, IMAGE, 1, dev), dev)
     print(f"model and calibration: {time.perf_counter() - t:.1f} s ({calib} images)", flush=True)
     executors = {
@@ -113,7 +123,8 @@ def run(batches: list[int], calib: int, check: int, tune_budget: float | None) -
     # the convs and linears run in float8 (a pool writing e4m3 for them, float8.Fp8Output, computes in float16)
     fp8_steps = sum(isinstance(p, Fp8Step) for p in executors["float8"].fp8.values())
     exact = Executor(model, "unfused", dev, torch.float32)
-    result = {"gpu": torch.cuda.get_device_name(), "fp8_steps": fp8_steps, "steps": len(exact.steps), "rows": []}
+    result = {"gpu": torch.cuda.get_device_name(), "model": name, "fp8_steps": fp8_steps, "steps": len(exact.steps),
+              "rows": []}  # fmt: skip
     # accuracy, on images never calibrated on
     images = random_images(check, IMAGE, 2, dev)
     with torch.no_grad():
@@ -149,7 +160,8 @@ def run(batches: list[int], calib: int, check: int, tune_budget: float | None) -
 def markdown(result: dict, command: str) -> str:
     acc = result["accuracy"]
     lines = [
-        f"# float8 against float16, fused ResNet-50 ({result['gpu']})",
+        f"# float8 against float16, fused {TITLES.get(result.get('model', 'resnet50'), result.get('model'))} "
+        f"({result['gpu']})",
         "",
         f"`{command}`: {result['fp8_steps']} of {result['steps']} steps in float8 (first conv and classifier fp16); "
         "random weights, calibrated on random images other than those checked.",
@@ -180,12 +192,13 @@ def main() -> None:
     parser.add_argument("--calib", type=int, default=64, help="random images to calibrate on (default 64)")
     parser.add_argument("--check", type=int, default=256, help="other random images to compare on (default 256)")
     parser.add_argument("--tune-budget", type=float, default=None, help="seconds of candidate timing at most")
+    parser.add_argument("--model", choices=sorted(TITLES), default="resnet50", help="the CNN (default resnet50)")
     args = parser.parse_args()
-    result = run([int(b) for b in args.batches.split(",")], args.calib, args.check, args.tune_budget)
+    result = run([int(b) for b in args.batches.split(",")], args.calib, args.check, args.tune_budget, args.model)
     if args.out.suffix == ".md":
         md_path, json_path = args.out, args.out.with_suffix(".json")
     else:
-        md_path, json_path = args.out / "probe_fp8_resnet50.md", args.out / "probe_fp8_resnet50.json"
+        md_path, json_path = args.out / f"probe_fp8_{args.model}.md", args.out / f"probe_fp8_{args.model}.json"
     md_path.parent.mkdir(parents=True, exist_ok=True)
     text = markdown(result, "python -m bench.probes.fp8_resnet50 " + " ".join(sys.argv[1:]))
     md_path.write_text(text)
