@@ -464,3 +464,70 @@ def test_direct_staging_copies_each_contiguous_run_once():
     np.testing.assert_array_equal(dst[: len(want)].numpy(), want)
     assert runner.direct_copies == 2  # arena[:9] as one copy, arena[9:12] as another
     del arena, parts
+
+
+class _FakeCudart:
+    """torch.cuda.cudart() on a machine without CUDA: registrations recorded, each answered `err`."""
+
+    def __init__(self, err: int = 0):
+        self.err = err
+        self.registered: list[int] = []
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, start, size, flags):  # noqa: N802 - CUDA's name
+        self.registered.append(start)
+        return self.err
+
+    def cudaHostUnregister(self, start):  # noqa: N802 - CUDA's name
+        self.unregistered.append(start)
+        return self.err
+
+
+def test_an_engine_that_stops_unregisters_the_arenas_still_registered(tmp_path, monkeypatch):
+    """A front end still connected when its engine stops: its arena was registered at connect and is unregistered at
+    the stop (release_all), so no range stays in CUDA's table after its mapping goes. An in-process engine that left
+    one behind made later GPU tests in the same process fail with "resource already mapped"."""
+    from .test_link import OUT, StubRunner
+
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    path = str(tmp_path / "engine.sock")
+    et = EngineThread(path, StubRunner("float32"))
+    et.engine.pinned = arenas = pinned.PinnedArenas(True)
+    x = np.random.default_rng(16).standard_normal((3, *et.engine.input_shape)).astype(np.float32)
+
+    async def scenario():
+        client = EngineClient([path], ready_states(), OUT, arena_size=1 << 20)
+        client.start()
+        await wait_until(lambda: client._wire[0] is not None)
+        out = await asyncio.wait_for(client.submit(x, time.monotonic() + 5, time.monotonic())[1], 5)
+        return client, out
+
+    with et:
+        client, (out, _) = asyncio.run(scenario())
+        assert len(cudart.registered) == 1 and arenas.contains(cudart.registered[0], 1)
+    client.close()
+    assert out.shape == (3, OUT)
+    assert cudart.unregistered == cudart.registered  # at the stop, with the front end still connected
+    assert not arenas.contains(cudart.registered[0], 1)
+    arenas.release_all()  # nothing left: no second unregistration
+    assert cudart.unregistered == cudart.registered
+
+
+def test_release_all_unregisters_each_arena_once_and_clears_a_failure(monkeypatch):
+    import mmap
+
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    cleared = []
+    monkeypatch.setattr(pinned, "_clear_cuda_error", lambda: cleared.append(True))
+    bufs = [mmap.mmap(-1, 1 << 16) for _ in range(3)]
+    arenas = pinned.PinnedArenas(True)
+    assert all(arenas.register(b) for b in bufs)
+    arenas.retire(bufs[1])  # retired but not yet released: unregistered once, not twice
+    cudart.err = 713  # cudaErrorHostMemoryNotRegistered: cleared, not raised
+    arenas.release_all()
+    assert sorted(cudart.unregistered) == sorted(pinned.address(b) for b in bufs) and len(cleared) == 3
+    assert not any(arenas.contains(pinned.address(b), 1) for b in bufs)
+    arenas.release_retired()
+    assert len(cudart.unregistered) == 3

@@ -149,6 +149,8 @@ class Engine:
             self._run_batch()
         self._flush()
         self._finish_writes()
+        if self.pinned is not None:
+            self.pinned.release_all()  # the front ends' arenas are unmapped after this: none may stay registered
         self.metrics.write_answered()
 
     def _finish_writes(self, timeout_s: float = 5.0) -> None:
