@@ -340,6 +340,34 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
             raise TypeError(f"bias has dtype {bias.dtype} on {bias.device}; want {weight.dtype} on {x.device}")
 
 
+def conv_geometry(x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation) -> tuple:
+    """(stride, padding, dilation as pairs, OH, OW) of a conv of x (N, C, H, W) by weight (OC, CG, KH, KW); a clear
+    ValueError for a stride or dilation below 1, a negative padding, or an empty output."""
+    s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
+    if min(s) < 1 or min(d) < 1 or min(p) < 0:
+        raise ValueError(f"stride and dilation must be >= 1 and padding >= 0; got {s}, {d}, {p}")
+    (H, W), (KH, KW) = x.shape[2:], weight.shape[2:]
+    OH, OW = conv_output_size(H, KH, s[0], p[0], d[0]), conv_output_size(W, KW, s[1], p[1], d[1])
+    if OH < 1 or OW < 1:
+        raise ValueError(
+            f"conv output is empty: input {H}x{W}, kernel {KH}x{KW}, stride {s}, padding {p}, dilation {d}"
+        )
+    return s, p, d, OH, OW
+
+
+def output_tensor(out: torch.Tensor | None, shape: tuple, dtype, device, memory_format) -> torch.Tensor:
+    """`out` checked against the output's shape, dtype and device, or a new one in `memory_format`; the kernels index
+    with int32, so at most 2**31 - 1 elements."""
+    if out is None:
+        out = torch.empty(shape, device=device, dtype=dtype, memory_format=memory_format)
+    elif tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
+        want = f"({', '.join(map(str, shape))}) {dtype} tensor on {device}"
+        raise ValueError(f"out must be a {want}; got {tuple(out.shape)} {out.dtype} on {out.device}")
+    if out.numel() >= 2**31:
+        raise ValueError(f"the output has {out.numel()} elements; the kernels index with int32 (< 2**31)")
+    return out
+
+
 def default_path(CG: int) -> str:
     """The kernel a layer runs where nothing is timed (the interpreter; the tuner's first candidate): "direct" for
     depthwise (one input channel a group: nothing to reduce but the taps), "gemm" for wider groups."""
@@ -386,26 +414,13 @@ def fused_conv2d_grouped(
     """
     _check(x, weight, bias, activation, groups)
     dtype = x.dtype
-    s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
-    if min(s) < 1 or min(d) < 1 or min(p) < 0:
-        raise ValueError(f"stride and dilation must be >= 1 and padding >= 0; got {s}, {d}, {p}")
+    s, p, d, OH, OW = conv_geometry(x, weight, stride, padding, dilation)
     N, C, H, W = x.shape
     OC, CG, KH, KW = weight.shape
     G, OCG = groups, OC // groups
-    OH, OW = conv_output_size(H, KH, s[0], p[0], d[0]), conv_output_size(W, KW, s[1], p[1], d[1])
-    if OH < 1 or OW < 1:
-        raise ValueError(
-            f"conv output is empty: input {H}x{W}, kernel {KH}x{KW}, stride {s}, padding {p}, dilation {d}"
-        )
     channels_last = _channels_last(x)
     fmt = torch.channels_last if channels_last or _channels_last(weight) else torch.contiguous_format
-    if out is None:
-        out = torch.empty((N, OC, OH, OW), device=x.device, dtype=dtype, memory_format=memory_format or fmt)
-    elif out.shape != (N, OC, OH, OW) or out.dtype != dtype or out.device != x.device:
-        want = f"({N}, {OC}, {OH}, {OW}) {dtype} tensor on {x.device}"
-        raise ValueError(f"out must be a {want}; got {tuple(out.shape)} {out.dtype} on {out.device}")
-    if out.numel() >= 2**31:
-        raise ValueError(f"the output has {out.numel()} elements; the kernels index with int32 (< 2**31)")
+    out = output_tensor(out, (N, OC, OH, OW), dtype, x.device, memory_format or fmt)
     has_residual = residual is not None
     if has_residual:
         residual = residual_like(residual, out)  # in out's strides, so that the kernels read it at y's offsets

@@ -233,6 +233,7 @@ def conv2d_fp8(
     stride=(1, 1),
     padding=(0, 0),
     dilation=(1, 1),
+    groups: int = 1,
     negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
     x_scale: float = 1.0,
     residual: torch.Tensor | None = None,
@@ -243,9 +244,12 @@ def conv2d_fp8(
     """fused_conv2d_fp8 in torch: the e4m3 operands (x quantized with x_scale unless it is e4m3) widened to fp32,
     F.conv2d in fp32 (each e4m3 product is exact in fp32; only the order of the sums differs from the kernel's), then
     the epilogue in fp32 and one rounding: e4m3 with out_scale (saturating at +-448, nearest even), or out_dtype. The
-    unfused mode's float8 steps run this."""
+    unfused mode's float8 steps run this. groups: as F.conv2d takes it, weight (OC, C / groups, KH, KW): the reference
+    of fused_conv2d_grouped_fp8 too."""
     xq = _fp8_operand(x, x_scale).float()
-    acc = F.conv2d(xq, weight.float(), None, stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation))
+    acc = F.conv2d(
+        xq, weight.float(), None, stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation), groups=groups
+    )
     return _fp8_output(acc, scale, bias, residual, residual_scale, activation, negative_slope, out_scale, out_dtype, 1)
 
 

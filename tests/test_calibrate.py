@@ -122,6 +122,17 @@ def test_runner_serves_float8(model_dir, samples):
     assert out.shape == (16, 10) and (out.argmax(1) == y[:16]).mean() >= 0.9
 
 
+def _calibrated_on_random_rows(model_dir, tmp_path, shape: tuple[int, ...], rows: int, checked: int):
+    """The model calibrated (the CLI) on `rows` fresh normal rows; (the loaded model, the first `checked` rows on the
+    device the fused half runs on, that device: CUDA where there is one)."""
+    data = np.random.default_rng().standard_normal((rows, *shape)).astype(np.float32)
+    (tmp_path / "samples").mkdir()
+    np.save(tmp_path / "samples" / "rows.npy", data)
+    assert main(["calibrate", str(model_dir), "--samples", str(tmp_path / "samples")]) == 0
+    device = torch.device("cuda") if torch.cuda.is_available() else CPU
+    return load_model(model_dir), torch.from_numpy(data[:checked]).to(device), device
+
+
 def test_a_max_pool_between_the_float16_stem_and_float8_convs_writes_e4m3(tmp_path, monkeypatch):
     """ResNet's shape in small: a conv kept in the compute dtype, a 3x3/2 max pool, float8 convs. The pool writes
     e4m3 with its readers' input scale (float8.Fp8Output), so they read one byte a value; a max of quantized values is
@@ -139,13 +150,7 @@ def test_a_max_pool_between_the_float16_stem_and_float8_convs_writes_e4m3(tmp_pa
                         nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 1), nn.ReLU(), nn.Flatten(),
                         nn.Linear(32 * 5 * 5, 10))  # fmt: skip
     model_dir = export_sequential(net, tmp_path / "stem-pool", input_shape=[3, 9, 9])
-    rows = np.random.default_rng().standard_normal((48, 3, 9, 9)).astype(np.float32)
-    (tmp_path / "samples").mkdir()
-    np.save(tmp_path / "samples" / "rows.npy", rows)
-    assert main(["calibrate", str(model_dir), "--samples", str(tmp_path / "samples")]) == 0
-    model = load_model(model_dir)
-    device = torch.device("cuda") if torch.cuda.is_available() else CPU
-    x = torch.from_numpy(rows[:7]).to(device)
+    model, x, device = _calibrated_on_random_rows(model_dir, tmp_path, (3, 9, 9), rows=48, checked=7)
     plan = float8.plan_float8
     for mode in ("unfused", "fused"):
         ex = Executor(model, mode, device, torch.float32, precision="float8")
@@ -170,3 +175,39 @@ def test_a_max_pool_between_the_float16_stem_and_float8_convs_writes_e4m3(tmp_pa
             # across a rounding boundary it differs by one step (1/16 to 1/8 of it), and the classifier mixes that in
             # (an H200: 3 of 70 logits off by up to 1.4%, 5.9e-4 of 0.2); as a whole the logits agree far closer
             assert normwise_error(got, want) < 1e-2, mode
+
+
+def test_grouped_and_depthwise_convs_run_in_float8_alike_in_both_modes(tmp_path):
+    """MobileNet's block in small: a depthwise 3x3 (with its BatchNorm and ReLU6) between 1x1 convs, and a grouped
+    conv of 4 channels a group. Both run in float8 (kernels/conv_grouped_fp8.py fused; reference.conv2d_fp8 with its
+    groups unfused), writing e4m3 where a float8 step reads them and float32 for the kept classifier, and the two modes
+    agree: the same e4m3 operands and one rounding each, so up to an intermediate value rounded one e4m3 step apart."""
+    from torch import nn
+
+    from service.model.export import export_module
+    from service.model.float8 import Fp8Step
+
+    torch.manual_seed(int(np.random.default_rng().integers(1 << 31)))
+    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 48, 1), nn.ReLU6(),
+                        nn.Conv2d(48, 48, 3, stride=2, padding=1, groups=48), nn.BatchNorm2d(48), nn.ReLU6(),
+                        nn.Conv2d(48, 32, 1), nn.Conv2d(32, 32, 3, padding=1, groups=8), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(32 * 4 * 4, 10)).eval()  # fmt: skip
+    with torch.no_grad():
+        bn = net[5]
+        bn.running_mean.uniform_(-0.5, 0.5), bn.running_var.uniform_(0.5, 2.0), bn.weight.uniform_(0.5, 1.5)
+    model_dir = export_module(net, torch.randn(1, 3, 7, 7), tmp_path / "mobile")
+    model, x, device = _calibrated_on_random_rows(model_dir, tmp_path, (3, 7, 7), rows=40, checked=5)
+    outs = {}
+    for mode in ("unfused", "fused"):
+        ex = Executor(model, mode, device, torch.float32, precision="float8")
+        grouped = [s for s in ex.steps if getattr(s, "groups", 1) > 1]
+        assert [s.groups for s in grouped] == [48, 8], [s.name for s in ex.steps]
+        assert all(isinstance(ex.fp8.get(s.name), Fp8Step) for s in grouped)
+        depthwise, last = grouped
+        assert ex.fp8[depthwise.name].out_scale is not None  # read by a float8 1x1 conv: e4m3 out
+        assert ex.fp8[last.name].out_scale is None  # read by the float32 classifier (through the flatten)
+        assert all(ex.precisions()[s.name] == "float8" for s in grouped)
+        with torch.no_grad():
+            outs[mode] = ex.forward(x).float().cpu()
+    assert outs["fused"].shape == (5, 10) and torch.isfinite(outs["fused"]).all()
+    assert normwise_error(outs["fused"], outs["unfused"]) < 2e-2

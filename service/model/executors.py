@@ -519,7 +519,8 @@ class Executor:
     def _bind_fp8(self, step: LinearStep | Conv2dStep, channels_last: bool) -> Layer:
         """A conv or linear step in float8: e4m3 weights per output channel (batch norm and layer scale folded in
         float64 first, in both modes), the calibrated scales of its input, residual and output (calibrate.Fp8Step).
-        Fused: kernels/conv_fp8.py, kernels/linear_fp8.py; unfused: their torch references (dequantize, fp32, round)."""
+        Fused: kernels/conv_fp8.py (grouped and depthwise: conv_grouped_fp8.py), kernels/linear_fp8.py; unfused: their
+        torch references (dequantize, fp32, round)."""
         from kernels import reference
         from kernels.fp8 import dequant_scale, quantize_weight
 
@@ -534,7 +535,13 @@ class Executor:
             w, b = w * s.reshape(-1, *([1] * (w.dim() - 1))), None if b is None else b * s
         wq, w_scale = quantize_weight(w)
         conv = isinstance(step, Conv2dStep)
-        wq = wq.to(self.device).contiguous(memory_format=torch.channels_last if conv else torch.contiguous_format)
+        grouped = conv and step.groups > 1
+        if grouped and self.mode == "fused":
+            from kernels.conv_grouped_fp8 import prepare_weight
+
+            wq = prepare_weight(wq.to(self.device))
+        else:
+            wq = wq.to(self.device).contiguous(memory_format=torch.channels_last if conv else torch.contiguous_format)
         kw = {
             "weight": wq,
             "scale": dequant_scale(plan.x_scale, w_scale).to(self.device),
@@ -548,8 +555,14 @@ class Executor:
         }
         if conv:
             kw.update(stride=step.stride, padding=step.padding, dilation=step.dilation)
+        if grouped:
+            kw["groups"] = step.groups
         if self.mode == "unfused":
             fn = reference.conv2d_fp8 if conv else reference.linear_fp8
+        elif grouped:
+            from kernels.conv_grouped_fp8 import fused_conv2d_grouped_fp8 as fn
+
+            kw["memory_format"] = _memory_format(channels_last)
         elif conv:
             from kernels.conv_fp8 import fused_conv2d_fp8 as fn
 

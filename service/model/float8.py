@@ -101,13 +101,12 @@ def _weighted(step: Step) -> bool:
 
 
 def fp8_eligible(step: Step) -> bool:
-    """A step the fp8 kernels can run: a linear, or a conv of groups 1 with no gate, input normalization, pre-activation
-    batch norm or pool."""
+    """A step the fp8 kernels can run: a linear, or a conv (groups 1: kernels/conv_fp8.py and conv_tma_fp8.py; grouped
+    and depthwise: conv_grouped_fp8.py) with no gate, input normalization, pre-activation batch norm or pool."""
     if isinstance(step, LinearStep):
         return True
     return (
         isinstance(step, Conv2dStep)
-        and step.groups == 1
         and step.gate is None
         and step.normalize is None
         and step.prenorm is None
