@@ -2,7 +2,7 @@
 
     python -m bench.serve.issue52 --out /tmp/i52                    # on the GPU host: ~7 minutes (ResNet-50)
     python -m bench.serve.issue52 --out /tmp/i52 -- --duration 1    # bench serve's args after --
-    python -m bench.serve.issue52 --out /tmp/i52 --ab-only          # the live A/B alone (~2 minutes)
+    python -m bench.serve.issue52 --out /tmp/i52 --ab-only          # the live A/B alone (~4 minutes)
 
 Per model (bench/serve/issue50.py's: torchvision's architecture, random weights, imported with uint8 input and
 ImageNet's preprocessing):
@@ -17,6 +17,8 @@ ImageNet's preprocessing):
    leave the shadow no turn) with each of AB_LOADS in turn: JPEG photos like the calibration's (another seed), then
    UINT8 noise, traffic unlike anything calibrated on; the shadow's counters for each load (batches and rows compared,
    top-1 agreement, the median batch's error from the histogram), then `fusedserve ab-report --url` of the whole.
+Then the same live A/B for the shipped digits-resnet, a trained model (random weights leave a ResNet's top-1 to
+chance: DIGITS below), calibrated on the training digits and loaded with the held-out ones.
 
 Writes OUT/serve_issue52_<gpu>.{md,json} (and each bench serve run's tables under OUT/<dtype>/<model>, the A/B
 report under OUT/ab_<model>.md); the models, photos and tuning cache stay under OUT for a second run.
