@@ -63,18 +63,31 @@ def _gather(ptrs, ok, x_inv_scale, QUANT_X: tl.constexpr, ROUND_FP8: tl.constexp
     return a
 
 
+@triton.jit
+def _gather_gated(ptrs, ok, g_ptrs, x_inv_scale, ROUND_FP8: tl.constexpr):
+    """A gathered tile of an fp16/fp32 x times its squeeze-excitation gate (g[n, c], one value per image and channel),
+    quantized with 1 / s_xg as it is loaded: x * g is never written, and is quantized once, with the scale calibrated
+    for it (calibrate.gated_name). 0 where not `ok`."""
+    a = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)
+    return quantize_e4m3(a * g, x_inv_scale, ROUND_FP8)
+
+
 @triton.jit(do_not_specialize=["NB"])
 def _conv2d_fp8_kernel(
     # pointers: x (e4m3, or fp16/fp32 with QUANT_X), w (e4m3), s (fp32 per output channel: s_x * s_w[o]), b (fp32
-    # bias), y (e4m3, fp16 or fp32), r (the residual, with y's strides; unused without HAS_RESIDUAL)
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, r_ptr,
+    # bias), y (e4m3, fp16 or fp32), r (the residual, with y's strides; unused without HAS_RESIDUAL), g (the gate,
+    # (N, C); unused without HAS_GATE)
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, r_ptr, g_ptr,
     # sizes (the batch NB is the only run-time one; M = NB * OH * OW)
     NB, OC,
     # strides
     stride_xn, stride_xc, stride_xh, stride_xw,
     stride_wo, stride_wc, stride_wh, stride_ww,
     stride_yn, stride_yc, stride_yh, stride_yw,
-    # scales: 1 / s_x (QUANT_X), the residual's s_r (R_FP8), 1 / s_y (Y_FP8); the epilogue's leaky_relu slope
+    stride_gn, stride_gc,
+    # scales: 1 / s_x (QUANT_X; with HAS_GATE, of x * gate), the residual's s_r (R_FP8), 1 / s_y (Y_FP8); the
+    # epilogue's leaky_relu slope
     x_inv_scale, r_scale, y_inv_scale, negative_slope,
     # the layer's shape
     C: tl.constexpr, H: tl.constexpr, W: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
@@ -84,6 +97,7 @@ def _conv2d_fp8_kernel(
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (pdl.py)
     QUANT_X: tl.constexpr,  # x is fp16/fp32: quantized with x_inv_scale as gathered
+    HAS_GATE: tl.constexpr,  # x times the gate g[n, c] as gathered, then quantized (QUANT_X is set with it)
     R_FP8: tl.constexpr,  # the residual is e4m3 (times r_scale), else read as it is
     Y_FP8: tl.constexpr,  # y is e4m3, quantized with y_inv_scale
     ROUND_FP8: tl.constexpr,  # round to e4m3 by hand before each cast (interpreter workaround, fp8.py)
@@ -126,7 +140,11 @@ def _conv2d_fp8_kernel(
             iw = w0[:, None] + (kw * DW)[None, :]
             a_ok = (m_ok[:, None] & k_ok[None, :]) & ((ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))
             x_k = c * stride_xc + (kh * DH) * stride_xh + (kw * DW) * stride_xw
-            a = _gather(x_corner[:, None] + x_k[None, :], a_ok, x_inv_scale, QUANT_X, ROUND_FP8)
+            if HAS_GATE:
+                g_k = g_ptr + n[:, None] * stride_gn + (c * stride_gc)[None, :]
+                a = _gather_gated(x_corner[:, None] + x_k[None, :], a_ok, g_k, x_inv_scale, ROUND_FP8)
+            else:
+                a = _gather(x_corner[:, None] + x_k[None, :], a_ok, x_inv_scale, QUANT_X, ROUND_FP8)
             w_k = c * stride_wc + kh * stride_wh + kw * stride_ww
             b = tl.load(w_cols[None, :] + w_k[:, None], mask=k_ok[:, None], other=0.0)
             acc = tl.dot(a, b, acc)
@@ -144,7 +162,12 @@ def _conv2d_fp8_kernel(
             row_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
             c_ok = offs_k < C - c0  # `arange < scalar`: constant over runs, so loads stay vectorised
             x_step = c0 * stride_xc + (kh * DH) * stride_xh + (kw * DW) * stride_xw
-            a = _gather(a_tile + x_step, row_ok[:, None] & c_ok[None, :], x_inv_scale, QUANT_X, ROUND_FP8)
+            a_ok = row_ok[:, None] & c_ok[None, :]
+            if HAS_GATE:
+                g_k = g_ptr + n[:, None] * stride_gn + ((c0 + offs_k) * stride_gc)[None, :]
+                a = _gather_gated(a_tile + x_step, a_ok, g_k, x_inv_scale, ROUND_FP8)
+            else:
+                a = _gather(a_tile + x_step, a_ok, x_inv_scale, QUANT_X, ROUND_FP8)
             b = tl.load(b_tile + (c0 * stride_wc + kh * stride_wh + kw * stride_ww), mask=c_ok[:, None], other=0.0)
             acc = tl.dot(a, b, acc)
 
@@ -203,6 +226,22 @@ def _residual_in(residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return residual
 
 
+def _gate_2d(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The gate as the kernel reads it, (N, C) with its own strides; a clear error for a wrong shape, device or x."""
+    N, C = x.shape[:2]
+    if x.dtype == E4M3:
+        raise TypeError("a gate needs x in float16 or float32 (x * gate is quantized as it is read); x is e4m3")
+    if gate.dim() == 4 and tuple(gate.shape[2:]) == (1, 1):
+        gate = gate[:, :, 0, 0]
+    if tuple(gate.shape) != (N, C):
+        raise ValueError(f"gate must be (N, C) = ({N}, {C}) or (N, C, 1, 1); got {tuple(gate.shape)}")
+    if not gate.is_floating_point() or gate.dtype == E4M3:
+        raise TypeError(f"gate has dtype {gate.dtype}; want float16, bfloat16 or float32")
+    if gate.device != x.device:
+        raise ValueError(f"x is on {x.device} but gate is on {gate.device}")
+    return gate
+
+
 _configs: dict[tuple, LaunchConfig] = {}  # per (layer signature, M bucket): the tuned config
 on_new_picks(_configs.clear)
 
@@ -225,6 +264,7 @@ def fused_conv2d_fp8(
     out_dtype: torch.dtype = torch.float16,
     memory_format: torch.memory_format | None = None,
     out: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act(conv2d(x, weight) * scale[o] + bias [+ residual]) with e4m3 operands and an fp32 accumulator; groups=1.
 
@@ -236,9 +276,13 @@ def fused_conv2d_fp8(
     out_scale: the output's quantization scale (the next fp8 layer's input scale): y = e4m3(v / out_scale); None:
     y in out_dtype (float16 or float32).
     memory_format: of the returned tensor; None: channels_last.
+    gate: None, or the squeeze-excitation gate of an fp16/fp32 x, one value per image and channel ((N, C) or
+    (N, C, 1, 1), any float dtype): the conv reads e4m3(x * gate / x_scale), x_scale being that product's scale.
     """
     y_dtype = E4M3 if out_scale is not None else out_dtype
     _check(x, weight, scale, bias, activation, residual, y_dtype)
+    if gate is not None:
+        gate = _gate_2d(gate, x)
     s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
     if min(s) < 1 or min(d) < 1 or min(p) < 0:
         raise ValueError(f"stride and dilation must be >= 1 and padding >= 0; got {s}, {d}, {p}")
@@ -265,6 +309,7 @@ def fused_conv2d_fp8(
     channels_last = _channels_last(x)
     y_planes = out.stride()[1:] == (OH * OW, OW, 1)
     flags = fp8_flags(x, y_dtype, residual)
+    has_gate = gate is not None
     geometry = dict(C=C, H=H, W=W, OH=OH, OW=OW, KH=KH, KW=KW, SH=s[0], SW=s[1], PH=p[0], PW=p[1], DH=d[0], DW=d[1])
     pdl = use_pdl(x.device)
     scales = (
@@ -276,7 +321,7 @@ def fused_conv2d_fp8(
 
     # conv_tma_fp8's TMA boxes where they can run: e4m3 x and the weight channels_last, 16-byte rows, strides that
     # divide the image (an fp16/fp32 x, quantized as it is gathered, stays with the gathers: `eligible` says so)
-    tma = conv_tma_fp8.eligible(x, weight, s, out)
+    tma = not has_gate and conv_tma_fp8.eligible(x, weight, s, out)
 
     def run(config: LaunchConfig):
         if conv_tma.is_tma(config):
@@ -286,11 +331,12 @@ def fused_conv2d_fp8(
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(OC, meta["BLOCK_N"])
         return grid_launch(_conv2d_fp8_kernel, (tiles,))(
             x, weight, scale, bias if bias is not None else scale, out, residual if has_residual else out,
+            gate if has_gate else scale,
             N, OC,
-            *x.stride(), *weight.stride(), *out.stride(),
+            *x.stride(), *weight.stride(), *out.stride(), *(gate.stride() if has_gate else (0, 0)),
             *scales,
             **geometry, HAS_BIAS=bias is not None, HAS_RESIDUAL=has_residual, ACTIVATION=activation, PDL=pdl,
-            **flags, Y_PLANES=y_planes, **meta, **({"launch_pdl": True} if pdl else {}),
+            **flags, HAS_GATE=has_gate, Y_PLANES=y_planes, **meta, **({"launch_pdl": True} if pdl else {}),
         )  # fmt: skip
 
     K = C * KH * KW
@@ -302,7 +348,8 @@ def fused_conv2d_fp8(
         return out
     bucket = m_bucket(M)
     signature = (tuple(weight.shape), weight.stride(), x.shape[1:], x.stride()[1:], x.dtype, s, p, d, activation,
-                 bias is not None, y_dtype, y_planes, bucket, has_residual and residual.dtype, tma)  # fmt: skip
+                 bias is not None, y_dtype, y_planes, bucket, has_residual and residual.dtype, tma,
+                 has_gate)  # fmt: skip
     config = _configs.get(signature)
     if config is None:
         key = (
@@ -312,6 +359,8 @@ def fused_conv2d_fp8(
         )
         if has_residual:
             key += f"|residual={residual.dtype}"
+        if has_gate:
+            key += "|gate"
         candidates = cuda_configs(bucket, OC, C, K, device_limits(x.device)[0])
         if tma:  # x and the weight channels_last, aligned: TMA candidates too
             key += "|tma"

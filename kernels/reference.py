@@ -240,12 +240,15 @@ def conv2d_fp8(
     residual_scale: float = 1.0,
     out_scale: float | None = None,
     out_dtype: torch.dtype = torch.float16,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fused_conv2d_fp8 in torch: the e4m3 operands (x quantized with x_scale unless it is e4m3) widened to fp32,
     F.conv2d in fp32 (each e4m3 product is exact in fp32; only the order of the sums differs from the kernel's), then
     the epilogue in fp32 and one rounding: e4m3 with out_scale (saturating at +-448, nearest even), or out_dtype. The
     unfused mode's float8 steps run this. groups: as F.conv2d takes it, weight (OC, C / groups, KH, KW): the reference
-    of fused_conv2d_grouped_fp8 too."""
+    of fused_conv2d_grouped_fp8 too. gate: x * gate (per image and channel, in fp32) is what is quantized."""
+    if gate is not None:
+        x = x.float() * gate.float().reshape(x.shape[0], x.shape[1], 1, 1)
     xq = _fp8_operand(x, x_scale).float()
     acc = F.conv2d(
         xq, weight.float(), None, stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation), groups=groups

@@ -211,3 +211,52 @@ def test_grouped_and_depthwise_convs_run_in_float8_alike_in_both_modes(tmp_path)
             outs[mode] = ex.forward(x).float().cpu()
     assert outs["fused"].shape == (5, 10) and torch.isfinite(outs["fused"]).all()
     assert normwise_error(outs["fused"], outs["unfused"]) < 2e-2
+
+
+def test_a_squeeze_excitation_gate_runs_in_float8_in_the_conv_that_reads_it(tmp_path):
+    """EfficientNet's block in small: expand 1x1, depthwise 3x3, the squeeze-excitation (global pool, two 1x1 convs,
+    a sigmoid) whose gate the project conv applies as it reads. Calibration records x * gate, a tensor no step
+    writes (float8.gated_name); the project conv quantizes that product with its scale as it gathers, so the
+    depthwise conv before it writes the compute dtype (its reader multiplies first), and both modes agree."""
+    from torch import nn
+
+    from service.model.export import export_module
+    from service.model.float8 import Calibration, Fp8Step, gated_name, load_calibration
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.SiLU())
+            self.expand = nn.Sequential(nn.Conv2d(16, 48, 1), nn.SiLU())
+            self.dw = nn.Sequential(nn.Conv2d(48, 48, 3, padding=1, groups=48), nn.SiLU())
+            self.fc1, self.fc2 = nn.Conv2d(48, 8, 1), nn.Conv2d(8, 48, 1)
+            self.project = nn.Conv2d(48, 32, 1)
+            self.head = nn.Linear(32 * 6 * 6, 10)
+
+        def forward(self, x):
+            y = self.dw(self.expand(self.stem(x)))
+            gate = torch.sigmoid(self.fc2(torch.nn.functional.silu(self.fc1(y.mean((2, 3), keepdim=True)))))
+            return self.head(torch.flatten(self.project(y * gate), 1))
+
+    torch.manual_seed(int(np.random.default_rng().integers(1 << 31)))
+    model_dir = export_module(Block().eval(), torch.randn(1, 3, 6, 6), tmp_path / "se")
+    model, x, device = _calibrated_on_random_rows(model_dir, tmp_path, (3, 6, 6), rows=40, checked=5)
+    outs = {}
+    for mode in ("unfused", "fused"):
+        ex = Executor(model, mode, device, torch.float32, precision="float8")
+        (gated,) = [s for s in ex.steps if getattr(s, "gate", None)]
+        plan = ex.fp8[gated.name]
+        assert isinstance(plan, Fp8Step) and ex.precisions()[gated.name] == "float8"
+        cal = load_calibration(model)
+        assert plan.x_scale == pytest.approx(cal.ranges[gated_name(gated)] / 448)
+        (dw,) = [s for s in ex.steps if getattr(s, "groups", 1) > 1]
+        assert dw.output == gated.inputs[0] and ex.fp8[dw.name].out_scale is None  # read in float32 by the gated conv
+        with torch.no_grad():
+            outs[mode] = ex.forward(x).float().cpu()
+    assert torch.isfinite(outs["fused"]).all()
+    assert normwise_error(outs["fused"], outs["unfused"]) < 2e-2
+    # a calibration from before gated convs ran in float8 lacks x * gate: that conv stays float32, the rest float8
+    older = Calibration({k: v for k, v in cal.ranges.items() if "*" not in k}, cal.samples, cal.samples_sha256)
+    ex = Executor(model, "unfused", device, torch.float32, precision="float8", calibration=older)
+    assert gated.name not in ex.fp8 and ex.precisions()[gated.name] == "float32"
+    assert ex.fp8[dw.name].out_scale is None and isinstance(ex.fp8[dw.name], Fp8Step)

@@ -137,6 +137,49 @@ def test_conv_nchw_x_and_both_k_loops(case, flat_k):
     assert_close_to(got, want, RTOL[torch.float16], f"{case} nchw flat_k={flat_k}")
 
 
+@pytest.mark.parametrize("case", [CONV_CASES[1], CONV_CASES[4], CONV_CASES[3]], ids=_ids)
+@pytest.mark.parametrize("flat_k", [False, True])
+def test_gated_conv_quantizes_x_times_its_gate_as_it_reads(case, flat_k):
+    """EfficientNet's project conv: x (fp16 or fp32) times a per-image, per-channel gate in (0, 1), quantized with the
+    scale of that product as it is gathered (never written), through either K loop, x NHWC and NCHW, the gate as
+    (N, C) or (N, C, 1, 1) in another dtype, a residual; against the reference, which quantizes x * gate in fp32.
+    e4m3 out: within one e4m3 step; fp16 out: fp16's tolerance."""
+    N, C, H, W, OC, k, s, p = case
+    x = torch.randn(N, C, H, W, device=DEVICE)
+    gate = torch.sigmoid(torch.randn(N, C, 1, 1, device=DEVICE))
+    w = torch.randn(OC, C, k, k, device=DEVICE) / (C * k * k) ** 0.5
+    b = torch.randn(OC, device=DEVICE)
+    xs = scale_of((x * gate).abs().max())  # the product's range, as calibration measures it
+    wq, ws = quantize_weight(w)
+    scale = dequant_scale(xs, ws)
+    shape = (N, OC, conv_output_size(H, k, s, p, 1), conv_output_size(W, k, s, p, 1))
+    for x_in, g, out_fp8, fmt in ((x.half().contiguous(memory_format=torch.channels_last), gate.half(), True, "nhwc"),
+                                  (x, gate.reshape(N, C).float(), False, "nchw")):  # fmt: skip
+        r = torch.randn(shape, device=DEVICE).half()
+        kw = dict(stride=s, padding=p, x_scale=xs, residual=r, out_scale=4.0 / 448 if out_fp8 else None)
+        want = reference.conv2d_fp8(x_in, wq, scale, b, "silu", gate=g, **kw)
+        out = _unwritten(shape, E4M3 if out_fp8 else torch.float16, torch.channels_last)
+        with conv_fp8.INTERPRETER.override(tile=conv_fp8.SMALL_INTERPRETER_TILE, flat_k=flat_k):
+            got = fused_conv2d_fp8(x_in, wq, scale, b, activation="silu", out=out, gate=g, **kw)
+        what = f"{case} gated {fmt} flat_k={flat_k}"
+        if out_fp8:
+            assert_e4m3_close(got, want, what)
+        else:
+            assert_close_to(got, want, RTOL[torch.float16], what)
+        ungated = reference.conv2d_fp8(x_in, wq, scale, b, "silu", **kw)
+        assert not torch.equal(got.float(), ungated.float()), f"{what}: the gate changed nothing"
+
+
+def test_a_gate_is_refused_with_an_e4m3_x_or_the_wrong_shape():
+    x, w, b, x_in, xs, wq, ws = _conv_inputs(CONV_CASES[1], True, channels_last=True)
+    scale = dequant_scale(xs, ws)
+    N, C = x.shape[:2]
+    with pytest.raises(TypeError, match="a gate needs x in float16 or float32"):
+        fused_conv2d_fp8(x_in, wq, scale, b, gate=torch.rand(N, C, device=DEVICE))
+    with pytest.raises(ValueError, match=r"gate must be \(N, C\) = \(2, 64\) or \(N, C, 1, 1\); got \(2, 63\)"):
+        fused_conv2d_fp8(x.half(), wq, scale, b, gate=torch.rand(N, C - 1, device=DEVICE))
+
+
 def test_conv_close_to_float64_of_unquantized_inputs():
     """The whole fp8 path (activation and weight quantization, fp16 output) against float64 on the inputs as they
     were: normwise error under 6% (module docstring)."""

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .float8 import Calibration, calibration_path
+from .float8 import Calibration, calibration_path, gated_name
 from .loader import Model
 from .spec import ModelFormatError
 
@@ -127,7 +127,8 @@ def measure(
 ) -> tuple[dict[str, float], int]:
     """({tensor: its largest |value| (or percentile) over every batch}, rows seen): the model run unfused in
     float32 (the plan float8 serves: no whole-MLP or conv + pool groups), every tensor a step reads or writes
-    measured. `progress(rows)` after each forward."""
+    measured, and for a gated conv its input times its gate (float8.gated_name: what that conv quantizes).
+    `progress(rows)` after each forward."""
     from .executors import Executor
 
     executor = Executor(model, "unfused", device, torch.float32, whole_mlp=False, conv_pool=False)
@@ -146,7 +147,9 @@ def measure(
         live = {executor.input_name: x}
         record(executor.input_name, x)
         with torch.no_grad():
-            for (_, layer), wiring in zip(executor.layers, executor.wiring, strict=True):
+            for step, (_, layer), wiring in zip(executor.steps, executor.layers, executor.wiring, strict=True):
+                if getattr(step, "gate", None):  # what a float8 gated conv quantizes: x * gate, never written
+                    record(gated_name(step), live[step.inputs[0]] * live[step.gate])
                 y = layer(*[live[t] for t in wiring.reads])
                 live[wiring.output] = y
                 record(wiring.output, y)

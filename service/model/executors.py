@@ -569,6 +569,8 @@ class Executor:
             kw["memory_format"] = _memory_format(channels_last)
         else:
             from kernels.linear_fp8 import fused_linear_fp8 as fn
+        if conv and step.gate is not None:  # x * gate quantized as it is read (kernels/conv_fp8.py's gate)
+            return functools.partial(_fp8_gated_layer, fn=fn, **kw)
         return functools.partial(_fp8_layer, fn=fn, **kw)
 
     def _global_pool(self, step: Pool2dStep) -> bool:
@@ -839,6 +841,12 @@ def _fp8_layer(x, residual=None, *, fn, weight, scale, bias, activation, **kw):
     if x.dim() == 2:
         x = x.contiguous()
     return fn(x, weight, scale, bias, activation=activation, residual=residual, **kw)
+
+
+def _fp8_gated_layer(x, *rest, fn, weight, scale, bias, activation, **kw):
+    """A gated fp8 conv: x, then its residual where it has one, then the gate (planner.reads' order)."""
+    *rest, gate = rest
+    return fn(x, weight, scale, bias, activation=activation, residual=rest[0] if rest else None, gate=gate, **kw)
 
 
 def _deadline_cause(e: BaseException, kind: type[Exception]) -> Exception | None:
