@@ -403,6 +403,34 @@ def conv_output_size(size: int, k: int, s: int, p: int, d: int) -> int:
     return (size + 2 * p - d * (k - 1) - 1) // s + 1
 
 
+def conv_geometry(x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation) -> tuple:
+    """(stride, padding, dilation as pairs, OH, OW) of a conv of x (N, C, H, W) by weight (OC, CG, KH, KW); a clear
+    ValueError for a stride or dilation below 1, a negative padding, or an empty output."""
+    s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
+    if min(s) < 1 or min(d) < 1 or min(p) < 0:
+        raise ValueError(f"stride and dilation must be >= 1 and padding >= 0; got {s}, {d}, {p}")
+    (H, W), (KH, KW) = x.shape[2:], weight.shape[2:]
+    OH, OW = conv_output_size(H, KH, s[0], p[0], d[0]), conv_output_size(W, KW, s[1], p[1], d[1])
+    if OH < 1 or OW < 1:
+        raise ValueError(
+            f"conv output is empty: input {H}x{W}, kernel {KH}x{KW}, stride {s}, padding {p}, dilation {d}"
+        )
+    return s, p, d, OH, OW
+
+
+def output_tensor(out: torch.Tensor | None, shape: tuple, dtype, device, memory_format) -> torch.Tensor:
+    """`out` checked against the output's shape, dtype and device, or a new one in `memory_format`; the kernels index
+    with int32, so at most 2**31 - 1 elements."""
+    if out is None:
+        out = torch.empty(shape, device=device, dtype=dtype, memory_format=memory_format)
+    elif tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
+        want = f"({', '.join(map(str, shape))}) {dtype} tensor on {device}"
+        raise ValueError(f"out must be a {want}; got {tuple(out.shape)} {out.dtype} on {out.device}")
+    if out.numel() >= 2**31:
+        raise ValueError(f"the output has {out.numel()} elements; the kernels index with int32 (< 2**31)")
+    return out
+
+
 def channel_slice_of_nhwc(t: torch.Tensor) -> bool:
     """t (N, C, H, W) has unit channel stride and pixels at least C apart: a run of a channels_last tensor's channels
     (a concat's buffer[:, a:b], which its producers write in place), gathered as channels_last x is (C contiguous)."""
@@ -588,16 +616,9 @@ def fused_conv2d(
     has_xscale = x_scale is not None
     if has_xscale:
         x_scale = _check_x_scale(x_scale, x, input_norm)
-    s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
-    if min(s) < 1 or min(d) < 1 or min(p) < 0:
-        raise ValueError(f"stride and dilation must be >= 1 and padding >= 0; got {s}, {d}, {p}")
+    s, p, d, OH, OW = conv_geometry(x, weight, stride, padding, dilation)
     N, C, H, W = x.shape
     OC, _, KH, KW = weight.shape
-    OH, OW = conv_output_size(H, KH, s[0], p[0], d[0]), conv_output_size(W, KW, s[1], p[1], d[1])
-    if OH < 1 or OW < 1:
-        raise ValueError(
-            f"conv output is empty: input {H}x{W}, kernel {KH}x{KW}, stride {s}, padding {p}, dilation {d}"
-        )
     POOL, PKH, PKW, PSH, PSW = "none", 1, 1, 1, 1
     if pool is not None:
         if not isinstance(pool, (tuple, list)) or len(pool) not in (2, 3) or pool[0] not in ("max", "avg"):

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from . import conv_tma, conv_tma_fp8
 from .activations import DEFAULT_NEGATIVE_SLOPE, check_activation
-from .conv import _y_tile, conv_output_size, m_bucket
+from .conv import _y_tile, conv_geometry, m_bucket, output_tensor
 from .fp8 import (
     E4M3,
     FP8_OUT_DTYPES,
@@ -46,7 +46,6 @@ from .interpreter import InterpreterSwitches
 from .launch import grid_launch
 from .pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from .pool import channels_last as _channels_last
-from .pool import pair
 from .runtime import check_device, interpreting
 from .tiles import device_limits, grouped_tile
 from .tuning import LaunchConfig, scope_for, tune
@@ -283,20 +282,10 @@ def fused_conv2d_fp8(
     _check(x, weight, scale, bias, activation, residual, y_dtype)
     if gate is not None:
         gate = _gate_2d(gate, x)
-    s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
-    if min(s) < 1 or min(d) < 1 or min(p) < 0:
-        raise ValueError(f"stride and dilation must be >= 1 and padding >= 0; got {s}, {d}, {p}")
+    s, p, d, OH, OW = conv_geometry(x, weight, stride, padding, dilation)
     N, C, H, W = x.shape
     OC, _, KH, KW = weight.shape
-    OH, OW = conv_output_size(H, KH, s[0], p[0], d[0]), conv_output_size(W, KW, s[1], p[1], d[1])
-    if OH < 1 or OW < 1:
-        raise ValueError(f"conv output is empty: input {H}x{W}, kernel {KH}x{KW}, stride {s}, padding {p}")
-    fmt = memory_format or torch.channels_last
-    if out is None:
-        out = torch.empty((N, OC, OH, OW), device=x.device, dtype=y_dtype, memory_format=fmt)
-    elif tuple(out.shape) != (N, OC, OH, OW) or out.dtype != y_dtype or out.device != x.device:
-        want = f"({N}, {OC}, {OH}, {OW}) {y_dtype} tensor on {x.device}"
-        raise ValueError(f"out must be a {want}; got {tuple(out.shape)} {out.dtype} on {out.device}")
+    out = output_tensor(out, (N, OC, OH, OW), y_dtype, x.device, memory_format or torch.channels_last)
     has_residual = residual is not None
     if has_residual:
         residual = _residual_in(residual, out)

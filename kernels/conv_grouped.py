@@ -36,12 +36,11 @@ import triton
 import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
-from .conv import conv_output_size, m_bucket
+from .conv import conv_geometry, m_bucket, output_tensor
 from .interpreter import InterpreterSwitches
 from .launch import grid_launch
 from .pdl import gdc_launch_dependents, gdc_wait
 from .pool import channels_last as _channels_last
-from .pool import pair
 from .runtime import check_device, interpreting
 from .tiles import channels_last_alignment, gemm_flags, known_strides, launch_options, residual_like
 from .tuning import LaunchConfig, scope_for, tune
@@ -338,34 +337,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
             raise ValueError(f"bias must have shape ({OC},) to match weight; got {tuple(bias.shape)}")
         if bias.dtype != weight.dtype or bias.device != x.device:
             raise TypeError(f"bias has dtype {bias.dtype} on {bias.device}; want {weight.dtype} on {x.device}")
-
-
-def conv_geometry(x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation) -> tuple:
-    """(stride, padding, dilation as pairs, OH, OW) of a conv of x (N, C, H, W) by weight (OC, CG, KH, KW); a clear
-    ValueError for a stride or dilation below 1, a negative padding, or an empty output."""
-    s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
-    if min(s) < 1 or min(d) < 1 or min(p) < 0:
-        raise ValueError(f"stride and dilation must be >= 1 and padding >= 0; got {s}, {d}, {p}")
-    (H, W), (KH, KW) = x.shape[2:], weight.shape[2:]
-    OH, OW = conv_output_size(H, KH, s[0], p[0], d[0]), conv_output_size(W, KW, s[1], p[1], d[1])
-    if OH < 1 or OW < 1:
-        raise ValueError(
-            f"conv output is empty: input {H}x{W}, kernel {KH}x{KW}, stride {s}, padding {p}, dilation {d}"
-        )
-    return s, p, d, OH, OW
-
-
-def output_tensor(out: torch.Tensor | None, shape: tuple, dtype, device, memory_format) -> torch.Tensor:
-    """`out` checked against the output's shape, dtype and device, or a new one in `memory_format`; the kernels index
-    with int32, so at most 2**31 - 1 elements."""
-    if out is None:
-        out = torch.empty(shape, device=device, dtype=dtype, memory_format=memory_format)
-    elif tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
-        want = f"({', '.join(map(str, shape))}) {dtype} tensor on {device}"
-        raise ValueError(f"out must be a {want}; got {tuple(out.shape)} {out.dtype} on {out.device}")
-    if out.numel() >= 2**31:
-        raise ValueError(f"the output has {out.numel()} elements; the kernels index with int32 (< 2**31)")
-    return out
 
 
 def default_path(CG: int) -> str:

@@ -35,9 +35,9 @@ import triton
 import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, check_activation
-from .conv import _y_tile, m_bucket
+from .conv import _y_tile, conv_geometry, m_bucket, output_tensor
 from .conv_fp8 import SMALL_INTERPRETER_TILE, _gather, _residual_in
-from .conv_grouped import UNROLL, InterpreterChoice, _fit, conv_geometry, default_path, output_tensor
+from .conv_grouped import UNROLL, InterpreterChoice, _fit, default_path
 from .conv_grouped import direct_configs as fp16_direct_configs
 from .conv_grouped import gemm_configs as fp16_gemm_configs
 from .fp8 import (
