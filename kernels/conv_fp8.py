@@ -47,7 +47,7 @@ from .launch import grid_launch
 from .pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from .pool import channels_last as _channels_last
 from .runtime import check_device, interpreting
-from .tiles import device_limits, grouped_tile
+from .tiles import device_limits, grouped_tile, residual_like
 from .tuning import LaunchConfig, scope_for, tune
 from .tuning_background import on_new_picks
 
@@ -212,19 +212,6 @@ def _check(x, weight, scale, bias, activation, residual, out_dtype) -> None:
         raise TypeError(f"residual has dtype {residual.dtype}; want float8_e4m3fn (with residual_scale), fp16 or fp32")
 
 
-def _residual_in(residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The residual at y's offsets (tiles.residual_like, for a residual whose dtype may differ from y's)."""
-    if tuple(residual.shape) != tuple(out.shape):
-        raise ValueError(f"residual must have the output's shape {tuple(out.shape)}; got {tuple(residual.shape)}")
-    if residual.device != out.device:
-        raise ValueError(f"residual is on {residual.device} but the output is on {out.device}")
-    same = all(a == b for n, a, b in zip(out.shape, residual.stride(), out.stride(), strict=True) if n > 1)
-    if not same:
-        copy = torch.empty_strided(out.shape, out.stride(), dtype=residual.dtype, device=out.device)
-        residual = copy.copy_(residual)
-    return residual
-
-
 def _gate_2d(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The gate as the kernel reads it, (N, C) with its own strides; a clear error for a wrong shape, device or x."""
     N, C = x.shape[:2]
@@ -288,7 +275,7 @@ def fused_conv2d_fp8(
     out = output_tensor(out, (N, OC, OH, OW), y_dtype, x.device, memory_format or torch.channels_last)
     has_residual = residual is not None
     if has_residual:
-        residual = _residual_in(residual, out)
+        residual = residual_like(residual, out, any_dtype=True)  # at y's offsets; not out's own memory
     M = N * OH * OW
     if M == 0:
         return out

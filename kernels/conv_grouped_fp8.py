@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .activations import DEFAULT_NEGATIVE_SLOPE, check_activation
 from .conv import _y_tile, conv_geometry, m_bucket, output_tensor
-from .conv_fp8 import SMALL_INTERPRETER_TILE, _gather, _residual_in
+from .conv_fp8 import SMALL_INTERPRETER_TILE, _gather
 from .conv_grouped import UNROLL, InterpreterChoice, _fit, default_path
 from .conv_grouped import direct_configs as fp16_direct_configs
 from .conv_grouped import gemm_configs as fp16_gemm_configs
@@ -55,7 +55,7 @@ from .launch import grid_launch
 from .pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from .pool import channels_last as _channels_last
 from .runtime import check_device, interpreting
-from .tiles import channels_last_alignment, known_multiple, known_strides, pow2_alignment
+from .tiles import channels_last_alignment, known_multiple, known_strides, pow2_alignment, residual_like
 from .tuning import LaunchConfig, scope_for, tune
 from .tuning_background import on_new_picks
 
@@ -352,11 +352,7 @@ def fused_conv2d_grouped_fp8(
     out = output_tensor(out, (N, OC, OH, OW), y_dtype, x.device, memory_format or torch.channels_last)
     has_residual = residual is not None
     if has_residual:
-        if residual.numel() and residual.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
-            raise ValueError(
-                "residual shares memory with out: tuning runs the kernel more than once; pass another tensor"
-            )
-        residual = _residual_in(residual, out)
+        residual = residual_like(residual, out, any_dtype=True)  # at y's offsets; not out's own memory
     M = N * OH * OW
     if M == 0:
         return out

@@ -45,15 +45,16 @@ def gemm_flags(has_bias: bool, activation: str, dtype: torch.dtype, allow_tf32: 
     )
 
 
-def residual_like(residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`residual` as an epilogue reads it: at y's offsets, so with out's shape, dtype, device and strides. One in
+def residual_like(residual: torch.Tensor, out: torch.Tensor, any_dtype: bool = False) -> torch.Tensor:
+    """`residual` as an epilogue reads it: at y's offsets, so with out's shape, dtype, device and strides (any dtype
+    with `any_dtype`: the fp8 kernels read an e4m3 residual with its scale beside an fp16 y, or the reverse). One in
     another layout (NCHW for an NHWC output, a transposed view, ...) is copied into out's layout first: one more
     kernel, which a model avoids by keeping its skip connections in its outputs' layout. One in out's own memory
     is refused: the first call of a shape runs the kernel once per tuned candidate, and each run would add the
     last one's output again."""
     if tuple(residual.shape) != tuple(out.shape):
         raise ValueError(f"residual must have the output's shape {tuple(out.shape)}; got {tuple(residual.shape)}")
-    if residual.dtype != out.dtype:
+    if residual.dtype != out.dtype and not any_dtype:
         raise TypeError(f"residual has dtype {residual.dtype} but the output is {out.dtype}; cast it to one dtype")
     if residual.device != out.device:
         raise ValueError(f"residual is on {residual.device} but the output is on {out.device}")
@@ -61,7 +62,7 @@ def residual_like(residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         raise ValueError("residual shares memory with out: tuning runs the kernel more than once; pass another tensor")
     same = all(a == b for n, a, b in zip(out.shape, residual.stride(), out.stride(), strict=True) if n > 1)
     if not same:
-        copy = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
+        copy = torch.empty_strided(out.shape, out.stride(), dtype=residual.dtype, device=out.device)
         residual = copy.copy_(residual)
     return residual
 

@@ -180,6 +180,15 @@ def test_a_gate_is_refused_with_an_e4m3_x_or_the_wrong_shape():
         fused_conv2d_fp8(x.half(), wq, scale, b, gate=torch.rand(N, C - 1, device=DEVICE))
 
 
+def test_a_residual_in_the_outputs_own_memory_is_refused():
+    """The tuner runs the kernel once per candidate on a layer's first call, so a residual read from `out` would be
+    added again each time (tiles.residual_like, as every conv launcher checks)."""
+    x, w, b, x_in, xs, wq, ws = _conv_inputs(CONV_CASES[1], True, channels_last=True)
+    out = torch.randn(2, 31, 5, 5, device=DEVICE).half().contiguous(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="residual shares memory with out"):
+        fused_conv2d_fp8(x_in, wq, dequant_scale(xs, ws), b, out=out, residual=out, out_dtype=torch.float16)
+
+
 def test_conv_close_to_float64_of_unquantized_inputs():
     """The whole fp8 path (activation and weight quantization, fp16 output) against float64 on the inputs as they
     were: normwise error under 6% (module docstring)."""
