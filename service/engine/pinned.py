@@ -142,13 +142,6 @@ class PinnedArenas:
         """Unregister every arena: the engine stops, no batch in flight. A range left registered when its mapping goes
         stays in the driver's table, and memory mapped there later (a pinned allocation, another arena) collides with
         it, as an in-process engine's stop did in the GPU tests ("resource already mapped" at a later kernel)."""
-        if not self._starts:
-            return
-        import torch
-
-        for start in self._starts:
-            if int(torch.cuda.cudart().cudaHostUnregister(start)) != 0:
-                _clear_cuda_error()
-        self._starts.clear()
-        self._ends.clear()
-        self._retired.clear()
+        retired = {start for start, _buf in self._retired}  # kept with their mappings until unregistered
+        self._retired += [(start, None) for start in self._starts if start not in retired]
+        self.release_retired()

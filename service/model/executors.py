@@ -559,13 +559,11 @@ class Executor:
             kw["groups"] = step.groups
         if self.mode == "unfused":
             fn = reference.conv2d_fp8 if conv else reference.linear_fp8
-        elif grouped:
-            from kernels.conv_grouped_fp8 import fused_conv2d_grouped_fp8 as fn
-
-            kw["memory_format"] = _memory_format(channels_last)
         elif conv:
-            from kernels.conv_fp8 import fused_conv2d_fp8 as fn
-
+            if grouped:
+                from kernels.conv_grouped_fp8 import fused_conv2d_grouped_fp8 as fn
+            else:
+                from kernels.conv_fp8 import fused_conv2d_fp8 as fn
             kw["memory_format"] = _memory_format(channels_last)
         else:
             from kernels.linear_fp8 import fused_linear_fp8 as fn
