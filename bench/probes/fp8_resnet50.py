@@ -3,12 +3,12 @@
 ResNet-50 (bench/resnets.py: torchvision's architecture, random weights with BatchNorm statistics from random
 images), or with --model another of torchvision's classifiers (mobilenet_v2, efficientnet_b0: torchvision's where it
 imports, else bench/zoo/families.py's copy; random weights and BatchNorm statistics as the zoo sets them), exported to
-ONNX and imported as a user's model; calibrated (service/model/calibrate.py, absmax) on
---calib random images; then fused float16 and fused float8 (the first conv and the classifier fp16, the other 52
-convs e4m3: kernels/conv_fp8.py) each captured as a CUDA graph per batch size and timed: hot (median of 50 replays,
-each between two CUDA events) and cold (L2 cleared before each replay, kernels/cold_timing.py). Accuracy on --check
-other random images (never the calibration ones): the logits' cosine similarity with float16's (mean and worst row)
-and top-1 agreement, beside float16's own against float32 (unfused) for scale.
+ONNX and imported as a user's model; calibrated (service/model/calibrate.py, absmax) on --calib random images; then
+fused float16 and fused float8 (the first conv and the classifier fp16, the other convs e4m3, 52 of them in ResNet-50:
+kernels/conv_fp8.py, conv_grouped_fp8.py) each captured as a CUDA graph per batch size and timed: hot (median of 50
+replays, each between two CUDA events) and cold (L2 cleared before each replay, kernels/cold_timing.py). Accuracy on
+--check other random images (never the calibration ones): the logits' cosine similarity with float16's (mean and
+worst row) and top-1 agreement, beside float16's own against float32 (unfused) for scale.
 
     python -m bench.probes.fp8_resnet50 --out DIR [--batches 1,256] [--tune-budget 300] [--model mobilenet_v2]
 
