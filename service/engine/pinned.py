@@ -65,7 +65,7 @@ def _clear_cuda_error() -> None:
     GPU tests sharing a worker with arena registrations failed in a matmul and a cat with "resource already mapped";
     alone they pass.) torch's cudart() binding has no cudaGetLastError, and its libcudart need not be in the global
     namespace, so each loaded copy is opened by its path and its error cleared: each copy keeps its own error state,
-    and on that host torchvision's copy comes first in the maps, where only the first copy found used to be cleared."""
+    and torchvision's wheel loads a copy of its own (first in the maps on that host)."""
     paths = cuda_runtime_paths()
     for lib in paths or [None]:  # none by path: the global namespace
         with contextlib.suppress(OSError, AttributeError):
