@@ -30,7 +30,7 @@ from kernels.conv import conv_output_size
 from kernels.conv_fp8 import fused_conv2d_fp8
 from kernels.fp8 import E4M3, dequant_scale, quantize, quantize_weight, scale_of
 from kernels.linear_fp8 import fused_linear_fp8
-from tests.tolerances import RTOL, assert_close_to
+from tests.tolerances import RTOL, assert_close_to, binade_step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -53,9 +53,7 @@ def _ids(case):
 def e4m3_steps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     """|got - want| in units of one e4m3 step at want (2**(exponent - 3); 2**-9 below the normal range)."""
     g, w = got.double(), want.double()
-    # frexp: w = m * 2**e with 0.5 <= |m| < 1, exactly (a log2 on the GPU may land a hair off an exact power of two)
-    exponent = (torch.frexp(w.abs().clamp_min(2.0**-6)).exponent - 1).double()
-    return (g - w).abs() / torch.pow(2.0, exponent - 3)
+    return (g - w).abs() / binade_step(w.abs().clamp_min(2.0**-6), 3)
 
 
 def assert_e4m3_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

@@ -72,6 +72,15 @@ def normwise_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 FP8_MMA_ROUNDING = 2.0**-12
 
 
+def binade_step(t: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
+    """One rounding step of a format with `mantissa_bits` at each |t| (> 0, normal): 2**(floor(log2 |t|) -
+    mantissa_bits), in float64 and exact: the exponent from frexp, the power built from its bits (torch.pow(2.0, k)
+    on CUDA may return 2**k times (1 - 1e-16), and an exact one-step difference then read 1.0000000000000002
+    steps on the H200)."""
+    exponent = torch.frexp(t.double().abs()).exponent.long() - 1 - mantissa_bits  # t = m * 2**(e+1), 0.5 <= m < 1
+    return ((exponent + 1023) << 52).view(torch.float64)
+
+
 def assert_close_on_hopper(got, want, magnitude, K: int, what: str) -> None:
     """got and want e4m3 with one scale, or fp16; magnitude: the same output computed from |x| and |W| (the sum of the
     products' magnitudes, in the output's units). Each element within one rounding step of the output's format (e4m3:
@@ -84,8 +93,7 @@ def assert_close_on_hopper(got, want, magnitude, K: int, what: str) -> None:
     assert not g.isnan().any(), f"{what}: NaN in the output (an element not written?)"
     slack = max(K / 32, 1.0) * FP8_MMA_ROUNDING * magnitude.double()
     top = torch.maximum(g.abs(), w.abs()).clamp_min(2.0**-6 if e4m3 else 2.0**-14)
-    step = torch.pow(2.0, torch.floor(torch.log2(top)) - (3 if e4m3 else 10))
-    steps = ((g - w).abs() - slack).clamp_min(0) / step
+    steps = ((g - w).abs() - slack).clamp_min(0) / binade_step(top, 3 if e4m3 else 10)
     assert steps.max() <= 1.0, f"{what}: {steps.max():.2f} steps off beyond the MMA's slack at worst"
 
 
