@@ -90,9 +90,10 @@ class Settings(BaseSettings):
         "rest in float16 (FLOAT8_FP16_STEPS)",
     )
     float8_fp16_steps: str = Field(
-        "first,last",
-        description="with dtype float8, the steps kept in float16: step names, `first` (the first conv or linear) "
-        "and `last` (the classifier), comma-separated; empty: every step the fp8 kernels can run",
+        "first,last,pooled",
+        description="with dtype float8, the steps kept in float16: step names, `first` (the first conv or linear), "
+        "`last` (the classifier) and `pooled` (the convs on a 1x1 map: squeeze-excitation's), comma-separated; empty: "
+        "every step the fp8 kernels can run",
     )
     allow_tf32: bool = Field(False, description="let float32 matmuls use TF32 on GPU (both modes alike)")
     # 1024: with 64-row requests under load a 256-row batch held 4 requests and the engine's ~0.1 ms of host

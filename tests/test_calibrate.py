@@ -16,8 +16,9 @@ from service.cli import main
 from service.config import Settings
 from service.model.calibrate import files_sha256
 from service.model.executors import Executor
-from service.model.float8 import CalibrationMissing, load_calibration
+from service.model.float8 import CalibrationMissing, Fp8Output, load_calibration
 from service.model.loader import load_model
+from service.model.planner import Conv2dStep, Pool2dStep
 from service.model.spec import ModelFormatError
 from tests.digits import held_out_split
 from tests.server import REPO
@@ -107,7 +108,7 @@ def test_calibrate_refusals(model_dir, tmp_path, capsys):
 
 def test_float8_setting():
     s = Settings(dtype="float8")
-    assert s.compute_dtype("cuda") == "float8" and s.float8_fp16_steps == "first,last"
+    assert s.compute_dtype("cuda") == "float8" and s.float8_fp16_steps == "first,last,pooled"
 
 
 def test_runner_serves_float8(model_dir, samples):
@@ -143,7 +144,6 @@ def test_a_max_pool_between_the_float16_stem_and_float8_convs_writes_e4m3(tmp_pa
 
     from service.model import float8
     from service.model.export import export_sequential
-    from service.model.float8 import Fp8Output
 
     torch.manual_seed(int(np.random.default_rng().integers(1 << 31)))
     net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
@@ -260,3 +260,10 @@ def test_a_squeeze_excitation_gate_runs_in_float8_in_the_conv_that_reads_it(tmp_
     ex = Executor(model, "unfused", device, torch.float32, precision="float8", calibration=older)
     assert gated.name not in ex.fp8 and ex.precisions()[gated.name] == "float32"
     assert ex.fp8[dw.name].out_scale is None and isinstance(ex.fp8[dw.name], Fp8Step)
+    # the squeeze-excitation's two convs read a 1x1 map: kept in the compute dtype by default (`pooled`), and the
+    # pool before them writes it; named steps alone (no `pooled`) put them in float8, the pool writing e4m3
+    pool = next(s for s in ex.steps if isinstance(s, Pool2dStep))
+    fcs = [s.name for s in ex.steps if isinstance(s, Conv2dStep) and model.shapes[s.inputs[0]][1:] == (1, 1)]
+    assert len(fcs) == 2 and all(ex.precisions()[n] == "float32" for n in fcs) and pool.name not in ex.fp8
+    ex = Executor(model, "unfused", device, torch.float32, precision="float8", fp16_steps=("first", "last"))
+    assert all(ex.precisions()[n] == "float8" for n in fcs) and isinstance(ex.fp8[pool.name], Fp8Output)

@@ -298,7 +298,7 @@ class Executor:
 
             calibration = calibration if calibration is not None else load_calibration(model)
             keep = DEFAULT_FP16_STEPS if fp16_steps is None else tuple(fp16_steps)
-            self.fp8 = plan_float8(self.steps, calibration, model.name, keep)
+            self.fp8 = plan_float8(self.steps, calibration, model.name, keep, model.shapes)
         # Fused, the concats that place_concats put in buffers: each of their tensors (concat_slots) as a channel run of
         # its buffer, which the first writer's step allocates (per forward, so a captured graph holds it in its pool).
         self.slots = {}
