@@ -41,8 +41,9 @@ MODEL_PROVIDERS = (
 # Run only when named in --providers: ours-float8 calibrates and tunes its fp8 kernels per model (issue 52), time the
 # default run's budget (budget.py) does not hold; it needs compute capability 8.9+ (else n/a, with the reason).
 BY_NAME_ONLY = ("ours-float8",)
-MODELS = ("digits", "wide", "digits-cnn", "wide-cnn", "mlp-768", "mlp-1000", "resnet18", "resnet50")
-# Run when --models is not given (the ResNets and the odd-width MLPs by name: a ResNet-50 case costs minutes).
+MODELS = ("digits", "wide", "digits-cnn", "wide-cnn", "mlp-768", "mlp-1000", "resnet18", "resnet50", "mobilenet_v2",
+          "efficientnet_b0")  # fmt: skip
+# Run when --models is not given (the 224x224 CNNs and the odd-width MLPs by name: a ResNet-50 case costs minutes).
 DEFAULT_MODELS = ("digits", "wide", "digits-cnn", "wide-cnn")
 CONV_PROVIDERS = ("cudnn", "cudnn-fused", "compile", "ours")  # mirror of convs.CONV_PROVIDERS
 # Issue 19 judges the digits MLP in fp16 and bf16: by default it runs in both, the other models in fp16.
@@ -53,7 +54,9 @@ CONV_BATCHES = (1, 32, 256)  # the wider CNN's conv layers alone (bench/probes/c
 # per case (at 4096: 560 GFLOP, ~1-5 ms a call, a float64 reference of GBs): by default the convs' batches.
 # The ResNets at issue 34's batches (224x224 images: batch 256 is 77 MB of fp16 input, 1 TFLOP for ResNet-50).
 RESNET_BATCHES = (1, 8, 32, 128, 256)
-MODEL_BATCHES = {"wide-cnn": CONV_BATCHES, "resnet18": RESNET_BATCHES, "resnet50": RESNET_BATCHES}
+MODEL_BATCHES = {"wide-cnn": CONV_BATCHES} | dict.fromkeys(
+    ("resnet18", "resnet50", "mobilenet_v2", "efficientnet_b0"), RESNET_BATCHES
+)
 N_CONV_LAYERS = 4  # len(convs.wide_cnn_convs())
 QUICK_SHAPE = (64, 256, 128)
 TIMING = (10, 50, 0.02)  # do_bench warmup ms, rep ms; seconds per wall-time run

@@ -19,7 +19,8 @@ provider runs them.
                         bound (FLOAT8_ERROR_BOUND). Named only (not in the default providers): GPUs of compute
                         capability 8.9+; on the CPU the executor's forward through Triton's interpreter
 
-The ResNets (bench/resnets.py) come as torch modules, and their anchors are the module as a user runs it:
+The 224x224 CNNs (the ResNets of bench/resnets.py; MobileNetV2 and EfficientNet-B0 as TORCHVISION_CNNS) come as torch
+modules, and their anchors are the module as a user runs it:
 
     eager               the module, NCHW (cuDNN convs, BatchNorm and the residual adds as kernels of their own)
     eager-cl            the module and its input in channels_last (NHWC: cuDNN's fastest tensor-core layout)
@@ -72,7 +73,11 @@ FLOAT8_DTYPE = torch.float16  # the dtype float8 runs beside: its fp16 steps (fi
 CALIBRATION_ROWS = 64
 MODULE_ONLY = ("eager-cl", "eager-folded")  # anchors of the models built as torch modules (the ResNets)
 STEP_REPS = 20  # replays of the timed graph per mode behind each step's median (ModelProviders.step_times)
-MODELS = ("digits", "wide", "digits-cnn", "wide-cnn", "mlp-768", "mlp-1000", "resnet18", "resnet50")
+MODELS = ("digits", "wide", "digits-cnn", "wide-cnn", "mlp-768", "mlp-1000", "resnet18", "resnet50", "mobilenet_v2",
+          "efficientnet_b0")  # fmt: skip
+# torchvision's classifiers beside the ResNets (bench/serve/issue50.build: torchvision's where it imports, else
+# bench/zoo/families.py's copy; random weights, BatchNorm statistics from random images), 224x224
+TORCHVISION_CNNS = ("mobilenet_v2", "efficientnet_b0")
 WEIGHTS = Path(__file__).resolve().parents[2] / "model_weights"
 DIGITS_DIR = WEIGHTS / "digits-mlp"
 # conv16 (1 -> 16, 8x8) - conv16 (16 -> 16) - maxpool 2 - fc64 - fc10, ReLU; 3 kernels fused (the pool rides
@@ -102,11 +107,19 @@ def load_named(name: str, tmpdir: Path, seed: int) -> Model:
 
 
 def load_with_module(name: str, tmpdir: Path, seed: int) -> tuple[Model, nn.Module | None]:
-    """load_named's model, and for the ResNets the torch module (eval mode, float32, CPU) its ONNX file came from."""
+    """load_named's model, and for the 224x224 CNNs the torch module (eval mode, float32, CPU) its ONNX file came
+    from."""
     if name in ("resnet18", "resnet50"):
         from bench import resnets
 
         path, module = resnets.write(name, Path(tmpdir) / name, seed)
+        return load_model(path.parent), module
+    if name in TORCHVISION_CNNS:
+        from bench import resnets
+        from bench.serve.issue50 import build
+
+        module, _ = build(name, resnets.IMAGE[-1], seed)
+        path = resnets.export_onnx(module, Path(tmpdir) / name / f"{name}.onnx", name)
         return load_model(path.parent), module
     return _load_named(name, tmpdir, seed), None
 
@@ -373,39 +386,10 @@ class ModelProviders:
             return self._module_as("float64")(x.double())
 
     def step_times(self, x: torch.Tensor, reps: int = STEP_REPS) -> list[dict]:
-        """Each step of the plan, fused against unfused (both executors run the same steps under the same names):
-        µs per step, the median of `reps` replays of the service's timed graph for x's batch (CUDA-event nodes around
-        each step, as the service times its kernels: GraphedExecutor(timed=True)); on the CPU, wall time around each
-        step of an eager forward."""
-        times = {}
-        for mode in ("fused", "unfused"):
-            timed_forward = self._timed_forward(self._executor(mode), x)
-            samples: dict[str, list[float]] = defaultdict(list)
-            for _ in range(reps):
-                timer = timed_forward()
-                synchronize(self.device)
-                for name, seconds in timer.results():
-                    samples[name].append(seconds)
-            times[mode] = {name: statistics.median(v) * 1e6 for name, v in samples.items()}
-        return [{"step": n, "fused_us": t, "unfused_us": times["unfused"].get(n)} for n, t in times["fused"].items()]
-
-    def _timed_forward(self, ex, x: torch.Tensor):
-        """A function that runs one forward of x with its steps timed and returns their StepTimer."""
-        if self.device.type == "cuda":
-            from service.model.graphs import GraphedExecutor
-
-            g = GraphedExecutor(ex, max_batch_size=len(x), host_io=True, timed=True)
-            g.host_in[: len(x)].copy_(x.to(g.host_in.dtype).cpu())
-            return lambda: g.replay_host_timed(len(x))[1]
-        from service.model.executors import StepTimer
-
-        timer = StepTimer(self.device)
-
-        def run():
-            ex.forward(x, timer)
-            return timer
-
-        return run
+        """Each step of the plan, fused against unfused (both executors run the same steps under the same names),
+        timed by executor_step_us."""
+        fused, unfused = (executor_step_us(self._executor(mode), x, reps) for mode in ("fused", "unfused"))
+        return [{"step": n, "fused_us": t, "unfused_us": unfused.get(n)} for n, t in fused.items()]
 
     def _module_as(self, kind: str) -> nn.Module:
         """The module in this dtype on this device: "eager" as it is (NCHW), "cl" in channels_last, "folded" in
@@ -478,3 +462,33 @@ class ModelProviders:
         warm_ours(prep.fn, self.device)
         prep.compile_s = time.perf_counter() - t0
         return prep
+
+
+def executor_step_us(ex, x: torch.Tensor, reps: int = STEP_REPS) -> dict[str, float]:
+    """{step name: µs}, the median of `reps` forwards of x: on CUDA replays of the service's timed graph for x's
+    batch (CUDA-event nodes around each step, as the service times its kernels: GraphedExecutor(timed=True)); on the
+    CPU, wall time around each step of an eager forward."""
+    from service.model.executors import StepTimer
+
+    if ex.device.type == "cuda":
+        from service.model.graphs import GraphedExecutor
+
+        g = GraphedExecutor(ex, max_batch_size=len(x), host_io=True, timed=True)
+        g.host_in[: len(x)].copy_(x.to(g.host_in.dtype).cpu())
+
+        def timed_forward() -> StepTimer:
+            return g.replay_host_timed(len(x))[1]
+    else:
+        timer = StepTimer(ex.device)
+
+        def timed_forward() -> StepTimer:
+            ex.forward(x, timer)
+            return timer
+
+    samples: dict[str, list[float]] = defaultdict(list)
+    for _ in range(reps):
+        timer = timed_forward()
+        synchronize(ex.device)
+        for name, seconds in timer.results():
+            samples[name].append(seconds)
+    return {name: statistics.median(v) * 1e6 for name, v in samples.items()}

@@ -4,11 +4,13 @@ ResNet-50 (bench/resnets.py: torchvision's architecture, random weights with Bat
 images), or with --model another of torchvision's classifiers (mobilenet_v2, efficientnet_b0: torchvision's where it
 imports, else bench/zoo/families.py's copy; random weights and BatchNorm statistics as the zoo sets them), exported to
 ONNX and imported as a user's model; calibrated (service/model/calibrate.py, absmax) on --calib random images; then
-fused float16 and fused float8 (the first conv and the classifier fp16, the other convs e4m3, 52 of them in ResNet-50:
-kernels/conv_fp8.py, conv_grouped_fp8.py) each captured as a CUDA graph per batch size and timed: hot (median of 50
-replays, each between two CUDA events) and cold (L2 cleared before each replay, kernels/cold_timing.py). Accuracy on
---check other random images (never the calibration ones): the logits' cosine similarity with float16's (mean and
-worst row) and top-1 agreement, beside float16's own against float32 (unfused) for scale.
+fused float16 and fused float8 (the first conv, the classifier and convs on a 1x1 map fp16, the other convs e4m3, 52
+in ResNet-50: kernels/conv_fp8.py, conv_grouped_fp8.py) each captured as a CUDA graph per batch size and timed: hot
+(median of 50 replays, each between two CUDA events) and cold (L2 cleared before each replay, kernels/cold_timing.py).
+Accuracy on --check other random images (never the calibration ones): the logits' cosine similarity with float16's
+(mean and worst row) and top-1 agreement, beside float16's own against float32 (unfused) for scale, and the floor
+any float8 plan has: float32 with only the activations rounded to e4m3 (rounded_activations; bfloat16 beside it).
+Then each step at the largest batch in both precisions, summed by kind (step_rows, step_table): where float8 gains.
 
     python -m bench.probes.fp8_resnet50 --out DIR [--batches 1,256] [--tune-budget 300] [--model mobilenet_v2]
 
@@ -76,6 +78,44 @@ def agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
     }
 
 
+def rounded_activations(exact, images: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The float32 unfused forward with every conv's output but the last rounded to `fmt` ("e4m3": per tensor, each
+    batch's own absmax scale; "bfloat16"), the weights exact: what rounding the activations alone costs, a floor under
+    any float8 plan that passes activations between layers in e4m3 (the issue's design), however it quantizes the
+    weights or computes."""
+    from service.model.planner import Conv2dStep
+
+    convs = [s.name for s in exact.steps if isinstance(s, Conv2dStep)][:-1]
+
+    def rounded(y: torch.Tensor) -> torch.Tensor:
+        if fmt == "bfloat16":
+            return y.bfloat16().float()
+        scale = y.abs().amax().clamp_min(1e-12) / 448.0
+        return (y / scale).to(torch.float8_e4m3fn).float() * scale
+
+    live = {exact.input_name: images}
+    with torch.no_grad():
+        for step, (_, layer), wiring in zip(exact.steps, exact.layers, exact.wiring, strict=True):
+            y = layer(*[live[t] for t in wiring.reads])
+            live[wiring.output] = rounded(y) if step.name in convs else y
+            for t in wiring.frees:
+                del live[t]
+    return live[exact.wiring[-1].output].float()
+
+
+def step_kind(model, step) -> str:
+    """A conv step as `3x3 dw 144 56x56 s1` / `1x1 144->24 56x56` (its input's channels and size), else its name."""
+    from service.model.planner import Conv2dStep
+
+    if not isinstance(step, Conv2dStep):
+        return step.name.rsplit("_", 1)[0]
+    oc, _, kh, kw = model.tensors[step.weight].shape
+    c, h, w = model.shapes[step.inputs[0]]
+    kind = "dw" if step.groups == c and step.groups > 1 else f"g{step.groups}" if step.groups > 1 else f"{c}->{oc}"
+    extra = "".join(f" {tag}" for tag, on in (("+res", step.residual), ("gated", step.gate)) if on)
+    return f"{kh}x{kw} {kind} {h}x{w} s{step.stride[0]}{extra}"
+
+
 def _graph(fn):
     graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -133,10 +173,16 @@ def run(batches: list[int], calib: int, check: int, tune_budget: float | None, n
             p: torch.cat([e.forward(images[i : i + 64].half()) for i in range(0, check, 64)]).float()
             for p, e in executors.items()
         }
+        floors = {
+            fmt: torch.cat([rounded_activations(exact, images[i : i + 64], fmt) for i in range(0, check, 64)])
+            for fmt in ("e4m3", "bfloat16")
+        }
     result["accuracy"] = {
         "float8_vs_float16": agreement(outs["float8"], outs["float16"]),
         "float16_vs_float32": agreement(outs["float16"], ref),
         "float8_vs_float32": agreement(outs["float8"], ref),
+        "e4m3_activations_vs_float32": agreement(floors["e4m3"], ref),
+        "bfloat16_activations_vs_float32": agreement(floors["bfloat16"], ref),
         "images": check,
     }
     print(json.dumps(result["accuracy"]), flush=True)
@@ -154,7 +200,29 @@ def run(batches: list[int], calib: int, check: int, tune_budget: float | None, n
         row["speedup_cold"] = round(row["float16_cold_us"] / row["float8_cold_us"], 3)
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
+    if batches:
+        result["step_times"] = step_rows(model, executors, random_images(max(batches), IMAGE, 3, dev).half())
     return result
+
+
+def step_rows(model, executors: dict, x: torch.Tensor) -> list[dict]:
+    """Each step of the float8 plan at x's batch in both precisions (bench/kernels/models.executor_step_us: medians of
+    the timed graph's per-step CUDA events), with its kind (step_kind) and whether it runs in float8. float16's plan
+    runs the last conv and the pool after it as one step (float8 runs them apart): that step's time goes to the
+    conv's row, the pool's float16 time reads 0."""
+    from bench.kernels.models import executor_step_us
+
+    times = {p: executor_step_us(e, x) for p, e in executors.items()}
+    fp16 = times["float16"]
+    fp8 = executors["float8"].fp8
+
+    def float16_us(name: str) -> float:
+        merged = [t for n, t in fp16.items() if n.startswith(f"{name}_") and n not in times["float8"]]
+        return fp16.get(name, merged[0] if merged else 0.0)
+
+    return [{"step": s.name, "kind": step_kind(model, s), "float8": s.name in fp8, "batch": len(x),
+             "float16_us": round(float16_us(s.name), 2), "float8_us": round(times["float8"].get(s.name, 0.0), 2)}
+            for s in executors["float8"].steps]  # fmt: skip
 
 
 def markdown(result: dict, command: str) -> str:
@@ -163,8 +231,8 @@ def markdown(result: dict, command: str) -> str:
         f"# float8 against float16, fused {TITLES.get(result.get('model', 'resnet50'), result.get('model'))} "
         f"({result['gpu']})",
         "",
-        f"`{command}`: {result['fp8_steps']} of {result['steps']} steps in float8 (first conv and classifier fp16); "
-        "random weights, calibrated on random images other than those checked.",
+        f"`{command}`: {result['fp8_steps']} of {result['steps']} steps in float8 (the rest fp16: "
+        "float8.DEFAULT_FP16_STEPS); random weights, calibrated on random images other than those checked.",
         "",
         "| batch | float16 hot µs | float8 hot µs | speed-up hot | float16 cold µs | float8 cold µs | speed-up cold |",
         "|---|---|---|---|---|---|---|",
@@ -176,11 +244,46 @@ def markdown(result: dict, command: str) -> str:
         )
     lines += ["", f"Accuracy over {acc['images']} images:", ""]
     lines += ["| pair | cosine mean | cosine worst | top-1 agreement |", "|---|---|---|---|"]
-    for pair in ("float8_vs_float16", "float16_vs_float32", "float8_vs_float32"):
+    pairs = ("float8_vs_float16", "float16_vs_float32", "float8_vs_float32", "e4m3_activations_vs_float32",
+             "bfloat16_activations_vs_float32")  # fmt: skip
+    for pair in (p for p in pairs if p in acc):
         a = acc[pair]
         lines.append(f"| {pair.replace('_', ' ')} | {a['cosine_mean']:.5f} | {a['cosine_min']:.5f} | "
                      f"{a['top1_agree']:.1%} |")  # fmt: skip
-    return "\n".join(lines) + "\n"
+    if "e4m3_activations_vs_float32" in acc:
+        lines += ["", "e4m3 (bfloat16) activations: float32 with every conv's output but the last rounded to e4m3 per "
+                  "tensor (to bfloat16), the weights exact: what the rounding of activations alone costs, the floor "
+                  "of any float8 plan that passes e4m3 between layers."]  # fmt: skip
+    return "\n".join(lines + step_table(result.get("step_times", []))) + "\n"
+
+
+def step_table(steps: list[dict]) -> list[str]:
+    """The per-step times summed by kind (step_kind), the kinds with the most float16 time first."""
+    if not steps:
+        return []
+    kinds: dict[str, dict] = {}
+    for r in steps:
+        k = kinds.setdefault(r["kind"], {"n": 0, "fp8": 0, "float16_us": 0.0, "float8_us": 0.0})
+        k["n"] += 1
+        k["fp8"] += r["float8"]
+        k["float16_us"] += r["float16_us"]
+        k["float8_us"] += r["float8_us"]
+    f16, f8 = sum(r["float16_us"] for r in steps), sum(r["float8_us"] for r in steps)
+    head = (f"Steps at batch {steps[0]['batch']} by kind (device µs, the medians of 20 replays of the timed graph; "
+            f"sum {f16:.0f} µs float16, {f8:.0f} float8; float16's one step of the last conv and its pool "
+            "counted under the conv):")  # fmt: skip
+    lines = [
+        "",
+        head,
+        "",
+        "| kind | steps (float8) | float16 µs | float8 µs | float16 / float8 |",
+        "|---|---|---|---|---|",
+    ]
+    for kind, k in sorted(kinds.items(), key=lambda kv: -kv[1]["float16_us"]):
+        ratio = k["float16_us"] / k["float8_us"] if k["float8_us"] else float("nan")
+        cells = (kind, f"{k['n']} ({k['fp8']})", f"{k['float16_us']:.1f}", f"{k['float8_us']:.1f}", f"{ratio:.2f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
