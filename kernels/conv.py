@@ -51,6 +51,7 @@ import triton.language as tl
 
 from . import conv_tma
 from .activations import DEFAULT_NEGATIVE_SLOPE, apply_activation, check_activation, round_to_bf16
+from .fp8 import E4M3, inverse, quantize_e4m3
 from .interpreter import InterpreterSwitches
 from .launch import grid_launch
 from .pdl import gdc_launch_dependents, gdc_wait
@@ -203,6 +204,10 @@ def _conv2d_kernel(
     INTERLEAVE: tl.constexpr = 0,
     # the partner's pixel stride where it is a tensor of its own (dense channels_last: OC); 0: y's pixel strides
     P_PIXEL: tl.constexpr = 0,
+    # y is e4m3 for float8 readers (fused_conv2d's out_scale), quantized with Y_INV_SCALE, 1 / its scale. A constant,
+    # not a parameter: one conv of a model takes it (the float16 stem before float8 layers), so it costs one compile
+    # and every other launch keeps its signature. ROUND_FP8: the interpreter's e4m3 rounding by hand (fp8.py).
+    Y_FP8: tl.constexpr = False, Y_INV_SCALE: tl.constexpr = 1.0, ROUND_FP8: tl.constexpr = False,
 ):  # fmt: skip
     tl.static_assert(POOL == "none" or not HAS_RESIDUAL, "a residual is added to the conv's output, never pooled")
     # Said where Triton cannot see it (it specializes multiples of 16 only): 104 channels (RegNetY) in channels_last
@@ -364,8 +369,12 @@ def _conv2d_kernel(
     if POOL == "avg":
         result = result / (PKH * PKW)  # floor mode, no padding: every window is whole
 
-    # One rounding to the output dtype.
-    if ROUND_BF16:
+    # One rounding to the output dtype. e4m3: to the compute dtype first, as the tensor it replaces was, then
+    # quantized, so the float8 readers read the values they quantized as they gathered that tensor before.
+    if Y_FP8:
+        result = round_to_bf16(result) if ROUND_BF16 else result.to(w_ptr.dtype.element_ty).to(tl.float32)
+        result = quantize_e4m3(result, Y_INV_SCALE, ROUND_FP8)
+    elif ROUND_BF16:
         result = round_to_bf16(result)
     y_ok = m_ok[:, None] & (cols < OC)[None, :]
     if SPLIT_K > 1:
@@ -553,6 +562,7 @@ def fused_conv2d(
     input_negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
     interleave: torch.Tensor | None = None,
     interleave_index: int = 0,
+    out_scale: float | None = None,
     _pair: tuple[torch.Tensor, int, int] | None = None,
 ) -> torch.Tensor:
     """act(conv2d(x, weight, bias) [+ residual]); x (N, C, H, W) contiguous NCHW (or channels_last), weight
@@ -601,7 +611,14 @@ def fused_conv2d(
     channels_last (the other branch's output), the kernel loads it in its epilogue and stores both in whole rows (one
     kernel, no strided copy); otherwise the conv writes `out` and `interleave` is copied beside it. Not with a pool or
     a residual (ValueError). Returns `out`.
+
+    out_scale: y in e4m3 instead, for float8 layers to read (service/model/float8.Fp8Output: the float16 stem before
+    MobileNetV2's first depthwise conv, which otherwise read 2 bytes a value and quantized each at each of its 9 taps):
+    the result rounded to the compute dtype, then quantized with that scale (kernels/fp8.quantize). Not with a pool, a
+    residual or interleave (ValueError); never the TMA kernel.
     """
+    if out_scale is not None and (pool is not None or residual is not None or interleave is not None or _pair):
+        raise ValueError("out_scale (an e4m3 output) is not fused with a pool, a residual or interleave")
     if interleave is not None and _pair is None:
         return _interleaved(x, weight, bias, interleave, interleave_index, out, residual, pool, stride=stride,
                             padding=padding, dilation=dilation, activation=activation, negative_slope=negative_slope,
@@ -612,6 +629,7 @@ def fused_conv2d(
     if input_activation != "none" and input_norm is None:
         raise ValueError(f"input_activation {input_activation!r} applies to the normalized x: give input_norm too")
     dtype = weight.dtype  # the compute dtype: x's, or with input_norm the weight's (x may be uint8)
+    y_dtype = E4M3 if out_scale is not None else dtype
     has_norm = input_norm is not None
     has_xscale = x_scale is not None
     if has_xscale:
@@ -648,9 +666,9 @@ def fused_conv2d(
     partner, k, p_pixel = _pair if _pair is not None else (None, 0, 0)
     width = 2 * OC if partner is not None else OC  # out's channels: interleaved, the whole buffer's
     if out is None:
-        out = torch.empty((N, OC, OH, OW), device=x.device, dtype=dtype, memory_format=memory_format or fmt)
-    elif out.shape != (N, width, OH, OW) or out.dtype != dtype or out.device != x.device:
-        want = f"({N}, {width}, {OH}, {OW}) {dtype} tensor on {x.device}"
+        out = torch.empty((N, OC, OH, OW), device=x.device, dtype=y_dtype, memory_format=memory_format or fmt)
+    elif out.shape != (N, width, OH, OW) or out.dtype != y_dtype or out.device != x.device:
+        want = f"({N}, {width}, {OH}, {OW}) {y_dtype} tensor on {x.device}"
         raise ValueError(f"out must be a {want}; got {tuple(out.shape)} {out.dtype} on {out.device}")
     has_residual = residual is not None
     if has_residual:
@@ -675,6 +693,8 @@ def fused_conv2d(
         input_act = dict(INPUT_ACTIVATION=input_activation, INPUT_SLOPE=float(input_negative_slope))
     # left out without a partner, as input_act is
     interleave = {} if partner is None else dict(INTERLEAVE=1 + k, P_PIXEL=p_pixel)
+    # and without an e4m3 output
+    fp8_out = {} if out_scale is None else dict(Y_FP8=True, Y_INV_SCALE=inverse(out_scale), ROUND_FP8=interpreting())
     workspace = _workspaces.get(x.device)
     if workspace is None:
         workspace = _workspaces[x.device] = SplitKWorkspace(x.device)
@@ -699,13 +719,14 @@ def fused_conv2d(
             **geometry, OH=oh, OW=ow, **window, HAS_RESIDUAL=has_residual, **fixed, CHANNELS_LAST=channels_last,
             Y_PLANES=y.stride()[1:] == (oh * ow, ow, 1), HAS_INPUT_NORM=has_norm, **meta, **launch_options(fixed),
             X_ALIGN=channels_last_alignment(x), W_ALIGN=channels_last_alignment(weight),
-            Y_ALIGN=channels_last_alignment(y), **input_act, **interleave,
+            Y_ALIGN=channels_last_alignment(y), **input_act, **interleave, **fp8_out,
         )  # fmt: skip
 
     # The TMA kernel (conv_tma.py) where it can run: x and weight channels_last, 16-byte rows, strides that divide
     # the image; with a residual too (read with pointers at y's offsets, so any layout of y).
     tma_pool = None if POOL == "none" else (POOL, (PKH, PKW), (PSH, PSW))
-    tma = not has_norm and not has_xscale and partner is None and conv_tma.eligible(x, weight, s, tma_pool, out)
+    tma = (not has_norm and not has_xscale and partner is None and out_scale is None
+           and conv_tma.eligible(x, weight, s, tma_pool, out))  # fmt: skip
     tma_geometry = dict(geometry, OH=CH, OW=CW)
 
     def run(config: LaunchConfig):
@@ -731,7 +752,7 @@ def fused_conv2d(
     signature = (tuple(weight.shape), weight.stride(), x.shape[1:], x.stride()[1:], x.dtype, s, p, d, activation,
                  bias is not None, fixed["INPUT_PRECISION"], channels_last, y_planes, bucket, POOL, PKH, PKW, PSH, PSW,
                  tma, has_residual, dtype, has_norm, has_xscale, input_activation, input_negative_slope,
-                 None if partner is None else (k, p_pixel))  # fmt: skip
+                 None if partner is None else (k, p_pixel), fp8_out.get("Y_INV_SCALE"))  # fmt: skip
     config = _configs.get(signature)
     if config is None:
         key = (
@@ -751,6 +772,8 @@ def fused_conv2d(
             key += "|xscale"
         if partner is not None:  # another epilogue (INTERLEAVE): one more read, twice the store
             key += "|interleave" if p_pixel == 0 else "|interleave-dense"
+        if out_scale is not None:  # another epilogue (Y_FP8): a byte a value stored (any scale: the same picks)
+            key += "|y=e4m3"
         if POOL != "none":
             key += f"|pool={POOL}{PKH}x{PKW}s{PSH}x{PSW}"
         # the kernels any candidate runs, with every helper they call (tuning.source_hash)

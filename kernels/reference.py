@@ -58,6 +58,7 @@ def conv2d(
     input_norm: tuple | None = None,
     input_activation: str = "none",
     input_negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
+    out_scale: float | None = None,
 ) -> torch.Tensor:
     """act(conv2d(x, weight) + bias [+ residual]) as eager torch runs it: F.conv2d with the bias (cuDNN adds it
     in the conv kernel, or as its own add), the residual (the conv's output shape) as its own add, as a ResNet
@@ -74,7 +75,9 @@ def conv2d(
 
     input_norm, input_activation: None, or (scale, shift) per input channel (fused_conv2d's): x becomes
     input_activation(x * scale + shift) first (`affine_activation`: fp32, rounded once to the weight's dtype), and
-    the conv pads that with zeros, as conv2d(relu(batch_norm(x)), padding=p) does. Not with normalize or x_scale."""
+    the conv pads that with zeros, as conv2d(relu(batch_norm(x)), padding=p) does. Not with normalize or x_scale.
+
+    out_scale: the result (in the weight's dtype) quantized to e4m3 with it, for float8 readers (fused_conv2d's)."""
     if input_norm is not None:
         if normalize is not None or x_scale is not None:
             raise ValueError("input_norm cannot be given with normalize or x_scale")
@@ -90,7 +93,12 @@ def conv2d(
     y = F.conv2d(x, weight, bias, stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation))
     if residual is not None:
         y = y + residual
-    return torch_activation(y, activation, negative_slope)
+    y = torch_activation(y, activation, negative_slope)
+    if out_scale is not None:
+        from .fp8 import quantize
+
+        return quantize(y.float(), out_scale)
+    return y
 
 
 def conv2d_grouped(
