@@ -214,15 +214,16 @@ def step_rows(model, executors: dict, x: torch.Tensor) -> list[dict]:
 
     times = {p: executor_step_us(e, x) for p, e in executors.items()}
     fp16 = times["float16"]
-    fp8 = executors["float8"].fp8
+    float8 = executors["float8"]
+    precision = float8.precisions()
 
     def float16_us(name: str) -> float:
         merged = [t for n, t in fp16.items() if n.startswith(f"{name}_") and n not in times["float8"]]
         return fp16.get(name, merged[0] if merged else 0.0)
 
-    return [{"step": s.name, "kind": step_kind(model, s), "float8": s.name in fp8, "batch": len(x),
+    return [{"step": s.name, "kind": step_kind(model, s), "float8": precision[s.name] == "float8", "batch": len(x),
              "float16_us": round(float16_us(s.name), 2), "float8_us": round(times["float8"].get(s.name, 0.0), 2)}
-            for s in executors["float8"].steps]  # fmt: skip
+            for s in float8.steps]  # fmt: skip
 
 
 def markdown(result: dict, command: str) -> str:

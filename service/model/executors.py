@@ -385,7 +385,7 @@ class Executor:
 
         fused = self.mode == "fused"
         support = self.support
-        if step.name in self.fp8 and isinstance(step, (LinearStep, Conv2dStep)):
+        if isinstance(step, (LinearStep, Conv2dStep)) and self._runs_fp8(step):
             return step.name, self._bind_fp8(step, channels_last)
         if isinstance(step, FlattenStep):
             return None, _flatten
@@ -511,10 +511,17 @@ class Executor:
             return step.name, _softmax
         raise TypeError(f"no implementation for step {step!r}")
 
+    def _runs_fp8(self, step: Step) -> bool:
+        """Whether the step runs in float8 (float8.Fp8Step), not in the compute dtype writing e4m3 (Fp8Output)."""
+        from .float8 import Fp8Step
+
+        return isinstance(self.fp8.get(step.name), Fp8Step)
+
     def precisions(self) -> dict[str, str]:
-        """Each step's precision by name: float8 for the fp8 steps, else the compute dtype (GET /model)."""
+        """Each step's precision by name: float8 for the fp8 steps, else the compute dtype, that of a step writing e4m3
+        for them too (float8.Fp8Output: it computes in the compute dtype) (GET /model)."""
         other = str(self.dtype).removeprefix("torch.")
-        return {s.name: "float8" if s.name in self.fp8 else other for s in self.steps}
+        return {s.name: "float8" if self._runs_fp8(s) else other for s in self.steps}
 
     def _bind_fp8(self, step: LinearStep | Conv2dStep, channels_last: bool) -> Layer:
         """A conv or linear step in float8: e4m3 weights per output channel (batch norm and layer scale folded in
@@ -594,7 +601,17 @@ class Executor:
         return torch.tensor(values, dtype=torch.float32, device=self.device)
 
     def _bind_conv(self, step: Conv2dStep, channels_last: bool) -> Layer:
-        layer = self._bind_conv_itself(step, channels_last)
+        # float8: a conv in the compute dtype whose readers are float8 steps writes e4m3 (float8.Fp8Output); its kernel
+        # quantizes in its epilogue where it runs the whole step (fused_conv2d's out_scale), else a quantizing pass
+        out_scale = self.fp8[step.name].out_scale if step.name in self.fp8 else None
+        layer = self._bind_conv_itself(step, channels_last, out_scale)
+        if out_scale is not None and not (isinstance(layer, functools.partial) and "out_scale" in layer.keywords):
+            return _quantized(self._bind_conv_outer(step, layer), out_scale)
+        return self._bind_conv_outer(step, layer)
+
+    def _bind_conv_outer(self, step: Conv2dStep, layer: Layer) -> Layer:
+        """The conv layer with what runs around it: the pre-activation batch norm, the gate or the input's
+        normalization where its kernel does not apply them."""
         if step.prenorm is not None and not self._prenorm_in_kernel(step):
             # unfused (or an activation the kernel lacks): F.batch_norm, then the activation, then the conv
             pre = functools.partial(_then_torch_activation, first=self._batch_norm(step.prenorm),
@@ -629,7 +646,8 @@ class Executor:
             and (step.residual is None or support.conv_residual)
         )
 
-    def _bind_conv_itself(self, step: Conv2dStep, channels_last: bool) -> Layer:
+    def _bind_conv_itself(self, step: Conv2dStep, channels_last: bool, out_scale: float | None = None) -> Layer:
+        """The conv itself; `out_scale` (an e4m3 output) taken by the fused kernel where it runs the whole step."""
         from kernels import reference
 
         w, b = self._weights(step)
@@ -680,7 +698,8 @@ class Executor:
         if pool is not None and kernel_act:  # group_conv_pools checked that the kernel can: floor mode, no padding
             geometry["pool"] = (pool.kind, pool.kernel_size, pool.stride)
         if step.residual is None and kernel_act:
-            return functools.partial(fused_conv2d, weight=w, bias=b, **geometry, **act, memory_format=fmt)
+            quant = {"out_scale": out_scale} if out_scale is not None and pool is None else {}
+            return functools.partial(fused_conv2d, weight=w, bias=b, **geometry, **act, memory_format=fmt, **quant)
         if kernel_residual:
             conv = functools.partial(_residual_kw, fn=fused_conv2d, weight=w, bias=b, **geometry,
                                      **(act if kernel_act else {}), memory_format=fmt, layout=fmt)  # fmt: skip
