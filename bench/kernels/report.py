@@ -297,9 +297,9 @@ def _float8_legend(cases: list[dict]) -> str:
         return ""
     bounds = [c["error_bounds"]["ours-float8"] for c in with_float8 if "ours-float8" in c.get("error_bounds", {})]
     bound = f", against its own bound {max(bounds):.2g} (e4m3 is not fp16)" if bounds else ""
-    return (" ours-float8: the fused executor in float8 (e4m3 steps; the first conv or linear and the classifier in "
-            "fp16), calibrated on other random rows than the timed ones, under the GraphedExecutor as ours; its error "
-            f"is listed apart in the max err column{bound}.")  # fmt: skip
+    return (" ours-float8: the fused executor in float8 (e4m3 steps; the first conv or linear, the classifier and "
+            "convs on a 1x1 map in fp16), calibrated on other random rows than the timed ones, under the "
+            f"GraphedExecutor as ours; its error is listed apart in the max err column{bound}.")  # fmt: skip
 
 
 def _model_tables(cases: list[dict], cuda: bool, notes: _Notes, default_dtype: str, with_hot: bool = True) -> list[str]:
