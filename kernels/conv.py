@@ -64,8 +64,10 @@ from .tiles import (
     device_limits,
     gemm_flags,
     grouped_tile,
+    known_multiple,
     known_strides,
     launch_options,
+    pow2_alignment,
     residual_like,
     split_k_sum,
 )
@@ -208,6 +210,7 @@ def _conv2d_kernel(
     # not a parameter: one conv of a model takes it (the float16 stem before float8 layers), so it costs one compile
     # and every other launch keeps its signature. ROUND_FP8: the interpreter's e4m3 rounding by hand (fp8.py).
     Y_FP8: tl.constexpr = False, Y_INV_SCALE: tl.constexpr = 1.0, ROUND_FP8: tl.constexpr = False,
+    OC_ALIGN: tl.constexpr = 1,  # what OC is a multiple of (tiles.pow2_alignment)
 ):  # fmt: skip
     tl.static_assert(POOL == "none" or not HAS_RESIDUAL, "a residual is added to the conv's output, never pooled")
     # Said where Triton cannot see it (it specializes multiples of 16 only): 104 channels (RegNetY) in channels_last
@@ -215,6 +218,9 @@ def _conv2d_kernel(
     stride_xn, stride_xh, stride_xw = known_strides(stride_xn, stride_xh, stride_xw, X_ALIGN)
     stride_wo, stride_wh, stride_ww = known_strides(stride_wo, stride_wh, stride_ww, W_ALIGN)
     stride_yn, stride_yh, stride_yw = known_strides(stride_yn, stride_yh, stride_yw, Y_ALIGN)
+    # and of OC, whose mask then holds over runs of OC_ALIGN channels: 24 output channels (MobileNetV2's 144 -> 24,
+    # EfficientNet's) are stored and their residual read in 16-byte vectors, not 2 bytes at a time (sm_90 PTX)
+    OC = known_multiple(OC, OC_ALIGN)
     # A = x * gate[n, c] (fused_conv2d's x_scale): flagged by a None shift pointer, which Triton makes a compile-time
     # constant, rather than a parameter of its own, so the kernel's signature (and every other launch's code) is as
     # before this flag.
@@ -695,6 +701,8 @@ def fused_conv2d(
     interleave = {} if partner is None else dict(INTERLEAVE=1 + k, P_PIXEL=p_pixel)
     # and without an e4m3 output
     fp8_out = {} if out_scale is None else dict(Y_FP8=True, Y_INV_SCALE=inverse(out_scale), ROUND_FP8=interpreting())
+    # and where Triton knows OC's alignment itself (a multiple of 16), or there is none
+    oc_align = {"OC_ALIGN": pow2_alignment(OC)} if 1 < pow2_alignment(OC) < 16 else {}
     workspace = _workspaces.get(x.device)
     if workspace is None:
         workspace = _workspaces[x.device] = SplitKWorkspace(x.device)
@@ -719,7 +727,7 @@ def fused_conv2d(
             **geometry, OH=oh, OW=ow, **window, HAS_RESIDUAL=has_residual, **fixed, CHANNELS_LAST=channels_last,
             Y_PLANES=y.stride()[1:] == (oh * ow, ow, 1), HAS_INPUT_NORM=has_norm, **meta, **launch_options(fixed),
             X_ALIGN=channels_last_alignment(x), W_ALIGN=channels_last_alignment(weight),
-            Y_ALIGN=channels_last_alignment(y), **input_act, **interleave, **fp8_out,
+            Y_ALIGN=channels_last_alignment(y), **input_act, **interleave, **fp8_out, **oc_align,
         )  # fmt: skip
 
     # The TMA kernel (conv_tma.py) where it can run: x and weight channels_last, 16-byte rows, strides that divide

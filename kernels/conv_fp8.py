@@ -47,7 +47,15 @@ from .launch import grid_launch
 from .pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from .pool import channels_last as _channels_last
 from .runtime import check_device, interpreting
-from .tiles import device_limits, grouped_tile, residual_like
+from .tiles import (
+    channels_last_alignment,
+    device_limits,
+    grouped_tile,
+    known_multiple,
+    known_strides,
+    pow2_alignment,
+    residual_like,
+)
 from .tuning import LaunchConfig, scope_for, tune
 from .tuning_background import on_new_picks
 
@@ -104,7 +112,19 @@ def _conv2d_fp8_kernel(
     FLAT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    # what x's, the weight's and y's (and the residual's) pixel strides are multiples of (tiles.channels_last_alignment)
+    X_ALIGN: tl.constexpr = 1, W_ALIGN: tl.constexpr = 1, Y_ALIGN: tl.constexpr = 1,
+    OC_ALIGN: tl.constexpr = 1,  # what OC is a multiple of (tiles.pow2_alignment)
 ):  # fmt: skip
+    # Said where Triton cannot see it (it specializes multiples of 16 only): 24 e4m3 channels in channels_last
+    # (MobileNetV2's 24 -> 144 1x1 convs) are 8-byte strides, so a pixel's channels are gathered in 8-byte vectors,
+    # not one byte at a time (sm_90 PTX of the 56x56 layer's pick: 64 ld.global.b8 a K step before these hints).
+    stride_xn, stride_xh, stride_xw = known_strides(stride_xn, stride_xh, stride_xw, X_ALIGN)
+    stride_wo, stride_wh, stride_ww = known_strides(stride_wo, stride_wh, stride_ww, W_ALIGN)
+    stride_yn, stride_yh, stride_yw = known_strides(stride_yn, stride_yh, stride_yw, Y_ALIGN)
+    # and of OC, whose mask then holds over runs of OC_ALIGN channels: 24 e4m3 output channels (MobileNetV2's
+    # 144 -> 24) are stored in 8-byte vectors, not a byte at a time (128 st.global.b8 a tile before)
+    OC = known_multiple(OC, OC_ALIGN)
     if PDL:  # the next layer may start; this one waits for the previous layer (below) before reading x
         gdc_launch_dependents()
     M = NB * (OH * OW)
@@ -299,6 +319,9 @@ def fused_conv2d_fp8(
     # divide the image (an fp16/fp32 x, quantized as it is gathered, stays with the gathers: `eligible` says so)
     tma = not has_gate and conv_tma_fp8.eligible(x, weight, s, out)
 
+    # OC's alignment where Triton does not know it itself (a multiple of 16) and there is one
+    oc_align = {"OC_ALIGN": pow2_alignment(OC)} if 1 < pow2_alignment(OC) < 16 else {}
+
     def run(config: LaunchConfig):
         if conv_tma.is_tma(config):
             return conv_tma_fp8.launch(x, weight, scale, bias, out, residual if has_residual else None, scales[1:],
@@ -313,6 +336,8 @@ def fused_conv2d_fp8(
             *scales,
             **geometry, HAS_BIAS=bias is not None, HAS_RESIDUAL=has_residual, ACTIVATION=activation, PDL=pdl,
             **flags, HAS_GATE=has_gate, Y_PLANES=y_planes, **meta, **({"launch_pdl": True} if pdl else {}),
+            X_ALIGN=channels_last_alignment(x), W_ALIGN=channels_last_alignment(weight),
+            Y_ALIGN=channels_last_alignment(out), **oc_align,
         )  # fmt: skip
 
     K = C * KH * KW

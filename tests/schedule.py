@@ -40,7 +40,7 @@ MODULE_CPU_S = {
     "test_attacks": 62, "test_keys_restart": 41, "test_import_onnx_blocks": 57, "test_docs": 50, "test_bench_serve": 44,
     "test_kernels_mlp": 31, "test_service_e2e_resnet": 41, "test_import_torch_blocks": 40, "test_service_e2e_cnn": 36,
     "test_security": 37, "test_import_onnx": 37, "test_hostile_http": 37, "test_kernels_conv_grouped": 32,
-    "test_kernels_conv_grouped_fp8": 36, "test_kernels_conv_e4m3_out": 15,
+    "test_kernels_conv_grouped_fp8": 36, "test_kernels_conv_e4m3_out": 15, "test_kernels_conv_vectors": 8,
     "test_service_e2e_images": 27, "test_gpu_faults": 27, "test_service_e2e_uint8": 25, "test_bench_perf_analyzer": 14,
     "test_reload": 21, "test_kernels_conv_matrix": 20, "test_v2_extensions": 19, "test_import_torch": 19,
     "test_seeding": 17, "test_startup_progress": 12, "test_drain_delay": 15, "test_bench_serve_images": 15,
