@@ -92,8 +92,8 @@ class Settings(BaseSettings):
     float8_fp16_steps: str = Field(
         "first,last,pooled",
         description="with dtype float8, the steps kept in float16: step names, `first` (the first conv or linear), "
-        "`last` (the classifier) and `pooled` (the convs on a 1x1 map: squeeze-excitation's), comma-separated; empty: "
-        "every step the fp8 kernels can run",
+        "`last` (the classifier), `pooled` (the convs on a 1x1 map: squeeze-excitation's) and `gated` (the convs that "
+        "apply a squeeze-excitation gate), comma-separated; empty: every step the fp8 kernels can run",
     )
     allow_tf32: bool = Field(False, description="let float32 matmuls use TF32 on GPU (both modes alike)")
     # 1024: with 64-row requests under load a 256-row batch held 4 requests and the engine's ~0.1 ms of host

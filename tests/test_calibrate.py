@@ -308,3 +308,6 @@ def test_a_squeeze_excitation_gate_runs_in_float8_in_the_conv_that_reads_it(tmp_
     assert len(fcs) == 2 and all(ex.precisions()[n] == "float32" for n in fcs) and pool.name not in ex.fp8
     ex = Executor(model, "unfused", device, torch.float32, precision="float8", fp16_steps=("first", "last"))
     assert all(ex.precisions()[n] == "float8" for n in fcs) and isinstance(ex.fp8[pool.name], Fp8Output)
+    # `gated` keeps the gated conv in the compute dtype; the depthwise conv before it stays float8
+    ex = Executor(model, "unfused", device, torch.float32, precision="float8", fp16_steps=("first", "last", "gated"))
+    assert ex.precisions()[gated.name] == "float32" and ex.precisions()[dw.name] == "float8"

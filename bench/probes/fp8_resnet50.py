@@ -13,6 +13,7 @@ any float8 plan has: float32 with only the activations rounded to e4m3 (rounded_
 Then each step at the largest batch in both precisions, summed by kind (step_rows, step_table): where float8 gains.
 
     python -m bench.probes.fp8_resnet50 --out DIR [--batches 1,256] [--tune-budget 300] [--model mobilenet_v2]
+        [--fp16-steps first,last,pooled,gated]
 
 Writes DIR/probe_fp8_<model>.md (the table) and .json (--out ending in .md: that file, the json beside it).
 Tuning is on (FUSEDSERVE_TUNING_CACHE keeps picks between runs); --tune-budget bounds the seconds spent timing
@@ -141,7 +142,14 @@ def _hot_us(replay, reps: int = 50) -> float:
     return statistics.median(times)
 
 
-def run(batches: list[int], calib: int, check: int, tune_budget: float | None, name: str = "resnet50") -> dict:
+def run(
+    batches: list[int],
+    calib: int,
+    check: int,
+    tune_budget: float | None,
+    name: str = "resnet50",
+    fp16_steps: tuple[str, ...] | None = None,
+) -> dict:
     from kernels import tuning
     from kernels.cold_timing import cold_us
     from kernels.fp8 import fp8_capable
@@ -158,7 +166,15 @@ def run(batches: list[int], calib: int, check: int, tune_budget: float | None, n
     print(f"model and calibration: {time.perf_counter() - t:.1f} s ({calib} images)", flush=True)
     executors = {
         "float16": Executor(model, "fused", dev, torch.float16),
-        "float8": Executor(model, "fused", dev, torch.float16, precision="float8", calibration=cal),
+        "float8": Executor(
+            model,
+            "fused",
+            dev,
+            torch.float16,
+            precision="float8",
+            calibration=cal,
+            **({"fp16_steps": fp16_steps} if fp16_steps is not None else {}),
+        ),
     }
     # the convs and linears run in float8 (a pool writing e4m3 for them, float8.Fp8Output, computes in float16)
     fp8_steps = sum(isinstance(p, Fp8Step) for p in executors["float8"].fp8.values())
@@ -297,8 +313,11 @@ def main() -> None:
     parser.add_argument("--check", type=int, default=256, help="other random images to compare on (default 256)")
     parser.add_argument("--tune-budget", type=float, default=None, help="seconds of candidate timing at most")
     parser.add_argument("--model", choices=sorted(TITLES), default="resnet50", help="the CNN (default resnet50)")
+    keep_help = "the steps kept in float16, as FUSEDSERVE_FLOAT8_FP16_STEPS (default: its default)"
+    parser.add_argument("--fp16-steps", default=None, help=keep_help)
     args = parser.parse_args()
-    result = run([int(b) for b in args.batches.split(",")], args.calib, args.check, args.tune_budget, args.model)
+    keep = None if args.fp16_steps is None else tuple(s.strip() for s in args.fp16_steps.split(",") if s.strip())
+    result = run([int(b) for b in args.batches.split(",")], args.calib, args.check, args.tune_budget, args.model, keep)
     if args.out.suffix == ".md":
         md_path, json_path = args.out, args.out.with_suffix(".json")
     else:
