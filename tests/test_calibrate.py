@@ -134,6 +134,28 @@ def _calibrated_on_random_rows(model_dir, tmp_path, shape: tuple[int, ...], rows
     return load_model(model_dir), torch.from_numpy(data[:checked]).to(device), device
 
 
+def _same_outputs_without_e4m3_outputs(ex, model, x, monkeypatch) -> None:
+    """ex's outputs equal those of the same float8 plan without its float8.Fp8Output steps (whose readers then
+    quantize the compute dtype's tensor as they gather it): exactly on the CPU and unfused; on a GPU normwise, since
+    the same e4m3 operands summed in another order (an e4m3 input may take another kernel, TMA) can move a value of an
+    e4m3 intermediate across a rounding boundary, one step (1/16 to 1/8 of it), which the classifier mixes in (an
+    H200: 3 of 70 logits off by up to 1.4%, 5.9e-4 of 0.2)."""
+    from service.model import float8
+
+    plan = float8.plan_float8
+    monkeypatch.setattr(float8, "plan_float8", lambda *a, **k: {
+        n: p for n, p in plan(*a, **k).items() if not isinstance(p, Fp8Output)})  # fmt: skip
+    before = Executor(model, ex.mode, ex.device, ex.dtype, precision="float8")
+    monkeypatch.setattr(float8, "plan_float8", plan)
+    assert not any(isinstance(p, Fp8Output) for p in before.fp8.values())
+    with torch.no_grad():
+        got, want = ex.forward(x), before.forward(x)
+    if ex.device.type == "cpu" or ex.mode == "unfused":
+        assert torch.equal(got, want), ex.mode
+    else:
+        assert normwise_error(got, want) < 1e-2, ex.mode
+
+
 def test_a_max_pool_between_the_float16_stem_and_float8_convs_writes_e4m3(tmp_path, monkeypatch):
     """ResNet's shape in small: a conv kept in the compute dtype, a 3x3/2 max pool, float8 convs. The pool writes
     e4m3 with its readers' input scale (float8.Fp8Output), so they read one byte a value; a max of quantized values is
@@ -142,7 +164,6 @@ def test_a_max_pool_between_the_float16_stem_and_float8_convs_writes_e4m3(tmp_pa
     of the fp8 MMA's sums (an e4m3 input may take another kernel, TMA, than a float32 one), normwise."""
     from torch import nn
 
-    from service.model import float8
     from service.model.export import export_sequential
 
     torch.manual_seed(int(np.random.default_rng().integers(1 << 31)))
@@ -151,7 +172,6 @@ def test_a_max_pool_between_the_float16_stem_and_float8_convs_writes_e4m3(tmp_pa
                         nn.Linear(32 * 5 * 5, 10))  # fmt: skip
     model_dir = export_sequential(net, tmp_path / "stem-pool", input_shape=[3, 9, 9])
     model, x, device = _calibrated_on_random_rows(model_dir, tmp_path, (3, 9, 9), rows=48, checked=7)
-    plan = float8.plan_float8
     for mode in ("unfused", "fused"):
         ex = Executor(model, mode, device, torch.float32, precision="float8")
         pools = {name: p for name, p in ex.fp8.items() if isinstance(p, Fp8Output)}
@@ -162,19 +182,7 @@ def test_a_max_pool_between_the_float16_stem_and_float8_convs_writes_e4m3(tmp_pa
         index = ex.steps.index(pool)
         pooled = ex.layers[index][1](torch.randn(2, 16, 9, 9, device=device))
         assert pooled.dtype == torch.float8_e4m3fn and pooled.shape == (2, 16, 5, 5)
-        monkeypatch.setattr(float8, "plan_float8", lambda *a, **k: {
-            n: p for n, p in plan(*a, **k).items() if not isinstance(p, Fp8Output)})  # fmt: skip
-        before = Executor(model, mode, device, torch.float32, precision="float8")
-        monkeypatch.setattr(float8, "plan_float8", plan)
-        assert pool.name not in before.fp8
-        with torch.no_grad():
-            got, want = ex.forward(x), before.forward(x)
-        if device.type == "cpu" or mode == "unfused":
-            assert torch.equal(got, want), mode
-        else:  # the same e4m3 operands, summed in another order: where that moves a value of an e4m3 intermediate
-            # across a rounding boundary it differs by one step (1/16 to 1/8 of it), and the classifier mixes that in
-            # (an H200: 3 of 70 logits off by up to 1.4%, 5.9e-4 of 0.2); as a whole the logits agree far closer
-            assert normwise_error(got, want) < 1e-2, mode
+        _same_outputs_without_e4m3_outputs(ex, model, x, monkeypatch)
 
 
 def test_a_float16_stem_before_a_float8_depthwise_conv_writes_e4m3(tmp_path, monkeypatch):
@@ -184,7 +192,6 @@ def test_a_float16_stem_before_a_float8_depthwise_conv_writes_e4m3(tmp_path, mon
     gathered before: the model's outputs are those of the plan without it, exactly on the CPU in both modes."""
     from torch import nn
 
-    from service.model import float8
     from service.model.export import export_module
 
     torch.manual_seed(int(np.random.default_rng().integers(1 << 31)))
@@ -193,7 +200,6 @@ def test_a_float16_stem_before_a_float8_depthwise_conv_writes_e4m3(tmp_path, mon
                         nn.Linear(24 * 5 * 5, 10))  # fmt: skip
     model_dir = export_module(net.eval(), torch.randn(1, 3, 9, 9), tmp_path / "stem-dw")
     model, x, device = _calibrated_on_random_rows(model_dir, tmp_path, (3, 9, 9), rows=48, checked=7)
-    plan = float8.plan_float8
     for mode in ("unfused", "fused"):
         ex = Executor(model, mode, device, torch.float32, precision="float8")
         stem = ex.steps[0]
@@ -205,17 +211,7 @@ def test_a_float16_stem_before_a_float8_depthwise_conv_writes_e4m3(tmp_path, mon
             assert layer.keywords["out_scale"] == ex.fp8[stem.name].out_scale
         y = layer(torch.randn(2, 3, 9, 9, device=device))
         assert y.dtype == torch.float8_e4m3fn and y.shape == (2, 16, 5, 5)
-        monkeypatch.setattr(float8, "plan_float8", lambda *a, **k: {
-            n: p for n, p in plan(*a, **k).items() if not isinstance(p, Fp8Output)})  # fmt: skip
-        before = Executor(model, mode, device, torch.float32, precision="float8")
-        monkeypatch.setattr(float8, "plan_float8", plan)
-        assert stem.name not in before.fp8
-        with torch.no_grad():
-            got, want = ex.forward(x), before.forward(x)
-        if device.type == "cpu" or mode == "unfused":
-            assert torch.equal(got, want), mode
-        else:  # compiled, the stem's fp32 sums may round across an e4m3 boundary in another order: one step apart
-            assert normwise_error(got, want) < 1e-2, mode
+        _same_outputs_without_e4m3_outputs(ex, model, x, monkeypatch)
 
 
 def test_grouped_and_depthwise_convs_run_in_float8_alike_in_both_modes(tmp_path):
