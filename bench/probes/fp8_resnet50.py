@@ -84,6 +84,7 @@ def rounded_activations(exact, images: torch.Tensor, fmt: str) -> torch.Tensor:
     batch's own absmax scale; "bfloat16"), the weights exact: what rounding the activations alone costs, a floor under
     any float8 plan that passes activations between layers in e4m3 (the issue's design), however it quantizes the
     weights or computes."""
+    from kernels.fp8 import quantize, scale_of
     from service.model.planner import Conv2dStep
 
     convs = [s.name for s in exact.steps if isinstance(s, Conv2dStep)][:-1]
@@ -91,8 +92,8 @@ def rounded_activations(exact, images: torch.Tensor, fmt: str) -> torch.Tensor:
     def rounded(y: torch.Tensor) -> torch.Tensor:
         if fmt == "bfloat16":
             return y.bfloat16().float()
-        scale = y.abs().amax().clamp_min(1e-12) / 448.0
-        return (y / scale).to(torch.float8_e4m3fn).float() * scale
+        scale = scale_of(y.abs().amax())
+        return quantize(y, scale).float() * scale
 
     live = {exact.input_name: images}
     with torch.no_grad():
@@ -173,7 +174,7 @@ def run(
             torch.float16,
             precision="float8",
             calibration=cal,
-            **({"fp16_steps": fp16_steps} if fp16_steps is not None else {}),
+            fp16_steps=fp16_steps,
         ),
     }
     # the convs and linears run in float8 (a pool writing e4m3 for them, float8.Fp8Output, computes in float16)
@@ -306,6 +307,8 @@ def step_table(steps: list[dict]) -> list[str]:
 def main() -> None:
     import sys
 
+    from service.model.float8 import fp16_steps_of
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("/tmp/probes"), help="a directory, or a .md file")
     parser.add_argument("--batches", default="1,256", help="comma-separated batch sizes (default 1,256)")
@@ -316,7 +319,7 @@ def main() -> None:
     keep_help = "the steps kept in float16, as FUSEDSERVE_FLOAT8_FP16_STEPS (default: its default)"
     parser.add_argument("--fp16-steps", default=None, help=keep_help)
     args = parser.parse_args()
-    keep = None if args.fp16_steps is None else tuple(s.strip() for s in args.fp16_steps.split(",") if s.strip())
+    keep = None if args.fp16_steps is None else fp16_steps_of(args.fp16_steps)
     result = run([int(b) for b in args.batches.split(",")], args.calib, args.check, args.tune_budget, args.model, keep)
     if args.out.suffix == ".md":
         md_path, json_path = args.out, args.out.with_suffix(".json")

@@ -607,6 +607,7 @@ def build_runner(settings: Settings, device, dtype: str, model, metrics, mode: s
 
     from kernels import compile_deadline, pdl, precompile, tuning
 
+    from ..model.float8 import fp16_steps_of
     from ..model.runner import ModelRunner
 
     # One setting for both modes: torch turns TF32 on for convolutions by default, and the fused conv follows
@@ -638,7 +639,7 @@ def build_runner(settings: Settings, device, dtype: str, model, metrics, mode: s
         observe_kernel=labelled(metrics.observe_kernel),
         observe_forward=labelled(metrics.observe_forward),
         direct_input=direct_input,
-        fp16_steps=tuple(s.strip() for s in settings.float8_fp16_steps.split(",") if s.strip()),
+        fp16_steps=fp16_steps_of(settings.float8_fp16_steps),
     )
 
 

@@ -138,15 +138,20 @@ def fp8_eligible(step: Step) -> bool:
     )
 
 
+def fp16_steps_of(text: str) -> tuple[str, ...]:
+    """FLOAT8_FP16_STEPS's comma-separated names as kept_fp16 takes them (empty: none kept)."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
 def kept_fp16(steps: list[Step], fp16_steps: tuple[str, ...], shapes: dict | None = None) -> set[str]:
     """Step names kept in the compute dtype: those named, `first` (the first conv or linear), `last` (the last one:
     the classifier), `gated`: the convs that apply a squeeze-excitation gate as they read (they read float16 x either
     way, so float8 saves only their output's bytes: EfficientNet-B0's 16 took 1,274 µs in float8 against 1,087 in
     float16 at 256 images on the H200; not kept by default, to be measured in a model's context), and `pooled`: the
-    convs that read a 1x1 map (`shapes`: per-row shapes by tensor), a
-    squeeze-excitation's two FCs on pooled channels. There e4m3 halves a few kilobytes while its kernel runs slower
-    than fp16's on the skinny GEMM (EfficientNet-B0 at 256 images, H200: its 32 SE convs 356 µs in float8 against
-    196 in float16, and the 16 pools that fed them e4m3 642 against 528)."""
+    convs that read a 1x1 map (`shapes`: per-row shapes by tensor), a squeeze-excitation's two FCs on pooled
+    channels. There e4m3 halves a few kilobytes while its kernel runs slower than fp16's on the skinny GEMM
+    (EfficientNet-B0 at 256 images, H200: its 32 SE convs 356 µs in float8 against 196 in float16, and the 16 pools
+    that fed them e4m3 642 against 528)."""
     weighted = [s.name for s in steps if _weighted(s)]
     keep = {n for n in fp16_steps if n not in ("first", "last", "pooled", "gated")}
     if "first" in fp16_steps and weighted:
